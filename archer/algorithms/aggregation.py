@@ -38,6 +38,13 @@ def agg_totals(mask: torch.Tensor) -> dict[str, torch.Tensor | int]:
     }
 
 
+def mini_batch_totals(mask: torch.Tensor) -> dict[str, float | int]:
+    """agg_totals of a whole mini-batch as plain numbers, never zero: the agg_kwargs of its micro-batches."""
+    totals = agg_totals(mask)
+    return {"num_tokens": max(float(totals["num_tokens"]), 1.0), "num_seqs": max(float(totals["num_seqs"]), 1.0),
+            "max_len": int(totals["max_len"])}
+
+
 def agg_loss(
     loss_mat: torch.Tensor,
     mask: torch.Tensor,

@@ -28,6 +28,8 @@ def _walk(node: Any, prefix: str, keys: set[str], open_maps: set[str]) -> None:
         if prefix and len(node) == 0:
             open_maps.add(prefix)
         for k in node.keys():
+            if not prefix and k == "defaults":  # Hydra's defaults list, not a config key
+                continue
             path = f"{prefix}.{k}" if prefix else str(k)
             keys.add(path)
             _walk(node._get_node(k), path, keys, open_maps)

@@ -3,7 +3,9 @@
 Each row is scored by ``compute_score`` (a custom function, used for every row as in verl) or by the
 built-in routing of archer.rewards.registry. The row's score lands on its last valid response token of
 ``token_level_scores``; a row with no valid token keeps an all-zero row (its score is still in
-``scores``). Rows are scored in order, so the output is deterministic.
+``scores``). Rows are scored in order, so the output is deterministic. Shaping (rewards/shaping.py) comes
+after scoring: a built-in rule reward's wrong answers get ``wrong_answer_score``, and the overlong buffer
+adds its penalty (``extra["overlong_penalty"]``); accuracy is that of the unshaped answer.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from archer.batch import Batch
 from archer.errors import ArcherError
 from archer.rewards.registry import default_compute_score
+from archer.rewards.shaping import OverlongBuffer, apply_wrong_answer_score
 
 _REQUIRED_ROWS = ("ground_truth",)
 _REQUIRED_TENSORS = ("responses", "response_mask")
@@ -42,10 +45,14 @@ class RewardManager:
         tokenizer: Any,
         compute_score: Callable[..., float | Mapping[str, Any]] | None = None,
         reward_fn_key: str = "data_source",
+        overlong: OverlongBuffer | None = None,
+        wrong_answer_score: float = 0.0,
     ) -> None:
         self.tokenizer = tokenizer
         self.compute_score = compute_score
         self.reward_fn_key = reward_fn_key
+        self.overlong = overlong
+        self.wrong_answer_score = wrong_answer_score
 
     def _check_fields(self, batch: Batch) -> None:
         missing = [k for k in (*_REQUIRED_TENSORS, self.reward_fn_key, *_REQUIRED_ROWS) if k not in batch]
@@ -91,6 +98,11 @@ class RewardManager:
         acc = np.array([_accuracy(r) for r in results], dtype=np.float64)
         extra = _extra_columns(results)
         extra["response_text"] = texts
+        if self.compute_score is None and self.wrong_answer_score != 0:
+            scores = apply_wrong_answer_score(scores, acc, self.wrong_answer_score)
+        if self.overlong is not None:
+            extra["overlong_penalty"] = self.overlong.penalties(mask.sum(dim=1).cpu().numpy())
+            scores = scores + extra["overlong_penalty"]
         return RewardOutput(_on_last_token(scores, mask).to(responses.device), scores, acc, extra)
 
 

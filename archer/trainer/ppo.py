@@ -29,6 +29,7 @@ from archer.errors import ArcherError
 from archer.models.loading import load_tokenizer, pick_device
 from archer.rewards.custom import load_custom_reward_fn
 from archer.rewards.manager import RewardManager
+from archer.rewards.shaping import OverlongBuffer
 from archer.rollout.hf_engine import HFGenerateEngine
 from archer.trace.entropy import EntropyTrace
 from archer.trace.influence import InfluenceTrace
@@ -39,15 +40,24 @@ from archer.trainer.checkpoint import (
     restore_rng_state,
     save_torch_state,
 )
+from archer.trainer.group_filter import (
+    check_filter_metric,
+    count_groups,
+    informative_rows,
+    too_many_batches_error,
+    uniform_accuracy_rows,
+)
 from archer.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer, validation_metrics
 from archer.trainer.plots import plot_metrics
 from archer.trainer.tracking import Tracking
 from archer.workers.actor import ActorWorker
 from archer.workers.critic import CriticWorker
 from archer.workers.reference import ReferenceWorker
-from archer.workers.rollout import RolloutWorker, sampling_params
+from archer.workers.rollout import RolloutWorker, concat_sequences, sampling_params
 
 log = logging.getLogger("archer.trainer")
+
+GEN_BATCH_SEED_STRIDE = 7_919_993  # sampling-seed offset of a step's 2nd, 3rd, ... generation batch
 
 TRAINER_STATE = "trainer_state.pt"
 
@@ -75,6 +85,12 @@ def check_config(cfg: DictConfig) -> None:
     if mini > train_bs or train_bs % mini:
         raise ArcherError(f"actor.ppo_mini_batch_size={mini} must divide data.train_batch_size={train_bs}",
                           "pick a mini-batch size that divides the train batch size (both count prompts)")
+    filter_groups = cfg.algorithm.filter_groups
+    if filter_groups.enable:
+        check_filter_metric(filter_groups.metric)
+    elif cfg.data.gen_batch_size is not None and int(cfg.data.gen_batch_size) != train_bs:
+        raise ArcherError(f"data.gen_batch_size={cfg.data.gen_batch_size} differs from data.train_batch_size={train_bs} "
+                          "but dynamic sampling is off", "set algorithm.filter_groups.enable=true, or drop data.gen_batch_size")
 
 
 def build_reward_manager(cfg: DictConfig, tokenizer) -> RewardManager:
@@ -82,7 +98,11 @@ def build_reward_manager(cfg: DictConfig, tokenizer) -> RewardManager:
     fn = None
     if custom.path:
         fn = load_custom_reward_fn(custom.path, custom.name, **dict(custom.reward_kwargs))
-    return RewardManager(tokenizer, compute_score=fn, reward_fn_key=cfg.data.reward_fn_key)
+    buffer = cfg.reward_model.overlong_buffer
+    overlong = (OverlongBuffer(int(cfg.data.max_response_length), int(buffer.len), float(buffer.penalty_factor))
+                if buffer.enable else None)
+    return RewardManager(tokenizer, compute_score=fn, reward_fn_key=cfg.data.reward_fn_key, overlong=overlong,
+                         wrong_answer_score=float(cfg.reward_model.wrong_answer_score))
 
 
 def write_generations(path: Path, batch: Batch, texts: list[str], scores: np.ndarray, step: int) -> None:
@@ -115,8 +135,8 @@ class PPOTrainer:
         self.train_set = RLDataset(read_rl_files(as_list(cfg.data.train_files)), self.tokenizer, **dataset_kwargs)
         val_files = as_list(cfg.data.val_files)
         self.val_set = RLDataset(read_rl_files(val_files), self.tokenizer, **dataset_kwargs) if val_files else None
-        self.loader = PromptLoader(self.train_set, int(cfg.data.train_batch_size), shuffle=bool(cfg.data.shuffle),
-                                   seed=int(cfg.data.seed))
+        self.loader = PromptLoader(self.train_set, int(cfg.data.gen_batch_size or cfg.data.train_batch_size),
+                                   shuffle=bool(cfg.data.shuffle), seed=int(cfg.data.seed))
         steps = cfg.trainer.total_training_steps
         self.total_steps = int(steps) if steps else self.loader.steps_per_epoch * int(cfg.trainer.total_epochs)
 
@@ -139,20 +159,75 @@ class PPOTrainer:
         self.influence_trace: InfluenceTrace | None = None
 
     # -- the step -----------------------------------------------------------------------------------------
+    def generate_batch(self, step: int, gen_index: int, timings: dict[str, float]) -> Batch:
+        """One generation batch of the step, scored: prompts -> responses -> token_level_scores, acc, score."""
+        prompts = collate_prompts(self.loader.next_batch(), self.tokenizer.pad_token_id)
+        prefix = f"{step}" if gen_index == 0 else f"{step}.{gen_index}"
+        prompts["uid"] = [f"{prefix}-{i}" for i in range(len(prompts))]
+        seed = self.seed * 1_000_003 + step + gen_index * GEN_BATCH_SEED_STRIDE
+        params = sampling_params(self.cfg.actor_rollout_ref.rollout, validate=False, seed=seed)
+        with timer("gen", timings):
+            batch = self.rollout.generate_sequences(prompts, params)
+        with timer("reward", timings):
+            reward = self.reward_fn(batch)
+            batch["token_level_scores"] = reward.token_level_scores
+            batch["acc"] = reward.acc
+            batch["score"] = reward.scores
+            batch["response_text"] = reward.extra["response_text"]
+            if "overlong_penalty" in reward.extra:
+                batch["overlong_penalty"] = reward.extra["overlong_penalty"]
+        return batch
+
+    def sample_batch(self, step: int, timings: dict[str, float], metrics: dict[str, float]) -> Batch:
+        """The step's training batch: one generation batch, or with dynamic sampling (filter_groups) as many
+        as it takes to keep train_batch_size informative prompt groups, trimmed to exactly that many;
+        then Archer's rejection sampling, which drops groups whose accuracies are all 0 or all 1."""
+        algo, n = self.cfg.algorithm, int(self.cfg.actor_rollout_ref.rollout.n)
+        fg = algo.filter_groups
+        if not fg.enable:
+            batch = self.generate_batch(step, 0, timings)
+            metrics["train/num_candidate_groups"] = float(count_groups(batch["uid"]))
+        else:
+            needed, limit = int(self.cfg.data.train_batch_size), int(fg.max_num_gen_batches)
+            kept: list[Batch] = []
+            num_kept = candidates = num_batches = 0
+            while num_kept < needed:
+                if limit and num_batches >= limit:
+                    raise too_many_batches_error(num_batches, num_kept, needed)
+                generated = self.generate_batch(step, num_batches, timings)
+                num_batches += 1
+                candidates += count_groups(generated["uid"])
+                values = generated["acc"] if fg.metric == "acc" else generated["score"]
+                informative = generated.index(np.flatnonzero(informative_rows(generated["uid"], values)))
+                kept.append(informative)
+                num_kept += count_groups(informative["uid"]) if len(informative) else 0
+                log.info("step %d: dynamic sampling kept %d of %d prompt groups after %d generation batch(es)",
+                         step, num_kept, needed, num_batches)
+            batch = concat_sequences([b for b in kept if len(b)], self.tokenizer.pad_token_id)
+            batch = batch.index(slice(0, needed * n))
+            metrics["train/num_gen_batches"] = float(num_batches)
+            metrics["train/num_candidate_groups"] = float(candidates)
+        if self.cfg.trainer.rejection_sample:
+            rejected = uniform_accuracy_rows(batch["uid"], batch["acc"])
+            metrics["train/num_rejected_groups"] = float(count_groups(batch["uid"][rejected])) if rejected.any() else 0.0
+            batch = batch.index(np.flatnonzero(~rejected))
+        metrics["train/num_kept_groups"] = float(count_groups(batch["uid"])) if len(batch) else 0.0
+        if "overlong_penalty" in batch.rows and len(batch):
+            penalty = batch["overlong_penalty"].astype(np.float64)
+            metrics["reward/overlong_penalised_frac"] = float(np.mean(penalty < 0))
+            metrics["reward/overlong_penalty_mean"] = float(np.mean(penalty))
+        return batch
+
     def train_step(self, step: int) -> dict[str, float]:
         cfg, algo = self.cfg, self.cfg.algorithm
         timings: dict[str, float] = {}
         metrics: dict[str, float] = {}
         with timer("step", timings):
-            prompts = collate_prompts(self.loader.next_batch(), self.tokenizer.pad_token_id)
-            prompts["uid"] = [f"{step}-{i}" for i in range(len(prompts))]
-            params = sampling_params(cfg.actor_rollout_ref.rollout, validate=False, seed=self.seed * 1_000_003 + step)
-            with timer("gen", timings):
-                batch = self.rollout.generate_sequences(prompts, params)
-            with timer("reward", timings):
-                reward = self.reward_fn(batch)
-                batch["token_level_scores"] = reward.token_level_scores
-                batch["acc"] = reward.acc
+            batch = self.sample_batch(step, timings, metrics)
+            if not len(batch):
+                log.warning("step %d: rejection sampling dropped every prompt group (all accuracies 0 or 1); "
+                            "no update this step", step)
+                return {**metrics, "training/global_step": float(step), "training/epoch": float(self.loader.epoch)}
             with timer("old_log_prob", timings):
                 batch = batch.union(self.actor.compute_log_prob(batch))
             if self.ref is not None:
@@ -197,7 +272,7 @@ class PPOTrainer:
             if cfg.trainer.rollout_data_dir:
                 with timer("dump_rollout", timings):
                     write_generations(Path(cfg.trainer.rollout_data_dir) / f"step_{step}.jsonl", batch,
-                                      reward.extra["response_text"], reward.scores, step)
+                                      batch["response_text"], batch["score"], step)
         metrics.update(compute_data_metrics(batch, max_response_length=int(cfg.data.max_response_length)))
         metrics.update(compute_timing_metrics(timings, int(batch["attention_mask"].sum())))
         metrics["training/global_step"] = float(step)

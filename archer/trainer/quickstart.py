@@ -44,16 +44,21 @@ SFT_OVERRIDES = [
     "model.enable_gradient_checkpointing=false",
 ]
 
-RL_OVERRIDES = [
+# The RL algorithm of the quickstart; `archer quickstart algorithm=NAME` replaces it with a whole preset.
+DEFAULT_ALGORITHM_OVERRIDES = [
     "algorithm.adv_estimator=grpo",
+    "actor_rollout_ref.actor.use_kl_loss=false",
+    "actor_rollout_ref.actor.entropy_coeff=0",
+]
+
+# The task's budget and shapes, whatever the algorithm.
+RL_OVERRIDES = [
     "data.train_batch_size=32",
     "data.max_prompt_length=64",
     "data.max_response_length=48",
     "actor_rollout_ref.rollout.n=8",
     "actor_rollout_ref.actor.ppo_mini_batch_size=32",
     "actor_rollout_ref.actor.optim.lr=2e-4",
-    "actor_rollout_ref.actor.use_kl_loss=false",
-    "actor_rollout_ref.actor.entropy_coeff=0",
     "trainer.total_training_steps=40",
     "trainer.test_freq=10",
     "trainer.save_freq=-1",
@@ -73,6 +78,12 @@ def _corpus(data_dir: Path) -> list[str]:
         texts.extend(m["content"] for m in row["prompt"])
         texts.append(row["response"])
     return texts
+
+
+def algorithm_overrides(rl_extra: Sequence[str]) -> list[str]:
+    """The quickstart's own algorithm keys, unless the user picked a preset with ``algorithm=NAME``."""
+    picked = any(arg.lstrip("+").split("=", 1)[0] == "algorithm" for arg in rl_extra)
+    return [] if picked else list(DEFAULT_ALGORITHM_OVERRIDES)
 
 
 def parse_quickstart_args(args: Sequence[str]) -> tuple[int, list[str]]:
@@ -106,10 +117,12 @@ def run_quickstart(args: Sequence[str] = (), out_dir: str | None = None) -> dict
         f"trainer.seed={seed}", *SFT_OVERRIDES])
     sft_model = run_sft(sft_cfg)
 
-    console.rule("[bold]4/4 GRPO")
+    preset = next((a.lstrip("+").split("=", 1)[1] for a in rl_extra if a.lstrip("+").startswith("algorithm=")), None)
+    algorithm_name = preset or "grpo"
+    console.rule(f"[bold]4/4 RL ({algorithm_name})")
     rl_args = [f"actor_rollout_ref.model.path={sft_model}", f"data.train_files={files['train']}",
                f"data.val_files={files['val']}", f"trainer.default_local_dir={run / 'rl'}", f"trainer.seed={seed}",
-               f"data.seed={seed}", *RL_OVERRIDES, *rl_extra]
+               f"data.seed={seed}", *algorithm_overrides(rl_extra), *RL_OVERRIDES, *rl_extra]
     rl_summary = PPOTrainer(load_config("ppo_trainer", rl_args)).fit()
 
     before = rl_summary["val_before"].get(VAL_KEY, float("nan"))
@@ -134,7 +147,7 @@ def run_quickstart(args: Sequence[str] = (), out_dir: str | None = None) -> dict
         f"trainer.default_local_dir={run / 'rl_again'}", *rl_args[4:]])
     console.rule("[bold]quickstart done")
     console.print(f"validation accuracy before RL: {before:.3f}   after RL: {after:.3f}   "
-                  f"({(after - before) * 100:+.1f} points, {summary['steps']} GRPO steps)")
+                  f"({(after - before) * 100:+.1f} points, {summary['steps']} {algorithm_name} steps)")
     console.print(f"run directory: {run}  (summary.json, rl/metrics.jsonl, rl/plots/)")
     console.print("repeat the RL stage with:")
     print(f"  {command}")

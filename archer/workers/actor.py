@@ -15,13 +15,10 @@ from typing import TYPE_CHECKING
 import torch
 from omegaconf import DictConfig
 
-from archer.algorithms.aggregation import agg_totals
-from archer.algorithms.entropy import entropy_loss
-from archer.algorithms.kl import kl_loss
-from archer.algorithms.policy_loss import compute_policy_loss
 from archer.batch import Batch
 from archer.models.loading import autocast_for, load_causal_lm, save_hf
 from archer.models.logprobs import response_logprobs
+from archer.workers.actor_objective import ActorObjective
 from archer.workers.optim import (
     build_optimizer,
     build_scheduler,
@@ -71,13 +68,6 @@ def loss_mask_of(batch: Batch) -> torch.Tensor:
     return mask
 
 
-def mini_batch_totals(mask: torch.Tensor) -> dict[str, float]:
-    """Loss normalisers of a whole mini-batch, passed to each of its micro-batches (never zero)."""
-    totals = agg_totals(mask)
-    return {"num_tokens": max(float(totals["num_tokens"]), 1.0), "num_seqs": max(float(totals["num_seqs"]), 1.0),
-            "max_len": int(totals["max_len"])}
-
-
 class ActorWorker:
     """Owns the policy model, its optimiser and schedule on one device."""
 
@@ -93,9 +83,7 @@ class ActorWorker:
         self.scheduler = build_scheduler(self.optimizer, self.actor_cfg.optim, total_steps)
         self.temperature = float(cfg.rollout.temperature)
         self.chunk_size = int(self.actor_cfg.logprob_chunk_size)
-        clip = float(self.actor_cfg.clip_ratio)
-        self.clip_low = float(self.actor_cfg.clip_ratio_low if self.actor_cfg.clip_ratio_low is not None else clip)
-        self.clip_high = float(self.actor_cfg.clip_ratio_high if self.actor_cfg.clip_ratio_high is not None else clip)
+        self.objective = ActorObjective.from_config(self.actor_cfg)
 
     # -- inference -------------------------------------------------------------------------------------
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -141,10 +129,9 @@ class ActorWorker:
 
     def _update_mini_batch(self, mini_batch: Batch, micro: int, influence: InfluenceStep | None,
                            step_optimizer: bool) -> dict[str, float]:
-        a = self.actor_cfg
-        agg_kwargs = mini_batch_totals(loss_mask_of(mini_batch))
+        objective = self.objective
+        agg_kwargs, pg_agg_kwargs = objective.mini_batch_normalisers(loss_mask_of(mini_batch), micro)
         out: dict[str, float] = defaultdict(float)
-        entropy_coeff = float(a.entropy_coeff)
         response_length = mini_batch["responses"].shape[1]
         for mb in mini_batch.split(micro):
             mb = mb.to(self.device)
@@ -156,28 +143,20 @@ class ActorWorker:
                 with autocast_for(self.device):
                     logp, ent = response_logprobs(self.model, *(mb[k] for k in MODEL_INPUTS), response_length,
                                                   temperature=self.temperature, chunk_size=self.chunk_size,
-                                                  compute_entropy=entropy_coeff != 0)
-                logp = logp.float()
-                pg_loss, pg_metrics = compute_policy_loss(
-                    a.policy_loss.loss_mode, old_log_prob=mb["old_log_probs"], log_prob=logp,
-                    advantages=mb["advantages"], response_mask=mask, loss_agg_mode=a.loss_agg_mode,
-                    clip_ratio_low=self.clip_low, clip_ratio_high=self.clip_high,
-                    clip_ratio_c=float(a.clip_ratio_c), agg_kwargs=agg_kwargs)
-                loss = pg_loss
-                if entropy_coeff != 0 and ent is not None:
-                    ent_loss = entropy_loss(ent.float(), mask, a.loss_agg_mode, agg_kwargs)
-                    loss = loss - entropy_coeff * ent_loss
-                    out["actor/entropy_loss"] += float(ent_loss.detach())
-                if a.use_kl_loss:
-                    kl_term = kl_loss(logp, mb["ref_log_prob"], mask, a.kl_loss_type, a.loss_agg_mode, agg_kwargs)
-                    loss = loss + float(a.kl_loss_coef) * kl_term
-                    out["actor/kl_loss"] += float(kl_term.detach())
-                    out["actor/kl_coef"] = float(a.kl_loss_coef)
+                                                  compute_entropy=objective.needs_entropy)
+                loss, pg_loss, metrics = objective.micro_batch_loss(
+                    log_prob=logp.float(), entropy=None if ent is None else ent.float(),
+                    old_log_prob=mb["old_log_probs"], advantages=mb["advantages"], mask=mask,
+                    ref_log_prob=mb.tensors.get("ref_log_prob"), agg_kwargs=agg_kwargs, pg_agg_kwargs=pg_agg_kwargs)
                 loss.backward()
             out["actor/pg_loss"] += float(pg_loss.detach())
-            for name, value in pg_metrics.items():
-                out[f"actor/{name}"] += float(value) * weight
-        grad_norm, stepped = clip_and_step(self.model, self.optimizer, float(a.grad_clip), step=step_optimizer)
+            for name, value in metrics.items():
+                summed = name.endswith("_tokens") or name in ("entropy_loss", "kl_loss")
+                out[f"actor/{name}"] += float(value) * (1.0 if summed else weight)
+        if objective.use_kl_loss:
+            out["actor/kl_coef"] = objective.kl_loss_coef
+        grad_norm, stepped = clip_and_step(self.model, self.optimizer, float(self.actor_cfg.grad_clip),
+                                           step=step_optimizer)
         out["actor/grad_norm"] = grad_norm
         out["actor/skipped_steps"] = 0.0 if stepped else 1.0
         return dict(out)

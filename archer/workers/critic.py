@@ -8,10 +8,11 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from archer.algorithms.aggregation import mini_batch_totals
 from archer.algorithms.value_loss import compute_value_loss
 from archer.batch import Batch
 from archer.models.loading import autocast_for, load_value_model, value_forward
-from archer.workers.actor import MODEL_INPUTS, load_weights, micro_batch_size, mini_batch_totals
+from archer.workers.actor import MODEL_INPUTS, load_weights, micro_batch_size
 from archer.workers.optim import (
     build_optimizer,
     build_scheduler,

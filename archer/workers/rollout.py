@@ -65,3 +65,34 @@ class RolloutWorker:
         batch["rollout_entropies"] = out.entropies.float().cpu()
         batch["finish_reason"] = list(out.finish_reasons)
         return batch
+
+
+def concat_sequences(batches: list[Batch], pad_token_id: int) -> Batch:
+    """Rows of several generated batches in one batch, re-padded to the widest prompt and response.
+
+    Prompts are left-padded and every [B, R] tensor aligned with the responses is right-padded (responses
+    with the pad token, the others with 0); input_ids, attention_mask and position_ids are rebuilt.
+    """
+    prompt_width = max(b["prompts"].shape[1] for b in batches)
+    response_width = max(b["responses"].shape[1] for b in batches)
+    parts = []
+    for b in batches:
+        p, r = b["prompts"].shape[1], b["responses"].shape[1]
+        tensors: dict[str, torch.Tensor] = {}
+        for key, value in b.tensors.items():
+            if key in ("input_ids", "attention_mask", "position_ids"):
+                continue
+            if key == "prompts":
+                tensors[key] = torch.nn.functional.pad(value, (prompt_width - p, 0), value=pad_token_id)
+            elif value.dim() == 2 and value.shape[1] == r:
+                fill = pad_token_id if key == "responses" else 0
+                tensors[key] = torch.nn.functional.pad(value, (0, response_width - r), value=fill)
+            else:
+                tensors[key] = value
+        prompt_mask = torch.nn.functional.pad(b["attention_mask"][:, :p], (prompt_width - p, 0), value=0)
+        attention_mask = torch.cat([prompt_mask, tensors["response_mask"].to(prompt_mask.dtype)], dim=1)
+        tensors["input_ids"] = torch.cat([tensors["prompts"], tensors["responses"]], dim=1)
+        tensors["attention_mask"] = attention_mask
+        tensors["position_ids"] = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        parts.append(Batch(tensors, dict(b.rows), dict(b.info)))
+    return Batch.concat(parts)

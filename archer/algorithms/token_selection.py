@@ -1,0 +1,87 @@
+"""Which response tokens an entropy-aware loss treats specially: entropy classes, top-entropy tokens and
+covariance-selected tokens. Pure functions of detached tensors; masks are bool [B, R].
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from archer.errors import ArcherError
+
+
+def high_entropy_tokens(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """Archer's split: per response, tokens with H above the `quantile` of H over its valid tokens.
+
+    The quantile interpolates linearly (torch.nanquantile); tokens with H <= q are low-entropy. A response
+    without valid tokens has none of either class.
+    """
+    if not 0.0 <= quantile <= 1.0:
+        raise ArcherError(f"token_entropy_quantile must lie in [0, 1], got {quantile}",
+                          "set actor_rollout_ref.actor.token_entropy_quantile, e.g. 0.8 (the top 20% are high-entropy)")
+    valid = mask.bool()
+    h = torch.where(valid, entropy.detach().float(), torch.full_like(entropy, math.nan, dtype=torch.float32))
+    has_tokens = valid.any(dim=-1, keepdim=True)
+    q = torch.nanquantile(torch.where(has_tokens, h, 0.0), quantile, dim=-1, keepdim=True)
+    return valid & (h > q)
+
+
+def top_entropy_count(num_valid: int | float, ratio: float) -> int:
+    """ceil(ratio * N) tokens (0 when N is 0): the size of a top-entropy selection."""
+    return math.ceil(ratio * float(num_valid) - 1e-9) if num_valid > 0 else 0
+
+
+def top_entropy_tokens(entropy: torch.Tensor, mask: torch.Tensor, ratio: float) -> torch.Tensor:
+    """The top ceil(ratio * N) tokens by H among the N valid tokens of the whole tensor ("Beyond 80/20")."""
+    if not 0.0 < ratio <= 1.0:
+        raise ArcherError(f"entropy_top_ratio must lie in (0, 1], got {ratio}",
+                          "set actor_rollout_ref.actor.entropy_top_ratio, e.g. 0.2, or null to train on every token")
+    valid = mask.bool()
+    k = top_entropy_count(int(valid.sum()), ratio)
+    selected = torch.zeros_like(valid)
+    if k:
+        scores = torch.where(valid, entropy.detach().float(), torch.full_like(entropy, -math.inf, dtype=torch.float32))
+        selected.view(-1)[scores.view(-1).topk(k).indices] = True
+    return selected
+
+
+def advantage_logp_covariance(advantages: torch.Tensor, log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """cov_t = (A_t - mean A) * (logp_t - mean logp) over the valid tokens (detached); -inf elsewhere."""
+    valid = mask.bool()
+    count = valid.sum().clamp(min=1)
+    a = advantages.detach().float()
+    lp = log_prob.detach().float()
+    a_mean = torch.where(valid, a, 0.0).sum() / count
+    lp_mean = torch.where(valid, lp, 0.0).sum() / count
+    return torch.where(valid, (a - a_mean) * (lp - lp_mean), -math.inf)
+
+
+def covariance_count(num_valid: int, ratio: float) -> int:
+    """max(1, int(ratio * N)) tokens, the Clip-Cov / KL-Cov budget (0 when N is 0)."""
+    if not 0.0 < ratio <= 1.0:
+        raise ArcherError(f"a covariance token ratio must lie in (0, 1], got {ratio}",
+                          "set actor_rollout_ref.actor.policy_loss.clip_cov_ratio / kl_cov_ratio, e.g. 0.0002")
+    return max(1, int(ratio * num_valid)) if num_valid > 0 else 0
+
+
+def clip_cov_tokens(cov: torch.Tensor, eligible: torch.Tensor, ratio: float, lower: float, upper: float,
+                    generator: torch.Generator | None = None) -> torch.Tensor:
+    """Clip-Cov: max(1, int(ratio*N)) tokens drawn at random among eligible ones with lower < cov < upper."""
+    candidates = (eligible.bool() & (cov > lower) & (cov < upper)).view(-1).nonzero().squeeze(-1)
+    k = min(covariance_count(int(torch.isfinite(cov).sum()), ratio), len(candidates))
+    selected = torch.zeros(cov.shape, dtype=torch.bool, device=cov.device)
+    if k:
+        order = torch.randperm(len(candidates), generator=generator, device="cpu")[:k].to(cov.device)
+        selected.view(-1)[candidates[order]] = True
+    return selected
+
+
+def kl_cov_tokens(cov: torch.Tensor, ratio: float) -> torch.Tensor:
+    """KL-Cov: the max(1, int(ratio*N)) valid tokens of largest covariance (N = tokens with finite cov)."""
+    num_valid = int(torch.isfinite(cov).sum())
+    selected = torch.zeros(cov.shape, dtype=torch.bool, device=cov.device)
+    k = covariance_count(num_valid, ratio)
+    if k:
+        selected.view(-1)[cov.view(-1).topk(k).indices] = True
+    return selected

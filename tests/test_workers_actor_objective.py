@@ -1,0 +1,188 @@
+"""ActorObjective: config reading, when entropies are needed, top-entropy normalisers, the Archer split KL, the
+entropy bonus, and micro-batch losses that add up to the mini-batch loss (REFERENCE.md sections 2 and 5)."""
+
+import pytest
+import torch
+
+from archer.config.loader import load_config
+from archer.errors import ArcherError
+from archer.workers.actor_objective import ActorObjective
+
+F64 = torch.float64
+ACTOR = "actor_rollout_ref.actor."
+
+
+def objective(*overrides: str) -> ActorObjective:
+    cfg = load_config("ppo_trainer", ["data.train_files=x", "actor_rollout_ref.model.path=y", *overrides])
+    return ActorObjective.from_config(cfg.actor_rollout_ref.actor)
+
+
+def lengths_mask(lengths: list[int], width: int = 5) -> torch.Tensor:
+    return (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).to(F64)
+
+
+# -- config ----------------------------------------------------------------------------------------------------
+def test_from_config_reads_the_aspo_recipe_and_the_clip_fallbacks():
+    obj = objective("algorithm=aspo", ACTOR + "clip_ratio=0.3", ACTOR + "clip_ratio_high=0.28")
+    assert (obj.loss_mode, obj.loss_agg_mode, obj.clip_ratio_c) == ("aspo", "token-mean", 3.0)
+    assert (obj.clip_ratio_low, obj.clip_ratio_high) == (0.3, 0.28)  # null low falls back to clip_ratio
+    assert (obj.use_kl_loss, obj.kl_loss_coef, obj.kl_loss_type) == (True, 0.001, "low_var_kl")
+    assert (obj.token_entropy_quantile, obj.high_entropy_kl_loss_scale_coef, obj.entropy_top_ratio) == (0.8, 0.0, None)
+    assert obj.loss_kwargs["low_entropy_clip_ratio_low"] == 0.2
+    assert obj.loss_kwargs["high_entropy_clip_ratio_low"] == obj.loss_kwargs["high_entropy_clip_ratio_high"] == 0.4
+    assert obj.loss_kwargs["clip_cov_lb"] == 1.0 and obj.loss_kwargs["clip_cov_ub"] == 5.0
+
+
+def test_an_unknown_loss_mode_fails_when_the_objective_is_built():
+    with pytest.raises(ArcherError, match="loss_mode"):
+        objective(ACTOR + "policy_loss.loss_mode=nope")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needed"),
+    [
+        ((), False),
+        ((ACTOR + "policy_loss.loss_mode=clip_cov",), False),
+        ((ACTOR + "entropy_coeff=0.01",), True),
+        (("algorithm=archer",), True),  # entropy_coeff 0, but the entropy split needs H
+        (("algorithm=aspo",), True),
+        ((ACTOR + "policy_loss.loss_mode=archer", ACTOR + "entropy_coeff=0.0"), True),
+        ((ACTOR + "entropy_top_ratio=0.2",), True),
+    ],
+)
+def test_needs_entropy(overrides, needed):
+    assert objective(*overrides).needs_entropy is needed
+
+
+# -- normalisers -----------------------------------------------------------------------------------------------
+def test_top_entropy_policy_normaliser_sums_the_ceil_of_each_micro_batch():
+    mask = lengths_mask([5, 2, 1, 2])  # micro-batches of 2 rows: 7 and 3 valid tokens
+    obj = objective(ACTOR + "entropy_top_ratio=0.2")
+    common, pg = obj.mini_batch_normalisers(mask, 2)
+    assert common == {"num_tokens": 10.0, "num_seqs": 4.0, "max_len": 5}
+    assert pg == {"num_tokens": 3.0, "num_seqs": 4.0, "max_len": 5}  # ceil(1.4) + ceil(0.6), not ceil(2.0)
+    assert obj.mini_batch_normalisers(mask, 4)[1]["num_tokens"] == 2.0  # one micro-batch: ceil(0.2 * 10)
+
+
+def test_without_top_ratio_the_policy_loss_uses_the_common_normalisers():
+    common, pg = objective().mini_batch_normalisers(lengths_mask([5, 2, 1, 2]), 2)
+    assert common == pg == {"num_tokens": 10.0, "num_seqs": 4.0, "max_len": 5}
+
+
+# -- terms by hand ---------------------------------------------------------------------------------------------
+def test_top_entropy_policy_loss_and_entropy_bonus_by_hand():
+    obj = objective(ACTOR + "entropy_top_ratio=0.2", ACTOR + "entropy_coeff=0.1")
+    mask = lengths_mask([5], width=6)
+    old = torch.full((1, 6), -2.0, dtype=F64)
+    log_prob = old.clone().requires_grad_(True)  # r = 1 everywhere
+    entropy = torch.tensor([[0.1, 0.5, 0.2, 0.9, 0.4, 7.0]], dtype=F64)  # the padded token has the largest H
+    adv = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 9.0]], dtype=F64)
+    agg, pg_agg = obj.mini_batch_normalisers(mask, 1)
+    loss, pg_loss, metrics = obj.micro_batch_loss(log_prob=log_prob, entropy=entropy, old_log_prob=old,
+                                                  advantages=adv, mask=mask, ref_log_prob=None, agg_kwargs=agg,
+                                                  pg_agg_kwargs=pg_agg)
+    # ceil(0.2 * 5) = 1 token gets policy gradient: H = 0.9 with A = 4, normalised by 1 selected token
+    assert pg_loss.item() == pytest.approx(-4.0)
+    # entropy bonus: token-mean of H over all 5 valid tokens = 2.1 / 5
+    assert metrics["entropy_loss"].item() == pytest.approx(0.42)
+    assert loss.item() == pytest.approx(-4.0 - 0.1 * 0.42)
+    assert metrics["top_entropy_selected_tokens"].item() == 1
+    assert metrics["top_entropy_selected_frac"].item() == pytest.approx(0.2)
+    (grad,) = torch.autograd.grad(pg_loss, log_prob)
+    assert grad[0].tolist() == pytest.approx([0.0, 0.0, 0.0, -4.0, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("scale", [0.0, 0.3])
+def test_archer_split_kl_by_hand(scale):
+    obj = objective("algorithm=archer", ACTOR + "kl_loss_coef=0.5", ACTOR + "kl_loss_type=kl",
+                    ACTOR + f"high_entropy_kl_loss_scale_coef={scale}")
+    mask = lengths_mask([5, 3])  # mini-batch of 8 valid tokens, micro-batches of one row
+    entropy = torch.tensor([[0.1, 0.5, 0.2, 0.9, 0.4], [0.3, 0.1, 0.2, 8.0, 8.0]], dtype=F64)
+    # per-row 0.8 quantile: row 0 q = 0.58 -> token 3 high; row 1 q = 0.2 + 0.6*0.1 = 0.26 -> token 0 high
+    kl = torch.tensor([[0.1, -0.2, 0.3, 0.8, 0.0], [0.4, -0.1, 0.3, 5.0, 5.0]], dtype=F64)  # k1: logp - ref
+    old = torch.full((2, 5), -2.0, dtype=F64)
+    log_prob = old.clone().requires_grad_(True)
+    agg, pg_agg = obj.mini_batch_normalisers(mask, 1)
+    terms, losses = [], []
+    for row in range(2):
+        loss, pg_loss, metrics = obj.micro_batch_loss(
+            log_prob=log_prob[row:row + 1], entropy=entropy[row:row + 1], old_log_prob=old[row:row + 1],
+            advantages=torch.zeros(1, 5, dtype=F64), mask=mask[row:row + 1],
+            ref_log_prob=(old - kl)[row:row + 1], agg_kwargs=agg, pg_agg_kwargs=pg_agg)
+        assert pg_loss.item() == 0.0  # A = 0
+        terms.append(metrics["kl_loss"].item())
+        losses.append(loss)
+    # share * (mean_low + scale * mean_high): row 0 share 5/8, low mean (0.1-0.2+0.3+0)/4 = 0.05, high 0.8;
+    # row 1 share 3/8, low mean (-0.1+0.3)/2 = 0.1, high 0.4
+    expected = [5 / 8 * (0.05 + scale * 0.8), 3 / 8 * (0.1 + scale * 0.4)]
+    assert terms == pytest.approx(expected)
+    assert [x.item() for x in losses] == pytest.approx([0.5 * t for t in expected])
+    (grad,) = torch.autograd.grad(sum(losses), log_prob)
+    low0, low1 = 0.5 * 5 / 8 / 4, 0.5 * 3 / 8 / 2  # coef * share / low count
+    high0, high1 = 0.5 * 5 / 8 * scale, 0.5 * 3 / 8 * scale  # coef * share * scale / 1 high token
+    assert grad.flatten().tolist() == pytest.approx([low0, low0, low0, high0, low0, high1, low1, low1, 0.0, 0.0])
+
+
+# -- micro-batches add up to the mini-batch --------------------------------------------------------------------
+def random_mini_batch(seed: int) -> dict[str, torch.Tensor]:
+    """Four rows of lengths 5, 3, 5, 3: two equal micro-batches of two rows."""
+    g = torch.Generator().manual_seed(seed)
+    old = -1.0 - torch.rand(4, 5, generator=g, dtype=F64)
+    return {
+        "mask": lengths_mask([5, 3, 5, 3]),
+        "old_log_prob": old,
+        "log_prob": old + 0.3 * (torch.rand(4, 5, generator=g, dtype=F64) - 0.5),
+        "advantages": torch.randn(4, 5, generator=g, dtype=F64),
+        "ref_log_prob": old + 0.3 * torch.randn(4, 5, generator=g, dtype=F64),
+        "entropy": torch.rand(4, 5, generator=g, dtype=F64),
+    }
+
+
+def mini_batch_loss(obj: ActorObjective, data: dict[str, torch.Tensor], micro: int) -> tuple[float, torch.Tensor]:
+    """(sum of the micro-batch losses, their gradient w.r.t. log_prob), as the actor accumulates them."""
+    log_prob = data["log_prob"].clone().requires_grad_(True)
+    agg, pg_agg = obj.mini_batch_normalisers(data["mask"], micro)
+    total = torch.zeros((), dtype=F64)
+    for start in range(0, 4, micro):
+        rows = slice(start, start + micro)
+        loss, _, _ = obj.micro_batch_loss(
+            log_prob=log_prob[rows], entropy=data["entropy"][rows], old_log_prob=data["old_log_prob"][rows],
+            advantages=data["advantages"][rows], mask=data["mask"][rows], ref_log_prob=data["ref_log_prob"][rows],
+            agg_kwargs=agg, pg_agg_kwargs=pg_agg)
+        total = total + loss
+    (grad,) = torch.autograd.grad(total, log_prob)
+    return total.item(), grad
+
+
+@pytest.mark.parametrize("loss_mode", ["archer", "aspo"])
+def test_equal_micro_batches_add_up_to_the_mini_batch_with_split_kl(loss_mode):
+    obj = objective(f"algorithm={loss_mode}", ACTOR + "kl_loss_coef=0.2",
+                    ACTOR + "high_entropy_kl_loss_scale_coef=0.5", ACTOR + "entropy_coeff=0.01")
+    data = random_mini_batch(0)  # every row has exactly one high-entropy token: 2 high, 6 low per micro-batch
+    whole, whole_grad = mini_batch_loss(obj, data, 4)
+    split, split_grad = mini_batch_loss(obj, data, 2)
+    assert split == pytest.approx(whole, rel=1e-6)
+    assert torch.allclose(split_grad, whole_grad, rtol=1e-6, atol=1e-9)
+    assert whole_grad.abs().sum() > 0
+
+
+def test_equal_micro_batches_add_up_to_the_mini_batch_with_top_entropy_tokens():
+    obj = objective(ACTOR + "entropy_top_ratio=0.2", ACTOR + "use_kl_loss=true", ACTOR + "kl_loss_coef=0.2",
+                    ACTOR + "entropy_coeff=0.01", ACTOR + "clip_ratio_c=10.0")
+    data = random_mini_batch(1)
+    # 8 valid tokens per micro-batch -> ceil(1.6) = 2 each; 16 in all -> ceil(3.2) = 4: the same four tokens
+    data["entropy"] = data["entropy"] * 0.5
+    for row, col, h in [(0, 1, 5.0), (1, 2, 4.0), (2, 0, 4.5), (3, 1, 3.5)]:
+        data["entropy"][row, col] = h
+    whole, whole_grad = mini_batch_loss(obj, data, 4)
+    split, split_grad = mini_batch_loss(obj, data, 2)
+    assert split == pytest.approx(whole, rel=1e-6)
+    assert torch.allclose(split_grad, whole_grad, rtol=1e-6, atol=1e-9)
+    # only the four selected tokens receive policy gradient; KL and (absent) entropy terms reach the rest
+    obj_no_kl = objective(ACTOR + "entropy_top_ratio=0.2", ACTOR + "clip_ratio_c=10.0")
+    _, pg_grad = mini_batch_loss(obj_no_kl, data, 2)
+    assert sorted(map(tuple, pg_grad.nonzero().tolist())) == [(0, 1), (1, 2), (2, 0), (3, 1)]
+    ratio = (data["log_prob"] - data["old_log_prob"]).exp()
+    for row, col in [(0, 1), (1, 2), (2, 0), (3, 1)]:
+        a, r = data["advantages"][row, col].item(), ratio[row, col].item()
+        assert pg_grad[row, col].item() == pytest.approx(-a * r / 4)  # |ln r| < 0.15: unclipped, over 4 tokens
