@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +14,9 @@ from transformers import PreTrainedTokenizerFast
 
 from archer.batch import Batch
 from archer.errors import ArcherError
+from archer.models.loading import load_tokenizer
 from archer.rewards.manager import RewardManager
+from archer.rewards.shaping import OverlongBuffer
 
 CHARS = list("0123456789+-*/()=. {}\\<>abcdefghijklmnopqrstuvwxyz\"'[],_")
 PAD, EOS = "<pad>", "<eos>"
@@ -144,3 +147,78 @@ def test_bad_return_value_and_missing_fields(tokenizer: PreTrainedTokenizerFast)
     batch.pop(["ground_truth"])
     with pytest.raises(ArcherError, match=r"needs batch field\(s\) \['ground_truth'\]"):
         RewardManager(tokenizer)(batch)
+
+
+# -- shaping: the overlong buffer and the wrong-answer score (with the micro model's BPE tokenizer) --------------
+def bpe_batch(tok: PreTrainedTokenizerFast, rows: Sequence[list[int]], sources: Sequence[str], gts: Sequence[str], width: int) -> Batch:
+    """Right-padded responses from token id lists (each ends with EOS) and the rows the manager reads."""
+    responses = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.int64)
+    mask = torch.zeros((len(rows), width), dtype=torch.int64)
+    for i, ids in enumerate(rows):
+        responses[i, : len(ids)] = torch.tensor(ids)
+        mask[i, : len(ids)] = 1
+    return Batch({"responses": responses, "response_mask": mask},
+                 {"data_source": list(sources), "ground_truth": list(gts)})
+
+
+def bpe_ids(tok: PreTrainedTokenizerFast, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+
+def test_overlong_penalty_is_added_to_scores_and_the_last_token(tiny_model_dir: Path) -> None:
+    tok = load_tokenizer(tiny_model_dir)
+    a = tok("a", add_special_tokens=False)["input_ids"]
+    assert len(a) == 1
+    lengths = [10, 16, 18, 20]  # EOS included; L_max 20, L_buf 5: the penalty starts after 15 tokens
+    rows = [a * (n - 1) + [tok.eos_token_id] for n in lengths]
+    batch = bpe_batch(tok, rows, ["right", "half", "right", "half"], ["x"] * 4, width=24)
+
+    def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: object) -> object:
+        return {"score": 1.0, "acc": 1.0} if data_source == "right" else {"score": 0.5, "acc": 0.0}
+
+    out = RewardManager(tok, compute_score=compute_score, overlong=OverlongBuffer(20, 5, 1.0))(batch)
+    assert out.extra["response_text"] == ["a" * (n - 1) for n in lengths]
+    np.testing.assert_allclose(out.extra["overlong_penalty"], [0.0, -0.2, -0.6, -1.0], atol=1e-12)
+    np.testing.assert_allclose(out.scores, [1.0, 0.3, 0.4, -0.5], atol=1e-12)
+    np.testing.assert_array_equal(out.acc, [1.0, 0.0, 1.0, 0.0])  # the unshaped accuracy
+    expected = torch.zeros(4, 24)
+    expected[torch.arange(4), torch.tensor(lengths) - 1] = torch.tensor([1.0, 0.3, 0.4, -0.5])
+    torch.testing.assert_close(out.token_level_scores, expected)
+
+
+def test_wrong_answer_score_applies_to_built_in_rule_rewards(tiny_model_dir: Path) -> None:
+    tok = load_tokenizer(tiny_model_dir)
+    texts = ["\\boxed{64}", "\\boxed{65}", "<answer>3+5+2</answer>"]
+    cd = '{"target": 16, "numbers": [3, 5, 2]}'
+    rows = [bpe_ids(tok, t) for t in texts]
+    batch = bpe_batch(tok, rows, ["archer/arithmetic"] * 2 + ["archer/countdown"], ["64", "64", cd], width=32)
+    out = RewardManager(tok, wrong_answer_score=-1.0)(batch)
+    assert out.extra["response_text"] == texts
+    # right: 1; wrong: 0 -> -1; countdown's format credit 0.1 (acc 0) is not a score of 0, so it stays
+    np.testing.assert_allclose(out.scores, [1.0, -1.0, 0.1])
+    np.testing.assert_array_equal(out.acc, [1.0, 0.0, 0.0])
+    assert "overlong_penalty" not in out.extra
+    last = torch.tensor([len(r) - 1 for r in rows])
+    torch.testing.assert_close(out.token_level_scores[torch.arange(3), last], torch.tensor([1.0, -1.0, 0.1]))
+    assert float(out.token_level_scores.abs().sum()) == pytest.approx(2.1)
+
+
+def test_wrong_answer_score_leaves_a_custom_reward_alone(tiny_model_dir: Path) -> None:
+    tok = load_tokenizer(tiny_model_dir)
+    batch = bpe_batch(tok, [bpe_ids(tok, "\\boxed{65}")], ["archer/arithmetic"], ["64"], width=16)
+    out = RewardManager(tok, compute_score=lambda **kw: 0.0, wrong_answer_score=-1.0)(batch)
+    assert out.scores.tolist() == [0.0] and out.acc.tolist() == [0.0]
+    assert float(out.token_level_scores.abs().sum()) == 0.0
+
+
+def test_wrong_answer_score_then_overlong_penalty(tiny_model_dir: Path) -> None:
+    tok = load_tokenizer(tiny_model_dir)
+    rows = [bpe_ids(tok, "\\boxed{64}"), bpe_ids(tok, "\\boxed{65}")]
+    assert [len(r) for r in rows] == [11, 11]  # 10 tokens and the EOS
+    batch = bpe_batch(tok, rows, ["archer/arithmetic"] * 2, ["64", "64"], width=12)
+    # L_max 12, L_buf 4: 11 tokens are 3 into the buffer, -3/4
+    out = RewardManager(tok, overlong=OverlongBuffer(12, 4, 1.0), wrong_answer_score=-1.0)(batch)
+    np.testing.assert_allclose(out.extra["overlong_penalty"], [-0.75, -0.75])
+    np.testing.assert_allclose(out.scores, [0.25, -1.75])
+    np.testing.assert_array_equal(out.acc, [1.0, 0.0])
+    torch.testing.assert_close(out.token_level_scores[:, 10], torch.tensor([0.25, -1.75]))

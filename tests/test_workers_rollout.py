@@ -11,7 +11,7 @@ from archer.models.loading import load_tokenizer
 from archer.rollout.base import SamplingParams
 from archer.rollout.hf_engine import HFGenerateEngine
 from archer.workers.actor import ActorWorker
-from archer.workers.rollout import RolloutWorker, layout_sequences, sampling_params
+from archer.workers.rollout import RolloutWorker, concat_sequences, layout_sequences, sampling_params
 
 CPU = torch.device("cpu")
 ROLLOUT = "actor_rollout_ref.rollout"
@@ -126,3 +126,59 @@ def test_generate_sequences_repeats_rows_and_matches_the_actor_log_probs(tiny_mo
     torch.testing.assert_close(out["rollout_entropies"], scored["entropies"], atol=1e-4, rtol=0)
     valid = out["response_mask"].bool()
     assert torch.all(out["rollout_log_probs"][~valid] == 0) and torch.all(out["rollout_log_probs"][valid] < 0)
+
+
+# -- concat_sequences ------------------------------------------------------------------------------------------
+PAD_ID = 99
+
+
+def generated(prompts: list[list[int]], prompt_mask: list[list[int]], responses: list[list[int]],
+              response_mask: list[list[int]], log_probs: list[list[float]], uid: str) -> Batch:
+    """A generated batch as layout_sequences lays it out, plus rollout log-probs and a per-row field."""
+    batch = layout_sequences(
+        Batch({"input_ids": torch.tensor(prompts), "attention_mask": torch.tensor(prompt_mask)},
+              {"uid": [uid] * len(prompts)}),
+        torch.tensor(responses), torch.tensor(response_mask), n=1)
+    batch["rollout_log_probs"] = torch.tensor(log_probs)
+    batch["score"] = torch.tensor([0.5] * len(prompts))  # one value a row: not response-aligned
+    return batch
+
+
+def test_concat_sequences_repads_prompts_left_and_responses_right():
+    # a: prompts 2 wide, responses 3 wide; b: prompts 3 wide, responses 2 wide
+    a = generated([[PAD_ID, 5], [6, 7]], [[0, 1], [1, 1]], [[10, 11, 12], [13, PAD_ID, PAD_ID]],
+                  [[1, 1, 1], [1, 0, 0]], [[-0.1, -0.2, -0.3], [-0.4, 0.0, 0.0]], "a")
+    b = generated([[PAD_ID, PAD_ID, 8], [9, 20, 21]], [[0, 0, 1], [1, 1, 1]], [[30, 31], [32, PAD_ID]],
+                  [[1, 1], [1, 0]], [[-0.5, -0.6], [-0.7, 0.0]], "b")
+    a_prompts = a["prompts"].clone()
+    out = concat_sequences([a, b], PAD_ID)
+
+    assert sorted(out.tensors) == ["attention_mask", "input_ids", "position_ids", "prompts", "response_mask",
+                                   "responses", "rollout_log_probs", "score"]
+    assert out["uid"].tolist() == ["a", "a", "b", "b"]
+    assert out["prompts"].tolist() == [[PAD_ID, PAD_ID, 5], [PAD_ID, 6, 7], [PAD_ID, PAD_ID, 8], [9, 20, 21]]
+    assert out["responses"].tolist() == [[10, 11, 12], [13, PAD_ID, PAD_ID], [30, 31, PAD_ID], [32, PAD_ID, PAD_ID]]
+    assert out["response_mask"].tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 0, 0]]
+    torch.testing.assert_close(out["rollout_log_probs"], torch.tensor(
+        [[-0.1, -0.2, -0.3], [-0.4, 0.0, 0.0], [-0.5, -0.6, 0.0], [-0.7, 0.0, 0.0]]))
+    assert out["score"].tolist() == [0.5] * 4
+    assert out["input_ids"].tolist() == [[PAD_ID, PAD_ID, 5, 10, 11, 12], [PAD_ID, 6, 7, 13, PAD_ID, PAD_ID],
+                                         [PAD_ID, PAD_ID, 8, 30, 31, PAD_ID], [9, 20, 21, 32, PAD_ID, PAD_ID]]
+    assert out["attention_mask"].tolist() == [[0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0],
+                                              [0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]]
+    # cumsum(attention_mask) - 1, clamped at 0
+    assert out["position_ids"].tolist() == [[0, 0, 0, 1, 2, 3], [0, 0, 1, 2, 2, 2],
+                                            [0, 0, 0, 1, 2, 2], [0, 1, 2, 3, 3, 3]]
+    assert out["input_ids"].dtype == out["attention_mask"].dtype == out["position_ids"].dtype == torch.long
+    assert out["rollout_log_probs"].dtype == torch.float32
+    assert torch.equal(a["prompts"], a_prompts) and a["responses"].shape == (2, 3)  # the inputs are untouched
+
+
+def test_concat_sequences_of_equal_widths_is_plain_concatenation():
+    a = generated([[PAD_ID, 5]], [[0, 1]], [[10, PAD_ID]], [[1, 0]], [[-0.1, 0.0]], "a")
+    b = generated([[6, 7]], [[1, 1]], [[11, 12]], [[1, 1]], [[-0.2, -0.3]], "b")
+    out = concat_sequences([a, b], PAD_ID)
+    plain = Batch.concat([a, b])
+    assert sorted(out.tensors) == sorted(plain.tensors)
+    assert all(torch.equal(out[k], plain[k]) for k in plain.tensors)
+    assert out["uid"].tolist() == ["a", "b"]

@@ -48,6 +48,11 @@ def config_groups() -> set[str]:
     return {p.name for p in CONFIG_DIR.iterdir() if p.is_dir() and any(p.glob("*.yaml"))}
 
 
+def group_options(group: str) -> list[str]:
+    """The options of a config group (its YAML files' names)."""
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
 def _closest(key: str, keys: Iterable[str]) -> str | None:
     keys = sorted(keys)
     match = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
@@ -81,6 +86,12 @@ def normalize_overrides(config_name: str, overrides: Sequence[str]) -> list[str]
             raise ArcherError(f"override {raw!r} deletes a key; archer's schema keys cannot be removed",
                               "set the key to null instead, e.g. key=null")
         value = raw.split("=", 1)[1] if "=" in raw else ""
+        if key in groups and value != "null" and value not in group_options(key):
+            options = group_options(key)
+            near = difflib.get_close_matches(value, options, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ArcherError(f"unknown {key} preset {value!r}{hint}",
+                              f"use {key}=NAME with one of: {', '.join(options)}")
         if key in keys or key in groups:
             out.append(f"{key}={value}")
         elif any(key.startswith(m + ".") for m in open_maps):
@@ -91,6 +102,18 @@ def normalize_overrides(config_name: str, overrides: Sequence[str]) -> list[str]
             raise ArcherError(f"unknown config key {key!r} (in override {raw!r}): {hint}",
                               "fix the key's spelling; archer refuses keys it does not know so that no setting "
                               "is silently ignored")
+    return out
+
+
+def _unknown_keys(node: DictConfig, keys: set[str], open_maps: set[str], prefix: str = "") -> list[str]:
+    """Dotted keys of a composed config that the schema does not know (outside free-form mappings)."""
+    out: list[str] = []
+    for k in node.keys():
+        path = f"{prefix}.{k}" if prefix else str(k)
+        if path not in keys:
+            out.append(path)
+        elif path not in open_maps and OmegaConf.is_dict(node._get_node(k)):
+            out.extend(_unknown_keys(node._get_node(k), keys, open_maps, path))
     return out
 
 
@@ -114,6 +137,10 @@ def load_config(config_name: str, overrides: Sequence[str] = ()) -> DictConfig:
     except (HydraException, OmegaConfBaseException) as e:
         raise ArcherError(f"invalid override: {e}", "check the value's type against the default in "
                           f"archer/config/{config_name}.yaml") from None
+    stray = _unknown_keys(cfg, *known_keys(config_name))
+    if stray:
+        raise ArcherError(f"config group option(s) set unknown key(s): {', '.join(stray)}",
+                          f"fix the option's YAML under archer/config/: every key must exist in {config_name}.yaml")
     missing = _missing_keys(cfg)
     if missing:
         first = missing[0]

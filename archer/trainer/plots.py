@@ -25,6 +25,13 @@ DEFAULT_GROUPS: dict[str, list[str]] = {
     "losses": ["actor/pg_loss", "critic/vf_loss"],
     "grad_norm": ["actor/grad_norm", "critic/grad_norm"],
     "timing": ["timing_s/*"],
+    # the mechanisms of the entropy-aware methods and of DAPO (figures appear only when they are logged)
+    "entropy_classes": ["actor/entropy_low_frac", "actor/entropy_high_frac", "actor/entropy_low_clipfrac",
+                        "actor/entropy_high_clipfrac", "actor/top_entropy_selected_frac"],
+    "token_selection": ["actor/cov_selected_tokens", "actor/top_entropy_selected_tokens"],
+    "group_sampling": ["train/num_gen_batches", "train/num_candidate_groups", "train/num_kept_groups",
+                       "train/num_rejected_groups"],
+    "overlong": ["reward/overlong_penalised_frac", "reward/overlong_penalty_mean"],
 }
 
 Series = dict[str, dict[int, float]]

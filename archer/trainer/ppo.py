@@ -85,6 +85,9 @@ def check_config(cfg: DictConfig) -> None:
     if mini > train_bs or train_bs % mini:
         raise ArcherError(f"actor.ppo_mini_batch_size={mini} must divide data.train_batch_size={train_bs}",
                           "pick a mini-batch size that divides the train batch size (both count prompts)")
+    buffer = cfg.reward_model.overlong_buffer
+    if buffer.enable:
+        OverlongBuffer(int(cfg.data.max_response_length), int(buffer.len), float(buffer.penalty_factor))
     filter_groups = cfg.algorithm.filter_groups
     if filter_groups.enable:
         check_filter_metric(filter_groups.metric)
@@ -192,7 +195,7 @@ class PPOTrainer:
             kept: list[Batch] = []
             num_kept = candidates = num_batches = 0
             while num_kept < needed:
-                if limit and num_batches >= limit:
+                if limit > 0 and num_batches >= limit:  # verl: <= 0 means no limit
                     raise too_many_batches_error(num_batches, num_kept, needed)
                 generated = self.generate_batch(step, num_batches, timings)
                 num_batches += 1

@@ -25,7 +25,7 @@ from archer.config.loader import load_config
 from archer.data.tasks import write_task_files
 from archer.errors import ArcherError
 from archer.models.tiny import build_tiny_model
-from archer.trainer.ppo import PPOTrainer
+from archer.trainer.ppo import PPOTrainer, check_config
 from archer.trainer.sft import run_sft
 
 TASK = "arithmetic"
@@ -59,6 +59,7 @@ RL_OVERRIDES = [
     "actor_rollout_ref.rollout.n=8",
     "actor_rollout_ref.actor.ppo_mini_batch_size=32",
     "actor_rollout_ref.actor.optim.lr=2e-4",
+    "reward_model.overlong_buffer.len=16",  # for presets with a buffer (DAPO's 4096 does not fit 48 tokens)
     "trainer.total_training_steps=40",
     "trainer.test_freq=10",
     "trainer.save_freq=-1",
@@ -69,7 +70,7 @@ RL_OVERRIDES = [
 ]
 
 
-def _corpus(data_dir: Path) -> list[str]:
+def task_corpus(data_dir: Path) -> list[str]:
     import pyarrow.parquet as pq
 
     texts: list[str] = []
@@ -107,23 +108,30 @@ def run_quickstart(args: Sequence[str] = (), out_dir: str | None = None) -> dict
     run = Path(out_dir) if out_dir else Path("runs") / "quickstart" / time.strftime("%Y%m%d-%H%M%S")
     run.mkdir(parents=True, exist_ok=True)
 
+    preset = next((a.lstrip("+").split("=", 1)[1] for a in rl_extra if a.lstrip("+").startswith("algorithm=")), None)
+    algorithm_name = preset or "grpo"
+    data_dir = run / "data"
+
+    def rl_args(model: Path | str) -> list[str]:
+        return [f"actor_rollout_ref.model.path={model}", f"data.train_files={data_dir / 'train.parquet'}",
+                f"data.val_files={data_dir / 'val.parquet'}", f"trainer.default_local_dir={run / 'rl'}",
+                f"trainer.seed={seed}", f"data.seed={seed}", *algorithm_overrides(rl_extra), *RL_OVERRIDES, *rl_extra]
+
+    check_config(load_config("ppo_trainer", rl_args(run / "sft")))  # bad RL overrides fail before the warm start
+
     console.rule("[bold]1/4 task data")
-    files = write_task_files(TASK, run / "data", n_train=N_TRAIN, n_val=N_VAL, n_sft=N_SFT, seed=seed, **TASK_KNOBS)
+    files = write_task_files(TASK, data_dir, n_train=N_TRAIN, n_val=N_VAL, n_sft=N_SFT, seed=seed, **TASK_KNOBS)
     console.rule("[bold]2/4 tiny model")
-    base = build_tiny_model(run / "base_model", _corpus(run / "data"), seed=seed)
+    base = build_tiny_model(run / "base_model", task_corpus(data_dir), seed=seed)
     console.rule("[bold]3/4 supervised warm start")
     sft_cfg = load_config("sft_trainer", [
         f"model.partial_pretrain={base}", f"data.train_files={files['sft']}", f"trainer.default_local_dir={run / 'sft'}",
         f"trainer.seed={seed}", *SFT_OVERRIDES])
     sft_model = run_sft(sft_cfg)
 
-    preset = next((a.lstrip("+").split("=", 1)[1] for a in rl_extra if a.lstrip("+").startswith("algorithm=")), None)
-    algorithm_name = preset or "grpo"
     console.rule(f"[bold]4/4 RL ({algorithm_name})")
-    rl_args = [f"actor_rollout_ref.model.path={sft_model}", f"data.train_files={files['train']}",
-               f"data.val_files={files['val']}", f"trainer.default_local_dir={run / 'rl'}", f"trainer.seed={seed}",
-               f"data.seed={seed}", *algorithm_overrides(rl_extra), *RL_OVERRIDES, *rl_extra]
-    rl_summary = PPOTrainer(load_config("ppo_trainer", rl_args)).fit()
+    final_args = rl_args(sft_model)
+    rl_summary = PPOTrainer(load_config("ppo_trainer", final_args)).fit()
 
     before = rl_summary["val_before"].get(VAL_KEY, float("nan"))
     after = rl_summary["val_after"].get(VAL_KEY, float("nan"))
@@ -143,8 +151,8 @@ def run_quickstart(args: Sequence[str] = (), out_dir: str | None = None) -> dict
         "influence_trace": str(run / "rl" / "influence_trace"),
     }
     (run / "summary.json").write_text(json.dumps(summary, indent=2))
-    command = "archer train " + " ".join(shlex.quote(a) for a in rl_args[:3] + [
-        f"trainer.default_local_dir={run / 'rl_again'}", *rl_args[4:]])
+    command = "archer train " + " ".join(shlex.quote(a) for a in final_args[:3] + [
+        f"trainer.default_local_dir={run / 'rl_again'}", *final_args[4:]])
     console.rule("[bold]quickstart done")
     console.print(f"validation accuracy before RL: {before:.3f}   after RL: {after:.3f}   "
                   f"({(after - before) * 100:+.1f} points, {summary['steps']} {algorithm_name} steps)")
