@@ -1,4 +1,5 @@
-"""Shared fixtures: a micro corpus and a micro Qwen2 model folder built once per test session."""
+"""Shared fixtures: a micro corpus and a micro Qwen2 model folder built once per test session, and the small
+arithmetic task with a micro model trained on its texts (for tests that train a few RL steps)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_support import task_model
 
+from archer.data.tasks import write_task_files
 from archer.models.tiny import build_tiny_model
 
 # Test models are tiny: one thread is fastest, and on shared cores OpenMP barriers cost milliseconds per op.
@@ -47,3 +50,15 @@ def micro_corpus() -> list[str]:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, micro_corpus: list[str]) -> Path:
     """A Hugging Face folder with a 2-layer, 32-wide Qwen2 model and its 320-token BPE tokenizer."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), micro_corpus, seed=0, **MICRO_MODEL_SIZES)
+
+
+@pytest.fixture(scope="session")
+def task_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The arithmetic task: 32 train, 4 validation and 32 warm-start rows."""
+    return write_task_files("arithmetic", tmp_path_factory.mktemp("arithmetic"), n_train=32, n_val=4, n_sft=32,
+                            seed=0, max_operand=9)
+
+
+@pytest.fixture(scope="session")
+def micro_model(tmp_path_factory: pytest.TempPathFactory, task_files: dict[str, Path]) -> Path:
+    return task_model(tmp_path_factory.mktemp("micro_model"), task_files["sft"], max_positions=128)

@@ -14,15 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from archer.config import loader
 from archer.config.loader import CONFIG_DIR, known_keys, load_config
-from archer.data.tasks import write_task_files
 from archer.errors import ArcherError
-from archer.models.tiny import build_tiny_model
 from archer.trainer.ppo import PPOTrainer, build_reward_manager, check_config
 from archer.trainer.quickstart import (
     DEFAULT_ALGORITHM_OVERRIDES,
@@ -217,21 +214,6 @@ def test_every_preset_gives_a_quickstart_rl_config_archer_accepts(name: str) -> 
 
 
 # -- two training steps per preset ----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def task_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return write_task_files("arithmetic", tmp_path_factory.mktemp("arithmetic"), n_train=32, n_val=4, n_sft=32,
-                            seed=0, max_operand=9)
-
-
-@pytest.fixture(scope="module")
-def micro_model(tmp_path_factory: pytest.TempPathFactory, task_files: dict[str, Path]) -> Path:
-    """A micro Qwen2 model whose BPE tokenizer is trained on the task's questions and solutions."""
-    corpus = []
-    for row in pq.read_table(task_files["sft"]).to_pylist():
-        corpus.extend(m["content"] for m in row["prompt"])
-        corpus.append(row["response"])
-    return build_tiny_model(tmp_path_factory.mktemp("micro_model"), corpus, hidden_size=64, num_layers=2,
-                            intermediate_size=128, max_position_embeddings=128, seed=0)
 
 
 ROWS = 4 * 4  # train_batch_size x rollout.n

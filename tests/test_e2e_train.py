@@ -22,6 +22,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
+from train_support import task_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from archer import cli
@@ -30,7 +31,6 @@ from archer.config.loader import load_config
 from archer.data.parquet import read_rl_files
 from archer.data.tasks import write_task_files
 from archer.models.loading import load_tokenizer, load_value_model
-from archer.models.tiny import build_tiny_model
 from archer.rewards.manager import RewardManager
 from archer.rewards.math import compute_math_score
 from archer.trace.format import TraceReader
@@ -80,13 +80,7 @@ def task_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def micro_model(tmp_path_factory: pytest.TempPathFactory, task_files: dict[str, Path]) -> Path:
-    """A micro Qwen2 model whose BPE tokenizer is trained on the task's questions and solutions."""
-    corpus = []
-    for row in pq.read_table(task_files["sft"]).to_pylist():
-        corpus.extend(m["content"] for m in row["prompt"])
-        corpus.append(row["response"])
-    return build_tiny_model(tmp_path_factory.mktemp("micro_model"), corpus, hidden_size=64, num_layers=2,
-                            intermediate_size=128, max_position_embeddings=MAX_POSITIONS, seed=0)
+    return task_model(tmp_path_factory.mktemp("micro_model"), task_files["sft"], max_positions=MAX_POSITIONS)
 
 
 def base_overrides(model: Path, files: dict[str, Path], run: Path) -> list[str]:

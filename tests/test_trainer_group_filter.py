@@ -20,9 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from archer.config.loader import load_config
-from archer.data.tasks import write_task_files
 from archer.errors import ArcherError
-from archer.models.tiny import build_tiny_model
 from archer.trainer.group_filter import (
     check_filter_metric,
     count_groups,
@@ -157,21 +155,6 @@ N = 4
 TRAIN_BATCH = 4
 
 
-@pytest.fixture(scope="module")
-def task_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return write_task_files("arithmetic", tmp_path_factory.mktemp("arithmetic"), n_train=32, n_val=4, n_sft=32,
-                            seed=0, max_operand=9)
-
-
-@pytest.fixture(scope="module")
-def micro_model(tmp_path_factory: pytest.TempPathFactory, task_files: dict[str, Path]) -> Path:
-    """A micro Qwen2 model whose BPE tokenizer is trained on the task's questions and solutions."""
-    corpus = []
-    for row in pq.read_table(task_files["sft"]).to_pylist():
-        corpus.extend(m["content"] for m in row["prompt"])
-        corpus.append(row["response"])
-    return build_tiny_model(tmp_path_factory.mktemp("micro_model"), corpus, hidden_size=64, num_layers=2,
-                            intermediate_size=128, max_position_embeddings=128, seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@
    mix a boxed final answer with a prose one ("The answer is 7."), and the reward reads only boxed answers;
 2. build the built-in tiny Qwen2-architecture model and its BPE tokenizer as an HF folder;
 3. a short supervised warm start (``archer sft``) that leaves the model clearly below the ceiling;
-4. GRPO (``archer train``) from the warm-started folder, validating before and after, with the entropy and
-   influence traces on;
+4. GRPO (``archer train``; ``archer quickstart algorithm=NAME`` runs a preset of archer/config/algorithm/
+   instead) from the warm-started folder, validating before and after, with the entropy and influence traces on;
 5. ``summary.json`` with the before/after accuracy, the command that repeats the RL stage and the one that
    opens the trace explorer.
 """
