@@ -288,3 +288,9 @@ def test_a_group_of_nan_values_is_not_informative() -> None:
     # std over NaN is NaN, not > 0: a group whose metric is missing everywhere has no signal
     values = np.array([math.nan, math.nan, 1.0, 0.0])
     assert informative_rows(["a", "a", "b", "b"], values).tolist() == [False, False, True, True]
+
+
+def test_equal_non_binary_scores_are_not_informative() -> None:
+    # the mean of three 0.1s is 0.10000000000000002: a spread measured by std would be a rounding error above 0
+    assert informative_rows(["a", "a", "a", "b", "b"], np.array([0.1, 0.1, 0.1, 0.3, 0.7])).tolist() == [
+        False, False, False, True, True]

@@ -22,10 +22,11 @@ def _group_ids(uids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def informative_rows(uids: Sequence[str], values: np.ndarray) -> np.ndarray:
-    """Rows of groups whose `values` are not all equal (std > 0), or that hold a single response."""
+    """Rows of groups whose `values` are not all equal (max > min; std > 0 without rounding), or that hold a
+    single response."""
     groups, _ = _group_ids(uids)
     values = np.asarray(values, dtype=np.float64)
-    keep_group = np.array([bool(np.std(values[groups == g]) > 0) or int((groups == g).sum()) == 1
+    keep_group = np.array([bool(np.ptp(values[groups == g]) > 0) or int((groups == g).sum()) == 1
                            for g in range(groups.max() + 1)]) if len(groups) else np.zeros(0, bool)
     return keep_group[groups] if len(groups) else np.zeros(0, bool)
 
