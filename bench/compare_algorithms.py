@@ -46,24 +46,15 @@ from rich.console import Console
 
 from archer.cli import quiet_libraries
 from archer.config.loader import group_options, load_config
-from archer.data.tasks import write_task_files
 from archer.errors import ArcherError
 from archer.models.loading import pick_device
-from archer.models.tiny import build_tiny_model
 from archer.trainer.plots import read_series
 from archer.trainer.ppo import PPOTrainer
 from archer.trainer.quickstart import (
-    N_SFT,
-    N_TRAIN,
-    N_VAL,
     RL_OVERRIDES,
-    SFT_OVERRIDES,
-    TASK,
-    TASK_KNOBS,
     VAL_KEY,
-    task_corpus,
+    warm_start,
 )
-from archer.trainer.sft import run_sft
 
 PRESET_ORDER = ("ppo", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "dapo", "archer", "aspo",
                 "top_entropy", "clip_cov", "kl_cov", "gspo")
@@ -106,19 +97,12 @@ def parse_presets(text: str | None) -> list[str]:
     return names
 
 
-def build_base(base_dir: Path, seed: int, device: str) -> dict[str, str]:
+def build_base(base_dir: Path, seed: int, device: str, console: Console) -> dict[str, str]:
     """The quickstart's task data, tiny model and supervised warm start, built fresh in ``base_dir``."""
     shutil.rmtree(base_dir, ignore_errors=True)
-    files = write_task_files(TASK, base_dir / "data", n_train=N_TRAIN, n_val=N_VAL, n_sft=N_SFT, seed=seed,
-                             **TASK_KNOBS)
-    model = build_tiny_model(base_dir / "base_model", task_corpus(base_dir / "data"), seed=seed)
-    sft_cfg = load_config("sft_trainer", [
-        f"model.partial_pretrain={model}", f"data.train_files={files['sft']}",
-        f"trainer.default_local_dir={base_dir / 'sft'}", f"trainer.seed={seed}", f"trainer.device={device}",
-        *SFT_OVERRIDES])
-    sft_model = run_sft(sft_cfg)
-    return {"train_file": str(files["train"]), "val_file": str(files["val"]), "base_model": str(model),
-            "sft_model": str(sft_model)}
+    files, sft_model = warm_start(base_dir, seed, console, sft_extra=[f"trainer.device={device}"])
+    return {"train_file": str(files["train"]), "val_file": str(files["val"]),
+            "base_model": str(base_dir / "base_model"), "sft_model": str(sft_model)}
 
 
 def shared_overrides(args: argparse.Namespace) -> list[str]:
@@ -267,7 +251,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
 
     console.rule("[bold]base: task data, tiny model, supervised warm start")
-    meta["base"] = build_base(args.out / "base", args.seed, args.device)
+    meta["base"] = build_base(args.out / "base", args.seed, args.device, console)
     results: dict[str, dict[str, Any]] = {}
     for i, name in enumerate(presets, 1):
         console.rule(f"[bold]{i}/{len(presets)} {name}")

@@ -5,7 +5,7 @@ are all 0 or all 1, no refill). A group is all responses that share a prompt uid
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -14,30 +14,24 @@ from archer.errors import ArcherError
 FILTER_METRICS = ("acc", "score")
 
 
-def _group_ids(uids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """(group index of each row, first-seen order), groups numbered in order of first appearance."""
-    _, first, inverse = np.unique(np.asarray(uids, dtype=object).astype(str), return_index=True, return_inverse=True)
-    order = np.argsort(np.argsort(first))
-    return order[inverse], first
+def _rows_of_groups(uids: Sequence[str], values: np.ndarray, chosen: Callable[[np.ndarray], bool]) -> np.ndarray:
+    """Bool per row: whether ``chosen`` holds for the values of the row's group."""
+    _, groups = np.unique(np.asarray(uids, dtype=object).astype(str), return_inverse=True)
+    values = np.asarray(values, dtype=np.float64)
+    if not len(groups):
+        return np.zeros(0, dtype=bool)
+    return np.array([chosen(values[groups == g]) for g in range(groups.max() + 1)], dtype=bool)[groups]
 
 
 def informative_rows(uids: Sequence[str], values: np.ndarray) -> np.ndarray:
     """Rows of groups whose `values` are not all equal (max > min; std > 0 without rounding), or that hold a
     single response."""
-    groups, _ = _group_ids(uids)
-    values = np.asarray(values, dtype=np.float64)
-    keep_group = np.array([bool(np.ptp(values[groups == g]) > 0) or int((groups == g).sum()) == 1
-                           for g in range(groups.max() + 1)]) if len(groups) else np.zeros(0, bool)
-    return keep_group[groups] if len(groups) else np.zeros(0, bool)
+    return _rows_of_groups(uids, values, lambda v: len(v) == 1 or bool(np.ptp(v) > 0))
 
 
 def uniform_accuracy_rows(uids: Sequence[str], acc: np.ndarray) -> np.ndarray:
     """Rows of groups whose accuracies are all 0 or all 1 (what Archer's rejection sampling drops)."""
-    groups, _ = _group_ids(uids)
-    acc = np.asarray(acc, dtype=np.float64)
-    uniform = np.array([bool(np.all(acc[groups == g] == 0) or np.all(acc[groups == g] == 1))
-                        for g in range(groups.max() + 1)]) if len(groups) else np.zeros(0, bool)
-    return uniform[groups] if len(groups) else np.zeros(0, bool)
+    return _rows_of_groups(uids, acc, lambda v: bool(np.all(v == 0) or np.all(v == 1)))
 
 
 def count_groups(uids: Sequence[str]) -> int:

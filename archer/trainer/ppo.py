@@ -203,7 +203,7 @@ class PPOTrainer:
                 values = generated["acc"] if fg.metric == "acc" else generated["score"]
                 informative = generated.index(np.flatnonzero(informative_rows(generated["uid"], values)))
                 kept.append(informative)
-                num_kept += count_groups(informative["uid"]) if len(informative) else 0
+                num_kept += count_groups(informative["uid"])
                 log.info("step %d: dynamic sampling kept %d of %d prompt groups after %d generation batch(es)",
                          step, num_kept, needed, num_batches)
             batch = concat_sequences([b for b in kept if len(b)], self.tokenizer.pad_token_id)
@@ -212,9 +212,9 @@ class PPOTrainer:
             metrics["train/num_candidate_groups"] = float(candidates)
         if self.cfg.trainer.rejection_sample:
             rejected = uniform_accuracy_rows(batch["uid"], batch["acc"])
-            metrics["train/num_rejected_groups"] = float(count_groups(batch["uid"][rejected])) if rejected.any() else 0.0
+            metrics["train/num_rejected_groups"] = float(count_groups(batch["uid"][rejected]))
             batch = batch.index(np.flatnonzero(~rejected))
-        metrics["train/num_kept_groups"] = float(count_groups(batch["uid"])) if len(batch) else 0.0
+        metrics["train/num_kept_groups"] = float(count_groups(batch["uid"]))
         if "overlong_penalty" in batch.rows and len(batch):
             penalty = batch["overlong_penalty"].astype(np.float64)
             metrics["reward/overlong_penalised_frac"] = float(np.mean(penalty < 0))

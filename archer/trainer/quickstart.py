@@ -81,10 +81,32 @@ def task_corpus(data_dir: Path) -> list[str]:
     return texts
 
 
+def chosen_preset(rl_extra: Sequence[str]) -> str | None:
+    """The NAME of an ``algorithm=NAME`` (or ``+algorithm=NAME``) among the RL overrides, if any."""
+    for arg in rl_extra:
+        key, _, value = arg.lstrip("+").partition("=")
+        if key == "algorithm":
+            return value
+    return None
+
+
 def algorithm_overrides(rl_extra: Sequence[str]) -> list[str]:
     """The quickstart's own algorithm keys, unless the user picked a preset with ``algorithm=NAME``."""
-    picked = any(arg.lstrip("+").split("=", 1)[0] == "algorithm" for arg in rl_extra)
-    return [] if picked else list(DEFAULT_ALGORITHM_OVERRIDES)
+    return [] if chosen_preset(rl_extra) is not None else list(DEFAULT_ALGORITHM_OVERRIDES)
+
+
+def warm_start(run: Path, seed: int, console: Console, sft_extra: Sequence[str] = ()) -> tuple[dict[str, Path], Path]:
+    """Steps 1-3 into ``run``: task data (``run/data``), tiny model (``run/base_model``) and its supervised
+    warm start (``run/sft``); returns the task files and the warm-started model folder."""
+    console.rule("[bold]1/4 task data")
+    files = write_task_files(TASK, run / "data", n_train=N_TRAIN, n_val=N_VAL, n_sft=N_SFT, seed=seed, **TASK_KNOBS)
+    console.rule("[bold]2/4 tiny model")
+    base = build_tiny_model(run / "base_model", task_corpus(run / "data"), seed=seed)
+    console.rule("[bold]3/4 supervised warm start")
+    sft_cfg = load_config("sft_trainer", [
+        f"model.partial_pretrain={base}", f"data.train_files={files['sft']}", f"trainer.default_local_dir={run / 'sft'}",
+        f"trainer.seed={seed}", *SFT_OVERRIDES, *sft_extra])
+    return files, run_sft(sft_cfg)
 
 
 def parse_quickstart_args(args: Sequence[str]) -> tuple[int, list[str]]:
@@ -108,8 +130,7 @@ def run_quickstart(args: Sequence[str] = (), out_dir: str | None = None) -> dict
     run = Path(out_dir) if out_dir else Path("runs") / "quickstart" / time.strftime("%Y%m%d-%H%M%S")
     run.mkdir(parents=True, exist_ok=True)
 
-    preset = next((a.lstrip("+").split("=", 1)[1] for a in rl_extra if a.lstrip("+").startswith("algorithm=")), None)
-    algorithm_name = preset or "grpo"
+    algorithm_name = chosen_preset(rl_extra) or "grpo"
     data_dir = run / "data"
 
     def rl_args(model: Path | str) -> list[str]:
@@ -119,15 +140,7 @@ def run_quickstart(args: Sequence[str] = (), out_dir: str | None = None) -> dict
 
     check_config(load_config("ppo_trainer", rl_args(run / "sft")))  # bad RL overrides fail before the warm start
 
-    console.rule("[bold]1/4 task data")
-    files = write_task_files(TASK, data_dir, n_train=N_TRAIN, n_val=N_VAL, n_sft=N_SFT, seed=seed, **TASK_KNOBS)
-    console.rule("[bold]2/4 tiny model")
-    base = build_tiny_model(run / "base_model", task_corpus(data_dir), seed=seed)
-    console.rule("[bold]3/4 supervised warm start")
-    sft_cfg = load_config("sft_trainer", [
-        f"model.partial_pretrain={base}", f"data.train_files={files['sft']}", f"trainer.default_local_dir={run / 'sft'}",
-        f"trainer.seed={seed}", *SFT_OVERRIDES])
-    sft_model = run_sft(sft_cfg)
+    files, sft_model = warm_start(run, seed, console)
 
     console.rule(f"[bold]4/4 RL ({algorithm_name})")
     final_args = rl_args(sft_model)
