@@ -2,18 +2,29 @@
 
 A reader (or a run killed at any moment) sees the old file or the new one, never a mix. With ``fsync`` the
 data and the directory entry are on disk before the function returns. Temporary files start with ``.tmp-``
-so that their owners can clean up what a crash left.
+so that their owners can clean up what a crash left. A replaced file gets the permissions of a file made with
+open() (0666 less the umask), like every other file of a run, not mkstemp's private 0600.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 TMP_PREFIX = ".tmp-"
+
+
+def _read_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+FILE_MODE = 0o666 & ~_read_umask()  # read once at import: os.umask cannot be read without setting it
 
 
 def fsync_dir(path: Path) -> None:
@@ -29,6 +40,7 @@ def replace_atomically(path: Path, write: Callable[[BinaryIO], object], *, fsync
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}-", dir=path.parent)
     try:
+        os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -44,3 +56,8 @@ def replace_atomically(path: Path, write: Callable[[BinaryIO], object], *, fsync
 
 def write_text_atomically(path: Path, text: str, *, fsync: bool = True) -> None:
     replace_atomically(path, lambda f: f.write(text.encode("utf-8")), fsync=fsync)
+
+
+def write_json_atomically(path: Path, data: Any, *, fsync: bool = True) -> None:
+    """``data`` as indented JSON (values JSON cannot hold are written with str())."""
+    write_text_atomically(path, json.dumps(data, indent=2, default=str) + "\n", fsync=fsync)

@@ -15,7 +15,7 @@ from workers_support import PROMPT_IDS, RESPONSE_IDS, hand_batch
 from archer.batch import Batch
 from archer.config.loader import load_config
 from archer.models.loading import load_tokenizer
-from archer.trace.entropy import EntropyTrace, response_arrays, sample_indices, step_stats
+from archer.trace.entropy import EntropyTrace, response_arrays, step_stats
 from archer.trace.format import TraceReader, check_step_arrays
 
 # Entropies of the three rows (response width 3). Valid tokens (RESPONSE_MASK [[1,1,0],[1,1,1],[1,0,0]]):
@@ -42,13 +42,6 @@ def traced_batch(loss_mask: bool = False) -> Batch:
     if loss_mask:
         batch["loss_mask"] = torch.tensor(LOSS_MASK)
     return batch
-
-
-def test_sample_indices_count_within_each_group_in_row_order() -> None:
-    out = sample_indices(["a", "b", "a", "a", "c", "b"])
-    assert out.dtype == np.int32 and out.tolist() == [0, 0, 1, 2, 0, 1]
-    assert sample_indices(np.array(["x", 7, "x", "7"], dtype=object)).tolist() == [0, 0, 1, 1]
-    assert sample_indices([]).tolist() == []
 
 
 def test_response_arrays_field_by_field() -> None:

@@ -23,7 +23,6 @@ from archer.config.loader import load_config
 from archer.errors import ArcherError
 from archer.trainer.group_filter import (
     check_filter_metric,
-    count_groups,
     informative_rows,
     too_many_batches_error,
     uniform_accuracy_rows,
@@ -78,11 +77,7 @@ def test_uniform_accuracy_rows_of_no_rows() -> None:
     assert out.dtype == bool and out.shape == (0,)
 
 
-# -- count_groups, metric check, error -----------------------------------------------------------------------
-def test_count_groups() -> None:
-    assert count_groups(["a", "b", "a", "c", "b"]) == 3
-    assert count_groups(np.array(["1-0", "1-0", "1.1-0"], dtype=object)) == 2
-    assert count_groups([]) == 0
+# -- metric check, error -----------------------------------------------------------------------
 
 
 def test_check_filter_metric() -> None:

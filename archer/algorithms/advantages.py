@@ -13,6 +13,7 @@ from typing import TypeVar
 
 import torch
 
+from archer.algorithms.grouping import group_index
 from archer.algorithms.masked import masked_whiten
 from archer.algorithms.registry import Registry
 from archer.errors import ArcherError
@@ -64,14 +65,13 @@ def _require(value: T | None, what: str, estimator: str, fix: str) -> T:
 
 
 def _group_ids(index: Sequence[object], batch_size: int) -> torch.Tensor:
-    """Map each uid to a dense group id (first-seen order)."""
+    """Dense group id of each response (first-seen order of its uid)."""
     if len(index) != batch_size:
         raise ArcherError(
             f"index has {len(index)} uids for {batch_size} responses",
             "give one prompt uid per response (repeat the prompt's uid for each of its n samples)",
         )
-    ids: dict[object, int] = {}
-    return torch.tensor([ids.setdefault(uid, len(ids)) for uid in index], dtype=torch.long)
+    return torch.from_numpy(group_index(index)[0])
 
 
 def _group_baseline(

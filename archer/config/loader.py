@@ -18,6 +18,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from archer.atomic_files import write_text_atomically
 from archer.errors import ArcherError
 
 CONFIG_DIR = Path(__file__).resolve().parent
@@ -190,10 +191,7 @@ def _check_types(defaults: DictConfig, cfg: DictConfig, config_name: str, prefix
 
 def save_config(cfg: DictConfig, path: Path) -> None:
     """Write the resolved config as YAML (atomically)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(OmegaConf.to_yaml(cfg))
-    tmp.replace(path)
+    write_text_atomically(path, OmegaConf.to_yaml(cfg))
 
 
 def as_list(value: Any) -> list:

@@ -1,5 +1,15 @@
 """The one generation interface (DESIGN 6): sampling parameters, the output of a rollout, and the abstract
-engine that turns token-id prompts into responses with exact per-token log-probs and entropies."""
+engine that turns token-id prompts into responses with exact per-token log-probs and entropies.
+
+An engine offers
+- ``generate``: prompts -> ``n`` responses each (the plain RL rollout);
+- ``session()``: sequences that grow turn by turn (the agentic loop): add a prompt, decode until a stop, extend
+  with tool-result tokens, fork a sequence with its state (ARPO's branch), release it;
+- ``sync_weights(model)``: take the actor's weights after an update (in place; a no-op for an engine that
+  runs the actor's own module), and ``release_memory()`` / ``reclaim_memory()`` around the policy update
+  (verl's ``free_cache_engine``).
+The rollout worker owns its engine: the trainer never sees one.
+"""
 
 from __future__ import annotations
 
@@ -68,9 +78,70 @@ class RolloutOutput:
     finish_reasons: list[str]
 
 
+@dataclass
+class Segment:
+    """What one ``EngineSession.decode`` call appended to one sequence: the sampled tokens (the stop string's or
+    the eos token included), their log-probs and full-vocabulary entropies, and why decoding ended."""
+
+    tokens: list[int]
+    log_probs: torch.Tensor  # float32 [len(tokens)]
+    entropies: torch.Tensor  # float32 [len(tokens)]
+    finish_reason: str       # "eos" | "stop" | "length"
+
+
+class EngineSession(ABC):
+    """Sequences that grow turn by turn; each is named by the int the engine returns for it.
+
+    A sequence's tokens are exactly the prompt, the decoded segments and the extended tokens, in order: the
+    engine never re-tokenises text. Sampling of a sequence follows its own seed, so its tokens do not depend
+    on which other sequences decode beside it.
+    """
+
+    @abstractmethod
+    def add(self, prompt: list[int], seed: int) -> int:
+        """A new sequence holding ``prompt``; its samples follow ``seed``."""
+
+    @abstractmethod
+    def extend(self, seq: int, tokens: list[int]) -> None:
+        """Append ``tokens`` (tool output) to ``seq`` as context; they are not sampled."""
+
+    @abstractmethod
+    def decode(self, seqs: list[int], params: SamplingParams, max_new_tokens: list[int]) -> list[Segment]:
+        """Sample onto each sequence until an eos id, a stop string of ``params`` or its own token budget."""
+
+    @abstractmethod
+    def fork(self, seq: int, seed: int) -> int:
+        """A copy of ``seq`` (tokens and state) that samples from ``seed`` from now on."""
+
+    @abstractmethod
+    def release(self, seq: int) -> None:
+        """Forget ``seq`` and free what it holds."""
+
+    @abstractmethod
+    def tokens(self, seq: int) -> list[int]:
+        """All tokens of ``seq``: prompt, segments and extensions."""
+
+
 class RolloutEngine(ABC):
     """Turns prompts (lists of token ids) and sampling parameters into a RolloutOutput."""
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         """Sample params.n responses for every prompt."""
+
+    def session(self) -> EngineSession:
+        """A session for turn-by-turn generation (the agentic loop)."""
+        raise ArcherError(f"the {type(self).__name__} engine has no turn-by-turn sessions",
+                          "use actor_rollout_ref.rollout.name=hf for multi-turn tool rollouts")
+
+    @abstractmethod
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Take ``model``'s current weights (in place: no reallocation)."""
+
+    @abstractmethod
+    def release_memory(self) -> None:
+        """Free what generation holds (KV cache, graphs) while the policy update runs."""
+
+    @abstractmethod
+    def reclaim_memory(self) -> None:
+        """Allocate again what ``release_memory`` freed, before the next generation."""

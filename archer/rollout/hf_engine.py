@@ -81,6 +81,18 @@ class HFGenerateEngine(RolloutEngine):
         self.eos_token_ids = torch.tensor(_eos_ids(model, tokenizer), dtype=torch.long, device=self.device)
         self._keeps_last_logits_only = "logits_to_keep" in inspect.signature(model.forward).parameters
 
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Nothing to copy: this engine generates with the actor's own module."""
+        if model is not self.model:
+            raise ArcherError("the hf engine generates with the module it was built on; it cannot take another's "
+                              "weights", "build the engine on the actor's model")
+
+    def release_memory(self) -> None:
+        """Nothing is held between calls: each generate call makes and drops its own KV cache."""
+
+    def reclaim_memory(self) -> None:
+        """Nothing to allocate (see release_memory)."""
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         for i, prompt in enumerate(prompts):
             if not prompt:

@@ -14,18 +14,9 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from archer.algorithms.grouping import index_within_group
 from archer.batch import Batch
 from archer.trace.format import TraceWriter, value_stats
-
-
-def sample_indices(uids: list[str] | np.ndarray) -> np.ndarray:
-    """Index of each row within its prompt group, in row order."""
-    seen: dict[str, int] = {}
-    out = np.empty(len(uids), dtype=np.int32)
-    for i, uid in enumerate(uids):
-        out[i] = seen.get(str(uid), 0)
-        seen[str(uid)] = out[i] + 1
-    return out
 
 
 def response_arrays(batch: Batch, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -46,7 +37,7 @@ def response_arrays(batch: Batch, rows: np.ndarray | None = None) -> dict[str, n
         "prompt_length": prompt_mask.sum(dim=1).to(torch.int32).numpy(),
         "prompts": batch["prompts"][index].to(torch.int32).numpy(),
         "uid": uids[rows],
-        "sample_index": sample_indices(uids)[rows],
+        "sample_index": index_within_group(uids)[rows],
         "old_log_probs": batch["old_log_probs"][index].to(torch.float16).numpy(),
         "reward": batch["token_level_scores"][index].sum(dim=1).float().numpy(),
         "data_source": np.asarray([str(batch["data_source"][int(i)]) for i in rows])

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from archer.atomic_files import TMP_PREFIX, replace_atomically, write_text_atomically
+from archer.atomic_files import TMP_PREFIX, replace_atomically, write_json_atomically, write_text_atomically
 from archer.errors import ArcherError
 
 FORMAT_VERSION = 1
@@ -230,7 +230,7 @@ class TraceWriter:
             "step_file_pattern": STEP_FILE_PATTERN,
             "tokenizer": TOKENIZER_DIR if (self.dir / TOKENIZER_DIR).exists() else None,
         }
-        write_text_atomically(self.dir / SUMMARY, json.dumps(summary, indent=2, default=str) + "\n", fsync=self.fsync)
+        write_json_atomically(self.dir / SUMMARY, summary, fsync=self.fsync)
 
     def _remove_debris(self) -> None:
         """Temporary files of a write a crash interrupted."""

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from archer.algorithms.grouping import group_rows
 from archer.batch import Batch
 from archer.errors import ArcherError
 from archer.trace.entropy import response_arrays, step_stats, trace_dir, trace_metadata
@@ -54,12 +55,10 @@ class Selection:
 def select_responses(uids: list[str], rewards: np.ndarray, mask: np.ndarray, *, max_groups: int,
                      max_responses: int, max_tokens_per_response: int) -> Selection:
     """Groups with mixed rewards in order of first appearance, within the caps (0 or less: no cap)."""
-    groups: dict[str, list[int]] = {}
-    for i, uid in enumerate(uids):
-        groups.setdefault(str(uid), []).append(i)
+    groups = group_rows(uids)
     rows, group_ids, accepted = [], [], []
     skipped, kept, full = 0, 0, False
-    for members in groups.values():
+    for members in groups:
         scores = rewards[members]
         if np.all(scores == scores[0]):
             skipped += 1  # counted over the whole step, also once the caps are reached
@@ -68,7 +67,7 @@ def select_responses(uids: list[str], rewards: np.ndarray, mask: np.ndarray, *, 
             max_responses > 0 and len(rows) + len(members) > max_responses)
         if full:
             continue
-        rows += members
+        rows += members.tolist()
         group_ids += [kept] * len(members)
         kept += 1
         accepted += list(scores == scores.max())

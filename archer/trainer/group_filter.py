@@ -5,37 +5,27 @@ are all 0 or all 1, no refill). A group is all responses that share a prompt uid
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
+from archer.algorithms.grouping import rows_of_groups_where
 from archer.errors import ArcherError
 
 FILTER_METRICS = ("acc", "score")
 
 
-def _rows_of_groups(uids: Sequence[str], values: np.ndarray, chosen: Callable[[np.ndarray], bool]) -> np.ndarray:
-    """Bool per row: whether ``chosen`` holds for the values of the row's group."""
-    _, groups = np.unique(np.asarray(uids, dtype=object).astype(str), return_inverse=True)
-    values = np.asarray(values, dtype=np.float64)
-    if not len(groups):
-        return np.zeros(0, dtype=bool)
-    return np.array([chosen(values[groups == g]) for g in range(groups.max() + 1)], dtype=bool)[groups]
-
-
 def informative_rows(uids: Sequence[str], values: np.ndarray) -> np.ndarray:
     """Rows of groups whose `values` are not all equal (max > min; std > 0 without rounding), or that hold a
     single response."""
-    return _rows_of_groups(uids, values, lambda v: len(v) == 1 or bool(np.ptp(v) > 0))
+    return rows_of_groups_where(uids, np.asarray(values, dtype=np.float64),
+                                lambda v: len(v) == 1 or bool(np.ptp(v) > 0))
 
 
 def uniform_accuracy_rows(uids: Sequence[str], acc: np.ndarray) -> np.ndarray:
     """Rows of groups whose accuracies are all 0 or all 1 (what Archer's rejection sampling drops)."""
-    return _rows_of_groups(uids, acc, lambda v: bool(np.all(v == 0) or np.all(v == 1)))
-
-
-def count_groups(uids: Sequence[str]) -> int:
-    return len(set(np.asarray(uids, dtype=object).astype(str).tolist()))
+    return rows_of_groups_where(uids, np.asarray(acc, dtype=np.float64),
+                                lambda v: bool(np.all(v == 0) or np.all(v == 1)))
 
 
 def check_filter_metric(metric: str) -> None:

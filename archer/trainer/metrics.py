@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from archer.algorithms.grouping import group_rows
 from archer.batch import Batch
 
 
@@ -65,23 +66,22 @@ def compute_timing_metrics(timings: dict[str, float], num_tokens: int) -> dict[s
 def validation_metrics(data_sources: np.ndarray, uids: np.ndarray, acc: np.ndarray, scores: np.ndarray,
                        n: int) -> dict[str, float]:
     """mean@n accuracy and score per data source, plus best@n (pass@n) when n > 1, and over all sources."""
+    acc = np.asarray(acc, dtype=np.float64)
     by_source: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    groups: dict[tuple[str, str], list[float]] = defaultdict(list)
-    for ds, uid, a, s in zip(data_sources, uids, acc, scores):
+    for ds, a, s in zip(data_sources, acc, scores):
         by_source[str(ds)]["acc"].append(float(a))
         by_source[str(ds)]["score"].append(float(s))
         by_source["all"]["acc"].append(float(a))
         by_source["all"]["score"].append(float(s))
-        groups[(str(ds), str(uid))].append(float(a))
     metrics: dict[str, float] = {}
     for ds, vals in by_source.items():
         metrics[f"val-core/{ds}/acc/mean@{n}"] = float(np.mean(vals["acc"]))
         metrics[f"val-aux/{ds}/score/mean@{n}"] = float(np.mean(vals["score"]))
     if n > 1:
         best: dict[str, list[float]] = defaultdict(list)
-        for (ds, _), accs in groups.items():
-            best[ds].append(max(accs))
-            best["all"].append(max(accs))
+        for rows in group_rows(list(zip(data_sources, uids))):  # the n responses to one prompt of one source
+            best[str(data_sources[rows[0]])].append(float(np.max(acc[rows])))
+            best["all"].append(float(np.max(acc[rows])))
         for ds, vals in best.items():
             metrics[f"val-core/{ds}/acc/best@{n}/mean"] = float(np.mean(vals))
     return metrics

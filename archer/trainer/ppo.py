@@ -19,7 +19,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from archer.algorithms.advantages import compute_advantage
+from archer.algorithms.grouping import count_groups
 from archer.algorithms.kl import apply_kl_penalty, make_kl_controller
+from archer.atomic_files import write_json_atomically
 from archer.batch import Batch
 from archer.config.loader import as_list, save_config
 from archer.data.loader import PromptLoader, collate_prompts
@@ -42,7 +44,6 @@ from archer.trainer.checkpoint import (
 )
 from archer.trainer.group_filter import (
     check_filter_metric,
-    count_groups,
     informative_rows,
     too_many_batches_error,
     uniform_accuracy_rows,
@@ -426,7 +427,5 @@ class PPOTrainer:
         latest = self.checkpoints.latest_step()
         if latest is not None:
             summary["latest_checkpoint"] = str(self.checkpoints.load_dir(latest) / "actor")
-        tmp = self.run_dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2, default=str))
-        tmp.replace(self.run_dir / "summary.json")
+        write_json_atomically(self.run_dir / "summary.json", summary)
         return summary

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import json
 import shlex
 import time
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from typing import Any
 
 from rich.console import Console
 
+from archer.atomic_files import write_json_atomically
 from archer.config.loader import load_config
 from archer.data.tasks import write_task_files
 from archer.errors import ArcherError
@@ -163,7 +163,7 @@ def run_quickstart(args: Sequence[str] = (), out_dir: str | None = None) -> dict
         "entropy_trace": str(run / "rl" / "entropy_trace"),
         "influence_trace": str(run / "rl" / "influence_trace"),
     }
-    (run / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_json_atomically(run / "summary.json", summary)
     command = "archer train " + " ".join(shlex.quote(a) for a in final_args[:3] + [
         f"trainer.default_local_dir={run / 'rl_again'}", *final_args[4:]])
     console.rule("[bold]quickstart done")

@@ -8,7 +8,6 @@ from the backbone's hidden states at response positions only, in chunks (never f
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +26,7 @@ from transformers import (
     set_seed,
 )
 
+from archer.atomic_files import write_json_atomically
 from archer.batch import Batch
 from archer.config.loader import as_list, save_config
 from archer.data.sft_dataset import SFTDataset, read_sft_rows
@@ -229,4 +229,4 @@ def _write_summary(run_dir: Path, last: dict[str, float], steps: int, wall_time_
         "wall_time_s": round(wall_time_s, 3),
         "model_path": str(model_dir),
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_json_atomically(run_dir / "summary.json", summary)

@@ -1,0 +1,51 @@
+"""Tests of archer.atomic_files: replaced files are complete, readable like the rest of a run, and no
+temporary file is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from archer.atomic_files import TMP_PREFIX, replace_atomically, write_json_atomically, write_text_atomically
+
+
+def mode_of(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_replaced_files_get_the_mode_of_an_ordinary_file(tmp_path: Path) -> None:
+    ordinary = tmp_path / "ordinary.txt"
+    ordinary.write_text("x")
+    atomic = tmp_path / "atomic.txt"
+    write_text_atomically(atomic, "y", fsync=False)
+    assert mode_of(atomic) == mode_of(ordinary)
+    umask = os.umask(0)
+    os.umask(umask)
+    if not umask & 0o044:  # others may read a run's files: so may they read the replaced ones (not mkstemp's 0600)
+        assert mode_of(atomic) & 0o044 == 0o044
+
+
+def test_json_is_written_whole_and_tmp_files_are_gone(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "summary.json"
+    write_json_atomically(path, {"a": 1, "p": Path("/x")})
+    assert json.loads(path.read_text()) == {"a": 1, "p": "/x"}
+    assert path.read_text().endswith("\n")
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(TMP_PREFIX)]
+
+
+def test_a_failed_write_keeps_the_old_file(tmp_path: Path) -> None:
+    path = tmp_path / "f.txt"
+    write_text_atomically(path, "old")
+
+    def fail(f) -> None:
+        f.write(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        replace_atomically(path, fail)
+    assert path.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]
