@@ -171,3 +171,10 @@ class Batch:
             self.tensors.pop(k, None)
             self.rows.pop(k, None)
         return out
+
+
+def response_attention(batch: Batch) -> torch.Tensor:
+    """The response part of the attention mask: 1 on every token present in the response (the policy's and
+    tool output), 0 on padding. What is learned from is ``response_mask``, a subset of it."""
+    attention = batch["attention_mask"]
+    return attention[:, attention.shape[1] - batch["responses"].shape[1]:]

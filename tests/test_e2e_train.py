@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from train_support import task_model
 from transformers import AutoConfig, AutoModelForCausalLM
+from workers_support import update
 
 from archer import cli
 from archer.batch import Batch
@@ -394,8 +395,8 @@ def test_actor_gradient_accumulation_is_exact(loss_agg_mode: str, micro_model: P
     batch["old_log_probs"] = (current + shift) * batch["response_mask"]
     start = {k: v.detach().clone() for k, v in whole.model.state_dict().items()}
 
-    metrics_whole = whole.update_policy(batch)
-    metrics_by_one = by_one.update_policy(batch)
+    metrics_whole = update(whole, batch)
+    metrics_by_one = update(by_one, batch)
 
     after_whole, after_by_one = whole.model.state_dict(), by_one.model.state_dict()
     assert max_weight_change(start, after_whole) > 1e-4  # the update did move the weights
@@ -536,7 +537,7 @@ def test_reward_manager_scores_real_math_rows(micro_model: Path) -> None:
     responses = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x in ids])
     mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids])
     doubled = rows + rows
-    batch = Batch({"responses": responses, "response_mask": mask},
+    batch = Batch({"responses": responses, "response_mask": mask, "attention_mask": mask},
                   {"data_source": [r["data_source"] for r in doubled], "ability": [r["ability"] for r in doubled],
                    "ground_truth": [r["reward_model"]["ground_truth"] for r in doubled],
                    "extra_info": [r["extra_info"] for r in doubled]})

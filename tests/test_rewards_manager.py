@@ -53,7 +53,7 @@ def make_batch(
 ) -> Batch:
     responses, mask = encode(tok, texts, width)
     return Batch(
-        {"responses": responses, "response_mask": mask},
+        {"responses": responses, "response_mask": mask, "attention_mask": mask},
         {
             "data_source": list(sources),
             "ground_truth": list(gts),
@@ -117,7 +117,7 @@ def test_custom_function_scores_every_row(tokenizer: PreTrainedTokenizerFast) ->
 def test_reward_fn_key_and_empty_rows(tokenizer: PreTrainedTokenizerFast) -> None:
     responses, mask = encode(tokenizer, ["\\boxed{7}", ""], 16, eos=False)
     batch = Batch(
-        {"responses": responses, "response_mask": mask},
+        {"responses": responses, "response_mask": mask, "attention_mask": mask},
         {"source": ["openai/gsm8k", "openai/gsm8k"], "ground_truth": ["7", "7"]},
     )
     out = RewardManager(tokenizer, reward_fn_key="source")(batch)
@@ -157,7 +157,7 @@ def bpe_batch(tok: PreTrainedTokenizerFast, rows: Sequence[list[int]], sources: 
     for i, ids in enumerate(rows):
         responses[i, : len(ids)] = torch.tensor(ids)
         mask[i, : len(ids)] = 1
-    return Batch({"responses": responses, "response_mask": mask},
+    return Batch({"responses": responses, "response_mask": mask, "attention_mask": mask},
                  {"data_source": list(sources), "ground_truth": list(gts)})
 
 

@@ -27,10 +27,10 @@ OLD_LOG_PROBS_F16 = [[-0.0999755859375, -0.333251953125, 0.0], [-0.7001953125, -
                      [-1.0, 0.0, 0.0]]
 SCORES = [[0.0, 1.0, 0.0], [0.0, 0.25, 0.25], [-1.0, 0.0, 0.0]]   # row sums 1.0, 0.5, -1.0
 ADVANTAGES = [[1.0, 3.0, 99.0], [2.0, 4.0, 6.0], [5.0, 99.0, 99.0]]  # 99 on padding must not count
-LOSS_MASK = [[1, 0, 1], [0, 1, 1], [1, 1, 1]]
+TOOL_TOKENS = [[0, 1, 0], [1, 0, 0], [0, 0, 0]]  # present in the sequence (attention 1), not learned from
 
 
-def traced_batch(loss_mask: bool = False) -> Batch:
+def traced_batch(tool_tokens: bool = False) -> Batch:
     batch = hand_batch()
     batch["prompts"] = torch.tensor(PROMPT_IDS)
     batch["entropies"] = torch.tensor(ENTROPIES)
@@ -39,8 +39,8 @@ def traced_batch(loss_mask: bool = False) -> Batch:
     batch["advantages"] = torch.tensor(ADVANTAGES)
     batch["uid"] = ["u1", "u2", "u1"]
     batch["data_source"] = ["gsm8k", "math", "gsm8k"]
-    if loss_mask:
-        batch["loss_mask"] = torch.tensor(LOSS_MASK)
+    if tool_tokens:
+        batch["response_mask"] = batch["response_mask"] * (1 - torch.tensor(TOOL_TOKENS))
     return batch
 
 
@@ -69,9 +69,9 @@ def test_response_arrays_field_by_field() -> None:
     check_step_arrays(arrays, "entropy")
 
 
-def test_loss_mask_narrows_the_response_mask_and_the_advantage_mean() -> None:
-    arrays = response_arrays(traced_batch(loss_mask=True))
-    # RESPONSE_MASK & LOSS_MASK
+def test_tokens_outside_the_response_mask_are_not_traced_as_learned() -> None:
+    arrays = response_arrays(traced_batch(tool_tokens=True))
+    # the response mask with the tool tokens cleared; the attention mask still holds them
     assert arrays["response_mask"].tolist() == [[True, False, False], [False, True, True], [True, False, False]]
     assert arrays["advantage"].tolist() == [1.0, (4.0 + 6.0) / 2, 5.0]
     assert arrays["reward"].tolist() == [1.0, 0.5, -1.0]  # the reward is the whole row's score

@@ -24,10 +24,16 @@ from archer.errors import ArcherError
 from archer.models.loading import load_tokenizer
 from archer.models.logprobs import response_logprobs
 from archer.trace.format import TraceReader
-from archer.trace.influence import InfluenceTrace, select_responses
-from archer.trace.influence_capture import ProjectionSpec, rademacher, select_modules
+from archer.trace.influence import InfluenceTrace, Selection, select_responses
+from archer.trace.influence_capture import (
+    CaptureSettings,
+    ProjectionSpec,
+    projection_matrices,
+    rademacher,
+    select_modules,
+)
 from archer.trace.influence_score import Scopes, ScoreOptions, module_scores, solve_damped
-from archer.workers.actor import ActorWorker
+from archer.workers.actor import INFLUENCE_TOKENS, ActorWorker
 
 MLP = "[mlp.gate_proj,mlp.up_proj,mlp.down_proj]"
 UIDS = ["a", "a", "a", "b", "b", "b", "c", "c"]
@@ -260,18 +266,20 @@ def token_loss_gradients(model: torch.nn.Module, batch: Batch, modules: list[str
     return grads
 
 
-def reference_scores(trace: InfluenceTrace, traced, grads: dict[tuple[int, int], list[torch.Tensor]]) -> np.ndarray:
+def reference_scores(trace: InfluenceTrace, sel: Selection, model: torch.nn.Module,
+                     grads: dict[tuple[int, int], list[torch.Tensor]]) -> np.ndarray:
     """Explicit scores from exact per-token gradients projected with the capture's own matrices."""
-    sel = traced.selection
     total = torch.zeros(len(sel.token_response), dtype=torch.float64)
     per_prompt = trace.options.scope == "per_prompt"
     scope_of = torch.as_tensor(sel.group_id) if per_prompt else torch.zeros(len(sel.rows), dtype=torch.long)
-    for m, cap in enumerate(traced.capture.captures.values()):
+    modules = dict(model.named_modules())
+    for m, name in enumerate(trace.modules):
+        p_in, p_out = projection_matrices(name, modules[name], trace.capture_settings.projection)
         rows = []
         for s, t in zip(sel.token_response.tolist(), sel.token_position.tolist()):
             grad = grads[(int(sel.rows[s]), t)][m]
-            if cap.p_in is not None:
-                grad = cap.p_out @ grad @ cap.p_in.t()
+            if p_in is not None:
+                grad = p_out @ grad @ p_in.t()
             rows.append(grad.flatten())
         total += explicit_scores(torch.as_tensor(sel.token_response), torch.stack(rows),
                                  torch.as_tensor(sel.accepted), scope_of, trace.options)
@@ -279,19 +287,18 @@ def reference_scores(trace: InfluenceTrace, traced, grads: dict[tuple[int, int],
 
 
 def run_capture(model_dir: Path, run_dir: Path, *extra: str):
+    """One traced update through the actor worker's interface, as the trainer runs it."""
     cfg = capture_config(model_dir, run_dir, *extra)
     actor = ActorWorker(cfg.actor_rollout_ref, device=torch.device("cpu"), total_steps=1)
     batch = traced_batch(actor)
     initial = copy.deepcopy(actor.model)
-    trace = InfluenceTrace(cfg, run_dir, load_tokenizer(model_dir), actor.model, torch.device("cpu"))
-    traced = trace.begin(1, batch)
-    if trace.extra_pass:
-        actor.influence_backward(batch, traced, cfg.trainer.influence_trace.output_function)
-        assert all(p.grad is None for p in actor.model.parameters()), "the extra pass leaves .grad alone"
-        actor.update_policy(batch)
-    else:
-        actor.update_policy(batch, traced)
-    return cfg, actor, batch, initial, trace, traced
+    modules = actor.setup_influence(CaptureSettings.from_config(cfg.trainer.influence_trace))
+    trace = InfluenceTrace(cfg, run_dir, load_tokenizer(model_dir), modules, torch.device("cpu"))
+    selection = trace.select(1, batch)
+    batch.info[INFLUENCE_TOKENS] = selection.tokens
+    captured = actor.update_actor(batch).info["influence"]
+    batch.info.pop(INFLUENCE_TOKENS)
+    return cfg, actor, batch, initial, trace, selection, captured
 
 
 @pytest.mark.parametrize("extra", [
@@ -302,34 +309,40 @@ def run_capture(model_dir: Path, run_dir: Path, *extra: str):
      "trainer.influence_trace.exclude_self_response=true"),
 ])
 def test_hook_scores_match_exact_per_token_gradients(tiny_model_dir: Path, tmp_path: Path, extra) -> None:
-    cfg, actor, batch, initial, trace, traced = run_capture(tiny_model_dir, tmp_path, *extra)
-    assert traced.selection.rows.tolist() == [0, 1, 2, 3, 4, 5]  # group c (constant reward) skipped
-    got = trace.score(traced)
+    cfg, actor, batch, initial, trace, sel, captured = run_capture(tiny_model_dir, tmp_path, *extra)
+    assert sel.rows.tolist() == [0, 1, 2, 3, 4, 5]  # group c (constant reward) skipped
+    got = trace.score(sel, captured)
     grads = token_loss_gradients(initial, batch, list(trace.modules), "training_loss", 1.0)
-    want = reference_scores(trace, traced, grads)
+    want = reference_scores(trace, sel, initial, grads)
     assert len(got) == sum(LENGTHS[:6])
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 * np.abs(want).max())
     assert np.abs(want).max() > 0
     projected = cfg.trainer.influence_trace.projection_dim_factor > 0
-    dims = traced.capture.dims
-    assert dims["model.layers.1.mlp.down_proj"] == ((8, 4) if projected else (64, 32))
+    _, u, v = captured["model.layers.1.mlp.down_proj"]  # (token ids, u [T, k_out], v [T, k_in]) on the CPU
+    assert (v.shape[1], u.shape[1]) == ((8, 4) if projected else (64, 32))
+    assert u.device.type == v.device.type == "cpu"
 
 
 def test_log_prob_output_function_uses_its_own_backward(tiny_model_dir: Path, tmp_path: Path) -> None:
-    _, actor, batch, initial, trace, traced = run_capture(
-        tiny_model_dir, tmp_path, "trainer.influence_trace.output_function=log_prob",
-        "trainer.influence_trace.projection_dim_factor=8")
-    assert trace.extra_pass
-    got = trace.score(traced)
-    want = reference_scores(trace, traced, token_loss_gradients(initial, batch, list(trace.modules), "log_prob", 1.0))
+    factor = "trainer.influence_trace.projection_dim_factor=8"
+    _, actor, batch, initial, trace, sel, captured = run_capture(
+        tiny_model_dir, tmp_path / "a", "trainer.influence_trace.output_function=log_prob", factor)
+    assert trace.capture_settings.extra_pass
+    got = trace.score(sel, captured)
+    want = reference_scores(trace, sel, initial,
+                            token_loss_gradients(initial, batch, list(trace.modules), "log_prob", 1.0))
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 * np.abs(want).max())
+    # the extra pass sends its gradients to the hooks only: the update is the one a run without it makes
+    plain = run_capture(tiny_model_dir, tmp_path / "b", factor)[1]
+    for (name, value), other in zip(actor.model.named_parameters(), plain.model.parameters()):
+        assert torch.equal(value, other), name
 
 
 def test_checkpointing_and_skip_step_capture_the_same_scores(tiny_model_dir: Path, tmp_path: Path) -> None:
     factor = "trainer.influence_trace.projection_dim_factor=8"
     plain = run_capture(tiny_model_dir, tmp_path / "a", factor)
     ckpt = run_capture(tiny_model_dir, tmp_path / "b", factor, "actor_rollout_ref.model.enable_gradient_checkpointing=true")
-    np.testing.assert_allclose(ckpt[4].score(ckpt[5]), plain[4].score(plain[5]), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(ckpt[4].score(ckpt[5], ckpt[6]), plain[4].score(plain[5], plain[6]), rtol=1e-4, atol=1e-6)
     skipped = run_capture(tiny_model_dir, tmp_path / "c", factor, "trainer.influence_trace.skip_optimizer_step=true")
     before = skipped[3].state_dict()
     after = skipped[1].model.state_dict()
@@ -338,10 +351,11 @@ def test_checkpointing_and_skip_step_capture_the_same_scores(tiny_model_dir: Pat
 
 
 def test_finish_writes_the_influence_step(tiny_model_dir: Path, tmp_path: Path) -> None:
-    _, _, batch, _, trace, traced = run_capture(tiny_model_dir, tmp_path, "trainer.influence_trace.projection_dim_factor=8",
-                                                "trainer.influence_trace.max_tokens_per_response=3")
-    expected = trace.score(traced)
-    metrics = trace.finish(1, batch, traced)
+    _, _, batch, _, trace, sel, captured = run_capture(tiny_model_dir, tmp_path,
+                                                       "trainer.influence_trace.projection_dim_factor=8",
+                                                       "trainer.influence_trace.max_tokens_per_response=3")
+    expected = trace.score(sel, captured)
+    metrics = trace.finish(1, batch, sel, captured)
     trace.writer.flush()
     assert metrics["influence/selected_responses"] == 6 and metrics["influence/selected_groups"] == 2
     assert metrics["influence/skipped_groups"] == 1 and metrics["influence/traced_tokens"] == 17

@@ -76,6 +76,7 @@ def test_compute_data_metrics_without_values_or_acc() -> None:
 def test_compute_data_metrics_with_no_response_tokens() -> None:
     b = hand_batch(with_acc=False)
     b["response_mask"] = torch.zeros(3, 4, dtype=torch.long)
+    b["attention_mask"][:, 3:] = 0
     m = compute_data_metrics(b, max_response_length=4)
     assert m["actor/entropy"] == 0.0
     assert "critic/advantages/mean" not in m and "critic/returns/mean" not in m

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
-from workers_support import RESPONSE_MASK, float64_logprobs, hand_batch, ppo_config
+from workers_support import RESPONSE_MASK, float64_logprobs, hand_batch, ppo_config, update
 
 from archer.batch import Batch
 from archer.models.loading import load_tokenizer
@@ -77,11 +77,11 @@ def test_compute_log_prob_matches_a_float64_full_logits_forward(tiny_model_dir):
     torch.testing.assert_close(out_micro["entropies"], ent, atol=1e-6, rtol=0)
 
 
-# -- update_policy ---------------------------------------------------------------------------------------------
+# -- update_actor ----------------------------------------------------------------------------------------------
 def test_zero_advantages_leave_the_policy_unchanged(tiny_model_dir):
     actor = make_actor(tiny_model_dir, "actor_rollout_ref.actor.optim.lr=0.01")
     before = params_of(actor)
-    metrics = actor.update_policy(policy_batch(actor, torch.zeros(3, 3)))
+    metrics = update(actor, policy_batch(actor, torch.zeros(3, 3)))
     assert set(metrics) == PG_METRICS
     assert metrics["actor/pg_loss"] == 0.0
     assert metrics["actor/grad_norm"] == 0.0
@@ -104,9 +104,9 @@ def test_advantage_sign_moves_the_response_log_prob_by_the_first_order_amount(ti
 
     advantages = torch.zeros(3, 3)
     advantages[1] = sign
-    update = policy_batch(actor, advantages)
-    before = update["old_log_probs"][1].sum().item()
-    metrics = actor.update_policy(update)
+    trained = policy_batch(actor, advantages)
+    before = trained["old_log_probs"][1].sum().item()
+    metrics = update(actor, trained)
     after = actor.compute_log_prob(batch)["old_log_probs"][1].sum().item()
     # ratio 1 on every token: pg_loss = -(A * 3 tokens) / 6 tokens
     assert metrics["actor/pg_loss"] == pytest.approx(-sign * 3 / VALID_TOKENS, abs=1e-6)
@@ -118,8 +118,8 @@ def test_advantage_sign_moves_the_response_log_prob_by_the_first_order_amount(ti
 def test_micro_batches_accumulate_to_the_mini_batch_gradient(tiny_model_dir):
     whole = make_actor(tiny_model_dir)
     micro = make_actor(tiny_model_dir, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1")
-    m_whole = whole.update_policy(policy_batch(whole, random_advantages(), old_shift=0.1))
-    m_micro = micro.update_policy(policy_batch(micro, random_advantages(), old_shift=0.1))
+    m_whole = update(whole, policy_batch(whole, random_advantages(), old_shift=0.1))
+    m_micro = update(micro, policy_batch(micro, random_advantages(), old_shift=0.1))
     assert m_whole["actor/grad_norm"] > 0
     for key in PG_METRICS:
         assert m_micro[key] == pytest.approx(m_whole[key], rel=1e-5, abs=1e-7), key
@@ -129,7 +129,7 @@ def test_micro_batches_accumulate_to_the_mini_batch_gradient(tiny_model_dir):
 def test_ppo_epochs_give_one_optimiser_step_per_mini_batch_and_epoch(tiny_model_dir, mini_batch_size, steps):
     actor = make_actor(tiny_model_dir, "actor_rollout_ref.actor.ppo_epochs=2",
                        f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_batch_size}")
-    actor.update_policy(policy_batch(actor, random_advantages()))
+    update(actor, policy_batch(actor, random_advantages()))
     counters = {float(state["step"]) for state in actor.optimizer.state.values()}
     assert counters == {float(steps)}
 
@@ -140,34 +140,35 @@ def test_lr_follows_the_warmup_across_calls(tiny_model_dir):
     used = []
     for call in range(4):
         before = params_of(actor)
-        metrics = actor.update_policy(policy_batch(actor, random_advantages(call)))
+        metrics = update(actor, policy_batch(actor, random_advantages(call)))
         used.append(metrics["actor/lr"])
         moved = any(not torch.equal(v, before[k]) for k, v in actor.model.named_parameters())
         assert moved == (call > 0)  # the first update runs at lr 0 (warmup step 0 of 2)
     assert used == pytest.approx([0.0, 0.0005, 0.001, 0.001])
 
 
-def test_loss_mask_equals_masking_those_tokens_in_the_response_mask(tiny_model_dir):
+def test_tokens_outside_the_response_mask_do_not_reach_the_update(tiny_model_dir):
     advantages = random_advantages(1)
-    tool_tokens = torch.tensor([[1, 0, 1], [1, 0, 1], [1, 1, 1]])  # row 0 token 1 and row 1 token 1 are tool output
+    tool_tokens = torch.tensor([[0, 1, 0], [0, 1, 0], [0, 0, 0]])  # in the sequence (attention 1), not learned from
 
-    with_loss_mask = make_actor(tiny_model_dir, "actor_rollout_ref.actor.optim.lr=0.001")
-    m_loss_mask = with_loss_mask.update_policy(policy_batch(with_loss_mask, advantages, old_shift=0.1,
-                                                            loss_mask=tool_tokens))
+    def masked_batch(actor: ActorWorker, garbage: float) -> Batch:
+        batch = policy_batch(actor, advantages, old_shift=0.1)
+        batch["response_mask"] = batch["response_mask"] * (1 - tool_tokens)
+        batch["old_log_probs"] = torch.where(tool_tokens.bool(), garbage, batch["old_log_probs"])
+        batch["advantages"] = torch.where(tool_tokens.bool(), garbage, batch["advantages"])
+        return batch
 
-    masked = make_actor(tiny_model_dir, "actor_rollout_ref.actor.optim.lr=0.001")
-    batch = policy_batch(masked, advantages, old_shift=0.1)
-    batch["response_mask"] = batch["response_mask"] * tool_tokens
-    m_masked = masked.update_policy(batch)
-
+    first = make_actor(tiny_model_dir, "actor_rollout_ref.actor.optim.lr=0.001")
+    m_first = update(first, masked_batch(first, garbage=0.0))
+    second = make_actor(tiny_model_dir, "actor_rollout_ref.actor.optim.lr=0.001")
+    m_second = update(second, masked_batch(second, garbage=-50.0))
     plain = make_actor(tiny_model_dir, "actor_rollout_ref.actor.optim.lr=0.001")
-    m_plain = plain.update_policy(policy_batch(plain, advantages, old_shift=0.1))
+    m_plain = update(plain, policy_batch(plain, advantages, old_shift=0.1))
 
-    assert m_loss_mask["actor/grad_norm"] == pytest.approx(m_masked["actor/grad_norm"], rel=1e-6)
-    assert m_loss_mask["actor/pg_loss"] == pytest.approx(m_masked["actor/pg_loss"], rel=1e-6)
-    for (name, value), other in zip(with_loss_mask.model.named_parameters(), masked.model.parameters()):
+    assert m_first == pytest.approx(m_second, rel=1e-6)
+    for (name, value), other in zip(first.model.named_parameters(), second.model.parameters()):
         torch.testing.assert_close(value, other, atol=1e-7, rtol=0, msg=name)
-    assert m_plain["actor/grad_norm"] != pytest.approx(m_loss_mask["actor/grad_norm"], rel=1e-3)
+    assert m_plain["actor/grad_norm"] != pytest.approx(m_first["actor/grad_norm"], rel=1e-3)
 
 
 @pytest.mark.parametrize(
@@ -186,11 +187,11 @@ def test_loss_mask_equals_masking_those_tokens_in_the_response_mask(tiny_model_d
 def test_clip_ratio_low_and_high_fall_back_to_clip_ratio(tiny_model_dir, overrides, high_loss, low_loss):
     actor = make_actor(tiny_model_dir, "actor_rollout_ref.actor.optim.lr=0.0", *overrides)
     # A = +1 with ratio e^0.25: token loss max(-r, -clip(r)) -> -min(r, 1 + eps_high)
-    high = actor.update_policy(policy_batch(actor, torch.ones(3, 3), old_shift=-0.25))
+    high = update(actor, policy_batch(actor, torch.ones(3, 3), old_shift=-0.25))
     assert high["actor/pg_loss"] == pytest.approx(high_loss, abs=1e-5)
     assert high["actor/pg_clipfrac"] == pytest.approx(float(high_loss == -1.2))
     # A = -1 with ratio e^-0.25: token loss max(r, clip(r)) -> max(r, 1 - eps_low); dual-clip bound 3 is inactive
-    low = actor.update_policy(policy_batch(actor, -torch.ones(3, 3), old_shift=0.25))
+    low = update(actor, policy_batch(actor, -torch.ones(3, 3), old_shift=0.25))
     assert low["actor/pg_loss"] == pytest.approx(low_loss, abs=1e-5)
     assert low["actor/pg_clipfrac"] == pytest.approx(float(low_loss == 0.8))
     assert low["actor/pg_clipfrac_lower"] == 0.0
@@ -202,7 +203,7 @@ def test_entropy_coeff_adds_the_entropy_loss(tiny_model_dir):
     batch = hand_batch()
     _, entropies = float64_logprobs(actor.model, batch, temperature=0.7)
     before = params_of(actor)
-    metrics = actor.update_policy(policy_batch(actor, torch.zeros(3, 3)))
+    metrics = update(actor, policy_batch(actor, torch.zeros(3, 3)))
     assert set(metrics) == PG_METRICS | {"actor/entropy_loss"}
     # token-mean over the 6 valid tokens
     assert metrics["actor/entropy_loss"] == pytest.approx(float(entropies.sum()) / VALID_TOKENS, rel=1e-5)
@@ -217,13 +218,13 @@ def test_nan_advantage_skips_the_step(tiny_model_dir):
     advantages = random_advantages()
     advantages[1, 1] = float("nan")
     before = params_of(actor)
-    metrics = actor.update_policy(policy_batch(actor, advantages))
+    metrics = update(actor, policy_batch(actor, advantages))
     assert not math.isfinite(metrics["actor/grad_norm"])
     assert metrics["actor/skipped_steps"] == 1.0
     assert_params_equal(actor, before)
     assert not actor.optimizer.state
     # the NaN gradients were dropped: the next finite batch steps normally
-    metrics = actor.update_policy(policy_batch(actor, random_advantages()))
+    metrics = update(actor, policy_batch(actor, random_advantages()))
     assert math.isfinite(metrics["actor/grad_norm"]) and metrics["actor/skipped_steps"] == 0.0
     assert any(not torch.equal(v, before[k]) for k, v in actor.model.named_parameters())
 
@@ -232,17 +233,17 @@ def test_nan_advantage_skips_the_step(tiny_model_dir):
 def test_save_load_round_trip_is_exact(tiny_model_dir, tmp_path):
     actor = make_actor(tiny_model_dir, "actor_rollout_ref.actor.optim.lr=0.001",
                        "actor_rollout_ref.actor.optim.lr_warmup_steps=3")
-    actor.update_policy(policy_batch(actor, random_advantages(0)))
-    actor.update_policy(policy_batch(actor, random_advantages(1)))
+    update(actor, policy_batch(actor, random_advantages(0)))
+    update(actor, policy_batch(actor, random_advantages(1)))
     folder = tmp_path / "actor"
     actor.save(folder, load_tokenizer(tiny_model_dir))
     saved_params = params_of(actor)
     saved_optim = copy.deepcopy(actor.optimizer.state_dict())
     saved_sched = actor.scheduler.state_dict()
     next_batch = policy_batch(actor, random_advantages(2))
-    actor.update_policy(next_batch)
+    update(actor, next_batch)
     after_one_more = params_of(actor)
-    actor.update_policy(policy_batch(actor, random_advantages(3)))
+    update(actor, policy_batch(actor, random_advantages(3)))
 
     actor.load(folder)
     assert_params_equal(actor, saved_params)
@@ -254,7 +255,7 @@ def test_save_load_round_trip_is_exact(tiny_model_dir, tmp_path):
             assert torch.equal(state["state"][index][slot], value), (index, slot)
     assert actor.scheduler.state_dict() == saved_sched
     # resuming replays the same update exactly
-    actor.update_policy(next_batch)
+    update(actor, next_batch)
     assert_params_equal(actor, after_one_more)
 
     reloaded = AutoModelForCausalLM.from_pretrained(folder)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from workers_support import float64_logprobs, hand_batch, ppo_config
+from workers_support import float64_logprobs, hand_batch, ppo_config, update
 
 from archer.workers.actor import ActorWorker
 from archer.workers.reference import ReferenceWorker
@@ -29,7 +29,7 @@ def test_ref_log_prob_equals_the_initial_actor_and_stays_frozen(tiny_model_dir):
     # the actor learns; the reference does not
     batch["old_log_probs"] = old
     batch["advantages"] = torch.randn(3, 3, generator=torch.Generator().manual_seed(0)) * batch["response_mask"]
-    actor.update_policy(batch)
+    update(actor, batch)
     assert not torch.allclose(actor.compute_log_prob(batch)["old_log_probs"], old, atol=1e-4)
     torch.testing.assert_close(ref.compute_ref_log_prob(batch)["ref_log_prob"], old, atol=1e-7, rtol=0)
 

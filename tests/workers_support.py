@@ -50,3 +50,8 @@ def float64_logprobs(model: torch.nn.Module, batch: Batch, temperature: float) -
     entropy = -(log_softmax.exp() * log_softmax).sum(-1)
     valid = batch["response_mask"].bool()
     return torch.where(valid, logp, 0.0), torch.where(valid, entropy, 0.0)
+
+
+def update(actor, batch: Batch) -> dict[str, float]:
+    """The metrics of one ``update_actor`` call."""
+    return actor.update_actor(batch).info["metrics"]

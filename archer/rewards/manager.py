@@ -1,9 +1,9 @@
 """The reward stage of the RL step: decode responses, score each row, place scores on tokens.
 
 Each row is scored by ``compute_score`` (a custom function, used for every row as in verl) or by the
-built-in routing of archer.rewards.registry. The row's score lands on its last valid response token of
-``token_level_scores``; a row with no valid token keeps an all-zero row (its score is still in
-``scores``). Rows are scored in order, so the output is deterministic. Shaping (rewards/shaping.py) comes
+built-in routing of archer.rewards.registry on the text of the whole response (tool output included). The
+row's score lands on its last learned token (``response_mask``) of ``token_level_scores``; a row with no such
+token keeps an all-zero row (its score is still in ``scores``). Rows are scored in order, so the output is deterministic. Shaping (rewards/shaping.py) comes
 after scoring: a built-in rule reward's wrong answers get ``wrong_answer_score``, and the overlong buffer
 adds its penalty (``extra["overlong_penalty"]``); accuracy is that of the unshaped answer.
 """
@@ -18,13 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from archer.batch import Batch
+from archer.batch import Batch, response_attention
 from archer.errors import ArcherError
 from archer.rewards.registry import default_compute_score
 from archer.rewards.shaping import OverlongBuffer, apply_wrong_answer_score
 
 _REQUIRED_ROWS = ("ground_truth",)
-_REQUIRED_TENSORS = ("responses", "response_mask")
+_REQUIRED_TENSORS = ("responses", "response_mask", "attention_mask")
 
 
 @dataclass
@@ -92,7 +92,8 @@ class RewardManager:
     def __call__(self, batch: Batch) -> RewardOutput:
         self._check_fields(batch)
         responses, mask = batch["responses"], batch["response_mask"]
-        texts = self._decode(responses, mask)
+        present = response_attention(batch)  # the reward reads the whole response, tool output included
+        texts = self._decode(responses, present)
         results = [self._score_row(batch, i, text) for i, text in enumerate(texts)]
         scores = np.array([float(r["score"]) for r in results], dtype=np.float64)
         acc = np.array([_accuracy(r) for r in results], dtype=np.float64)
@@ -101,7 +102,7 @@ class RewardManager:
         if self.compute_score is None and self.wrong_answer_score != 0:
             scores = apply_wrong_answer_score(scores, acc, self.wrong_answer_score)
         if self.overlong is not None:
-            extra["overlong_penalty"] = self.overlong.penalties(mask.sum(dim=1).cpu().numpy())
+            extra["overlong_penalty"] = self.overlong.penalties(present.sum(dim=1).cpu().numpy())
             scores = scores + extra["overlong_penalty"]
         return RewardOutput(_on_last_token(scores, mask).to(responses.device), scores, acc, extra)
 

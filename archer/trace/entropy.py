@@ -24,8 +24,6 @@ def response_arrays(batch: Batch, rows: np.ndarray | None = None) -> dict[str, n
     rows = np.arange(len(batch)) if rows is None else np.asarray(rows, dtype=np.int64)
     index = torch.as_tensor(rows, dtype=torch.long)
     mask = batch["response_mask"][index].bool()
-    if "loss_mask" in batch.tensors:
-        mask = mask & batch["loss_mask"][index].bool()
     uids = np.asarray([str(u) for u in batch["uid"]])
     prompt_mask = batch["attention_mask"][index, : batch["prompts"].shape[1]]
     advantages = batch["advantages"][index].float() if "advantages" in batch.tensors else None

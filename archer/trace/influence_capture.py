@@ -7,6 +7,10 @@ gradient is u_t v_t^T (dimension D = k_in * k_out) and is never formed here. P_i
 Rademacher matrices scaled by 1/sqrt(k); with projection disabled they are identities and u, v are the raw
 vectors.
 
+The influence trace (trace/influence.py) chooses the tokens and sends them to the actor worker as plain arrays
+(``TracedTokens``, with the ``CaptureSettings`` given once); the worker hooks its own model (``TokenCapture``)
+and hands back plain tensors per module (``InfluenceCapture.collect``). Nothing else crosses between them.
+
 Hooks only fire for positions the caller names with ``micro_batch`` and only while ``capturing``. Under
 non-reentrant activation checkpointing the recomputed forward also registers output hooks, but the backward
 runs through the original graph, so each position is stored exactly once.
@@ -17,11 +21,13 @@ from __future__ import annotations
 import math
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+from omegaconf import DictConfig
 from torch import nn
 
 from archer.errors import ArcherError
@@ -56,6 +62,19 @@ def rademacher(rows: int, cols: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     signs = torch.randint(0, 2, (rows, cols), generator=generator, dtype=torch.int8)
     return (signs.float() * 2 - 1) / math.sqrt(rows)
+
+
+def projection_matrices(name: str, module: nn.Linear, spec: ProjectionSpec
+                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(P_in [k_in, in], P_out [k_out, out]) of a module, on its device, seeded by the module's name; (None, None)
+    when it is not projected."""
+    sizes = spec.sizes(module.in_features, module.out_features)
+    if sizes is None:
+        return None, None
+    seed = spec.seed * 1_000_003 + zlib.crc32(name.encode())
+    device = module.weight.device
+    return (rademacher(sizes[0], module.in_features, seed).to(device),
+            rademacher(sizes[1], module.out_features, seed + 1).to(device))
 
 
 def select_modules(model: nn.Module, name_filter: list[str], layers: list[int] | None,
@@ -118,17 +137,8 @@ class InfluenceCapture:
     def __init__(self, modules: dict[str, nn.Linear], spec: ProjectionSpec, *, store_device: torch.device) -> None:
         self.modules = modules
         self.store_device = store_device
-        self.captures: dict[str, ModuleCapture] = {}
-        for name, module in modules.items():
-            sizes = spec.sizes(module.in_features, module.out_features)
-            device = module.weight.device
-            if sizes is None:
-                p_in = p_out = None
-            else:
-                seed = spec.seed * 1_000_003 + zlib.crc32(name.encode())
-                p_in = rademacher(sizes[0], module.in_features, seed).to(device)
-                p_out = rademacher(sizes[1], module.out_features, seed + 1).to(device)
-            self.captures[name] = ModuleCapture(p_in, p_out)
+        self.captures = {name: ModuleCapture(*projection_matrices(name, module, spec))
+                         for name, module in modules.items()}
         self.current: MicroBatchPositions | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
@@ -200,3 +210,87 @@ class InfluenceCapture:
             order = torch.argsort(tokens)
             out[name] = (tokens[order], torch.cat(cap.u)[order], torch.cat(cap.v)[order])
         return out
+
+
+CapturedFactors = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # module -> (token ids, u, v) on CPU
+
+
+@dataclass(frozen=True)
+class CaptureSettings:
+    """What the actor hooks and how (trainer.influence_trace keys), given to the actor worker once."""
+
+    module_name_filter: tuple[str, ...]
+    layers: tuple[int, ...] | None
+    max_modules: int
+    projection: ProjectionSpec
+    offload_to_cpu: bool
+    output_function: str
+    skip_optimizer_step: bool
+
+    @classmethod
+    def from_config(cls, t: DictConfig) -> CaptureSettings:
+        return cls(module_name_filter=tuple(t.module_name_filter),
+                   layers=None if t.layers is None else tuple(int(i) for i in t.layers),
+                   max_modules=int(t.max_modules),
+                   projection=ProjectionSpec(factor=int(t.projection_dim_factor), max_vector_sum=int(t.max_proj_vector_sum),
+                                             max_dim=int(t.max_hessian_dim), seed=int(t.projection_seed)),
+                   offload_to_cpu=bool(t.grad_offload_to_cpu), output_function=str(t.output_function),
+                   skip_optimizer_step=bool(t.skip_optimizer_step))
+
+    @property
+    def extra_pass(self) -> bool:
+        """Whether the capture needs its own forward+backward (every output function but the training loss)."""
+        return self.output_function != "training_loss"
+
+
+@dataclass(frozen=True)
+class TracedTokens:
+    """The tokens of one step to capture: ``rows`` of the batch, and per token its index into ``rows``
+    (ascending) and its response position. Token i of the capture is token i of these arrays."""
+
+    rows: np.ndarray            # [S] batch rows
+    token_response: np.ndarray  # [T] index into rows, non-decreasing
+    token_position: np.ndarray  # [T] response position
+
+
+class TokenCapture:
+    """The actor's side of one traced update: its hooks, and the traced positions of each micro-batch."""
+
+    def __init__(self, capture: InfluenceCapture, tokens: TracedTokens) -> None:
+        self.capture = capture
+        self.tokens = tokens
+        # batch row -> (id of its first traced token, its traced response positions)
+        self._by_row: dict[int, tuple[int, np.ndarray]] = {}
+        index = np.arange(len(tokens.rows))
+        starts = np.searchsorted(tokens.token_response, index)
+        ends = np.searchsorted(tokens.token_response, index, side="right")
+        for s, row in enumerate(tokens.rows):
+            self._by_row[int(row)] = (int(starts[s]), tokens.token_position[starts[s]:ends[s]])
+
+    def hooks(self):
+        return self.capture.capturing()
+
+    @contextmanager
+    def micro_batch(self, rows: Sequence[int], input_length: int, response_length: int) -> Iterator[None]:
+        """Trace the selected rows among ``rows`` (batch row ids of the micro-batch) inside the block."""
+        mb_rows, positions, token_ids = [], [], []
+        for i, row in enumerate(rows):
+            found = self._by_row.get(int(row))
+            if found is None:
+                continue
+            first, pos = found
+            mb_rows.append(np.full(len(pos), i))
+            # The hidden state at input position L - R - 1 + t scores response token t.
+            positions.append(input_length - response_length - 1 + pos)
+            token_ids.append(first + np.arange(len(pos)))
+        where = None
+        if mb_rows:
+            where = MicroBatchPositions(torch.as_tensor(np.concatenate(mb_rows)),
+                                        torch.as_tensor(np.concatenate(positions)),
+                                        torch.as_tensor(np.concatenate(token_ids)))
+        with self.capture.micro_batch(where):
+            yield
+
+    def collect(self) -> CapturedFactors:
+        """Per module: (token ids, u, v) on the CPU, sorted by token id."""
+        return {name: (ids.cpu(), u.cpu(), v.cpu()) for name, (ids, u, v) in self.capture.collect().items()}

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from archer.algorithms.grouping import group_rows
-from archer.batch import Batch
+from archer.batch import Batch, response_attention
 
 
 @contextmanager
@@ -34,9 +34,9 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 
 def compute_data_metrics(batch: Batch, *, max_response_length: int) -> dict[str, float]:
     """verl's data metrics of one training batch."""
-    mask = batch["response_mask"].bool()
+    mask = batch["response_mask"].bool()  # learned tokens: advantages, returns, values, entropy
     valid = mask.any(dim=1)
-    response_length = mask.sum(dim=1).float()
+    response_length = response_attention(batch).sum(dim=1).float()  # every token of the response
     prompt_length = batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(dim=1).float()
     metrics: dict[str, float] = {}
     metrics.update(_stats("critic/score", batch["token_level_scores"].sum(dim=1)))

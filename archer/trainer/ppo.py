@@ -32,9 +32,11 @@ from archer.models.loading import load_tokenizer, pick_device
 from archer.rewards.custom import load_custom_reward_fn
 from archer.rewards.manager import RewardManager
 from archer.rewards.shaping import OverlongBuffer
-from archer.rollout.hf_engine import HFGenerateEngine
+from archer.rollout.factory import check_engine_name
 from archer.trace.entropy import EntropyTrace
 from archer.trace.influence import InfluenceTrace
+from archer.trace.influence import check_settings as check_influence_settings
+from archer.trace.influence_capture import CaptureSettings
 from archer.trainer.checkpoint import (
     CheckpointManager,
     capture_rng_state,
@@ -51,10 +53,10 @@ from archer.trainer.group_filter import (
 from archer.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer, validation_metrics
 from archer.trainer.plots import plot_metrics
 from archer.trainer.tracking import Tracking
-from archer.workers.actor import ActorWorker
+from archer.workers.actor import INFLUENCE_TOKENS, ActorWorker
 from archer.workers.critic import CriticWorker
 from archer.workers.reference import ReferenceWorker
-from archer.workers.rollout import RolloutWorker, concat_sequences, sampling_params
+from archer.workers.rollout import concat_sequences
 
 log = logging.getLogger("archer.trainer")
 
@@ -74,18 +76,15 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.reward_model.enable:
         raise ArcherError("reward_model.enable=True: model-based reward is not available in archer yet",
                           "use rule rewards or custom_reward_function.path=FILE (reward_model.enable=False)")
-    engine = cfg.actor_rollout_ref.rollout.name
-    if engine not in ("hf", "vllm", "sglang"):
-        raise ArcherError(f"unknown rollout engine {engine!r}", "set actor_rollout_ref.rollout.name=hf")
-    if engine != "hf":
-        log.warning("rollout.name=%s: archer generates with its Hugging Face engine (hf); the %s-specific "
-                    "rollout keys are accepted and ignored", engine, engine)
+    check_engine_name(cfg.actor_rollout_ref.rollout.name)
     if cfg.trainer.resume_mode not in ("auto", "disable", "resume_path"):
         raise ArcherError(f"unknown trainer.resume_mode {cfg.trainer.resume_mode!r}", "use auto, disable or resume_path")
     train_bs, mini = int(cfg.data.train_batch_size), int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
     if mini > train_bs or train_bs % mini:
         raise ArcherError(f"actor.ppo_mini_batch_size={mini} must divide data.train_batch_size={train_bs}",
                           "pick a mini-batch size that divides the train batch size (both count prompts)")
+    if cfg.trainer.influence_trace.enable:
+        check_influence_settings(cfg.trainer.influence_trace)
     buffer = cfg.reward_model.overlong_buffer
     if buffer.enable:
         OverlongBuffer(int(cfg.data.max_response_length), int(buffer.len), float(buffer.penalty_factor))
@@ -145,10 +144,7 @@ class PPOTrainer:
         self.total_steps = int(steps) if steps else self.loader.steps_per_epoch * int(cfg.trainer.total_epochs)
 
         self.reward_fn = build_reward_manager(cfg, self.tokenizer)
-        self.actor = ActorWorker(ref_cfg, device=self.device, total_steps=self.total_steps)
-        engine = HFGenerateEngine(self.actor.model, self.tokenizer, device=self.device,
-                                  max_batch_size=int(ref_cfg.rollout.max_batch_size))
-        self.rollout = RolloutWorker(engine, ref_cfg.rollout, device=self.device)
+        self.actor = ActorWorker(ref_cfg, device=self.device, total_steps=self.total_steps, tokenizer=self.tokenizer)
         algo = cfg.algorithm
         self.use_ref = bool(ref_cfg.actor.use_kl_loss or algo.use_kl_in_reward)
         self.ref = ReferenceWorker(ref_cfg, device=self.device) if self.use_ref else None
@@ -168,10 +164,9 @@ class PPOTrainer:
         prompts = collate_prompts(self.loader.next_batch(), self.tokenizer.pad_token_id)
         prefix = f"{step}" if gen_index == 0 else f"{step}.{gen_index}"
         prompts["uid"] = [f"{prefix}-{i}" for i in range(len(prompts))]
-        seed = self.seed * 1_000_003 + step + gen_index * GEN_BATCH_SEED_STRIDE
-        params = sampling_params(self.cfg.actor_rollout_ref.rollout, validate=False, seed=seed)
+        prompts.info.update(validate=False, seed=self.seed * 1_000_003 + step + gen_index * GEN_BATCH_SEED_STRIDE)
         with timer("gen", timings):
-            batch = self.rollout.generate_sequences(prompts, params)
+            batch = self.actor.generate_sequences(prompts)
         with timer("reward", timings):
             reward = self.reward_fn(batch)
             batch["token_level_scores"] = reward.token_level_scores
@@ -260,19 +255,19 @@ class PPOTrainer:
             if self.critic is not None:
                 with timer("update_critic", timings):
                     metrics.update(self.critic.update_critic(batch))
-            if step > int(cfg.trainer.critic_warmup):
-                traced = None
+            if int(cfg.trainer.critic_warmup) <= step:  # verl: steps count from 1, so k skips k-1 updates
+                selection = None
                 if self.influence_trace is not None:
                     with timer("influence_select", timings):
-                        traced = self.influence_trace.begin(step, batch)
-                if traced is not None and self.influence_trace.extra_pass:
-                    with timer("influence_backward", timings):
-                        self.actor.influence_backward(batch, traced, cfg.trainer.influence_trace.output_function)
+                        selection = self.influence_trace.select(step, batch)
+                    if selection is not None:
+                        batch.info[INFLUENCE_TOKENS] = selection.tokens
                 with timer("update_actor", timings):
-                    in_update = traced if traced is not None and not self.influence_trace.extra_pass else None
-                    metrics.update(self.actor.update_policy(batch, in_update))
-                if traced is not None:
-                    metrics.update(self.influence_trace.finish(step, batch, traced))
+                    update = self.actor.update_actor(batch)
+                batch.info.pop(INFLUENCE_TOKENS, None)
+                metrics.update(update.info["metrics"])
+                if selection is not None:
+                    metrics.update(self.influence_trace.finish(step, batch, selection, update.info["influence"]))
             if cfg.trainer.rollout_data_dir:
                 with timer("dump_rollout", timings):
                     write_generations(Path(cfg.trainer.rollout_data_dir) / f"step_{step}.jsonl", batch,
@@ -288,8 +283,6 @@ class PPOTrainer:
         """Generate for every validation prompt with rollout.val_kwargs and score it."""
         if self.val_set is None:
             return {}
-        rollout_cfg = self.cfg.actor_rollout_ref.rollout
-        params = sampling_params(rollout_cfg, validate=True, seed=self.seed)
         size = int(self.cfg.data.val_batch_size or len(self.val_set))
         items = [self.val_set[i] for i in range(len(self.val_set))]
         parts, texts, scores, accs = [], [], [], []
@@ -297,7 +290,8 @@ class PPOTrainer:
         for offset in range(0, len(items), size):
             prompts = collate_prompts(items[offset: offset + size], self.tokenizer.pad_token_id)
             prompts["uid"] = [f"val-{offset + i}" for i in range(len(prompts))]
-            batch = self.rollout.generate_sequences(prompts, params)
+            prompts.info.update(validate=True, seed=self.seed)
+            batch = self.actor.generate_sequences(prompts)
             reward = self.reward_fn(batch)
             parts.append(batch.select(["data_source", "uid", "raw_prompt", "ground_truth"]))
             texts.extend(reward.extra["response_text"])
@@ -305,7 +299,7 @@ class PPOTrainer:
             accs.append(reward.acc)
         merged = Batch.concat(parts)
         metrics = validation_metrics(merged["data_source"], merged["uid"], np.concatenate(accs),
-                                     np.concatenate(scores), params.n)
+                                     np.concatenate(scores), int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n))
         metrics["timing_s/testing"] = time.perf_counter() - start
         if self.cfg.trainer.validation_data_dir:
             write_generations(Path(self.cfg.trainer.validation_data_dir) / f"step_{self.global_step}.jsonl",
@@ -398,7 +392,8 @@ class PPOTrainer:
             self.entropy_trace = EntropyTrace(self.cfg, self.run_dir, self.tokenizer)
             self.entropy_trace.writer.truncate_after(start)
         if cfg.influence_trace.enable:
-            self.influence_trace = InfluenceTrace(self.cfg, self.run_dir, self.tokenizer, self.actor.model, self.device)
+            modules = self.actor.setup_influence(CaptureSettings.from_config(cfg.influence_trace))
+            self.influence_trace = InfluenceTrace(self.cfg, self.run_dir, self.tokenizer, modules, self.device)
             self.influence_trace.writer.truncate_after(start)
 
     def flush_traces(self) -> None:

@@ -1,4 +1,11 @@
-"""The actor worker: the policy model on one device, its log-probs/entropies and its PPO update.
+"""The actor worker: the policy model on one device, the rollout engine that generates with its weights, its
+log-probs/entropies, its PPO update and the influence hooks on its layers.
+
+The trainer talks to it in Batches and plain data only (so that it can move into another process): prompts in,
+sequences out (``generate_sequences``, sampling settings in ``info``); a batch in, old log-probs and entropies
+out; a batch in, metrics (and, when the influence trace asks for tokens in ``info``, their captured gradient
+factors) out. The worker keeps the engine's weights in step with the model and frees the engine's memory
+around the update (``rollout.free_cache_engine``).
 
 Log-probs and entropies come from the chunked kernel in models/logprobs.py (no full float32 tokens x vocab
 tensor). The update splits the batch into mini-batches (one optimiser step each) and micro-batches
@@ -10,14 +17,23 @@ from __future__ import annotations
 from collections import defaultdict
 from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING
+from time import perf_counter
 
 import torch
 from omegaconf import DictConfig
+from transformers import PreTrainedTokenizerBase
 
 from archer.batch import Batch
-from archer.models.loading import autocast_for, load_causal_lm, save_hf
+from archer.models.loading import autocast_for, load_causal_lm, load_tokenizer, save_hf
 from archer.models.logprobs import response_logprobs
+from archer.rollout.factory import build_engine
+from archer.trace.influence_capture import (
+    CaptureSettings,
+    InfluenceCapture,
+    TokenCapture,
+    TracedTokens,
+    select_modules,
+)
 from archer.workers.actor_objective import ActorObjective
 from archer.workers.optim import (
     build_optimizer,
@@ -26,11 +42,10 @@ from archer.workers.optim import (
     load_optim_state,
     save_optim_state,
 )
-
-if TYPE_CHECKING:
-    from archer.trace.influence import InfluenceStep
+from archer.workers.rollout import RolloutWorker, sampling_params
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+INFLUENCE_TOKENS = "influence_tokens"  # info key of update_actor's input: the TracedTokens to capture
 
 
 def micro_batch_size(*sizes: int | None, default: int) -> int:
@@ -60,18 +75,11 @@ def compute_log_probs(model: torch.nn.Module, batch: Batch, *, temperature: floa
     return torch.cat(logps), (torch.cat(ents) if ents else None)
 
 
-def loss_mask_of(batch: Batch) -> torch.Tensor:
-    """Tokens that count for the loss: the response mask, times loss_mask (tool results) when present."""
-    mask = batch["response_mask"].float()
-    if "loss_mask" in batch.tensors:
-        mask = mask * batch["loss_mask"].float()
-    return mask
-
-
 class ActorWorker:
-    """Owns the policy model, its optimiser and schedule on one device."""
+    """Owns the policy model, its optimiser and schedule, and the rollout engine, on one device."""
 
-    def __init__(self, cfg: DictConfig, *, device: torch.device, total_steps: int) -> None:
+    def __init__(self, cfg: DictConfig, *, device: torch.device, total_steps: int,
+                 tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         self.cfg = cfg
         self.actor_cfg = cfg.actor
         self.device = device
@@ -84,6 +92,27 @@ class ActorWorker:
         self.temperature = float(cfg.rollout.temperature)
         self.chunk_size = int(self.actor_cfg.logprob_chunk_size)
         self.objective = ActorObjective.from_config(self.actor_cfg)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path, role="model")
+        self.rollout = RolloutWorker(build_engine(cfg.rollout, self.model, tokenizer, device), cfg.rollout,
+                                     device=device)
+        self._engine_is_stale = False  # the weights changed since the engine last took them
+        self.influence: tuple[CaptureSettings, dict[str, torch.nn.Linear]] | None = None
+
+    # -- generation --------------------------------------------------------------------------------------
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        """Responses to ``prompts`` (``info``: ``validate`` picks rollout.val_kwargs, ``seed`` the sampling seed)."""
+        engine = self.rollout.engine
+        if self._engine_is_stale:
+            engine.sync_weights(self.model)
+            self._engine_is_stale = False
+        params = sampling_params(self.cfg.rollout, validate=bool(prompts.info.get("validate", False)),
+                                 seed=int(prompts.info["seed"]))
+        engine.reclaim_memory()
+        try:
+            return self.rollout.generate_sequences(prompts, params)
+        finally:
+            if self.cfg.rollout.free_cache_engine:
+                engine.release_memory()
 
     # -- inference -------------------------------------------------------------------------------------
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -94,25 +123,57 @@ class ActorWorker:
                                       chunk_size=self.chunk_size, device=self.device, compute_entropy=True)
         return Batch({"old_log_probs": logp, "entropies": ent})
 
-    # -- update ------------------------------------------------------------------------------------------
-    def update_policy(self, batch: Batch, influence: InfluenceStep | None = None) -> dict[str, float]:
-        """PPO epochs over mini-batches; returns verl-named metrics averaged over optimiser steps.
+    # -- influence ---------------------------------------------------------------------------------------
+    def setup_influence(self, settings: CaptureSettings) -> list[str]:
+        """Hook the linear layers ``settings`` names during traced updates; returns their names."""
+        modules = select_modules(self.model, list(settings.module_name_filter),
+                                 None if settings.layers is None else list(settings.layers), settings.max_modules)
+        self.influence = (settings, modules)
+        return list(modules)
 
-        With ``influence``, hooks capture the per-token gradients of the traced rows during the backward of
-        the first epoch (each row passes through it exactly once).
-        """
+    def _token_capture(self, tokens: TracedTokens) -> TokenCapture:
+        if self.influence is None:
+            raise RuntimeError("update_actor was asked for influence tokens before setup_influence")
+        settings, modules = self.influence
+        store = torch.device("cpu") if settings.offload_to_cpu else self.device
+        return TokenCapture(InfluenceCapture(modules, settings.projection, store_device=store), tokens)
+
+    # -- update ------------------------------------------------------------------------------------------
+    def update_actor(self, batch: Batch) -> Batch:
+        """PPO epochs over mini-batches. Returns ``info["metrics"]``: verl-named metrics averaged over optimiser
+        steps; and, when ``batch.info["influence_tokens"]`` names tokens, ``info["influence"]``: their captured
+        gradient factors per module (see trace/influence_capture.py)."""
+        tokens: TracedTokens | None = batch.info.get(INFLUENCE_TOKENS)
+        capture = self._token_capture(tokens) if tokens is not None else None
+        metrics: dict[str, float] = {}
+        if capture is not None and self.influence[0].extra_pass:
+            start = perf_counter()
+            self._influence_backward(batch, capture, self.influence[0].output_function)
+            metrics["timing_s/influence_backward"] = perf_counter() - start
+        skip_step = capture is not None and self.influence[0].skip_optimizer_step
+        in_update = capture if capture is not None and not self.influence[0].extra_pass else None
+        metrics.update(self._update_policy(batch, in_update, step_optimizer=not skip_step))
+        self._engine_is_stale = True
+        out = Batch(info={"metrics": metrics})
+        if capture is not None:
+            out.info["influence"] = capture.collect()
+        return out
+
+    def _update_policy(self, batch: Batch, influence: TokenCapture | None, *, step_optimizer: bool
+                       ) -> dict[str, float]:
+        """The PPO epochs. With ``influence``, hooks capture the per-token gradients of the traced rows during
+        the backward of the first epoch (each row passes through it exactly once)."""
         a = self.actor_cfg
         n = int(self.cfg.rollout.n)
         mini = int(a.ppo_mini_batch_size) * n
         micro = micro_batch_size(a.ppo_micro_batch_size_per_gpu, a.ppo_micro_batch_size, default=mini)
         keys = [*MODEL_INPUTS, "responses", "response_mask", "old_log_probs", "advantages"]
-        keys += [k for k in ("loss_mask", "ref_log_prob") if k in batch.tensors]
+        keys += [k for k in ("ref_log_prob",) if k in batch.tensors]
         data = batch.select(keys)
         data["row_id"] = torch.arange(len(data))
         generator = torch.Generator().manual_seed(int(a.get("data_loader_seed") or 0))
         sums: dict[str, float] = defaultdict(float)
         counts: dict[str, int] = defaultdict(int)
-        step_optimizer = influence is None or not influence.skip_optimizer_step
         self.model.train()
         with influence.hooks() if influence is not None else nullcontext():
             for epoch in range(int(a.ppo_epochs)):
@@ -127,17 +188,17 @@ class ActorWorker:
         self.scheduler.step()
         return metrics
 
-    def _update_mini_batch(self, mini_batch: Batch, micro: int, influence: InfluenceStep | None,
+    def _update_mini_batch(self, mini_batch: Batch, micro: int, influence: TokenCapture | None,
                            step_optimizer: bool) -> dict[str, float]:
         objective = self.objective
-        agg_kwargs, pg_agg_kwargs = objective.mini_batch_normalisers(loss_mask_of(mini_batch), micro)
+        agg_kwargs, pg_agg_kwargs = objective.mini_batch_normalisers(mini_batch["response_mask"].float(), micro)
         out: dict[str, float] = defaultdict(float)
         response_length = mini_batch["responses"].shape[1]
         for mb in mini_batch.split(micro):
             mb = mb.to(self.device)
-            mask = loss_mask_of(mb)
+            mask = mb["response_mask"].float()
             weight = float(mask.sum()) / agg_kwargs["num_tokens"]
-            tracing = (influence.micro_batch(mb["row_id"], mb["input_ids"].shape[1], response_length)
+            tracing = (influence.micro_batch(mb["row_id"].tolist(), mb["input_ids"].shape[1], response_length)
                        if influence is not None else nullcontext())
             with tracing:
                 with autocast_for(self.device):
@@ -161,17 +222,16 @@ class ActorWorker:
         out["actor/skipped_steps"] = 0.0 if stepped else 1.0
         return dict(out)
 
-    def influence_backward(self, batch: Batch, influence: InfluenceStep, output_function: str) -> None:
+    def _influence_backward(self, batch: Batch, influence: TokenCapture, output_function: str) -> None:
         """The extra forward+backward of the traced rows that log_prob / advantage_log_prob need.
 
         The objective is the sum of the traced tokens' log-probs (times their advantages); gradients go to
         the hooks only, the parameters' ``.grad`` stay untouched.
         """
-        rows = torch.as_tensor(influence.selection.rows, dtype=torch.long)
+        rows = torch.as_tensor(influence.tokens.rows, dtype=torch.long)
         if not len(rows):
             return
-        keys = [*MODEL_INPUTS, "responses", "response_mask", "advantages"]
-        data = batch.select(keys + [k for k in ("loss_mask",) if k in batch.tensors]).index(rows)
+        data = batch.select([*MODEL_INPUTS, "responses", "response_mask", "advantages"]).index(rows)
         data["row_id"] = rows
         a = self.actor_cfg
         micro = micro_batch_size(a.ppo_micro_batch_size_per_gpu, a.ppo_micro_batch_size, default=len(data))
@@ -181,12 +241,12 @@ class ActorWorker:
         with influence.hooks():
             for mb in data.split(micro):
                 mb = mb.to(self.device)
-                with influence.micro_batch(mb["row_id"], mb["input_ids"].shape[1], response_length):
+                with influence.micro_batch(mb["row_id"].tolist(), mb["input_ids"].shape[1], response_length):
                     with autocast_for(self.device):
                         logp, _ = response_logprobs(self.model, *(mb[k] for k in MODEL_INPUTS), response_length,
                                                     temperature=self.temperature, chunk_size=self.chunk_size,
                                                     compute_entropy=False)
-                    objective = logp.float() * loss_mask_of(mb)
+                    objective = logp.float() * mb["response_mask"].float()
                     if output_function == "advantage_log_prob":
                         objective = objective * mb["advantages"]
                     torch.autograd.grad(objective.sum(), weights)
@@ -200,6 +260,7 @@ class ActorWorker:
     def load(self, in_dir: Path) -> None:
         load_weights(self.model, in_dir)
         load_optim_state(in_dir, self.optimizer, self.scheduler, self.device)
+        self._engine_is_stale = True
 
 
 def load_weights(model: torch.nn.Module, folder: Path) -> None:

@@ -3,6 +3,11 @@
 It wraps a generation engine (rollout/) and lays out the tensors the later stages read: ``prompts``,
 ``responses``, ``input_ids`` (prompt + response), ``attention_mask``, ``position_ids``, ``response_mask``
 and the engine's per-token ``rollout_log_probs`` / ``rollout_entropies``. Rows are repeated n times.
+The actor worker owns it (the engine generates with the actor's weights).
+
+The layout is where the one learning mask is set: ``response_mask`` is 1 on the tokens the policy wrote and
+0 elsewhere (padding, and tool output once tools exist); the attention mask covers every token of the
+sequence, tool output included (``response_attention`` gives its response part).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import logging
 import torch
 from omegaconf import DictConfig
 
-from archer.batch import Batch
+from archer.batch import Batch, response_attention
 from archer.models.loading import autocast_for
 from archer.rollout.base import RolloutEngine, SamplingParams
 
@@ -90,7 +95,8 @@ def concat_sequences(batches: list[Batch], pad_token_id: int) -> Batch:
             else:
                 tensors[key] = value
         prompt_mask = torch.nn.functional.pad(b["attention_mask"][:, :p], (prompt_width - p, 0), value=0)
-        attention_mask = torch.cat([prompt_mask, tensors["response_mask"].to(prompt_mask.dtype)], dim=1)
+        present = torch.nn.functional.pad(response_attention(b), (0, response_width - r), value=0)
+        attention_mask = torch.cat([prompt_mask, present], dim=1)
         tensors["input_ids"] = torch.cat([tensors["prompts"], tensors["responses"]], dim=1)
         tensors["attention_mask"] = attention_mask
         tensors["position_ids"] = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
