@@ -548,3 +548,19 @@ def test_reward_manager_scores_real_math_rows(micro_model: Path) -> None:
     last = torch.tensor([len(x) - 1 for x in ids])
     assert torch.equal(out.token_level_scores[torch.arange(10), last], torch.tensor([1.0] * 5 + [0.0] * 5))
     assert float(out.token_level_scores.sum()) == 5.0
+
+
+# -- trainer.critic_warmup counts as verl's (steps from 1; the actor updates from step critic_warmup on) -------
+@pytest.mark.parametrize(("warmup", "updated_steps"), [(0, [1, 2, 3]), (1, [1, 2, 3]), (3, [3])])
+def test_critic_warmup_skips_warmup_minus_one_actor_updates(warmup: int, updated_steps: list[int], micro_model: Path,
+                                                             task_files: dict[str, Path], tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    cfg = load_config("ppo_trainer", [
+        *base_overrides(micro_model, task_files, run), "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
+        "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "data.max_response_length=4",
+        "trainer.total_training_steps=3", f"trainer.critic_warmup={warmup}", "trainer.logger=[jsonl]",
+        "trainer.plots=False"])
+    PPOTrainer(cfg).fit()
+    metrics = read_metrics(run)
+    assert [s for s, line in sorted(metrics.items()) if "actor/pg_loss" in line] == updated_steps
+    assert all("critic/score/mean" in line for line in metrics.values())  # every step still rolls out

@@ -3,10 +3,12 @@ engine (rows repeated n times, rollout log-probs equal to the actor's)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from workers_support import ppo_config
 
 from archer.batch import Batch
+from archer.errors import ArcherError
 from archer.models.loading import load_tokenizer
 from archer.rollout.base import SamplingParams
 from archer.rollout.hf_engine import HFGenerateEngine
@@ -182,3 +184,75 @@ def test_concat_sequences_of_equal_widths_is_plain_concatenation():
     assert sorted(out.tensors) == sorted(plain.tensors)
     assert all(torch.equal(out[k], plain[k]) for k in plain.tensors)
     assert out["uid"].tolist() == ["a", "b"]
+
+
+# -- the actor worker owns the engine -----------------------------------------------------------------------
+class RecordingEngine(HFGenerateEngine):
+    """The HF engine, recording what the actor worker asks of it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[str] = []
+
+    def generate(self, prompts, params):
+        self.calls.append(f"generate n={params.n} greedy={params.greedy}")
+        return super().generate(prompts, params)
+
+    def sync_weights(self, model) -> None:
+        self.calls.append("sync")
+        super().sync_weights(model)
+
+    def release_memory(self) -> None:
+        self.calls.append("release")
+
+    def reclaim_memory(self) -> None:
+        self.calls.append("reclaim")
+
+
+def recording_actor(model_dir, monkeypatch, *overrides: str) -> ActorWorker:
+    monkeypatch.setattr("archer.workers.actor.build_engine", lambda rollout, model, tokenizer, device:
+                        RecordingEngine(model, tokenizer, device=device))
+    cfg = ppo_config(model_dir, f"{ROLLOUT}.n=2", "data.max_response_length=4",
+                     "actor_rollout_ref.actor.ppo_mini_batch_size=2", *overrides)
+    return ActorWorker(cfg.actor_rollout_ref, device=CPU, total_steps=10)
+
+
+def prompt_batch(model_dir, **info) -> Batch:
+    tokenizer = load_tokenizer(model_dir)
+    ids = tokenizer(["what is 3 + 5?", "hi there"])["input_ids"]
+    width = max(map(len, ids))
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids])
+    return Batch({"input_ids": torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in ids]),
+                  "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)},
+                 {"uid": ["u0", "u1"]}, info)
+
+
+def test_the_actor_syncs_its_engine_after_an_update_and_frees_it_around_it(tiny_model_dir, monkeypatch):
+    actor = recording_actor(tiny_model_dir, monkeypatch)
+    engine = actor.rollout.engine
+    out = actor.generate_sequences(prompt_batch(tiny_model_dir, validate=False, seed=3))
+    assert len(out) == 4  # rollout.n responses per prompt
+    val = actor.generate_sequences(prompt_batch(tiny_model_dir, validate=True, seed=3))
+    assert len(val) == 2  # val_kwargs: one greedy response
+    assert engine.calls == ["reclaim", "generate n=2 greedy=False", "release",
+                            "reclaim", "generate n=1 greedy=True", "release"]  # no update yet: no sync
+    engine.calls.clear()
+    out = out.union(actor.compute_log_prob(out))
+    out["advantages"] = torch.ones_like(out["old_log_probs"]) * out["response_mask"]
+    actor.update_actor(out)
+    actor.generate_sequences(prompt_batch(tiny_model_dir, validate=False, seed=4))
+    assert engine.calls == ["sync", "reclaim", "generate n=2 greedy=False", "release"]
+
+
+def test_free_cache_engine_false_keeps_the_engine_memory(tiny_model_dir, monkeypatch):
+    actor = recording_actor(tiny_model_dir, monkeypatch, f"{ROLLOUT}.free_cache_engine=false")
+    actor.generate_sequences(prompt_batch(tiny_model_dir, validate=False, seed=3))
+    assert actor.rollout.engine.calls == ["reclaim", "generate n=2 greedy=False"]
+
+
+def test_the_hf_engine_refuses_another_models_weights(tiny_model_dir):
+    actor = ActorWorker(ppo_config(tiny_model_dir).actor_rollout_ref, device=CPU, total_steps=1)
+    actor.rollout.engine.sync_weights(actor.model)  # its own model: nothing to do
+    other = ActorWorker(ppo_config(tiny_model_dir).actor_rollout_ref, device=CPU, total_steps=1)
+    with pytest.raises(ArcherError, match="cannot take another's weights"):
+        actor.rollout.engine.sync_weights(other.model)
