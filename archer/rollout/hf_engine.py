@@ -1,9 +1,15 @@
 """HFGenerateEngine: batched generation with a Hugging Face causal LM and its KV cache, written as our own
-decoding loop so every generated token carries its exact log-prob and full-vocabulary entropy."""
+decoding loop so every generated token carries its exact log-prob and full-vocabulary entropy.
+
+Its sessions (``session()``, for the agentic loop) keep each sequence's tokens and its own random generator;
+a decode call prefills every sequence again from its tokens (there is no KV reuse across calls: archer's fast
+engine has it), so a sequence's samples depend only on its seed and its calls, never on its neighbours.
+"""
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +18,7 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 
 from archer.errors import ArcherError
 from archer.models.logprobs import token_logprob_and_entropy
-from archer.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
+from archer.rollout.base import EngineSession, RolloutEngine, RolloutOutput, SamplingParams, Segment
 
 
 @dataclass
@@ -42,6 +48,9 @@ class _StopMatcher:
             return []
         tails = self.tokenizer.batch_decode([histories[r][-self.window :] for r in rows])
         return [r for r, text in zip(rows, tails, strict=True) if any(s in text for s in self.stop)]
+
+
+Draw = Callable[[torch.Tensor], torch.Tensor]  # probabilities [B, V] -> one sampled token per row [B]
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -92,6 +101,9 @@ class HFGenerateEngine(RolloutEngine):
 
     def reclaim_memory(self) -> None:
         """Nothing to allocate (see release_memory)."""
+
+    def session(self) -> HFSession:
+        return HFSession(self)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         for i, prompt in enumerate(prompts):
@@ -154,8 +166,9 @@ class HFGenerateEngine(RolloutEngine):
         )
         return out.logits[:, -1].float()
 
+    @staticmethod
     def _pick(
-        self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+        logits: torch.Tensor, params: SamplingParams, draw: Draw
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The next token of each row, with its log-prob and the entropy of softmax(logits / T)."""
         if params.greedy:
@@ -168,14 +181,20 @@ class HFGenerateEngine(RolloutEngine):
             filtered = TopKLogitsWarper(top_k=params.top_k)(None, filtered)
         if params.top_p < 1.0:
             filtered = TopPLogitsWarper(top_p=params.top_p)(None, filtered)
-        probs = torch.softmax(filtered, dim=-1)
-        token = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+        token = draw(torch.softmax(filtered, dim=-1))
         logp, entropy = token_logprob_and_entropy(scaled, token)
         return token, logp, entropy
 
     def _generate_chunk(
         self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None
     ) -> _Chunk:
+        def draw(probs: torch.Tensor) -> torch.Tensor:
+            return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+        return self._decode(prompts, params, draw, [params.max_new_tokens] * len(prompts))
+
+    def _decode(self, prompts: list[list[int]], params: SamplingParams, draw: Draw, budgets: list[int]) -> _Chunk:
+        """Decode every prompt (left-padded into one batch) until eos, a stop string or its own token budget."""
         ids, mask = self._left_pad(prompts)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
@@ -187,13 +206,15 @@ class HFGenerateEngine(RolloutEngine):
         histories: list[list[int]] = [[] for _ in range(rows)]
         stop_matcher = _StopMatcher(self.tokenizer, params.stop)
         steps: list[tuple[torch.Tensor, ...]] = []
-        for step in range(params.max_new_tokens):
-            token, logp, entropy = self._pick(logits, params, generator)
+        budget = torch.tensor(budgets, device=self.device)
+        for step in range(max(budgets)):
+            token, logp, entropy = self._pick(logits, params, draw)
             live = ~done
             token = torch.where(live, token, self.pad_token_id)
             steps.append((token, live, torch.where(live, logp, 0.0), torch.where(live, entropy, 0.0)))
             self._finish_rows(token, live, histories, reasons, stop_matcher, done)
-            if bool(done.all()) or step == params.max_new_tokens - 1:
+            done |= budget <= step + 1  # rows at their budget end with reason "length"
+            if bool(done.all()):
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             logits = self._forward(token.unsqueeze(-1), mask, next_position, cache)
@@ -227,3 +248,78 @@ class HFGenerateEngine(RolloutEngine):
         finished = sorted(eos_rows.union(stopped))
         if finished:
             done[torch.tensor(finished, device=done.device)] = True
+
+
+@dataclass
+class _Sequence:
+    tokens: list[int]
+    generator: torch.Generator
+
+
+class HFSession(EngineSession):
+    """Turn-by-turn sequences on an HFGenerateEngine; each decode call re-prefills its sequences."""
+
+    def __init__(self, engine: HFGenerateEngine) -> None:
+        self.engine = engine
+        self._sequences: dict[int, _Sequence] = {}
+        self._next_id = 0
+
+    def _new(self, tokens: list[int], seed: int) -> int:
+        seq, self._next_id = self._next_id, self._next_id + 1
+        generator = torch.Generator(device=self.engine.device).manual_seed(seed)
+        self._sequences[seq] = _Sequence(list(tokens), generator)
+        return seq
+
+    def _get(self, seq: int) -> _Sequence:
+        if seq not in self._sequences:
+            raise KeyError(f"session has no sequence {seq} (released, or never added)")
+        return self._sequences[seq]
+
+    def add(self, prompt: list[int], seed: int) -> int:
+        if not prompt:
+            raise ArcherError("a session prompt is empty", "every prompt needs at least one token")
+        return self._new(prompt, seed)
+
+    def extend(self, seq: int, tokens: list[int]) -> None:
+        self._get(seq).tokens.extend(int(t) for t in tokens)
+
+    def fork(self, seq: int, seed: int) -> int:
+        return self._new(self._get(seq).tokens, seed)
+
+    def release(self, seq: int) -> None:
+        self._sequences.pop(seq, None)
+
+    def tokens(self, seq: int) -> list[int]:
+        return list(self._get(seq).tokens)
+
+    def decode(self, seqs: list[int], params: SamplingParams, max_new_tokens: list[int]) -> list[Segment]:
+        if len(seqs) != len(max_new_tokens):
+            raise ValueError(f"{len(seqs)} sequences but {len(max_new_tokens)} token budgets")
+        states = [self._get(s) for s in seqs]
+        segments: list[Segment | None] = [None] * len(seqs)
+        live = [i for i, budget in enumerate(max_new_tokens) if budget > 0]
+        for i in set(range(len(seqs))) - set(live):
+            segments[i] = Segment([], torch.zeros(0), torch.zeros(0), "length")
+        size = self.engine.max_batch_size
+        was_training = self.engine.model.training
+        self.engine.model.eval()
+        try:
+            with torch.no_grad():
+                for start in range(0, len(live), size):
+                    part = live[start:start + size]
+                    generators = [states[i].generator for i in part]
+
+                    def draw(probs: torch.Tensor, generators: list[torch.Generator] = generators) -> torch.Tensor:
+                        return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)])
+
+                    chunk = self.engine._decode([states[i].tokens for i in part], params, draw,
+                                                [max_new_tokens[i] for i in part])
+                    for row, i in enumerate(part):
+                        length = int(chunk.response_mask[row].sum())
+                        tokens = chunk.responses[row, :length].tolist()
+                        states[i].tokens.extend(tokens)
+                        segments[i] = Segment(tokens, chunk.log_probs[row, :length].float(),
+                                              chunk.entropies[row, :length].float(), chunk.finish_reasons[row])
+        finally:
+            self.engine.model.train(was_training)
+        return [s for s in segments if s is not None]
