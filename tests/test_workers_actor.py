@@ -125,6 +125,31 @@ def test_micro_batches_accumulate_to_the_mini_batch_gradient(tiny_model_dir):
         assert m_micro[key] == pytest.approx(m_whole[key], rel=1e-5, abs=1e-7), key
 
 
+@pytest.mark.parametrize("loss_mode", ["vanilla", "archer"])
+def test_unequal_micro_batches_give_the_metrics_of_the_whole_mini_batch(tiny_model_dir, loss_mode):
+    # micro-batches of 2 + 1 rows hold 5 and 1 valid tokens; Archer's split puts one token of each of rows 0 and 1
+    # in the high-entropy class and none of row 2 (a single token is never above its own quantile)
+    # (Archer's split KL is exact only for micro-batches with equal class shares: no KL loss for it here)
+    overrides = [f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}", "actor_rollout_ref.actor.entropy_coeff=0.01",
+                 f"actor_rollout_ref.actor.use_kl_loss={loss_mode == 'vanilla'}", "actor_rollout_ref.actor.kl_loss_type=kl"]
+    shift = torch.tensor([[0.8, -0.8, 0.0], [-0.8, 0.8, -0.8], [0.8, 0.0, 0.0]])  # ratios e^-0.8 and e^0.8
+    metrics = []
+    for micro in ("3", "2", "1"):
+        actor = make_actor(tiny_model_dir, *overrides, f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}")
+        batch = policy_batch(actor, random_advantages(4), old_shift=shift)
+        batch["ref_log_prob"] = batch["old_log_probs"] + 0.1 * shift
+        metrics.append(update(actor, batch))
+    whole = metrics[0]
+    assert whole["actor/pg_clipfrac"] > 0
+    if loss_mode == "archer":
+        assert whole["actor/entropy_high_frac"] == pytest.approx(2 / VALID_TOKENS, abs=1e-6)
+        assert whole["actor/entropy_high_clipfrac"] > 0
+    for split in metrics[1:]:
+        assert split.keys() == whole.keys()
+        for key in whole:
+            assert split[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
+
+
 @pytest.mark.parametrize(("mini_batch_size", "steps"), [(3, 2), (1, 6)])
 def test_ppo_epochs_give_one_optimiser_step_per_mini_batch_and_epoch(tiny_model_dir, mini_batch_size, steps):
     actor = make_actor(tiny_model_dir, "actor_rollout_ref.actor.ppo_epochs=2",

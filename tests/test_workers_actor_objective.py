@@ -1,12 +1,17 @@
-"""ActorObjective: config reading, when entropies are needed, top-entropy normalisers, the Archer split KL, the
-entropy bonus, and micro-batch losses that add up to the mini-batch loss (REFERENCE.md sections 2 and 5)."""
+"""ActorObjective: config reading (each loss's own defaults, the GSPO aggregation warning), when entropies are
+needed, top-entropy normalisers, the Archer split KL, the entropy bonus, and micro-batch losses, gradients and
+metrics that add up to the mini-batch's (REFERENCE.md sections 2 and 5)."""
+
+import logging
 
 import pytest
 import torch
 
+from archer.algorithms.metrics import MetricSums
+from archer.algorithms.policy_loss import LOSS_INPUTS, POLICY_LOSSES
 from archer.config.loader import load_config
 from archer.errors import ArcherError
-from archer.workers.actor_objective import ActorObjective
+from archer.workers.actor_objective import INPUT_BUILDERS, ActorObjective
 
 F64 = torch.float64
 ACTOR = "actor_rollout_ref.actor."
@@ -22,20 +27,86 @@ def lengths_mask(lengths: list[int], width: int = 5) -> torch.Tensor:
 
 
 # -- config ----------------------------------------------------------------------------------------------------
-def test_from_config_reads_the_aspo_recipe_and_the_clip_fallbacks():
+def test_from_config_reads_the_aspo_recipe():
     obj = objective("algorithm=aspo", ACTOR + "clip_ratio=0.3", ACTOR + "clip_ratio_high=0.28")
-    assert (obj.loss_mode, obj.loss_agg_mode, obj.clip_ratio_c) == ("aspo", "token-mean", 3.0)
-    assert (obj.clip_ratio_low, obj.clip_ratio_high) == (0.3, 0.28)  # null low falls back to clip_ratio
+    assert (obj.loss_mode, obj.loss_agg_mode) == ("aspo", "token-mean")
     assert (obj.use_kl_loss, obj.kl_loss_coef, obj.kl_loss_type) == (True, 0.001, "low_var_kl")
     assert (obj.token_entropy_quantile, obj.high_entropy_kl_loss_scale_coef, obj.entropy_top_ratio) == (0.8, 0.0, None)
-    assert obj.loss_kwargs["low_entropy_clip_ratio_low"] == 0.2
-    assert obj.loss_kwargs["high_entropy_clip_ratio_low"] == obj.loss_kwargs["high_entropy_clip_ratio_high"] == 0.4
-    assert obj.loss_kwargs["clip_cov_lb"] == 1.0 and obj.loss_kwargs["clip_cov_ub"] == 5.0
+    # exactly what ASPO declares: the dual-clip bound and its entropy-class clip ranges (no PPO clip range)
+    assert obj.loss_kwargs == {"clip_ratio_c": 3.0, "low_entropy_clip_ratio_low": 0.2,
+                               "low_entropy_clip_ratio_high": 0.2, "high_entropy_clip_ratio_low": 0.4,
+                               "high_entropy_clip_ratio_high": 0.4}
+
+
+def test_clip_ratio_low_and_high_fall_back_to_clip_ratio():
+    obj = objective(ACTOR + "clip_ratio=0.3", ACTOR + "clip_ratio_high=0.28")
+    assert obj.loss_kwargs == {"clip_ratio_low": 0.3, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0}
+
+
+# Each loss mode set on its own (no preset) gets its paper's values, or verl's for the keys verl shares between
+# its losses (the PPO clip range 0.2 / 0.2 and dual-clip 3.0; KL-Cov's ratio 2e-4 and coefficient 0.1).
+LOSS_DEFAULTS = {
+    "vanilla": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0},
+    "gspo": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2},
+    "archer": {"clip_ratio_c": 3.0, "low_entropy_clip_ratio_low": 0.2, "low_entropy_clip_ratio_high": 0.2,
+               "high_entropy_clip_ratio_low": 0.5, "high_entropy_clip_ratio_high": 0.5},
+    "aspo": {"clip_ratio_c": 3.0, "low_entropy_clip_ratio_low": 0.2, "low_entropy_clip_ratio_high": 0.2,
+             "high_entropy_clip_ratio_low": 0.4, "high_entropy_clip_ratio_high": 0.4},
+    "clip_cov": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0,
+                 "clip_cov_ub": 5.0},
+    "kl_cov": {"kl_cov_ratio": 0.0002, "ppo_kl_coef": 0.1},
+}
+
+
+@pytest.mark.parametrize("loss_mode", sorted(LOSS_DEFAULTS))
+def test_each_loss_mode_alone_gets_its_own_defaults(loss_mode):
+    obj = objective(ACTOR + f"policy_loss.loss_mode={loss_mode}")
+    assert obj.loss_kwargs == LOSS_DEFAULTS[loss_mode]
+    assert (obj.token_entropy_quantile, obj.high_entropy_kl_loss_scale_coef) == (0.8, 0.0)  # shared by archer/aspo
+
+
+def test_every_registered_loss_has_its_defaults_checked_and_every_input_a_builder():
+    assert set(LOSS_DEFAULTS) == set(POLICY_LOSSES)
+    assert INPUT_BUILDERS.keys() == LOSS_INPUTS.keys()
+
+
+def test_a_set_option_wins_over_the_loss_default_and_must_be_a_number():
+    obj = objective(ACTOR + "policy_loss.loss_mode=aspo", ACTOR + "high_entropy_clip_ratio_high=0.6",
+                    ACTOR + "policy_loss.ppo_kl_coef=2.0")  # another loss's option is read by nobody
+    assert obj.loss_kwargs["high_entropy_clip_ratio_high"] == 0.6
+    assert obj.loss_kwargs["high_entropy_clip_ratio_low"] == 0.4
+    assert objective("algorithm=kl_cov").loss_kwargs == {"kl_cov_ratio": 0.002, "ppo_kl_coef": 1.0}  # the preset
+    with pytest.raises(ArcherError, match=r"actor_rollout_ref.actor.high_entropy_clip_ratio_low='wide' is not a "
+                                          r"number") as err:
+        objective(ACTOR + "policy_loss.loss_mode=archer", ACTOR + "high_entropy_clip_ratio_low=wide")
+    assert "archer loss's default (0.5)" in err.value.fix
 
 
 def test_an_unknown_loss_mode_fails_when_the_objective_is_built():
     with pytest.raises(ArcherError, match="loss_mode"):
         objective(ACTOR + "policy_loss.loss_mode=nope")
+
+
+@pytest.mark.parametrize(("override", "key"), [("loss_agg_mode=seq-mean", "loss_agg_mode"),
+                                               ("kl_loss_type=full", "kl_loss_type")])
+def test_an_unknown_aggregation_or_kl_kind_fails_when_the_objective_is_built(override, key):
+    with pytest.raises(ArcherError, match=key):
+        objective(ACTOR + "use_kl_loss=true", ACTOR + override)
+
+
+@pytest.mark.parametrize(("overrides", "warned"), [
+    (("algorithm=gspo",), False),  # the preset says seq-mean-token-mean
+    ((ACTOR + "policy_loss.loss_mode=gspo",), True),  # the default token-mean
+    (("algorithm=gspo", ACTOR + "loss_agg_mode=token-sum"), True),
+    ((ACTOR + "loss_agg_mode=token-sum",), False),  # vanilla follows loss_agg_mode
+])
+def test_gspo_warns_once_when_loss_agg_mode_is_not_its_own(caplog, overrides, warned):
+    with caplog.at_level(logging.WARNING, logger="archer.workers.actor_objective"):
+        objective(*overrides)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == int(warned), messages
+    if warned:
+        assert "gspo always aggregates seq-mean-token-mean" in messages[0]
 
 
 @pytest.mark.parametrize(
@@ -78,17 +149,18 @@ def test_top_entropy_policy_loss_and_entropy_bonus_by_hand():
     entropy = torch.tensor([[0.1, 0.5, 0.2, 0.9, 0.4, 7.0]], dtype=F64)  # the padded token has the largest H
     adv = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 9.0]], dtype=F64)
     agg, pg_agg = obj.mini_batch_normalisers(mask, 1)
-    loss, pg_loss, metrics = obj.micro_batch_loss(log_prob=log_prob, entropy=entropy, old_log_prob=old,
-                                                  advantages=adv, mask=mask, ref_log_prob=None, agg_kwargs=agg,
-                                                  pg_agg_kwargs=pg_agg)
+    loss, metrics = obj.micro_batch_loss(log_prob=log_prob, entropy=entropy, old_log_prob=old, advantages=adv,
+                                         mask=mask, ref_log_prob=None, agg_kwargs=agg, pg_agg_kwargs=pg_agg)
     # ceil(0.2 * 5) = 1 token gets policy gradient: H = 0.9 with A = 4, normalised by 1 selected token
-    assert pg_loss.item() == pytest.approx(-4.0)
+    assert metrics["pg_loss"].value == pytest.approx(-4.0)
     # entropy bonus: token-mean of H over all 5 valid tokens = 2.1 / 5
-    assert metrics["entropy_loss"].item() == pytest.approx(0.42)
+    assert metrics["entropy_loss"].value == pytest.approx(0.42)
     assert loss.item() == pytest.approx(-4.0 - 0.1 * 0.42)
-    assert metrics["top_entropy_selected_tokens"].item() == 1
-    assert metrics["top_entropy_selected_frac"].item() == pytest.approx(0.2)
-    (grad,) = torch.autograd.grad(pg_loss, log_prob)
+    assert metrics["top_entropy_selected_tokens"].value == 1
+    assert metrics["top_entropy_selected_frac"].value == pytest.approx(0.2)
+    # the clip metrics are means over the one selected token
+    assert float(metrics["pg_clipfrac"].count) == 1
+    (grad,) = torch.autograd.grad(loss, log_prob)  # the entropies are inputs: only the policy term has a gradient
     assert grad[0].tolist() == pytest.approx([0.0, 0.0, 0.0, -4.0, 0.0, 0.0])
 
 
@@ -105,12 +177,12 @@ def test_archer_split_kl_by_hand(scale):
     agg, pg_agg = obj.mini_batch_normalisers(mask, 1)
     terms, losses = [], []
     for row in range(2):
-        loss, pg_loss, metrics = obj.micro_batch_loss(
+        loss, metrics = obj.micro_batch_loss(
             log_prob=log_prob[row:row + 1], entropy=entropy[row:row + 1], old_log_prob=old[row:row + 1],
             advantages=torch.zeros(1, 5, dtype=F64), mask=mask[row:row + 1],
             ref_log_prob=(old - kl)[row:row + 1], agg_kwargs=agg, pg_agg_kwargs=pg_agg)
-        assert pg_loss.item() == 0.0  # A = 0
-        terms.append(metrics["kl_loss"].item())
+        assert metrics["pg_loss"].value == 0.0  # A = 0
+        terms.append(metrics["kl_loss"].value)
         losses.append(loss)
     # share * (mean_low + scale * mean_high): row 0 share 5/8, low mean (0.1-0.2+0.3+0)/4 = 0.05, high 0.8;
     # row 1 share 3/8, low mean (-0.1+0.3)/2 = 0.1, high 0.4
@@ -124,34 +196,76 @@ def test_archer_split_kl_by_hand(scale):
 
 
 # -- micro-batches add up to the mini-batch --------------------------------------------------------------------
-def random_mini_batch(seed: int) -> dict[str, torch.Tensor]:
-    """Four rows of lengths 5, 3, 5, 3: two equal micro-batches of two rows."""
+def random_mini_batch(seed: int, spread: float = 0.3) -> dict[str, torch.Tensor]:
+    """Four rows of lengths 5, 3, 5, 3; log pi / pi_old uniform in (-spread / 2, spread / 2)."""
     g = torch.Generator().manual_seed(seed)
     old = -1.0 - torch.rand(4, 5, generator=g, dtype=F64)
     return {
         "mask": lengths_mask([5, 3, 5, 3]),
         "old_log_prob": old,
-        "log_prob": old + 0.3 * (torch.rand(4, 5, generator=g, dtype=F64) - 0.5),
+        "log_prob": old + spread * (torch.rand(4, 5, generator=g, dtype=F64) - 0.5),
         "advantages": torch.randn(4, 5, generator=g, dtype=F64),
         "ref_log_prob": old + 0.3 * torch.randn(4, 5, generator=g, dtype=F64),
         "entropy": torch.rand(4, 5, generator=g, dtype=F64),
     }
 
 
-def mini_batch_loss(obj: ActorObjective, data: dict[str, torch.Tensor], micro: int) -> tuple[float, torch.Tensor]:
-    """(sum of the micro-batch losses, their gradient w.r.t. log_prob), as the actor accumulates them."""
+def accumulate(obj: ActorObjective, data: dict[str, torch.Tensor], micro: int
+               ) -> tuple[float, torch.Tensor, dict[str, float]]:
+    """(sum of the micro-batch losses, their gradient w.r.t. log_prob, the mini-batch metrics), as the actor
+    accumulates them over micro-batches of `micro` rows (the last one smaller when `micro` does not divide 4)."""
     log_prob = data["log_prob"].clone().requires_grad_(True)
     agg, pg_agg = obj.mini_batch_normalisers(data["mask"], micro)
     total = torch.zeros((), dtype=F64)
+    sums = MetricSums()
     for start in range(0, 4, micro):
         rows = slice(start, start + micro)
-        loss, _, _ = obj.micro_batch_loss(
+        loss, metrics = obj.micro_batch_loss(
             log_prob=log_prob[rows], entropy=data["entropy"][rows], old_log_prob=data["old_log_prob"][rows],
             advantages=data["advantages"][rows], mask=data["mask"][rows], ref_log_prob=data["ref_log_prob"][rows],
             agg_kwargs=agg, pg_agg_kwargs=pg_agg)
         total = total + loss
+        sums.add(metrics)
     (grad,) = torch.autograd.grad(total, log_prob)
-    return total.item(), grad
+    return total.item(), grad, sums.result()
+
+
+def mini_batch_loss(obj: ActorObjective, data: dict[str, torch.Tensor], micro: int) -> tuple[float, torch.Tensor]:
+    return accumulate(obj, data, micro)[:2]
+
+
+@pytest.mark.parametrize("overrides", [
+    (ACTOR + "use_kl_loss=true", ACTOR + "kl_loss_type=k3+", ACTOR + "entropy_coeff=0.01"),
+    (ACTOR + "loss_agg_mode=token-sum", ACTOR + "use_kl_loss=true", ACTOR + "entropy_coeff=0.01"),
+    (ACTOR + "loss_agg_mode=seq-mean-token-mean", ACTOR + "use_kl_loss=true", ACTOR + "entropy_coeff=0.01"),
+    ("algorithm=archer", ACTOR + "use_kl_loss=false"),  # the split KL is exact only for equal class shares
+    ("algorithm=aspo", ACTOR + "use_kl_loss=false", ACTOR + "entropy_coeff=0.01"),
+    ("algorithm=gspo", ACTOR + "clip_ratio_low=0.2", ACTOR + "clip_ratio_high=0.2"),
+])
+def test_unequal_micro_batches_give_the_losses_gradients_and_metrics_of_the_whole_mini_batch(overrides):
+    obj = objective(*overrides)
+    data = random_mini_batch(5, spread=1.6)  # |log r| up to 0.8: both clip ranges are crossed
+    whole, whole_grad, whole_metrics = accumulate(obj, data, 4)
+    for micro in (3, 1):  # micro-batches of 13 + 3 and of 5, 3, 5, 3 tokens
+        split, split_grad, split_metrics = accumulate(obj, data, micro)
+        # (the entropy bonus runs in float32, as in the actor)
+        assert split == pytest.approx(whole, rel=1e-6)
+        assert torch.allclose(split_grad, whole_grad, rtol=1e-6, atol=1e-9)
+        assert split_metrics == pytest.approx(whole_metrics, rel=1e-6, abs=1e-9)
+    assert whole_metrics["pg_clipfrac"] > 0
+    if obj.splits_by_entropy:
+        assert 0 < whole_metrics["entropy_low_clipfrac"] < 1 and 0 < whole_metrics["entropy_high_clipfrac"] < 1
+
+
+def test_token_sum_is_the_sum_of_the_token_losses():
+    obj = objective(ACTOR + "loss_agg_mode=token-sum", ACTOR + "clip_ratio_c=10.0")
+    data = random_mini_batch(3)  # |log r| < 0.15: nothing is clipped, every token loss is -A * r
+    loss, grad, metrics = accumulate(obj, data, 3)
+    ratio = (data["log_prob"] - data["old_log_prob"]).exp()
+    valid = data["mask"].bool()
+    assert loss == pytest.approx(float((-data["advantages"] * ratio)[valid].sum()), rel=1e-12)
+    assert metrics["pg_loss"] == pytest.approx(loss, rel=1e-12)
+    torch.testing.assert_close(grad, -data["advantages"] * ratio * data["mask"])
 
 
 @pytest.mark.parametrize("loss_mode", ["archer", "aspo"])

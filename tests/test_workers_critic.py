@@ -75,3 +75,16 @@ def test_critic_lr_follows_the_warmup_across_calls(tiny_model_dir):
     critic = make_critic(tiny_model_dir, "critic.optim.lr=0.01", "critic.optim.lr_warmup_steps=2")
     lrs = [critic.update_critic(value_batch(critic))["critic/lr"] for _ in range(3)]
     assert lrs == pytest.approx([0.0, 0.005, 0.01])
+
+
+def test_unequal_micro_batches_give_the_metrics_of_the_whole_mini_batch(tiny_model_dir):
+    shift = torch.tensor([[0.9, -0.2, 0.0], [0.1, -0.9, 0.7], [0.8, 0.0, 0.0]])  # V_old 0.7+ away: clipped
+    metrics = []
+    for micro in ("3", "2"):  # one micro-batch, or 2 + 1 rows holding 5 and 1 valid tokens
+        critic = make_critic(tiny_model_dir, "critic.optim.lr=0.0", f"critic.ppo_micro_batch_size_per_gpu={micro}")
+        batch = value_batch(critic)
+        batch["values"] = batch["values"] + shift * batch["response_mask"]
+        metrics.append(critic.update_critic(batch))
+    whole, split = metrics
+    assert 0 < whole["critic/vf_clipfrac"] < 1
+    assert split == pytest.approx(whole, rel=1e-5, abs=1e-7)

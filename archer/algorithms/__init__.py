@@ -1,4 +1,5 @@
-"""Pure RL math: advantage estimators, policy / value / KL / entropy losses and loss aggregation.
+"""Pure RL math: advantage estimators, policy / value / KL / entropy losses, loss aggregation and the metrics
+the losses return (each declared as a Mean or a Total).
 
 Torch functions with no model or worker imports, each registered under the name the config uses.
 """
@@ -15,7 +16,8 @@ from archer.algorithms.kl import (
     kl_penalty,
     make_kl_controller,
 )
-from archer.algorithms.policy_loss import POLICY_LOSSES, compute_policy_loss, register_policy_loss
+from archer.algorithms.metrics import Mean, MetricSums, Total
+from archer.algorithms.policy_loss import POLICY_LOSSES, PolicyLoss, compute_policy_loss, register_policy_loss
 from archer.algorithms.value_loss import compute_value_loss
 
 __all__ = [
@@ -25,6 +27,10 @@ __all__ = [
     "POLICY_LOSSES",
     "AdaptiveKLController",
     "FixedKLController",
+    "Mean",
+    "MetricSums",
+    "PolicyLoss",
+    "Total",
     "agg_loss",
     "agg_totals",
     "apply_kl_penalty",

@@ -21,7 +21,7 @@ from archer.errors import ArcherError
 T = TypeVar("T")
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
-ADV_ESTIMATORS = Registry("advantage estimator", "algorithm.adv_estimator")
+ADV_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator", "algorithm.adv_estimator")
 
 
 def register_adv_estimator(name: str) -> Callable[[AdvantageFn], AdvantageFn]:

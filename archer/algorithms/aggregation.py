@@ -2,11 +2,12 @@
 
 With gradient accumulation the actor computes the normalisers of the whole mini-batch once
 (`agg_totals(mini_batch_mask)`) and passes them to every micro-batch, so that the micro-batch losses
-add up exactly to the mini-batch loss.
+add up exactly to the mini-batch loss (token-sum has no normaliser: its micro-batch sums add up as they are).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,9 @@ class AggScale:
     max_len: Number
 
 
-AGG_MODES = Registry("loss aggregation mode", "actor_rollout_ref.actor.loss_agg_mode")
+AggFn = Callable[[torch.Tensor, torch.Tensor, AggScale], torch.Tensor]
+
+AGG_MODES: Registry[AggFn] = Registry("loss aggregation mode", "actor_rollout_ref.actor.loss_agg_mode")
 
 
 def agg_totals(mask: torch.Tensor) -> dict[str, torch.Tensor | int]:
@@ -69,6 +72,12 @@ def agg_loss(
 def _token_mean(loss_mat: torch.Tensor, mask: torch.Tensor, scale: AggScale) -> torch.Tensor:
     """sum(L*m) / num_tokens."""
     return masked_sum(loss_mat, mask) / scale.num_tokens
+
+
+@AGG_MODES.register("token-sum")
+def _token_sum(loss_mat: torch.Tensor, mask: torch.Tensor, scale: AggScale) -> torch.Tensor:
+    """sum(L*m), no normaliser: the loss of a mini-batch is the sum over its tokens (as verl's token-sum)."""
+    return masked_sum(loss_mat, mask)
 
 
 @AGG_MODES.register("seq-mean-token-sum")

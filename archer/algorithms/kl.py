@@ -1,8 +1,13 @@
 """KL between policy and reference: per-token estimators by `kl_penalty` name, KL coefficient controllers,
-the KL penalty in the reward (`algorithm.use_kl_in_reward`) and the KL loss (`actor.use_kl_loss`)."""
+the KL penalty in the reward (`algorithm.use_kl_in_reward`) and the KL loss (`actor.use_kl_loss`).
+
+Every estimator name also exists with a "+" appended (verl's straight-through estimators, e.g. `k3+`): the
+value of the named estimator with the gradient of k2, 0.5 * x^2, whose gradient x is the unbiased one.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,11 +20,15 @@ from archer.errors import ArcherError
 K3_LOG_RATIO_CLAMP = 20.0
 K3_RESULT_CLAMP = 10.0
 
-KL_ESTIMATORS = Registry("KL estimator", "algorithm.kl_penalty / actor_rollout_ref.actor.kl_loss_type")
+KLEstimator = Callable[[torch.Tensor], torch.Tensor]
+
+KL_ESTIMATORS: Registry[KLEstimator] = Registry(
+    "KL estimator", "algorithm.kl_penalty / actor_rollout_ref.actor.kl_loss_type"
+)
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL estimate of kind kl|k1, abs, mse|k2, low_var_kl|k3, from x = logp - ref_logp."""
+    """Per-token KL estimate of kind kl|k1, abs, mse|k2, low_var_kl|k3 (each also with "+"), from x = logp - ref_logp."""
     return KL_ESTIMATORS.lookup(kind)(log_prob - ref_log_prob)
 
 
@@ -42,6 +51,20 @@ def _k2(x: torch.Tensor) -> torch.Tensor:
 def _k3(x: torch.Tensor) -> torch.Tensor:
     x = x.clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
     return (torch.exp(-x) + x - 1).clamp(-K3_RESULT_CLAMP, K3_RESULT_CLAMP)
+
+
+def _straight_through(estimator: KLEstimator) -> KLEstimator:
+    """The estimator's value, k2's gradient: k2(x) - sg(k2(x)) + sg(estimator(x))."""
+
+    def estimate(x: torch.Tensor) -> torch.Tensor:
+        k2 = _k2(x)
+        return k2 - k2.detach() + estimator(x).detach()
+
+    return estimate
+
+
+for _name, _estimator in list(KL_ESTIMATORS.items()):
+    KL_ESTIMATORS.add(_name + "+", _straight_through(_estimator))
 
 
 class FixedKLController:

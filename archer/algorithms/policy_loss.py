@@ -1,22 +1,26 @@
 """Policy losses (`actor.policy_loss.loss_mode`), by name: PPO clip with dual-clip ("vanilla"), GSPO, Archer's
 dual-token constraints, ASPO, Clip-Cov and KL-Cov (REFERENCE.md sections 1, 2 and 5).
 
-A loss function takes keyword arguments (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
-clip_ratio_low, clip_ratio_high, clip_ratio_c, agg_kwargs, plus any of its own) and returns
-(scalar loss, metrics) with metrics pg_clipfrac, ppo_kl and pg_clipfrac_lower as detached tensors, plus
-the metrics of its own mechanism. Metric names ending in "_tokens" are counts (summed over micro-batches);
-the others are fractions or means over the valid tokens.
+Each loss is registered with what it needs (`PolicyLoss`): verl's shared clip settings it reads, its own
+config knobs with their defaults, and the per-micro-batch inputs the actor must compute for it. Its function
+takes exactly those, plus the common arguments, as keyword arguments (checked when it is registered), and
+returns (scalar loss, metrics): pg_clipfrac, ppo_kl and pg_clipfrac_lower plus the metrics of its own
+mechanism, each declared as a `Mean` or a `Total` (archer.algorithms.metrics). Adding a loss touches one
+function, its registration and its YAML keys.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from archer.algorithms.aggregation import agg_loss
 from archer.algorithms.masked import masked_mean
+from archer.algorithms.metrics import Metric, Total, masked_mean_metric
 from archer.algorithms.registry import Registry
 from archer.algorithms.token_selection import (
     advantage_logp_covariance,
@@ -28,15 +32,107 @@ from archer.errors import ArcherError
 LOG_RATIO_CLAMP = 20.0
 GSPO_LOG_RATIO_MAX = 10.0
 
-PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# Keyword arguments every loss takes.
+COMMON_ARGUMENTS = ("old_log_prob", "log_prob", "advantages", "response_mask", "loss_agg_mode", "agg_kwargs")
+# verl's actor settings shared by several losses; each has one default, in the YAML (clip_ratio_low/high: null
+# means clip_ratio).
+SHARED_SETTINGS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
+# Per-micro-batch tensors the actor computes for a loss that declares them.
+LOSS_INPUTS = {
+    "high_entropy_mask": "bool [B, R]: Archer's high-entropy tokens, above the per-response "
+                         "token_entropy_quantile of the token entropies",
+}
 
-POLICY_LOSSES = Registry("policy loss", "actor_rollout_ref.actor.policy_loss.loss_mode")
-ENTROPY_SPLIT_LOSSES = frozenset({"archer", "aspo"})  # losses that take high_entropy_mask
+PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, Metric]]]
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator: make a policy loss available as `actor.policy_loss.loss_mode=<name>`."""
-    return POLICY_LOSSES.register(name)
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A registered policy loss and what it needs.
+
+    settings: the SHARED_SETTINGS it reads. options: its own knobs, as config key under
+    actor_rollout_ref.actor -> default; the YAML leaves them null, meaning "this loss's default", so two losses
+    can default the same key differently; the keyword is the key's last part. inputs: names from LOSS_INPUTS.
+    agg_mode: the aggregation the loss always uses (GSPO's sequence-level objective), None for loss_agg_mode.
+    """
+
+    name: str
+    fn: PolicyLossFn
+    settings: tuple[str, ...] = ()
+    options: Mapping[str, float] = field(default_factory=dict)
+    inputs: tuple[str, ...] = ()
+    agg_mode: str | None = None
+
+    @property
+    def option_defaults(self) -> dict[str, float]:
+        """keyword -> default of each option."""
+        return {option_keyword(key): default for key, default in self.options.items()}
+
+    @property
+    def declared(self) -> tuple[str, ...]:
+        """The keyword arguments it takes besides COMMON_ARGUMENTS."""
+        return (*self.settings, *self.option_defaults, *self.inputs)
+
+    def arguments(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """Its keyword arguments besides the common ones: `given`, plus the defaults of the options left out."""
+        unknown = sorted(set(given) - set(self.declared))
+        if unknown:
+            raise ArcherError(f"policy loss '{self.name}' takes no argument {', '.join(unknown)}",
+                              f"pass only what it declares: {', '.join(self.declared)}")
+        missing = [k for k in (*self.settings, *self.inputs) if k not in given]
+        if missing:
+            raise ArcherError(f"policy loss '{self.name}' was called without {', '.join(missing)}",
+                              f"pass {', '.join(missing)} (the actor computes them from its config and each "
+                              "micro-batch)")
+        return {**self.option_defaults, **given}
+
+
+def option_keyword(key: str) -> str:
+    """The keyword argument of a loss option: the last part of its config key."""
+    return key.rsplit(".", 1)[-1]
+
+
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", "actor_rollout_ref.actor.policy_loss.loss_mode")
+
+
+def register_policy_loss(
+    name: str,
+    *,
+    settings: tuple[str, ...] = (),
+    options: Mapping[str, float] | None = None,
+    inputs: tuple[str, ...] = (),
+    agg_mode: str | None = None,
+) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator: make a policy loss available as `actor.policy_loss.loss_mode=<name>`, with what it needs.
+
+    The function's keyword-only parameters must be exactly COMMON_ARGUMENTS plus the declared settings,
+    option keywords and inputs, so that nothing is passed to it undeclared or silently dropped.
+    """
+
+    def add(fn: PolicyLossFn) -> PolicyLossFn:
+        entry = PolicyLoss(name, fn, tuple(settings), dict(options or {}), tuple(inputs), agg_mode)
+        _check_declaration(entry)
+        POLICY_LOSSES.add(name, entry)
+        return fn
+
+    return add
+
+
+def _check_declaration(entry: PolicyLoss) -> None:
+    params = inspect.signature(entry.fn).parameters.values()
+    takes = {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    declared = {*COMMON_ARGUMENTS, *entry.declared}
+    bad_settings = set(entry.settings) - set(SHARED_SETTINGS)
+    bad_inputs = set(entry.inputs) - set(LOSS_INPUTS)
+    others = [p.name for p in params if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    if takes != declared or bad_settings or bad_inputs or others:
+        raise ArcherError(
+            f"policy loss '{entry.name}' does not match its declaration: it takes {sorted(takes)}"
+            + (f" and {others}" if others else "") + f", declares {sorted(declared)}",
+            "make its parameters keyword-only: the common arguments "
+            f"({', '.join(COMMON_ARGUMENTS)}), settings from {', '.join(SHARED_SETTINGS)}, its options and "
+            f"inputs from {', '.join(LOSS_INPUTS)}, exactly as registered",
+        )
 
 
 def compute_policy_loss(
@@ -47,25 +143,20 @@ def compute_policy_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
     agg_kwargs: dict[str, Any] | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Run the named policy loss; extra keyword arguments go to losses that declare them."""
-    fn = POLICY_LOSSES.lookup(loss_mode)
-    return fn(
+    **named: Any,
+) -> tuple[torch.Tensor, dict[str, Metric]]:
+    """Run the named policy loss. `named` holds the settings and inputs it declares (required) and any of its
+    options (omitted ones take the loss's default); a loss with a fixed aggregation ignores `loss_agg_mode`."""
+    entry = POLICY_LOSSES.lookup(loss_mode)
+    return entry.fn(
         old_log_prob=old_log_prob,
         log_prob=log_prob,
         advantages=advantages,
         response_mask=response_mask,
-        loss_agg_mode=loss_agg_mode,
-        clip_ratio_low=clip_ratio_low,
-        clip_ratio_high=clip_ratio_high,
-        clip_ratio_c=clip_ratio_c,
+        loss_agg_mode=entry.agg_mode or loss_agg_mode,
         agg_kwargs=agg_kwargs or {},
-        **kwargs,
+        **entry.arguments(named),
     )
 
 
@@ -81,7 +172,7 @@ def clipped_token_losses(
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
-@register_policy_loss("vanilla")
+@register_policy_loss("vanilla", settings=SHARED_SETTINGS)
 def vanilla_policy_loss(
     *,
     old_log_prob: torch.Tensor,
@@ -89,12 +180,11 @@ def vanilla_policy_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str,
+    agg_kwargs: dict[str, Any],
     clip_ratio_low: float,
     clip_ratio_high: float,
     clip_ratio_c: float,
-    agg_kwargs: dict[str, Any],
-    **_: Any,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> tuple[torch.Tensor, dict[str, Metric]]:
     """PPO clip, plus dual-clip on A < 0 tokens: L = min(L, -A*c)."""
     token_losses, log_ratio, clip_active, dual_active = _dual_clip_losses(
         old_log_prob, log_prob, advantages, clip_ratio_low, clip_ratio_high, clip_ratio_c)
@@ -123,17 +213,14 @@ def _dual_clip_losses(
     return torch.where(dual_active, dual_bound, ppo_losses), log_ratio, clip_active, dual_active
 
 
-def _split_bounds(
-    high_entropy_mask: torch.Tensor | None, low: float, high: float, like: torch.Tensor
-) -> torch.Tensor:
+def _split_bounds(high_entropy_mask: torch.Tensor, low: float, high: float, like: torch.Tensor) -> torch.Tensor:
     """Per-token clip bound in the dtype of `like`: `high` on high-entropy tokens, `low` elsewhere."""
-    if high_entropy_mask is None:
-        raise ArcherError("an entropy-split policy loss was called without high_entropy_mask",
-                          "compute it with archer.algorithms.token_selection.high_entropy_tokens")
     return torch.where(high_entropy_mask, like.new_tensor(high), like.new_tensor(low))
 
 
-@register_policy_loss("archer")
+@register_policy_loss("archer", settings=("clip_ratio_c",), inputs=("high_entropy_mask",),
+                      options={"low_entropy_clip_ratio_low": 0.2, "low_entropy_clip_ratio_high": 0.2,
+                               "high_entropy_clip_ratio_low": 0.5, "high_entropy_clip_ratio_high": 0.5})
 def archer_policy_loss(
     *,
     old_log_prob: torch.Tensor,
@@ -141,16 +228,16 @@ def archer_policy_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str,
-    clip_ratio_c: float,
     agg_kwargs: dict[str, Any],
-    high_entropy_mask: torch.Tensor | None = None,
-    low_entropy_clip_ratio_low: float = 0.2,
-    low_entropy_clip_ratio_high: float = 0.2,
-    high_entropy_clip_ratio_low: float = 0.5,
-    high_entropy_clip_ratio_high: float = 0.5,
-    **_: Any,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Archer's dual-token constraints: dual-clip PPO whose clip range depends on the token's entropy class."""
+    clip_ratio_c: float,
+    high_entropy_mask: torch.Tensor,
+    low_entropy_clip_ratio_low: float,
+    low_entropy_clip_ratio_high: float,
+    high_entropy_clip_ratio_low: float,
+    high_entropy_clip_ratio_high: float,
+) -> tuple[torch.Tensor, dict[str, Metric]]:
+    """Archer's dual-token constraints: dual-clip PPO whose clip range depends on the token's entropy class
+    (the paper's 0.2 for low-entropy and 0.5 for high-entropy tokens)."""
     eps_low = _split_bounds(high_entropy_mask, low_entropy_clip_ratio_low, high_entropy_clip_ratio_low, log_prob)
     eps_high = _split_bounds(high_entropy_mask, low_entropy_clip_ratio_high, high_entropy_clip_ratio_high, log_prob)
     token_losses, log_ratio, clip_active, dual_active = _dual_clip_losses(
@@ -161,7 +248,9 @@ def archer_policy_loss(
     return loss, metrics
 
 
-@register_policy_loss("aspo")
+@register_policy_loss("aspo", settings=("clip_ratio_c",), inputs=("high_entropy_mask",),
+                      options={"low_entropy_clip_ratio_low": 0.2, "low_entropy_clip_ratio_high": 0.2,
+                               "high_entropy_clip_ratio_low": 0.4, "high_entropy_clip_ratio_high": 0.4})
 def aspo_policy_loss(
     *,
     old_log_prob: torch.Tensor,
@@ -169,16 +258,16 @@ def aspo_policy_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str,
-    clip_ratio_c: float,
     agg_kwargs: dict[str, Any],
-    high_entropy_mask: torch.Tensor | None = None,
-    low_entropy_clip_ratio_low: float = 0.2,
-    low_entropy_clip_ratio_high: float = 0.2,
-    high_entropy_clip_ratio_low: float = 0.4,
-    high_entropy_clip_ratio_high: float = 0.4,
-    **_: Any,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """ASPO (Archer2.0): asymmetric importance sampling with a soft dual-clip, on the entropy split.
+    clip_ratio_c: float,
+    high_entropy_mask: torch.Tensor,
+    low_entropy_clip_ratio_low: float,
+    low_entropy_clip_ratio_high: float,
+    high_entropy_clip_ratio_low: float,
+    high_entropy_clip_ratio_high: float,
+) -> tuple[torch.Tensor, dict[str, Metric]]:
+    """ASPO (Archer2.0): asymmetric importance sampling with a soft dual-clip, on the entropy split (the
+    paper's clip 0.2 for low-entropy and 0.4 for high-entropy tokens).
 
     A < 0: r_hat = max(r, 1-eps_l), loss -A*r_hat; where r_hat > c the loss is -A*c*logp (gradient -c*A).
     A >= 0 (flipped ratio): r_hat = min(r, 1+eps_h), loss -A*(r_hat/sg(r_hat))/sg(r_hat), value -A/r_hat,
@@ -206,7 +295,9 @@ def aspo_policy_loss(
     return loss, metrics
 
 
-@register_policy_loss("clip_cov")
+@register_policy_loss("clip_cov", settings=("clip_ratio_low", "clip_ratio_high"),
+                      options={"policy_loss.clip_cov_ratio": 0.0002, "policy_loss.clip_cov_lb": 1.0,
+                               "policy_loss.clip_cov_ub": 5.0})
 def clip_cov_policy_loss(
     *,
     old_log_prob: torch.Tensor,
@@ -214,29 +305,27 @@ def clip_cov_policy_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str,
+    agg_kwargs: dict[str, Any],
     clip_ratio_low: float,
     clip_ratio_high: float,
-    agg_kwargs: dict[str, Any],
-    clip_cov_ratio: float = 0.0002,
-    clip_cov_lb: float = 1.0,
-    clip_cov_ub: float = 5.0,
-    generator: torch.Generator | None = None,
-    **_: Any,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clip-Cov: PPO clip, and the gradient of a few random tokens with lb < cov(A, logp) < ub is cut off."""
+    clip_cov_ratio: float,
+    clip_cov_lb: float,
+    clip_cov_ub: float,
+) -> tuple[torch.Tensor, dict[str, Metric]]:
+    """Clip-Cov: PPO clip, and the gradient of a few random tokens with lb < cov(A, logp) < ub is cut off
+    (drawn with torch's global generator, which the trainer seeds)."""
     log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ppo_losses, clip_active = clipped_token_losses(log_ratio.exp(), advantages, clip_ratio_low, clip_ratio_high)
     cov = advantage_logp_covariance(advantages, log_prob, response_mask)
-    cut = clip_cov_tokens(cov, response_mask.bool() & ~clip_active, clip_cov_ratio, clip_cov_lb, clip_cov_ub,
-                          generator)
+    cut = clip_cov_tokens(cov, response_mask.bool() & ~clip_active, clip_cov_ratio, clip_cov_lb, clip_cov_ub)
     token_losses = torch.where(cut, 0.0, ppo_losses)
     loss = agg_loss(token_losses, response_mask, loss_agg_mode, **agg_kwargs)
     metrics = _metrics(log_ratio, clip_active, torch.zeros_like(clip_active), response_mask)
-    metrics["cov_selected_tokens"] = cut.sum().float()
+    metrics["cov_selected_tokens"] = Total(cut.sum().float())
     return loss, metrics
 
 
-@register_policy_loss("kl_cov")
+@register_policy_loss("kl_cov", options={"policy_loss.kl_cov_ratio": 0.0002, "policy_loss.ppo_kl_coef": 0.1})
 def kl_cov_policy_loss(
     *,
     old_log_prob: torch.Tensor,
@@ -245,11 +334,13 @@ def kl_cov_policy_loss(
     response_mask: torch.Tensor,
     loss_agg_mode: str,
     agg_kwargs: dict[str, Any],
-    kl_cov_ratio: float = 0.0002,
-    ppo_kl_coef: float = 1.0,
-    **_: Any,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """KL-Cov: unclipped -A*r, plus ppo_kl_coef * |logp - old_logp| on the tokens of largest cov(A, logp)."""
+    kl_cov_ratio: float,
+    ppo_kl_coef: float,
+) -> tuple[torch.Tensor, dict[str, Metric]]:
+    """KL-Cov: unclipped -A*r, plus ppo_kl_coef * |logp - old_logp| on the tokens of largest cov(A, logp).
+
+    The defaults are verl's (ratio 2e-4, coefficient 0.1); the kl_cov preset sets the paper's 7B values.
+    """
     log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     pg_losses = -advantages * log_ratio.exp()
     cov = advantage_logp_covariance(advantages, log_prob, response_mask)
@@ -258,26 +349,31 @@ def kl_cov_policy_loss(
     loss = agg_loss(token_losses, response_mask, loss_agg_mode, **agg_kwargs)
     no_clip = torch.zeros_like(penalised)
     metrics = _metrics(log_ratio, no_clip, no_clip, response_mask)
-    metrics["cov_selected_tokens"] = penalised.sum().float()
+    metrics["cov_selected_tokens"] = Total(penalised.sum().float())
     return loss, metrics
 
 
-@register_policy_loss("gspo")
+GSPO_AGG_MODE = "seq-mean-token-mean"
+
+
+@register_policy_loss("gspo", settings=("clip_ratio_low", "clip_ratio_high"), agg_mode=GSPO_AGG_MODE)
 def gspo_policy_loss(
     *,
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    agg_kwargs: dict[str, Any],
     clip_ratio_low: float,
     clip_ratio_high: float,
-    agg_kwargs: dict[str, Any],
-    **_: Any,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> tuple[torch.Tensor, dict[str, Metric]]:
     """GSPO: the token ratio is replaced by sg(s_i) * pi_t / sg(pi_t), s_i = exp(mean_t(logp - old_logp)).
 
-    As in verl, the loss is always aggregated seq-mean-token-mean (the sequence-level objective), whatever
-    loss_agg_mode says; its log-ratio is clamped at 10 before exp; there is no dual-clip.
+    Registered with a fixed seq-mean-token-mean aggregation, the paper's sequence-level objective (the mean over
+    responses of each response's token mean), whatever actor.loss_agg_mode says; archer warns when it says
+    otherwise. (verl 0.9.1 aggregates GSPO with the configured loss_agg_mode instead.) Its log-ratio is clamped
+    at 10 before exp; there is no dual-clip.
     """
     log_ratio = log_prob - old_log_prob
     seq_log_ratio = masked_mean(log_ratio, response_mask, dim=-1).detach().unsqueeze(-1)
@@ -285,31 +381,32 @@ def gspo_policy_loss(
     token_losses, clip_active = clipped_token_losses(
         token_log_ratio.exp(), advantages, clip_ratio_low, clip_ratio_high
     )
-    loss = agg_loss(token_losses, response_mask, "seq-mean-token-mean", **agg_kwargs)
+    loss = agg_loss(token_losses, response_mask, loss_agg_mode, **agg_kwargs)
     no_dual = torch.zeros_like(clip_active)
     return loss, _metrics(log_ratio, clip_active, no_dual, response_mask)
 
 
 def _entropy_class_metrics(
     high_entropy_mask: torch.Tensor, clip_active: torch.Tensor, response_mask: torch.Tensor
-) -> dict[str, torch.Tensor]:
+) -> dict[str, Metric]:
     """Share of valid tokens in each entropy class, and the clipped share within each class."""
     valid = response_mask.bool()
     high = high_entropy_mask & valid
     low = ~high_entropy_mask & valid
     return {
-        "entropy_low_frac": masked_mean(low.float(), response_mask).detach(),
-        "entropy_high_frac": masked_mean(high.float(), response_mask).detach(),
-        "entropy_low_clipfrac": masked_mean(clip_active.float(), low).detach(),
-        "entropy_high_clipfrac": masked_mean(clip_active.float(), high).detach(),
+        "entropy_low_frac": masked_mean_metric(low.float(), response_mask),
+        "entropy_high_frac": masked_mean_metric(high.float(), response_mask),
+        "entropy_low_clipfrac": masked_mean_metric(clip_active.float(), low),
+        "entropy_high_clipfrac": masked_mean_metric(clip_active.float(), high),
     }
 
 
 def _metrics(
     log_ratio: torch.Tensor, clip_active: torch.Tensor, dual_active: torch.Tensor, response_mask: torch.Tensor
-) -> dict[str, torch.Tensor]:
+) -> dict[str, Metric]:
+    """Means over the loss's tokens: the clipped share, the approximate KL to the old policy, the dual-clipped share."""
     return {
-        "pg_clipfrac": masked_mean(clip_active.float(), response_mask).detach(),
-        "ppo_kl": masked_mean(-log_ratio, response_mask).detach(),
-        "pg_clipfrac_lower": masked_mean(dual_active.float(), response_mask).detach(),
+        "pg_clipfrac": masked_mean_metric(clip_active.float(), response_mask),
+        "ppo_kl": masked_mean_metric(-log_ratio, response_mask),
+        "pg_clipfrac_lower": masked_mean_metric(dual_active.float(), response_mask),
     }

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from archer.algorithms.aggregation import agg_loss
-from archer.algorithms.masked import masked_mean
+from archer.algorithms.metrics import Mean, masked_mean_metric
 
 
 def compute_value_loss(
@@ -18,8 +18,9 @@ def compute_value_loss(
     cliprange_value: float = 0.5,
     loss_agg_mode: str = "token-mean",
     agg_kwargs: dict[str, Any] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """0.5 * agg(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)); also the fraction where the clip wins.
+) -> tuple[torch.Tensor, Mean]:
+    """0.5 * agg(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)); also the fraction of the tokens where
+    the clip wins (a Mean over them, archer.algorithms.metrics).
 
     vpreds: current critic output V; values: V_old from rollout time; returns: R.
     """
@@ -28,5 +29,5 @@ def compute_value_loss(
     clipped_loss = (clipped - returns).square()
     token_losses = torch.maximum(unclipped_loss, clipped_loss)
     loss = 0.5 * agg_loss(token_losses, response_mask, loss_agg_mode, **(agg_kwargs or {}))
-    clipfrac = masked_mean((clipped_loss > unclipped_loss).float(), response_mask).detach()
+    clipfrac = masked_mean_metric((clipped_loss > unclipped_loss).float(), response_mask)
     return loss, clipfrac

@@ -23,6 +23,7 @@ import torch
 from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
+from archer.algorithms.metrics import MetricSums
 from archer.batch import Batch
 from archer.models.loading import autocast_for, load_causal_lm, load_tokenizer, save_hf
 from archer.models.logprobs import response_logprobs
@@ -192,12 +193,11 @@ class ActorWorker:
                            step_optimizer: bool) -> dict[str, float]:
         objective = self.objective
         agg_kwargs, pg_agg_kwargs = objective.mini_batch_normalisers(mini_batch["response_mask"].float(), micro)
-        out: dict[str, float] = defaultdict(float)
+        sums = MetricSums()
         response_length = mini_batch["responses"].shape[1]
         for mb in mini_batch.split(micro):
             mb = mb.to(self.device)
             mask = mb["response_mask"].float()
-            weight = float(mask.sum()) / agg_kwargs["num_tokens"]
             tracing = (influence.micro_batch(mb["row_id"].tolist(), mb["input_ids"].shape[1], response_length)
                        if influence is not None else nullcontext())
             with tracing:
@@ -205,22 +205,20 @@ class ActorWorker:
                     logp, ent = response_logprobs(self.model, *(mb[k] for k in MODEL_INPUTS), response_length,
                                                   temperature=self.temperature, chunk_size=self.chunk_size,
                                                   compute_entropy=objective.needs_entropy)
-                loss, pg_loss, metrics = objective.micro_batch_loss(
+                loss, metrics = objective.micro_batch_loss(
                     log_prob=logp.float(), entropy=None if ent is None else ent.float(),
                     old_log_prob=mb["old_log_probs"], advantages=mb["advantages"], mask=mask,
                     ref_log_prob=mb.tensors.get("ref_log_prob"), agg_kwargs=agg_kwargs, pg_agg_kwargs=pg_agg_kwargs)
                 loss.backward()
-            out["actor/pg_loss"] += float(pg_loss.detach())
-            for name, value in metrics.items():
-                summed = name.endswith("_tokens") or name in ("entropy_loss", "kl_loss")
-                out[f"actor/{name}"] += float(value) * (1.0 if summed else weight)
+            sums.add(metrics)
+        out = {f"actor/{name}": value for name, value in sums.result().items()}
         if objective.use_kl_loss:
             out["actor/kl_coef"] = objective.kl_loss_coef
         grad_norm, stepped = clip_and_step(self.model, self.optimizer, float(self.actor_cfg.grad_clip),
                                            step=step_optimizer)
         out["actor/grad_norm"] = grad_norm
         out["actor/skipped_steps"] = 0.0 if stepped else 1.0
-        return dict(out)
+        return out
 
     def _influence_backward(self, batch: Batch, influence: TokenCapture, output_function: str) -> None:
         """The extra forward+backward of the traced rows that log_prob / advantage_log_prob need.

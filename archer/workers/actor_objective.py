@@ -1,40 +1,47 @@
-"""The actor's objective on one micro-batch: the policy loss with the token selections an entropy-aware
-method asks for (Archer/ASPO entropy classes, top-entropy tokens), the entropy bonus and the KL loss.
+"""The actor's objective on one micro-batch: the policy loss with the settings, options and inputs its
+registration declares (archer.algorithms.policy_loss), top-entropy token selection, the entropy bonus and the
+KL loss (Archer's split KL for a loss on the entropy split).
 
 Every term is normalised over its whole mini-batch (the normalisers come from `mini_batch_normalisers`), so
-the micro-batch losses add up to the mini-batch loss. Token entropies come from the training forward pass
-(detached) whenever a term needs them, whatever entropy_coeff is.
+the micro-batch losses add up to the mini-batch loss, and every metric is declared as a Mean or a Total
+(archer.algorithms.metrics), so the micro-batch metrics add up to the mini-batch's too. Token entropies come
+from the training forward pass (detached) whenever a term needs them, whatever entropy_coeff is.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from archer.algorithms.aggregation import mini_batch_totals
+from archer.algorithms.aggregation import AGG_MODES, mini_batch_totals
 from archer.algorithms.entropy import entropy_loss
-from archer.algorithms.kl import kl_loss, kl_penalty
+from archer.algorithms.kl import KL_ESTIMATORS, kl_loss, kl_penalty
 from archer.algorithms.masked import masked_mean
-from archer.algorithms.policy_loss import ENTROPY_SPLIT_LOSSES, POLICY_LOSSES, compute_policy_loss
+from archer.algorithms.metrics import Metric, Total, masked_mean_metric, total_metric
+from archer.algorithms.policy_loss import POLICY_LOSSES, PolicyLoss, compute_policy_loss, option_keyword
 from archer.algorithms.token_selection import high_entropy_tokens, top_entropy_count, top_entropy_tokens
+from archer.errors import ArcherError
 
-ENTROPY_CLASS_KEYS = ("low_entropy_clip_ratio_low", "low_entropy_clip_ratio_high",
-                      "high_entropy_clip_ratio_low", "high_entropy_clip_ratio_high")
-COVARIANCE_KEYS = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")
+log = logging.getLogger(__name__)
+
+ACTOR_KEY = "actor_rollout_ref.actor"
 
 
 @dataclass(frozen=True)
 class ActorObjective:
-    """The loss settings of `actor_rollout_ref.actor`, read once."""
+    """The loss settings of `actor_rollout_ref.actor`, read once.
+
+    loss_kwargs: the keyword arguments of the policy loss that come from the config (the shared settings it
+    declares and its options, a null option resolved to the loss's own default).
+    """
 
     loss_mode: str
     loss_agg_mode: str
-    clip_ratio_low: float
-    clip_ratio_high: float
-    clip_ratio_c: float
     entropy_coeff: float
     use_kl_loss: bool
     kl_loss_coef: float
@@ -46,23 +53,32 @@ class ActorObjective:
 
     @classmethod
     def from_config(cls, a: DictConfig) -> ActorObjective:
-        POLICY_LOSSES.lookup(a.policy_loss.loss_mode)  # an unknown loss fails before any model work
-        clip = float(a.clip_ratio)
-        kwargs = {k: float(a[k]) for k in ENTROPY_CLASS_KEYS}
-        kwargs.update({k: float(a.policy_loss[k]) for k in COVARIANCE_KEYS})
+        """Read and check the settings; unknown names fail here, before any model work."""
+        loss = POLICY_LOSSES.lookup(a.policy_loss.loss_mode)
+        agg_mode = str(a.loss_agg_mode)
+        AGG_MODES.lookup(agg_mode)
+        if a.use_kl_loss:
+            KL_ESTIMATORS.lookup(a.kl_loss_type)
+        if loss.agg_mode is not None and agg_mode != loss.agg_mode:
+            log.warning("policy_loss.loss_mode=%s always aggregates %s (its objective); actor.loss_agg_mode=%s "
+                        "applies to the entropy and KL terms only", loss.name, loss.agg_mode, agg_mode)
+        kwargs = {name: shared_setting(a, name) for name in loss.settings}
+        kwargs.update(loss_options(loss, a))
         return cls(
-            loss_mode=str(a.policy_loss.loss_mode), loss_agg_mode=str(a.loss_agg_mode),
-            clip_ratio_low=float(a.clip_ratio_low if a.clip_ratio_low is not None else clip),
-            clip_ratio_high=float(a.clip_ratio_high if a.clip_ratio_high is not None else clip),
-            clip_ratio_c=float(a.clip_ratio_c), entropy_coeff=float(a.entropy_coeff),
+            loss_mode=loss.name, loss_agg_mode=agg_mode, entropy_coeff=float(a.entropy_coeff),
             use_kl_loss=bool(a.use_kl_loss), kl_loss_coef=float(a.kl_loss_coef), kl_loss_type=str(a.kl_loss_type),
             entropy_top_ratio=None if a.entropy_top_ratio is None else float(a.entropy_top_ratio),
             token_entropy_quantile=float(a.token_entropy_quantile),
             high_entropy_kl_loss_scale_coef=float(a.high_entropy_kl_loss_scale_coef), loss_kwargs=kwargs)
 
     @property
+    def policy_loss(self) -> PolicyLoss:
+        return POLICY_LOSSES[self.loss_mode]
+
+    @property
     def splits_by_entropy(self) -> bool:
-        return self.loss_mode in ENTROPY_SPLIT_LOSSES
+        """A loss on Archer's entropy split; its KL loss is the split KL too."""
+        return "high_entropy_mask" in self.policy_loss.inputs
 
     @property
     def needs_entropy(self) -> bool:
@@ -85,35 +101,35 @@ class ActorObjective:
     def micro_batch_loss(self, *, log_prob: torch.Tensor, entropy: torch.Tensor | None, old_log_prob: torch.Tensor,
                          advantages: torch.Tensor, mask: torch.Tensor, ref_log_prob: torch.Tensor | None,
                          agg_kwargs: dict[str, Any], pg_agg_kwargs: dict[str, Any]
-                         ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """(total loss, policy loss, metrics without the "actor/" prefix) of one micro-batch."""
-        metrics: dict[str, torch.Tensor] = {}
+                         ) -> tuple[torch.Tensor, dict[str, Metric]]:
+        """(total loss, metrics without the "actor/" prefix, the policy loss as pg_loss) of one micro-batch."""
+        metrics: dict[str, Metric] = {}
         pg_mask = mask
         if self.entropy_top_ratio is not None:
             selected = top_entropy_tokens(entropy, mask, self.entropy_top_ratio)
             pg_mask = mask * selected
-            metrics["top_entropy_selected_frac"] = masked_mean(selected.float(), mask)
-            metrics["top_entropy_selected_tokens"] = selected.sum().float()
-        high = high_entropy_tokens(entropy, mask, self.token_entropy_quantile) if self.splits_by_entropy else None
+            metrics["top_entropy_selected_frac"] = masked_mean_metric(selected.float(), mask)
+            metrics["top_entropy_selected_tokens"] = Total(selected.sum().float())
+        inputs = {name: INPUT_BUILDERS[name](self, entropy, mask) for name in self.policy_loss.inputs}
         pg_loss, pg_metrics = compute_policy_loss(
             self.loss_mode, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
-            response_mask=pg_mask, loss_agg_mode=self.loss_agg_mode, clip_ratio_low=self.clip_ratio_low,
-            clip_ratio_high=self.clip_ratio_high, clip_ratio_c=self.clip_ratio_c, agg_kwargs=pg_agg_kwargs,
-            high_entropy_mask=high, **self.loss_kwargs)
+            response_mask=pg_mask, loss_agg_mode=self.loss_agg_mode, agg_kwargs=pg_agg_kwargs,
+            **self.loss_kwargs, **inputs)
+        metrics["pg_loss"] = total_metric(pg_loss)
         metrics.update(pg_metrics)
         loss = pg_loss
         if self.entropy_coeff != 0:
             ent_loss = entropy_loss(entropy.float(), mask, self.loss_agg_mode, agg_kwargs)
             loss = loss - self.entropy_coeff * ent_loss
-            metrics["entropy_loss"] = ent_loss.detach()
+            metrics["entropy_loss"] = total_metric(ent_loss)
         if self.use_kl_loss:
-            if high is None:
-                kl_term = kl_loss(log_prob, ref_log_prob, mask, self.kl_loss_type, self.loss_agg_mode, agg_kwargs)
+            if self.splits_by_entropy:
+                kl_term = self._split_kl(log_prob, ref_log_prob, mask, inputs["high_entropy_mask"], agg_kwargs)
             else:
-                kl_term = self._split_kl(log_prob, ref_log_prob, mask, high, agg_kwargs)
+                kl_term = kl_loss(log_prob, ref_log_prob, mask, self.kl_loss_type, self.loss_agg_mode, agg_kwargs)
             loss = loss + self.kl_loss_coef * kl_term
-            metrics["kl_loss"] = kl_term.detach()
-        return loss, pg_loss, metrics
+            metrics["kl_loss"] = total_metric(kl_term)
+        return loss, metrics
 
     def _split_kl(self, log_prob: torch.Tensor, ref_log_prob: torch.Tensor, mask: torch.Tensor,
                   high: torch.Tensor, agg_kwargs: dict[str, Any]) -> torch.Tensor:
@@ -128,3 +144,32 @@ class ActorObjective:
         low_mean = masked_mean(kl, valid & ~high)
         high_mean = masked_mean(kl, valid & high)
         return share * (low_mean + self.high_entropy_kl_loss_scale_coef * high_mean)
+
+
+def _high_entropy_mask(objective: ActorObjective, entropy: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+    return high_entropy_tokens(entropy, mask, objective.token_entropy_quantile)
+
+
+# How the actor builds each per-micro-batch input a loss can declare (the names of policy_loss.LOSS_INPUTS).
+InputBuilder = Callable[[ActorObjective, torch.Tensor | None, torch.Tensor], torch.Tensor]
+INPUT_BUILDERS: dict[str, InputBuilder] = {"high_entropy_mask": _high_entropy_mask}
+
+
+def shared_setting(a: DictConfig, name: str) -> float:
+    """One of verl's shared loss settings; clip_ratio_low/high fall back to clip_ratio when null."""
+    value = a[name]
+    if value is None and name in ("clip_ratio_low", "clip_ratio_high"):
+        value = a.clip_ratio
+    return float(value)
+
+
+def loss_options(loss: PolicyLoss, a: DictConfig) -> dict[str, float]:
+    """The loss's options from the actor config: keyword -> value, null meaning the loss's own default."""
+    out = {}
+    for key, default in loss.options.items():
+        value = OmegaConf.select(a, key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise ArcherError(f"{ACTOR_KEY}.{key}={value!r} is not a number",
+                              f"set it to a number, or to null for the {loss.name} loss's default ({default})")
+        out[option_keyword(key)] = float(default if value is None else value)
+    return out

@@ -9,6 +9,7 @@ import torch
 from omegaconf import DictConfig
 
 from archer.algorithms.aggregation import mini_batch_totals
+from archer.algorithms.metrics import MetricSums, masked_mean_metric, total_metric
 from archer.algorithms.value_loss import compute_value_loss
 from archer.batch import Batch
 from archer.models.loading import autocast_for, load_value_model, value_forward
@@ -64,18 +65,18 @@ class CriticWorker:
             order = torch.randperm(len(data), generator=generator) if c.shuffle else torch.arange(len(data))
             for mini_batch in data.index(order).split(mini):
                 agg_kwargs = mini_batch_totals(mini_batch["response_mask"].float())
+                mini_sums = MetricSums()
                 for mb in mini_batch.split(micro):
-                    weight = float(mb["response_mask"].sum()) / agg_kwargs["num_tokens"]
                     vpreds = self._values(mb)
-                    loss, clipfrac = compute_value_loss(
-                        vpreds, mb["values"].to(self.device), mb["returns"].to(self.device),
-                        mb["response_mask"].to(self.device).float(), cliprange_value=float(c.cliprange_value),
-                        loss_agg_mode=c.loss_agg_mode, agg_kwargs=agg_kwargs)
-                    loss.backward()
-                    sums["critic/vf_loss"] += float(loss.detach())
-                    sums["critic/vf_clipfrac"] += float(clipfrac) * weight
                     mask = mb["response_mask"].to(self.device).float()
-                    sums["critic/vpred_mean"] += float((vpreds.detach() * mask).sum()) / agg_kwargs["num_tokens"]
+                    loss, clipfrac = compute_value_loss(
+                        vpreds, mb["values"].to(self.device), mb["returns"].to(self.device), mask,
+                        cliprange_value=float(c.cliprange_value), loss_agg_mode=c.loss_agg_mode, agg_kwargs=agg_kwargs)
+                    loss.backward()
+                    mini_sums.add({"critic/vf_loss": total_metric(loss), "critic/vf_clipfrac": clipfrac,
+                                   "critic/vpred_mean": masked_mean_metric(vpreds, mask)})
+                for name, value in mini_sums.result().items():
+                    sums[name] += value
                 grad_norm, _ = clip_and_step(self.model, self.optimizer, float(c.grad_clip))
                 sums["critic/grad_norm"] += grad_norm
                 steps += 1

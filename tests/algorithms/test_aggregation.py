@@ -12,13 +12,14 @@ MASK = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [0, 0, 0]], dtype=torch.fl
 # token sums per row: 6, 9, 7, 0 -> total 22 over 6 tokens and 3 sequences; token means 2, 4.5, 7
 EXPECTED = {
     "token-mean": 22 / 6,
+    "token-sum": 22,  # verl's token-sum: no normaliser
     "seq-mean-token-sum": 22 / 3,
     "seq-mean-token-mean": (2 + 4.5 + 7) / 3,
     "seq-mean-token-sum-norm": 22 / (3 * 3),
 }
 
 
-def test_the_registry_holds_exactly_the_four_modes():
+def test_the_registry_holds_exactly_the_five_modes():
     assert set(AGG_MODES) == set(EXPECTED)
 
 
@@ -66,6 +67,13 @@ def test_gradient_of_token_mean_is_mask_over_num_tokens():
     loss = LOSS.clone().requires_grad_(True)
     agg_loss(loss, MASK, "token-mean", num_tokens=8).backward()
     torch.testing.assert_close(loss.grad, MASK / 8)
+
+
+def test_token_sum_ignores_the_normalisers_and_its_gradient_is_the_mask():
+    loss = LOSS.clone().requires_grad_(True)
+    assert agg_loss(loss, MASK, "token-sum", num_tokens=8, num_seqs=2, max_len=11).item() == 22
+    agg_loss(loss, MASK, "token-sum").backward()
+    torch.testing.assert_close(loss.grad, MASK)
 
 
 def test_unknown_mode_lists_the_known_modes():

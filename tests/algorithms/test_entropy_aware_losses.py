@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from archer.algorithms.metrics import Mean, Metric
 from archer.algorithms.policy_loss import compute_policy_loss
 from archer.errors import ArcherError
 
@@ -30,8 +31,8 @@ def run(loss_mode: str, ratios, adv, mask=None, **kwargs):
     return loss, metrics, grad
 
 
-def values(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
-    return {k: float(v) for k, v in metrics.items()}
+def values(metrics: dict[str, Metric]) -> dict[str, float]:
+    return {k: v.value for k, v in metrics.items()}
 
 
 # ---------------------------------------------------------------- Archer: dual-token constraints
@@ -79,7 +80,9 @@ def test_archer_metrics_by_hand():
         "entropy_low_frac": 5 / 9, "entropy_high_frac": 4 / 9,
         "entropy_low_clipfrac": 2 / 5, "entropy_high_clipfrac": 1 / 4,
     }, rel=1e-6)
-    assert not any(m.requires_grad for m in metrics.values())
+    assert all(isinstance(m, Mean) and not m.total.requires_grad for m in metrics.values())
+    # each class clipfrac is a mean over its own class: 5 low and 4 high tokens
+    assert (float(metrics["entropy_low_clipfrac"].count), float(metrics["entropy_high_clipfrac"].count)) == (5, 4)
 
 
 def test_archer_dual_clip_bound_follows_clip_ratio_c():
@@ -88,19 +91,19 @@ def test_archer_dual_clip_bound_follows_clip_ratio_c():
     expected = sum(ARCHER_TOKEN_LOSSES[0]) + 3.0 + 3.0 + 6.0 - 1.5
     assert loss.item() == pytest.approx(expected / ARCHER_N, rel=1e-6)
     assert grad[1, 2].item() == 0.0
-    assert metrics["pg_clipfrac_lower"].item() == pytest.approx(3 / 9)
+    assert metrics["pg_clipfrac_lower"].value == pytest.approx(3 / 9)
 
 
 def test_archer_float64_inputs_keep_float64_clip_bounds():
-    loss, _, _ = run("archer", [[1.3]], [[1.0]], high_entropy_mask=torch.tensor([[False]]),
+    loss, _, _ = run("archer", [[1.3]], [[1.0]], high_entropy_mask=torch.tensor([[False]]), clip_ratio_c=3.0,
                      low_entropy_clip_ratio_low=0.2, low_entropy_clip_ratio_high=0.2)
     assert loss.item() == pytest.approx(-1.2, rel=1e-12, abs=0)
 
 
 @pytest.mark.parametrize("loss_mode", ["archer", "aspo"])
 def test_entropy_split_losses_need_the_high_entropy_mask(loss_mode):
-    with pytest.raises(ArcherError, match="high_entropy_mask"):
-        run(loss_mode, [[1.0]], [[1.0]])
+    with pytest.raises(ArcherError, match="called without high_entropy_mask"):
+        run(loss_mode, [[1.0]], [[1.0]], clip_ratio_c=3.0)
 
 
 @pytest.mark.parametrize("loss_mode", ["archer", "aspo"])
@@ -183,12 +186,15 @@ PPO_GRAD = [-2.2 / 6, 0.0, 1.8 / 6, 2.0 / 6, -0.7 / 6, 1.3 / 6, 0.0]
 
 
 def clip_cov(ratio: float, seed: int):
+    """One Clip-Cov call with torch's global generator seeded by `seed` (as the trainer seeds it)."""
     old = torch.tensor([[lp - math.log(r) for lp, r in zip(COV_LOGP, COV_RATIOS)]], dtype=F64)
     new = torch.tensor([COV_LOGP], dtype=F64, requires_grad=True)
-    loss, metrics = compute_policy_loss(
-        "clip_cov", old_log_prob=old, log_prob=new, advantages=torch.tensor(COV_ADV, dtype=F64),
-        response_mask=torch.tensor(COV_MASK, dtype=F64), clip_ratio_low=0.2, clip_ratio_high=0.2,
-        clip_cov_ratio=ratio, clip_cov_lb=1.0, clip_cov_ub=5.0, generator=torch.Generator().manual_seed(seed))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        loss, metrics = compute_policy_loss(
+            "clip_cov", old_log_prob=old, log_prob=new, advantages=torch.tensor(COV_ADV, dtype=F64),
+            response_mask=torch.tensor(COV_MASK, dtype=F64), clip_ratio_low=0.2, clip_ratio_high=0.2,
+            clip_cov_ratio=ratio, clip_cov_lb=1.0, clip_cov_ub=5.0)
     (grad,) = torch.autograd.grad(loss, new)
     return loss, metrics, grad[0].tolist()
 
@@ -198,12 +204,12 @@ def test_clip_cov_zeroes_the_gradient_of_selected_tokens_only(seed):
     _, metrics, grad = clip_cov(0.4, seed)  # int(0.4 * 6) = 2 of the candidates 0, 2, 3
     cut = [i for i in (0, 2, 3) if grad[i] == 0.0]
     assert len(cut) == 2
-    assert metrics["cov_selected_tokens"].item() == 2
+    assert metrics["cov_selected_tokens"].value == 2
     expected = [0.0 if i in cut else g for i, g in enumerate(PPO_GRAD)]
     assert grad == pytest.approx(expected, rel=1e-12)
 
 
-def test_clip_cov_selection_is_reproducible_with_a_seeded_generator():
+def test_clip_cov_selection_is_reproducible_with_a_seeded_global_generator():
     grads = [clip_cov(0.2, seed)[2] for seed in range(12)]  # int(1.2) = 1 token cut
     assert clip_cov(0.2, 5)[2] == grads[5]
     cut_sets = {tuple(i for i in (0, 2, 3) if g[i] == 0.0) for g in grads}
@@ -215,9 +221,9 @@ def test_clip_cov_never_selects_an_already_clipped_token():
     # ratio 1: every candidate is cut; token 1 (cov 3, in the window) keeps its (zero) clipped gradient,
     # and tokens 4, 5 (outside the window) keep their PPO gradient
     loss, metrics, grad = clip_cov(1.0, 0)
-    assert metrics["cov_selected_tokens"].item() == 3
+    assert metrics["cov_selected_tokens"].value == 3
     assert grad == pytest.approx([0.0, 0.0, 0.0, 0.0, PPO_GRAD[4], PPO_GRAD[5], 0.0], rel=1e-12)
-    assert metrics["pg_clipfrac"].item() == pytest.approx(1 / 6)
+    assert metrics["pg_clipfrac"].value == pytest.approx(1 / 6)
 
 
 # ---------------------------------------------------------------- KL-Cov
@@ -243,8 +249,8 @@ def test_kl_cov_value_adds_the_kl_term_only_on_the_largest_covariance_tokens(coe
     loss, metrics, _ = kl_cov(0.5, coef)  # int(0.5 * 4) = 2 tokens: 2 and 3
     unclipped = -2.0 + 0.3 - 3.0 + 1.0  # -A*r of every valid token
     assert loss.item() == pytest.approx((unclipped + coef * (math.log(1.5) + math.log(2.0))) / 4, rel=1e-12)
-    assert metrics["cov_selected_tokens"].item() == 2
-    assert metrics["pg_clipfrac"].item() == 0.0
+    assert metrics["cov_selected_tokens"].value == 2
+    assert metrics["pg_clipfrac"].value == 0.0
 
 
 @pytest.mark.parametrize("coef", [1.0, 0.5])
@@ -257,6 +263,6 @@ def test_kl_cov_gradient_is_unclipped_minus_a_r_plus_coef_sign_on_selected(coef)
 
 def test_kl_cov_selects_at_least_one_token():
     loss, metrics, grad = kl_cov(0.0002, 1.0)  # max(1, int(0.0008)) = 1: token 2 (cov 2.5)
-    assert metrics["cov_selected_tokens"].item() == 1
+    assert metrics["cov_selected_tokens"].value == 1
     assert loss.item() == pytest.approx((-2.0 + 0.3 - 3.0 + 1.0 + math.log(1.5)) / 4, rel=1e-12)
     assert grad[3] == pytest.approx(1.0 / 4, rel=1e-12)

@@ -40,6 +40,48 @@ def test_k3_clamps_the_log_ratio_and_the_result():
     torch.testing.assert_close(kl_penalty(logp, torch.zeros_like(logp), "k3"), expected)
 
 
+# Straight-through estimators (verl's "+" kinds): the value of the named estimator, the gradient of
+# k2 = 0.5 x^2, i.e. d/dlogp = x = 0.5, -1.0, 0.0 whatever the value is.
+@pytest.mark.parametrize(
+    ("kinds", "expected", "own_grad"),
+    [
+        (("kl+", "k1+"), [0.5, -1.0, 0.0], [1.0, 1.0, 1.0]),
+        (("abs+",), [0.5, 1.0, 0.0], [1.0, -1.0, 0.0]),  # sign(x); torch's sign(0) = 0
+        (("mse+", "k2+"), [0.125, 0.5, 0.0], [0.5, -1.0, 0.0]),
+        (("low_var_kl+", "k3+"), K3, [1 - math.exp(-0.5), 1 - math.exp(1.0), 0.0]),  # k3' = 1 - e^-x
+    ],
+)
+def test_plus_kinds_keep_the_value_and_take_the_gradient_of_k2(kinds, expected, own_grad):
+    for kind in kinds:
+        logp = LOGP.clone().requires_grad_(True)
+        value = kl_penalty(logp, REF, kind)
+        torch.testing.assert_close(value.detach(), torch.tensor([expected], dtype=torch.float64))
+        (grad,) = torch.autograd.grad(value.sum(), logp)
+        assert grad[0].tolist() == pytest.approx([0.5, -1.0, 0.0])
+        # the plain estimator has its own gradient
+        plain = LOGP.clone().requires_grad_(True)
+        (plain_grad,) = torch.autograd.grad(kl_penalty(plain, REF, kind[:-1]).sum(), plain)
+        assert plain_grad[0].tolist() == pytest.approx(own_grad)
+
+
+def test_k3_plus_keeps_the_clamped_value_but_not_a_clamped_gradient():
+    logp = torch.tensor([[30.0, -0.5]], dtype=torch.float64, requires_grad=True)
+    value = kl_penalty(logp, torch.zeros_like(logp), "k3+")
+    # x = 30 -> the k3 value is clamped to 10 (its own gradient there is 0); k2's gradient is x = 30
+    assert value.detach()[0].tolist() == pytest.approx([10.0, math.exp(0.5) - 0.5 - 1])
+    (grad,) = torch.autograd.grad(value.sum(), logp)
+    assert grad[0].tolist() == pytest.approx([30.0, -0.5])
+
+
+def test_kl_loss_with_a_plus_kind_by_hand():
+    mask = torch.tensor([[1, 1, 0]], dtype=torch.float64)
+    logp = LOGP.clone().requires_grad_(True)
+    loss = kl_loss(logp, REF, mask, kind="k3+", agg_kwargs={"num_tokens": 4})
+    assert loss.item() == pytest.approx((K3[0] + K3[1]) / 4)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert grad[0].tolist() == pytest.approx([0.5 / 4, -1.0 / 4, 0.0])
+
+
 def test_unknown_kind_lists_the_known_kinds():
     with pytest.raises(ArcherError, match="unknown KL estimator 'full'") as err:
         kl_penalty(LOGP, REF, "full")
