@@ -82,7 +82,7 @@ def test_scores_land_on_the_last_valid_token(tokenizer: PreTrainedTokenizerFast)
     torch.testing.assert_close(out.token_level_scores, expected)
 
 
-def test_extra_keys_are_per_row_arrays(tokenizer: PreTrainedTokenizerFast) -> None:
+def test_qa_f1_is_an_extra_of_its_row(tokenizer: PreTrainedTokenizerFast) -> None:
     qa = "<think>t</think><answer>\\boxed{paris city}</answer>"
     batch = make_batch(
         tokenizer,
