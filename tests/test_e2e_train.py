@@ -47,7 +47,8 @@ VAL_KEY = "val-core/archer/arithmetic/acc/mean@1"
 SUBPROCESS_TIMEOUT_S = 240
 
 # Score = share of digits in the response (varies between samples, so GRPO advantages are not all zero);
-# acc = the built-in math reward.
+# acc = the built-in math reward; extras: the digit count, whether the response boxes an answer (a bool) and
+# its first word (text: dumps only).
 DIGIT_REWARD = '''
 from archer.rewards.math import compute_math_score
 from archer.trace.format import TraceReader
@@ -55,7 +56,14 @@ from archer.trace.format import TraceReader
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     digits = sum(c.isdigit() for c in solution_str)
-    return {"score": digits / max(len(solution_str), 1), "acc": compute_math_score(solution_str, ground_truth)}
+    return {"score": digits / max(len(solution_str), 1), "acc": compute_math_score(solution_str, ground_truth),
+            "digits": digits, "boxed": "boxed{" in solution_str, "first_word": solution_str.split(" ")[0]}
+'''
+NUMERIC_EXTRAS = ("digits", "boxed")
+
+NAN_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": float("nan"), "acc": 0.0}
 '''
 
 # Raises on its 3rd call.
@@ -182,17 +190,33 @@ def test_grpo_metrics_have_verl_names_and_match_the_rollout_dumps(grpo_run, task
         assert line["timing_s/gen"] < line["timing_s/step"]
         rollouts = read_jsonl(run / "rollouts" / f"step_{step}.jsonl")
         assert len(rollouts) == 8 * 4
-        assert all(r["step"] == step and r["score"] == pytest.approx(digit_share(r["output"])) for r in rollouts)
+        for r in rollouts:
+            assert list(r) == ["input", "output", "gts", "score", "step", "data_source", "acc", "digits", "boxed",
+                               "first_word"]
+            assert r["step"] == step and r["score"] == pytest.approx(digit_share(r["output"]))
+            assert r["data_source"] == "archer/arithmetic" and r["acc"] == compute_math_score(r["output"], r["gts"])
+            assert r["digits"] == sum(c.isdigit() for c in r["output"]) and r["boxed"] is ("boxed{" in r["output"])
+            assert r["first_word"] == r["output"].split(" ")[0]
         assert line["critic/score/mean"] == pytest.approx(np.mean([r["score"] for r in rollouts]))
         assert line["critic/score/max"] == pytest.approx(max(r["score"] for r in rollouts))
+        assert line["critic/acc/mean"] == pytest.approx(np.mean([r["acc"] for r in rollouts]))
+        for key in NUMERIC_EXTRAS:  # the numeric extras, none named by the trainer; the text one has no metric
+            assert line[f"reward/{key}/mean"] == pytest.approx(np.mean([float(r[key]) for r in rollouts]))
+        assert not any("first_word" in k for k in line)
 
     val_steps = [s for s, line in metrics.items() if VAL_KEY in line]
     assert val_steps == [0, 2, 3]  # before training, test_freq=2, and the last step
     assert set(metrics[0]) == {VAL_KEY, "val-aux/archer/arithmetic/score/mean@1", "val-core/all/acc/mean@1",
-                               "val-aux/all/score/mean@1", "timing_s/testing"}
+                               "val-aux/all/score/mean@1", "timing_s/testing",
+                               *(f"val-aux/{ds}/{key}/mean@1" for ds in ("archer/arithmetic", "all")
+                                 for key in NUMERIC_EXTRAS)}
     generations = read_jsonl(run / "val_generations" / "step_0.jsonl")
     gold = [r["reward_model"]["ground_truth"] for r in pq.read_table(task_files["val"]).to_pylist()]
     assert [g["gts"] for g in generations] == gold  # every validation prompt, in file order
+    assert all(g["data_source"] == "archer/arithmetic" and g["step"] == 0 for g in generations)
+    for key in NUMERIC_EXTRAS:
+        assert metrics[0][f"val-aux/archer/arithmetic/{key}/mean@1"] == pytest.approx(
+            np.mean([float(g[key]) for g in generations]))
     assert metrics[0]["val-aux/archer/arithmetic/score/mean@1"] == pytest.approx(
         np.mean([digit_share(g["output"]) for g in generations]))
     assert metrics[0][VAL_KEY] == pytest.approx(
@@ -217,6 +241,10 @@ def test_grpo_traces_match_the_rollouts_and_metrics(grpo_run, micro_model: Path)
                                        skip_special_tokens=True)
         assert texts == [r["output"] for r in rollouts]
         np.testing.assert_allclose(arrays["reward"], [r["score"] for r in rollouts], rtol=1e-6)
+        assert [k for k in arrays if k.startswith("reward_extra/")] == [f"reward_extra/{k}" for k in ("boxed", "digits")]
+        for key in NUMERIC_EXTRAS:
+            assert arrays[f"reward_extra/{key}"].dtype == np.float32
+            assert arrays[f"reward_extra/{key}"].tolist() == [float(r[key]) for r in rollouts]
         prompt = arrays["prompts"][0][-arrays["prompt_length"][0]:]
         question = rollouts[0]["input"][0]["content"]
         assert tokenizer.decode(prompt.tolist(), skip_special_tokens=True) == f"user\n{question}\nassistant\n"
@@ -283,7 +311,8 @@ def test_grpo_plots_and_summary(grpo_run, micro_model: Path, task_files: dict[st
     run, proc = grpo_run
     assert proc.returncode == 0, proc.stderr
     pngs = {p.name: p for p in (run / "plots").glob("*.png")}
-    assert {"reward.png", "entropy.png", "losses.png", "grad_norm.png", "response_length.png"} <= set(pngs)
+    assert {"reward.png", "entropy.png", "losses.png", "grad_norm.png", "response_length.png",
+            "reward_extras.png"} <= set(pngs)
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs.values())
     summary = json.loads((run / "summary.json").read_text())
     metrics = read_metrics(run)
@@ -420,6 +449,8 @@ def bad_runs(tmp_path_factory: pytest.TempPathFactory, micro_model: Path,
     pq.write_table(pa.table({"data_source": ["archer/arithmetic"], "question": ["Compute 1+2."]}), no_prompt)
     reward = root / "failing_reward.py"
     reward.write_text(FAILING_REWARD)
+    nan_reward = root / "nan_reward.py"
+    nan_reward.write_text(NAN_REWARD)
     finished = root / "finished_run"
     finished.mkdir()
     (finished / "metrics.jsonl").write_text('{"step": 1, "critic/score/mean": 0.5}\n')
@@ -435,6 +466,7 @@ def bad_runs(tmp_path_factory: pytest.TempPathFactory, micro_model: Path,
         "unknown_key": ["actor_rollout_ref.actor.clip_ration=0.3"],
         "unknown_key_plus": ["+actor_rollout_ref.actor.clip_ration=0.3"],
         "reward_raises": [f"custom_reward_function.path={reward}", "trainer.save_freq=1"],
+        "reward_nan": [f"custom_reward_function.path={nan_reward}"],
         "resume_disabled": ["trainer.resume_mode=disable", f"trainer.default_local_dir={finished}"],
     }
 
@@ -461,6 +493,8 @@ BAD_INPUT_MESSAGES = {
     "reward_raises": ["the reward function failed on row 0", "ValueError: reward exploded on call 3",
                       "custom_reward_function.path"],
     "resume_disabled": ["already holds a run", "trainer.resume_mode=disable", "trainer.default_local_dir"],
+    "reward_nan": ["the reward function returned score nan for row 0 (data_source 'archer/arithmetic', response ",
+                   "a non-finite reward makes every update a no-op", "return a finite number for every response"],
 }
 
 
@@ -542,7 +576,7 @@ def test_reward_manager_scores_real_math_rows(micro_model: Path) -> None:
                    "ground_truth": [r["reward_model"]["ground_truth"] for r in doubled],
                    "extra_info": [r["extra_info"] for r in doubled]})
     out = RewardManager(tokenizer)(batch)
-    assert out.extra["response_text"] == texts
+    assert out.response_text == texts
     assert out.scores.tolist() == [1.0] * 5 + [0.0] * 5
     assert out.acc.tolist() == [1.0] * 5 + [0.0] * 5
     last = torch.tensor([len(x) - 1 for x in ids])

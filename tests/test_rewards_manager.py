@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerFast
 from archer.batch import Batch
 from archer.errors import ArcherError
 from archer.models.loading import load_tokenizer
+from archer.rewards.extras import REWARD_EXTRAS, numeric_columns
 from archer.rewards.manager import RewardManager
 from archer.rewards.shaping import OverlongBuffer
 
@@ -71,7 +72,7 @@ def test_scores_land_on_the_last_valid_token(tokenizer: PreTrainedTokenizerFast)
     )
     out = RewardManager(tokenizer)(batch)
 
-    assert out.extra["response_text"] == texts  # EOS and padding are not decoded
+    assert out.response_text == texts  # EOS and padding are not decoded
     np.testing.assert_array_equal(out.scores, [1.0, 0.0, 1.0, 0.1])
     np.testing.assert_array_equal(out.acc, [1.0, 0.0, 1.0, 0.0])  # countdown's format credit is not accuracy
     assert out.token_level_scores.dtype == torch.float32 and out.token_level_scores.shape == (4, 48)
@@ -81,7 +82,7 @@ def test_scores_land_on_the_last_valid_token(tokenizer: PreTrainedTokenizerFast)
     torch.testing.assert_close(out.token_level_scores, expected)
 
 
-def test_extra_keys_are_per_row_arrays(tokenizer: PreTrainedTokenizerFast) -> None:
+def test_qa_f1_is_an_extra_of_its_row(tokenizer: PreTrainedTokenizerFast) -> None:
     qa = "<think>t</think><answer>\\boxed{paris city}</answer>"
     batch = make_batch(
         tokenizer,
@@ -95,7 +96,7 @@ def test_extra_keys_are_per_row_arrays(tokenizer: PreTrainedTokenizerFast) -> No
     # "paris city" vs "city of paris": 2 common tokens, p = 1, r = 2/3 -> f1 = 0.8
     np.testing.assert_allclose(out.scores, [0.8, 1.0])
     np.testing.assert_array_equal(out.acc, [0.0, 1.0])
-    assert out.extra["f1"][0] == pytest.approx(0.8) and math.isnan(out.extra["f1"][1])
+    assert out.extras.tolist() == [{"f1": pytest.approx(0.8)}, {}]  # the math row returned a number
 
 
 def test_custom_function_scores_every_row(tokenizer: PreTrainedTokenizerFast) -> None:
@@ -110,8 +111,54 @@ def test_custom_function_scores_every_row(tokenizer: PreTrainedTokenizerFast) ->
     assert calls == [("unknown/source", "abc", "x", 0), ("b", "de", "y", 1)]
     np.testing.assert_array_equal(out.scores, [3.0, -0.5])
     np.testing.assert_array_equal(out.acc, [1.0, 1.0])  # row 0: 3 > 0; row 1: the dict's acc
-    assert list(out.extra["tag"]) == [None, "b"]
+    assert out.extras.tolist() == [{}, {"tag": "b"}]
     assert out.token_level_scores[0, 3] == 3.0 and out.token_level_scores[1, 2] == -0.5
+
+
+def test_every_extra_reaches_the_batch_and_survives_concat(tokenizer: PreTrainedTokenizerFast) -> None:
+    def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict) -> object:
+        if data_source == "plain":
+            return 0.5
+        return {"score": 1.0, "acc": True, "f1": 0.25 * len(solution_str), "format_ok": solution_str[0] == "a",
+                "count": np.int64(3), "note": f"len {len(solution_str)}"}
+
+    manager = RewardManager(tokenizer, compute_score=compute_score)
+    batch = make_batch(tokenizer, ["abc", "de", "a"], ["rich", "rich", "plain"], ["x"] * 3)
+    out = manager(batch)
+    assert out.extras.tolist() == [{"f1": 0.75, "format_ok": True, "count": 3, "note": "len 3"},
+                                   {"f1": 0.5, "format_ok": False, "count": 3, "note": "len 2"}, {}]
+    assert out.add_to(batch) is batch
+    torch.testing.assert_close(batch["token_level_scores"], out.token_level_scores)
+    assert batch["score"].tolist() == [1.0, 1.0, 0.5] and batch["acc"].tolist() == [1.0, 1.0, 1.0]
+    assert batch["response_text"].tolist() == ["abc", "de", "a"]
+    assert batch[REWARD_EXTRAS] is out.extras and "overlong_penalty" not in batch
+    # another generation batch whose scorer returns other keys: rows keep their own extras through concat
+    other = make_batch(tokenizer, ["xyz"], ["b"], ["y"])
+    RewardManager(tokenizer, compute_score=lambda **kw: {"score": 0.0, "steps": 4})(other).add_to(other)
+    merged = Batch.concat([batch.select(["score", REWARD_EXTRAS]), other.select(["score", REWARD_EXTRAS])])
+    columns = numeric_columns(merged[REWARD_EXTRAS])
+    assert list(columns) == ["count", "f1", "format_ok", "steps"]  # "note" is text: dumps only
+    np.testing.assert_array_equal(columns["count"], [3.0, 3.0, np.nan, np.nan])
+    np.testing.assert_array_equal(columns["f1"], [0.75, 0.5, np.nan, np.nan])
+    np.testing.assert_array_equal(columns["format_ok"], [1.0, 0.0, np.nan, np.nan])
+    np.testing.assert_array_equal(columns["steps"], [np.nan, np.nan, np.nan, 4.0])
+
+
+@pytest.mark.parametrize("returned, shown", [
+    (math.nan, "score nan"), (math.inf, "score inf"), ({"score": -math.inf, "f1": 1.0}, "score -inf"),
+    ({"score": 1.0, "acc": math.nan}, "acc nan"), (np.float32("nan"), "score nan"),
+])
+def test_a_non_finite_reward_stops_naming_the_first_row_and_its_data_source(
+        tokenizer: PreTrainedTokenizerFast, returned: object, shown: str) -> None:
+    def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict) -> object:
+        return returned if data_source == "ds1" else 1.0
+
+    batch = make_batch(tokenizer, ["ok", "abc", "xyz"], ["ds0", "ds1", "ds1"], ["x"] * 3)
+    with pytest.raises(ArcherError) as err:
+        RewardManager(tokenizer, compute_score=compute_score)(batch)
+    assert err.value.problem.startswith(f"the reward function returned {shown} for row 1 (data_source 'ds1', "
+                                        "response 'abc'): a non-finite reward makes every update a no-op")
+    assert "return a finite number for every response" in err.value.fix
 
 
 def test_reward_fn_key_and_empty_rows(tokenizer: PreTrainedTokenizerFast) -> None:
@@ -123,7 +170,7 @@ def test_reward_fn_key_and_empty_rows(tokenizer: PreTrainedTokenizerFast) -> Non
     out = RewardManager(tokenizer, reward_fn_key="source")(batch)
     np.testing.assert_array_equal(out.scores, [1.0, 0.0])
     assert out.token_level_scores[0, 8] == 1.0 and out.token_level_scores.sum() == 1.0
-    assert out.extra["response_text"] == ["\\boxed{7}", ""]
+    assert out.response_text == ["\\boxed{7}", ""]
 
 
 def test_scorer_exception_names_row_source_and_cause(tokenizer: PreTrainedTokenizerFast) -> None:
@@ -142,6 +189,10 @@ def test_bad_return_value_and_missing_fields(tokenizer: PreTrainedTokenizerFast)
     batch = make_batch(tokenizer, ["a"], ["ds"], ["x"])
     with pytest.raises(ArcherError, match="returned 'high'"):
         RewardManager(tokenizer, compute_score=lambda **kw: "high")(batch)
+    for result in ({"score": "0.5"}, {"score": None}, {"score": 1.0, "acc": "yes"}):
+        with pytest.raises(ArcherError, match=r"returned .* for row 0 \(data_source 'ds', response 'a'\); its "
+                                              r"(score|acc) must be a number"):
+            RewardManager(tokenizer, compute_score=lambda r=result, **kw: r)(batch)
     with pytest.raises(ArcherError, match="no built-in reward for data_source 'ds'"):
         RewardManager(tokenizer)(batch)
     batch.pop(["ground_truth"])
@@ -177,8 +228,8 @@ def test_overlong_penalty_is_added_to_scores_and_the_last_token(tiny_model_dir: 
         return {"score": 1.0, "acc": 1.0} if data_source == "right" else {"score": 0.5, "acc": 0.0}
 
     out = RewardManager(tok, compute_score=compute_score, overlong=OverlongBuffer(20, 5, 1.0))(batch)
-    assert out.extra["response_text"] == ["a" * (n - 1) for n in lengths]
-    np.testing.assert_allclose(out.extra["overlong_penalty"], [0.0, -0.2, -0.6, -1.0], atol=1e-12)
+    assert out.response_text == ["a" * (n - 1) for n in lengths]
+    np.testing.assert_allclose(out.overlong_penalty, [0.0, -0.2, -0.6, -1.0], atol=1e-12)
     np.testing.assert_allclose(out.scores, [1.0, 0.3, 0.4, -0.5], atol=1e-12)
     np.testing.assert_array_equal(out.acc, [1.0, 0.0, 1.0, 0.0])  # the unshaped accuracy
     expected = torch.zeros(4, 24)
@@ -193,11 +244,11 @@ def test_wrong_answer_score_applies_to_built_in_rule_rewards(tiny_model_dir: Pat
     rows = [bpe_ids(tok, t) for t in texts]
     batch = bpe_batch(tok, rows, ["archer/arithmetic"] * 2 + ["archer/countdown"], ["64", "64", cd], width=32)
     out = RewardManager(tok, wrong_answer_score=-1.0)(batch)
-    assert out.extra["response_text"] == texts
+    assert out.response_text == texts
     # right: 1; wrong: 0 -> -1; countdown's format credit 0.1 (acc 0) is not a score of 0, so it stays
     np.testing.assert_allclose(out.scores, [1.0, -1.0, 0.1])
     np.testing.assert_array_equal(out.acc, [1.0, 0.0, 0.0])
-    assert "overlong_penalty" not in out.extra
+    assert out.overlong_penalty is None
     last = torch.tensor([len(r) - 1 for r in rows])
     torch.testing.assert_close(out.token_level_scores[torch.arange(3), last], torch.tensor([1.0, -1.0, 0.1]))
     assert float(out.token_level_scores.abs().sum()) == pytest.approx(2.1)
@@ -218,7 +269,7 @@ def test_wrong_answer_score_then_overlong_penalty(tiny_model_dir: Path) -> None:
     batch = bpe_batch(tok, rows, ["archer/arithmetic"] * 2, ["64", "64"], width=12)
     # L_max 12, L_buf 4: 11 tokens are 3 into the buffer, -3/4
     out = RewardManager(tok, overlong=OverlongBuffer(12, 4, 1.0), wrong_answer_score=-1.0)(batch)
-    np.testing.assert_allclose(out.extra["overlong_penalty"], [-0.75, -0.75])
+    np.testing.assert_allclose(out.overlong_penalty, [-0.75, -0.75])
     np.testing.assert_allclose(out.scores, [0.25, -1.75])
     np.testing.assert_array_equal(out.acc, [1.0, 0.0])
     torch.testing.assert_close(out.token_level_scores[:, 10], torch.tensor([0.25, -1.75]))

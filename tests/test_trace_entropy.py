@@ -15,6 +15,7 @@ from workers_support import PROMPT_IDS, RESPONSE_IDS, hand_batch
 from archer.batch import Batch
 from archer.config.loader import load_config
 from archer.models.loading import load_tokenizer
+from archer.rewards.extras import REWARD_EXTRAS
 from archer.trace.entropy import EntropyTrace, response_arrays, step_stats
 from archer.trace.format import TraceReader, check_step_arrays
 
@@ -102,6 +103,21 @@ def test_response_arrays_without_data_source_or_advantages() -> None:
     assert "advantage" not in arrays
 
 
+def test_numeric_reward_extras_become_float32_fields() -> None:
+    batch = traced_batch()
+    batch[REWARD_EXTRAS] = [{"f1": 0.5, "format_ok": True, "note": "a"}, {"format_ok": False, "note": "b"},
+                            {"f1": 1 / 3, "format_ok": np.bool_(True)}]
+    arrays = response_arrays(batch)
+    assert sorted(k for k in arrays if k.startswith("reward_extra/")) == ["reward_extra/f1", "reward_extra/format_ok"]
+    assert arrays["reward_extra/f1"].dtype == np.float32
+    np.testing.assert_array_equal(arrays["reward_extra/f1"], np.array([0.5, np.nan, 1 / 3], np.float32))
+    assert arrays["reward_extra/format_ok"].tolist() == [1.0, 0.0, 1.0]
+    check_step_arrays(arrays, "entropy")
+    chosen = response_arrays(batch, rows=np.array([1]))  # a row without f1: only the keys the rows hold
+    assert [k for k in chosen if k.startswith("reward_extra/")] == ["reward_extra/format_ok"]
+    assert chosen["reward_extra/format_ok"].tolist() == [0.0]
+
+
 def test_step_stats_by_hand() -> None:
     stats = step_stats(response_arrays(traced_batch()))
     valid = [1.0, 2.0, 0.5, 0.25, 4.0, 3.0]  # sorted: 0.25, 0.5, 1, 2, 3, 4
@@ -154,15 +170,18 @@ def test_entropy_trace_writes_under_the_run_with_the_tokenizer(tmp_path: Path, t
     assert saved(text)["input_ids"] == tokenizer(text)["input_ids"]
 
     batch = traced_batch()
+    batch[REWARD_EXTRAS] = [{"f1": 0.5}, {}, {"f1": 0.25}]
     assert trace.record(1, batch) is True
     trace.writer.flush()
     expected = response_arrays(batch)
+    assert "reward_extra/f1" in expected  # a field name with a slash survives the npz round trip
     reader = TraceReader(trace_dir)
     assert reader.steps() == [1] and reader.tokenizer_dir() == (trace_dir / "tokenizer").resolve()
     step = reader.load_step(1)
     assert sorted(step) == sorted(expected)
     for name, array in expected.items():
-        assert step[name].dtype == array.dtype and np.array_equal(step[name], array), name
+        assert step[name].dtype == array.dtype, name
+        np.testing.assert_array_equal(step[name], array, err_msg=name)  # NaN equals NaN here
     entry = reader.entry(1)
     assert entry["num_responses"] == 3 and entry["response_len"] == 3 and entry["num_valid_tokens"] == 6
     for name, value in step_stats(expected).items():

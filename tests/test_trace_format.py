@@ -15,10 +15,12 @@ import pytest
 from archer import atomic_files
 from archer.errors import ArcherError
 from archer.trace.format import (
+    RESPONSE_FIELDS,
     TraceError,
     TraceReader,
     TraceWriter,
     check_step_arrays,
+    field_spec,
     read_manifest,
     step_file_name,
     value_stats,
@@ -411,6 +413,22 @@ def test_check_step_arrays_rejects_wrong_shapes(field: str, bad: np.ndarray, mes
         check_step_arrays(arrays, "influence")
 
 
+def test_reward_extra_fields_are_float32_per_response() -> None:
+    dtype, description = field_spec("reward_extra/f1")
+    assert dtype == "float32" and "NaN in the rows it did not" in description
+    assert field_spec("reward_extra/format ok") == (dtype, description)
+    assert field_spec("reward") == RESPONSE_FIELDS["reward"] and field_spec("something_else") is None
+    arrays = entropy_arrays()
+    arrays["reward_extra/f1"] = np.array([0.5, np.nan], np.float32)
+    check_step_arrays(arrays, "entropy")
+    for bad, message in ((np.array([0.5, 1.0]), "reward_extra/f1 must be float32"),
+                         (np.zeros(3, np.float32), r"reward_extra/f1 has shape \(3,\), expected 1-D with 2 rows"),
+                         (np.zeros((2, 3), np.float32), r"reward_extra/f1 has shape \(2, 3\), expected 1-D")):
+        arrays["reward_extra/f1"] = bad
+        with pytest.raises(ValueError, match=message):
+            check_step_arrays(arrays, "entropy")
+
+
 def test_check_step_arrays_rejects_a_one_dimensional_mask(tmp_path: Path) -> None:
     arrays = {"entropies": np.zeros(2, np.float16), "response_mask": np.ones(2, bool),
               "responses": np.zeros(2, np.int32), "response_index": np.zeros(2, np.int32)}
@@ -625,6 +643,27 @@ def test_reader_refuses_a_directory_that_is_not_a_trace(tmp_path: Path) -> None:
     assert "--trace-dir" in info.value.fix
     with pytest.raises(ArcherError, match="is not a trace directory"):
         TraceReader(tmp_path / "missing")
+
+
+def test_a_run_directory_names_the_trace_folders_inside_it(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"steps": 3, "run_dir": str(run)}))  # the run's own summary
+    with pytest.raises(ArcherError) as info:
+        TraceReader(run)
+    assert info.value.problem == (f"{run} is not a trace directory (its summary.json has no format_version, as a "
+                                  "run's own has not), and no folder inside it is one")
+    assert "<run>/entropy_trace" in info.value.fix and "+trainer.entropy_trace.enable=True" in info.value.fix
+    written_trace(run / "influence")
+    written_trace(run / "entropy_trace")
+    with pytest.raises(ArcherError) as info:
+        TraceReader(run)
+    assert info.value.problem == (f"{run} is not a trace directory (its summary.json has no format_version, as a "
+                                  "run's own has not); it holds the trace folder(s) entropy_trace, influence")
+    assert info.value.fix == f"pass --trace-dir {run / 'entropy_trace'} (or another of them)"
+    (run / "summary.json").unlink()
+    with pytest.raises(ArcherError, match=r"\(no summary.json\); it holds the trace folder\(s\) entropy_trace"):
+        TraceReader(run)
 
 
 @pytest.mark.parametrize("version", [2, "1", None])

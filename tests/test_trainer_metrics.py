@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from archer.batch import Batch
+from archer.rewards.extras import REWARD_EXTRAS
 from archer.trainer import metrics as metrics_module
 from archer.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer, validation_metrics
 
@@ -84,6 +85,18 @@ def test_compute_data_metrics_with_no_response_tokens() -> None:
     assert m["critic/score/mean"] == pytest.approx(0.5 / 3)
 
 
+def test_every_numeric_reward_extra_gets_a_mean() -> None:
+    b = hand_batch()
+    b[REWARD_EXTRAS] = [{"f1": 0.5, "format_ok": True, "note": "x"}, {"f1": 0.25, "format_ok": False},
+                        {"format_ok": True, "note": "y"}]
+    m = compute_data_metrics(b, max_response_length=4)
+    extras = {k: v for k, v in m.items() if k.startswith("reward/")}
+    # f1 over the two rows that have it; format_ok: True, False, True; "note" is text (dumps only)
+    assert extras == {"reward/f1/mean": pytest.approx(0.375), "reward/format_ok/mean": pytest.approx(2 / 3)}
+    b[REWARD_EXTRAS] = [{}, {}, {}]
+    assert not any(k.startswith("reward/") for k in compute_data_metrics(b, max_response_length=4))
+
+
 def test_compute_timing_metrics() -> None:
     m = compute_timing_metrics({"gen": 1.5, "adv": 0.5, "step": 4.0}, num_tokens=200)
     assert m == {"timing_s/gen": 1.5, "timing_s/adv": 0.5, "timing_s/step": 4.0,
@@ -121,6 +134,25 @@ def test_validation_metrics_mean_and_best_at_n() -> None:
     assert set(m) == set(expected)
     for key, value in expected.items():
         assert m[key] == pytest.approx(value), key
+
+
+def test_validation_metrics_of_reward_extras() -> None:
+    ds, uid, acc, score = validation_inputs()
+    # f1 only on the gsm8k rows 0-3 and the math rows 4, 5; format_ok everywhere
+    f1 = np.array([1.0, 0.5, 0.0, 0.5, 0.25, 0.75, np.nan, np.nan, np.nan, np.nan])
+    format_ok = np.array([1, 1, 0, 0, 1, 1, 0, 1, 1, 1], dtype=float)
+    m = validation_metrics(ds, uid, acc, score, n=2, extras={"f1": f1, "format_ok": format_ok})
+    expected = {
+        "val-aux/gsm8k/f1/mean@2": 2.0 / 4, "val-aux/math/f1/mean@2": 1.0 / 2, "val-aux/all/f1/mean@2": 3.0 / 6,
+        "val-aux/gsm8k/format_ok/mean@2": 3 / 6, "val-aux/math/format_ok/mean@2": 4 / 4,
+        "val-aux/all/format_ok/mean@2": 7 / 10,
+    }
+    assert set(m) == set(validation_metrics(ds, uid, acc, score, n=2)) | set(expected)
+    for key, value in expected.items():
+        assert m[key] == pytest.approx(value), key
+    only_math = np.where(ds == "math", 1.0, np.nan)
+    m = validation_metrics(ds, uid, acc, score, n=2, extras={"steps": only_math})
+    assert {k for k in m if "/steps/" in k} == {"val-aux/math/steps/mean@2", "val-aux/all/steps/mean@2"}
 
 
 def test_validation_metrics_with_one_sample_has_no_best_at_n() -> None:

@@ -5,6 +5,8 @@ steps of a running training, bad paths and a busy port."""
 from __future__ import annotations
 
 import csv
+import json
+import os
 import shutil
 import socket
 import subprocess
@@ -250,10 +252,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_cli_on_a_run_directory_names_its_trace_folders(tmp_path, tokenizer) -> None:
+    run = tmp_path / "run"
+    trace_support.write_trace(run / "entropy_trace", tokenizer, steps=(1,), save_tokenizer=False)
+    (run / "summary.json").write_text(json.dumps({"steps": 1, "run_dir": str(run)}))  # the run's own summary
+    proc = subprocess.run([*ARCHER, "viz", "--trace-dir", str(run)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr == (f"archer: error: {run} is not a trace directory (its summary.json has no format_version, "
+                           "as a run's own has not); it holds the trace folder(s) entropy_trace\n"
+                           f"  fix: pass --trace-dir {run / 'entropy_trace'}\n")
+
+
 def test_cli_serves_the_app_and_a_busy_port_exits_2(influence_trace) -> None:
     port = _free_port()
     proc = subprocess.Popen([*ARCHER, "viz", "--trace-dir", str(influence_trace), "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # all it printed is in the pipe
     try:
         deadline, page = time.monotonic() + 120, ""
         while time.monotonic() < deadline and not page:
@@ -271,6 +285,10 @@ def test_cli_serves_the_app_and_a_busy_port_exits_2(influence_trace) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    printed = proc.stdout.read()
+    assert f"archer viz: exploring {influence_trace} at http://127.0.0.1:{port}/ (Ctrl-C stops it)\n" in printed
+    assert "share=True" not in printed and "public link" not in printed  # Gradio's hint, useless on the CLI
+    assert "HTTP Request" not in printed  # nor httpx's log of Gradio's start-up request
 
 
 def test_archer_console_script_lists_viz() -> None:

@@ -218,6 +218,22 @@ def test_selecting_an_overview_row_opens_that_response(page) -> None:
     wait_for_response(page, 2, 3)
 
 
+def test_the_overview_and_the_response_show_the_reward_extras(page, tokenizer, tmp_path) -> None:
+    step, row = 2, 1
+    open_response(page, step, row)
+    f1 = arrays_of(tokenizer, step)["reward_extra/f1"]
+    headers = page.eval_on_selector_all("#archer-overview [role=columnheader]", "cs => cs.map(c => c.innerText.trim())")
+    assert headers[headers.index("group_id") + 1] == "f1"  # the extra's key, after the fixed columns
+    cells = page.eval_on_selector_all(
+        "#archer-overview [role=row]:has([role=gridcell])",
+        "rows => rows.map(r => Array.from(r.querySelectorAll('[role=gridcell]')).map(c => c.innerText.trim()))")
+    column = headers.index("f1")
+    assert [r[column] for r in cells] == ["" if np.isnan(v) else f"{float(v):.4g}" for v in f1]  # NaN: no value
+    assert 0 < np.isnan(f1).sum() < len(f1)
+    assert f" | f1 {float(f1[row]):.4g} | " in page.inner_text("#archer-meta")
+    page.screenshot(path=str(tmp_path / "overview.png"))
+
+
 def test_other_tabs_show_top_tokens_groups_comparison_curves_and_histogram(page, tokenizer) -> None:
     open_response(page, 2, 1)
     page.get_by_role("tab", name="Top-K tokens").click()

@@ -115,6 +115,20 @@ def test_overview_of_an_entropy_step_has_no_influence_columns_and_empty_rows_are
     assert math.isnan(table["entropy_mean"][1]) and math.isnan(table["entropy_max"][1])
 
 
+def test_overview_shows_each_reward_extra_under_its_key() -> None:
+    arrays = entropy_step()
+    arrays["reward_extra/f1"] = np.array([0.5, NAN, 0.25], np.float32)
+    arrays["reward_extra/format_ok"] = np.array([1, 0, 1], np.float32)
+    arrays["reward_extra/length"] = np.array([7, 8, 9], np.float32)  # "length" is taken: the field name shows
+    table = queries.overview_table(arrays)
+    assert list(table.columns) == ["row", "response_index", "uid", "sample_index", "data_source", "length",
+                                   "reward", "advantage", "f1", "format_ok", "reward_extra/length", "entropy_mean",
+                                   "entropy_max"]
+    assert table["f1"].tolist()[::2] == [0.5, 0.25] and math.isnan(table["f1"][1])
+    assert table["format_ok"].tolist() == [1.0, 0.0, 1.0]
+    assert table["length"].tolist() == [3, 2, 4] and table["reward_extra/length"].tolist() == [7.0, 8.0, 9.0]
+
+
 def test_prompt_and_response_ids_drop_padding() -> None:
     arrays = entropy_step()
     assert queries.prompt_ids(arrays, 0).tolist() == [1, 2]

@@ -3,8 +3,9 @@
 Each step has ``num_prompts`` prompts x ``rollout_n`` responses. Responses are real text encoded with the
 tokenizer (spaces, newlines and tabs included), right-padded with the pad id; entropies and log-probs are
 float16 from a seeded generator (padding entropy 0). uids differ between steps while the prompts repeat, as
-in training, so the same prompt is found at two steps only by its token ids. Influence traces add influence
-(NaN at padding and at every fifth valid token), accepted (reward equals the group maximum) and group_id.
+in training, so the same prompt is found at two steps only by its token ids. Every step has one reward extra,
+``reward_extra/f1`` (NaN on every third response). Influence traces add influence (NaN at padding and at every
+fifth valid token), accepted (reward equals the group maximum) and group_id.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def step_arrays(tokenizer: Any, step: int, *, kind: str = "entropy", num_prompts
         "advantage": (reward - reward.reshape(num_prompts, rollout_n).mean(axis=1).repeat(rollout_n)).astype(
             np.float32),
         "data_source": np.asarray(["arithmetic" if i % 2 == 0 else "countdown" for i in range(n)]),
+        "reward_extra/f1": np.where(np.arange(n) % 3 == 2, np.nan, 0.25 + 0.5 * reward).astype(np.float32),
     }
     if kind == "influence":
         influence = rng.normal(0.0, 0.5, (n, response_len))

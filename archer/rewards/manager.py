@@ -5,14 +5,17 @@ built-in routing of archer.rewards.registry on the text of the whole response (t
 row's score lands on its last learned token (``response_mask``) of ``token_level_scores``; a row with no such
 token keeps an all-zero row (its score is still in ``scores``). Rows are scored in order, so the output is deterministic. Shaping (rewards/shaping.py) comes
 after scoring: a built-in rule reward's wrong answers get ``wrong_answer_score``, and the overlong buffer
-adds its penalty (``extra["overlong_penalty"]``); accuracy is that of the unshaped answer.
+adds its penalty (``overlong_penalty``); accuracy is that of the unshaped answer.
+
+A scorer's other dict keys are the row's extras (archer.rewards.extras). A score or accuracy that is not a
+finite number (a custom function returning NaN) stops the run with an error naming the row, its data_source
+and its response: a non-finite reward would turn every later update into a silent no-op.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,21 +23,38 @@ import torch
 
 from archer.batch import Batch, response_attention
 from archer.errors import ArcherError
+from archer.rewards.extras import REWARD_EXTRAS, as_number
 from archer.rewards.registry import default_compute_score
 from archer.rewards.shaping import OverlongBuffer, apply_wrong_answer_score
 
 _REQUIRED_ROWS = ("ground_truth",)
 _REQUIRED_TENSORS = ("responses", "response_mask", "attention_mask")
+_SHOWN_RESPONSE_CHARS = 200  # of the response quoted in an error
 
 
 @dataclass
 class RewardOutput:
-    """Scores of one batch: per token ([B, R] float32), per row, accuracy, and any extra scorer keys."""
+    """Scores of one batch: per token ([B, R] float32), per row, accuracy, the decoded responses, each row's
+    extras (a dict, empty when the scorer returned a number) and the overlong penalty (with the buffer on)."""
 
     token_level_scores: torch.Tensor
     scores: np.ndarray
     acc: np.ndarray
-    extra: dict[str, Any] = field(default_factory=dict)
+    response_text: list[str]
+    extras: np.ndarray
+    overlong_penalty: np.ndarray | None = None
+
+    def add_to(self, batch: Batch) -> Batch:
+        """Store the outputs in ``batch`` as the fields later stages read (token_level_scores, score, acc,
+        response_text, reward_extras and, with the overlong buffer, overlong_penalty); returns ``batch``."""
+        batch["token_level_scores"] = self.token_level_scores
+        batch["score"] = self.scores
+        batch["acc"] = self.acc
+        batch["response_text"] = self.response_text
+        batch[REWARD_EXTRAS] = self.extras
+        if self.overlong_penalty is not None:
+            batch["overlong_penalty"] = self.overlong_penalty
+        return batch
 
 
 class RewardManager:
@@ -69,7 +89,7 @@ class RewardManager:
         ]
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
-    def _score_row(self, batch: Batch, i: int, text: str) -> Mapping[str, Any]:
+    def _score_row(self, batch: Batch, i: int, text: str) -> tuple[float, float, dict[str, Any]]:
         data_source = batch[self.reward_fn_key][i]
         extra_info = batch["extra_info"][i] if "extra_info" in batch else None
         kwargs = {"data_source": data_source, "solution_str": text, "ground_truth": batch["ground_truth"][i]}
@@ -87,7 +107,7 @@ class RewardManager:
                 "fix the reward function or that row's ground truth; a custom reward is set with "
                 "custom_reward_function.path=FILE custom_reward_function.name=FN",
             ) from exc
-        return _as_score_dict(result, data_source, i)
+        return _row_score(result, f"row {i} (data_source {data_source!r}, response {_excerpt(text)})")
 
     def __call__(self, batch: Batch) -> RewardOutput:
         self._check_fields(batch)
@@ -95,16 +115,18 @@ class RewardManager:
         present = response_attention(batch)  # the reward reads the whole response, tool output included
         texts = self._decode(responses, present)
         results = [self._score_row(batch, i, text) for i, text in enumerate(texts)]
-        scores = np.array([float(r["score"]) for r in results], dtype=np.float64)
-        acc = np.array([_accuracy(r) for r in results], dtype=np.float64)
-        extra = _extra_columns(results)
-        extra["response_text"] = texts
+        scores = np.array([score for score, _, _ in results], dtype=np.float64)
+        acc = np.array([a for _, a, _ in results], dtype=np.float64)
+        extras = np.empty(len(results), dtype=object)
+        for i, (_, _, row_extras) in enumerate(results):
+            extras[i] = row_extras
         if self.compute_score is None and self.wrong_answer_score != 0:
             scores = apply_wrong_answer_score(scores, acc, self.wrong_answer_score)
+        penalty = None
         if self.overlong is not None:
-            extra["overlong_penalty"] = self.overlong.penalties(present.sum(dim=1).cpu().numpy())
-            scores = scores + extra["overlong_penalty"]
-        return RewardOutput(_on_last_token(scores, mask).to(responses.device), scores, acc, extra)
+            penalty = self.overlong.penalties(present.sum(dim=1).cpu().numpy())
+            scores = scores + penalty
+        return RewardOutput(_on_last_token(scores, mask).to(responses.device), scores, acc, texts, extras, penalty)
 
 
 def _on_last_token(scores: np.ndarray, mask: torch.Tensor) -> torch.Tensor:
@@ -118,35 +140,41 @@ def _on_last_token(scores: np.ndarray, mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _as_score_dict(result: Any, data_source: str, i: int) -> Mapping[str, Any]:
+def _excerpt(text: str) -> str:
+    shown = text[:_SHOWN_RESPONSE_CHARS]
+    return repr(shown) + ("..." if len(text) > len(shown) else "")
+
+
+def _finite(value: Any, name: str, result: Any, where: str) -> float:
+    """``result[name]`` as a finite float, else the error that names the row."""
+    number = as_number(value)
+    if number is None:
+        raise ArcherError(
+            f"the reward function returned {result!r} for {where}; its {name} must be a number",
+            "return a float, or a dict {'score': float, ...} (an 'acc' key, when given, a number too)",
+        )
+    if not np.isfinite(number):
+        raise ArcherError(
+            f"the reward function returned {name} {number} for {where}: a non-finite reward makes every "
+            "update a no-op",
+            "make the reward function return a finite number for every response (e.g. 0.0 for one it "
+            "cannot score); call it on that response to see why it does not",
+        )
+    return number
+
+
+def _row_score(result: Any, where: str) -> tuple[float, float, dict[str, Any]]:
+    """(score, accuracy, extras) of one scorer result; accuracy is ``score > 0`` when the scorer gives none."""
     if isinstance(result, Mapping) and "score" in result:
-        return result
-    if isinstance(result, int | float | np.number):
-        return {"score": float(result)}
-    raise ArcherError(
-        f"the reward function returned {result!r} for row {i} (data_source {data_source!r}); "
-        "it must return a number or a dict with a 'score' key",
-        "return a float, or {'score': float, ...} from the reward function",
-    )
-
-
-def _accuracy(result: Mapping[str, Any]) -> float:
-    if "acc" in result:
-        return float(result["acc"])
-    return 1.0 if float(result["score"]) > 0 else 0.0
-
-
-def _extra_columns(results: list[Mapping[str, Any]]) -> dict[str, Any]:
-    """Per-row arrays of the dict keys other than score/acc; numeric keys get NaN where a row lacks them."""
-    keys = sorted({k for r in results for k in r} - {"score", "acc"})
-    columns: dict[str, Any] = {}
-    for key in keys:
-        values = [r.get(key) for r in results]
-        if all(v is None or isinstance(v, int | float | np.number) for v in values):
-            columns[key] = np.array([math.nan if v is None else float(v) for v in values], dtype=np.float64)
-        else:
-            column = np.empty(len(values), dtype=object)
-            for j, value in enumerate(values):
-                column[j] = value
-            columns[key] = column
-    return columns
+        score = _finite(result["score"], "score", result, where)
+        given_acc = result.get("acc")
+        acc = float(score > 0) if given_acc is None else _finite(given_acc, "acc", result, where)
+        return score, acc, {k: v for k, v in result.items() if k not in ("score", "acc")}
+    if as_number(result) is None:
+        raise ArcherError(
+            f"the reward function returned {result!r} for {where}; "
+            "it must return a number or a dict with a 'score' key",
+            "return a float, or {'score': float, ...} from the reward function",
+        )
+    score = _finite(result, "score", result, where)
+    return score, float(score > 0), {}

@@ -2,7 +2,8 @@
 
 The arrays come from the old-log-prob pass (``old_log_probs``, ``entropies``), so writing the trace adds no
 model work: it copies tensors to numpy, compresses them and replaces files atomically. The step file also
-holds what the explorer needs without the run: prompt ids, reward, advantage, data_source and log-probs.
+holds what the explorer needs without the run: prompt ids, reward, advantage, data_source, log-probs and the
+reward's numeric extras (``reward_extra/<key>``, float32, NaN where a response has none).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from omegaconf import DictConfig
 
 from archer.algorithms.grouping import index_within_group
 from archer.batch import Batch
-from archer.trace.format import TraceWriter, value_stats
+from archer.rewards.extras import REWARD_EXTRAS, numeric_columns
+from archer.trace.format import REWARD_EXTRA_PREFIX, TraceWriter, value_stats
 
 
 def response_arrays(batch: Batch, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -44,6 +46,9 @@ def response_arrays(batch: Batch, rows: np.ndarray | None = None) -> dict[str, n
     if advantages is not None:
         m = mask.float()
         arrays["advantage"] = ((advantages * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)).numpy()
+    if REWARD_EXTRAS in batch.rows:
+        for key, column in numeric_columns(batch[REWARD_EXTRAS][rows]).items():
+            arrays[REWARD_EXTRA_PREFIX + key] = column.astype(np.float32)
     return arrays
 
 

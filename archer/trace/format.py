@@ -7,7 +7,8 @@ A trace directory holds
     manifest.jsonl      one JSON line per written step: step, created_at, file, num_responses,
                         response_len, num_valid_tokens and statistics of the step
     latest_step.txt     the newest written step
-    steps/step_XXXXXX.npz   np.savez_compressed arrays of one step (fields below)
+    steps/step_XXXXXX.npz   np.savez_compressed arrays of one step (fields below; each numeric reward extra
+                        adds a float32 field ``reward_extra/<key>``)
     tokenizer/          the run's tokenizer, so the trace can be read without the run
 
 Every file is replaced atomically (temporary file + os.replace, optional fsync): a crash leaves either the
@@ -61,6 +62,10 @@ RESPONSE_FIELDS = {
     "advantage": ("float32", "[num_responses] mean advantage over the response's tokens"),
     "data_source": ("str", "[num_responses] data_source of the prompt"),
 }
+REWARD_EXTRA_PREFIX = "reward_extra/"
+REWARD_EXTRA_FIELD = (
+    "float32", "[num_responses] a numeric extra the reward returned under <key> (booleans as 0/1), NaN in the "
+    "rows it did not; one field per key, named reward_extra/<key>")
 INFLUENCE_FIELDS = {
     "influence": ("float16", "[num_responses, response_len] influence score per token, NaN where not computed"),
     "selected_row_id": ("int32", "[num_responses] row of the response in the step's batch"),
@@ -69,6 +74,11 @@ INFLUENCE_FIELDS = {
 }
 
 ALL_FIELDS = {**RESPONSE_FIELDS, **INFLUENCE_FIELDS}
+
+
+def field_spec(name: str) -> tuple[str, str] | None:
+    """(dtype, description) of a step-file field, None for a field the format does not define."""
+    return REWARD_EXTRA_FIELD if name.startswith(REWARD_EXTRA_PREFIX) else ALL_FIELDS.get(name)
 
 
 def step_file_name(step: int) -> str:
@@ -252,7 +262,7 @@ def check_step_arrays(arrays: dict[str, np.ndarray], kind: str) -> None:
         raise ValueError(f"trace field response_mask must be 2-D [num_responses, response_len], got shape {shape}")
     token_fields = ("entropies", "responses", "old_log_probs", "influence")
     for name, array in arrays.items():
-        spec = ALL_FIELDS.get(name)
+        spec = field_spec(name)
         if spec is None:
             continue
         dtype, _ = spec
@@ -284,6 +294,59 @@ class TraceError(Exception):
     """A trace file that cannot be read (missing, corrupt, outside the trace directory)."""
 
 
+def _load_summary(trace_dir: Path) -> dict[str, Any]:
+    """A trace's summary.json as a dict (ArcherError when it is not valid JSON or not an object)."""
+    path = trace_dir / SUMMARY
+    try:
+        summary = json.loads(path.read_text())
+    except ValueError as e:
+        raise ArcherError(f"{path} is not valid JSON ({e})",
+                          "the trace directory is damaged; rewrite it or restore summary.json") from e
+    if not isinstance(summary, dict):
+        raise ArcherError(f"{path} does not hold a JSON object",
+                          "the trace directory is damaged; rewrite it or restore summary.json")
+    return summary
+
+
+def is_trace_dir(path: Path) -> bool:
+    """A folder whose summary.json names a trace format version (a run's own summary.json does not)."""
+    try:
+        return "format_version" in _load_summary(path)
+    except (OSError, ArcherError):
+        return False
+
+
+def trace_dirs_in(folder: Path) -> list[Path]:
+    """The trace folders directly inside ``folder`` (a run directory), by name."""
+    return sorted(p for p in folder.iterdir() if p.is_dir() and is_trace_dir(p)) if folder.is_dir() else []
+
+
+def _not_a_trace_dir(path: Path, reason: str) -> ArcherError:
+    found = trace_dirs_in(path)
+    if found:
+        return ArcherError(f"{path} is not a trace directory ({reason}); it holds the trace folder(s) "
+                           f"{', '.join(p.name for p in found)}", f"pass --trace-dir {found[0]}"
+                           + (" (or another of them)" if len(found) > 1 else ""))
+    return ArcherError(f"{path} is not a trace directory ({reason}), and no folder inside it is one",
+                       "point --trace-dir at <run>/entropy_trace or <run>/influence_trace (a run writes them "
+                       "with +trainer.entropy_trace.enable=True / +trainer.influence_trace.enable=True)")
+
+
+def read_trace_summary(trace_dir: str | Path) -> dict[str, Any]:
+    """summary.json of a trace directory of this format version; for any other folder an ArcherError that
+    names the trace folders inside it (a run directory holds them)."""
+    path = Path(trace_dir)
+    if not (path / SUMMARY).is_file():
+        raise _not_a_trace_dir(path, f"no {SUMMARY}")
+    summary = _load_summary(path)
+    if "format_version" not in summary:
+        raise _not_a_trace_dir(path, f"its {SUMMARY} has no format_version, as a run's own has not")
+    if summary["format_version"] != FORMAT_VERSION:
+        raise ArcherError(f"{trace_dir}: trace format_version {summary['format_version']!r} is not supported "
+                          f"(expected {FORMAT_VERSION})", "write the trace with this version of archer")
+    return summary
+
+
 class TraceReader:
     """Reads a trace directory lazily: the manifest is re-read when it changes, step files on demand.
 
@@ -292,30 +355,12 @@ class TraceReader:
 
     def __init__(self, trace_dir: str | Path, cache_size: int = 4) -> None:
         self.dir = Path(trace_dir).resolve()
-        if not (self.dir / SUMMARY).is_file():
-            raise ArcherError(f"{trace_dir} is not a trace directory (no {SUMMARY})",
-                              "point --trace-dir at <run>/entropy_trace or <run>/influence_trace")
-        self.summary = self._read_summary()
-        version = self.summary.get("format_version")
-        if version != FORMAT_VERSION:
-            raise ArcherError(f"{trace_dir}: trace format_version {version!r} is not supported (expected "
-                              f"{FORMAT_VERSION})", "write the trace with this version of archer")
+        self.summary = read_trace_summary(trace_dir)
         self.kind: str = self.summary.get("kind", "entropy")
         self._manifest_key: tuple[int, int] | None = None
         self._entries: list[dict[str, Any]] = []
         self._cache: OrderedDict[tuple[int, int, int, int], dict[str, np.ndarray]] = OrderedDict()
         self.cache_size = cache_size
-
-    def _read_summary(self) -> dict[str, Any]:
-        try:
-            summary = json.loads((self.dir / SUMMARY).read_text())
-        except ValueError as e:
-            raise ArcherError(f"{self.dir / SUMMARY} is not valid JSON ({e})",
-                              "the trace directory is damaged; rewrite it or restore summary.json") from e
-        if not isinstance(summary, dict):
-            raise ArcherError(f"{self.dir / SUMMARY} does not hold a JSON object",
-                              "the trace directory is damaged; rewrite it or restore summary.json")
-        return summary
 
     def refresh(self) -> bool:
         """Re-read the manifest (and summary) if it changed on disk; True when it did."""
@@ -332,7 +377,7 @@ class TraceReader:
             return False
         self._manifest_key = key
         self._entries = read_manifest(path)
-        self.summary = self._read_summary()
+        self.summary = _load_summary(self.dir)
         return True
 
     def entries(self) -> list[dict[str, Any]]:

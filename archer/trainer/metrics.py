@@ -1,11 +1,12 @@
 """Step metrics under verl's names: scores, rewards, advantages, lengths, entropy, timing, throughput,
-and validation accuracy per data source."""
+validation accuracy per data source, and the mean of every numeric reward extra (``reward/<key>/mean`` in
+training, ``val-aux/<data_source>/<key>/mean@n`` in validation)."""
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 
 from archer.algorithms.grouping import group_rows
 from archer.batch import Batch, response_attention
+from archer.rewards.extras import REWARD_EXTRAS, numeric_columns
 
 
 @contextmanager
@@ -51,6 +53,9 @@ def compute_data_metrics(batch: Batch, *, max_response_length: int) -> dict[str,
     if "acc" in batch.rows:
         metrics["critic/acc/mean"] = float(np.mean(batch["acc"].astype(float)))
     metrics["actor/entropy"] = float(batch["entropies"][mask].mean()) if valid.any() else 0.0
+    if REWARD_EXTRAS in batch.rows:
+        for key, column in numeric_columns(batch[REWARD_EXTRAS]).items():
+            metrics[f"reward/{key}/mean"] = float(np.nanmean(column))
     return metrics
 
 
@@ -63,24 +68,32 @@ def compute_timing_metrics(timings: dict[str, float], num_tokens: int) -> dict[s
     return metrics
 
 
+def _means_by_source(sources: np.ndarray, values: np.ndarray) -> dict[str, float]:
+    """Mean of the values that are not NaN, per data source and over "all"; a source without any gets none."""
+    means = {}
+    for name, rows in [*((s, sources == s) for s in dict.fromkeys(sources)), ("all", slice(None))]:
+        kept = values[rows][~np.isnan(values[rows])]
+        if kept.size:
+            means[name] = float(np.mean(kept))
+    return means
+
+
 def validation_metrics(data_sources: np.ndarray, uids: np.ndarray, acc: np.ndarray, scores: np.ndarray,
-                       n: int) -> dict[str, float]:
-    """mean@n accuracy and score per data source, plus best@n (pass@n) when n > 1, and over all sources."""
+                       n: int, extras: Mapping[str, np.ndarray] | None = None) -> dict[str, float]:
+    """mean@n accuracy and score per data source, plus best@n (pass@n) when n > 1, and over all sources;
+    mean@n of each numeric reward extra (``extras``: key -> column, NaN where a row lacks it)."""
+    sources = np.asarray([str(ds) for ds in data_sources])
     acc = np.asarray(acc, dtype=np.float64)
-    by_source: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for ds, a, s in zip(data_sources, acc, scores):
-        by_source[str(ds)]["acc"].append(float(a))
-        by_source[str(ds)]["score"].append(float(s))
-        by_source["all"]["acc"].append(float(a))
-        by_source["all"]["score"].append(float(s))
     metrics: dict[str, float] = {}
-    for ds, vals in by_source.items():
-        metrics[f"val-core/{ds}/acc/mean@{n}"] = float(np.mean(vals["acc"]))
-        metrics[f"val-aux/{ds}/score/mean@{n}"] = float(np.mean(vals["score"]))
+    for ds, mean in _means_by_source(sources, acc).items():
+        metrics[f"val-core/{ds}/acc/mean@{n}"] = mean
+    for name, column in {"score": scores, **(extras or {})}.items():
+        for ds, mean in _means_by_source(sources, np.asarray(column, dtype=np.float64)).items():
+            metrics[f"val-aux/{ds}/{name}/mean@{n}"] = mean
     if n > 1:
         best: dict[str, list[float]] = defaultdict(list)
-        for rows in group_rows(list(zip(data_sources, uids))):  # the n responses to one prompt of one source
-            best[str(data_sources[rows[0]])].append(float(np.max(acc[rows])))
+        for rows in group_rows(list(zip(sources, uids))):  # the n responses to one prompt of one source
+            best[sources[rows[0]]].append(float(np.max(acc[rows])))
             best["all"].append(float(np.max(acc[rows])))
         for ds, vals in best.items():
             metrics[f"val-core/{ds}/acc/best@{n}/mean"] = float(np.mean(vals))

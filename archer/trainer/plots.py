@@ -1,9 +1,12 @@
 """Training curves: PNG figures drawn from a run's metrics.jsonl into `<run>/plots/`.
 
 Each group of metric keys becomes one figure with a line per key over the steps where that key was
-logged. Keys logged only at some steps (validation) are drawn with markers. Group entries are exact keys
-or glob patterns ("timing_s/*"); a group none of whose keys appear in the file gets no figure.
-Figures are drawn on matplotlib's Agg canvas without pyplot, so no global backend is switched.
+logged, both axes labelled. Keys logged only at some steps (validation) are drawn with markers. No two lines
+of a figure share a colour and line style; an aggregate over all data sources (``.../all/...``) is drawn in
+black, dashed (then dash-dotted, dotted), with hollow markers and above the others, so a per-source line with the same values never
+hides it. Group entries are exact keys or glob patterns ("timing_s/*"); a group none of whose keys appear in
+the file gets no figure. Figures are drawn on matplotlib's Agg canvas without pyplot, so no global backend
+is switched.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import re
 from fnmatch import fnmatchcase
 from pathlib import Path
 
+from matplotlib import colormaps
 from matplotlib.figure import Figure
 
 from archer.errors import ArcherError
@@ -32,7 +36,17 @@ DEFAULT_GROUPS: dict[str, list[str]] = {
     "group_sampling": ["train/num_gen_batches", "train/num_candidate_groups", "train/num_kept_groups",
                        "train/num_rejected_groups"],
     "overlong": ["reward/overlong_penalised_frac", "reward/overlong_penalty_mean"],
+    "reward_extras": ["reward/*/mean"],  # the numeric extras a reward returns (f1, format_ok, ...)
 }
+Y_LABELS = {  # a group without one is labelled with its own name
+    "reward": "score / accuracy", "entropy": "entropy (nats per token)", "response_length": "tokens",
+    "kl_clip": "KL / fraction of tokens", "losses": "loss", "grad_norm": "gradient norm", "timing": "seconds",
+    "entropy_classes": "fraction of tokens", "token_selection": "tokens", "group_sampling": "prompt groups",
+    "overlong": "fraction / penalty", "reward_extras": "mean over responses",
+}
+COLOURS = colormaps["tab10"].colors
+LINE_STYLES = ("-", "--", "-.", ":")  # with the 10 colours: 40 distinct lines before a pair repeats
+AGGREGATE = "/all/"  # validation over all data sources
 
 Series = dict[str, dict[int, float]]
 
@@ -65,21 +79,26 @@ def _matching_keys(patterns: list[str], keys: list[str]) -> list[str]:
     return list(dict.fromkeys(matched))
 
 
-def _draw(path: Path, title: str, series: Series, keys: list[str], dense_len: int) -> None:
+def figure(title: str, series: Series, keys: list[str], dense_len: int, ylabel: str) -> Figure:
     """One figure; a key with fewer points than the most-logged key (validation) gets markers."""
     fig = Figure(figsize=(8, 4.5), layout="constrained")
     ax = fig.add_subplot()
-    for key in keys:
+    others = [key for key in keys if AGGREGATE not in key]
+    for i, key in enumerate(others):
         steps = sorted(series[key])
-        sparse = len(steps) < dense_len
-        ax.plot(
-            steps, [series[key][s] for s in steps], marker="o" if sparse else None, markersize=4, label=key
-        )
+        marker = "o" if len(steps) < dense_len else None
+        ax.plot(steps, [series[key][s] for s in steps], color=COLOURS[i % len(COLOURS)],
+                linestyle=LINE_STYLES[i // len(COLOURS) % len(LINE_STYLES)], marker=marker, markersize=4, label=key)
+    for i, key in enumerate(key for key in keys if AGGREGATE in key):
+        steps = sorted(series[key])
+        ax.plot(steps, [series[key][s] for s in steps], color="black", linestyle=LINE_STYLES[(i + 1) % len(LINE_STYLES)],
+                marker="s", markersize=7, markerfacecolor="none", zorder=3, label=key)
     ax.set_title(title)
     ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
-    fig.savefig(path, dpi=100)
+    return fig
 
 
 def _file_name(group: str) -> str:
@@ -97,6 +116,6 @@ def plot_metrics(metrics_path: Path, out_dir: Path, groups: dict[str, list[str]]
         keys = _matching_keys(patterns, list(series))
         if keys:
             path = out_dir / _file_name(group)
-            _draw(path, group, series, keys, dense_len)
+            figure(group, series, keys, dense_len, Y_LABELS.get(group, group)).savefig(path, dpi=100)
             written.append(path)
     return written

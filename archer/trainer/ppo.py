@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from archer.algorithms.advantages import compute_advantage
 from archer.algorithms.grouping import count_groups
 from archer.algorithms.kl import apply_kl_penalty, make_kl_controller
-from archer.atomic_files import write_json_atomically
+from archer.atomic_files import write_json_atomically, write_text_atomically
 from archer.batch import Batch
 from archer.config.loader import as_list, save_config
 from archer.data.loader import PromptLoader, collate_prompts
@@ -30,6 +30,7 @@ from archer.data.rl_dataset import RLDataset
 from archer.errors import ArcherError
 from archer.models.loading import load_tokenizer, pick_device
 from archer.rewards.custom import load_custom_reward_fn
+from archer.rewards.extras import REWARD_EXTRAS, numeric_columns
 from archer.rewards.manager import RewardManager
 from archer.rewards.shaping import OverlongBuffer
 from archer.rollout.factory import check_engine_name
@@ -109,12 +110,21 @@ def build_reward_manager(cfg: DictConfig, tokenizer) -> RewardManager:
 
 
 def write_generations(path: Path, batch: Batch, texts: list[str], scores: np.ndarray, step: int) -> None:
-    """One JSON line per response: input, output, gts, score, step (verl's rollout dump format)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for prompt, text, gt, s in zip(batch["raw_prompt"], texts, batch["ground_truth"], scores):
-            f.write(json.dumps({"input": prompt, "output": text, "gts": gt, "score": float(s), "step": step},
-                               default=str) + "\n")
+    """One JSON line per response (verl's rollout dump): input, output, gts, score, step, then data_source, acc
+    and the reward's extras (an extra named like one of these fields is written as ``reward_extra/<name>``)."""
+    lines = []
+    for i, (text, score) in enumerate(zip(texts, scores, strict=True)):
+        record = {"input": batch["raw_prompt"][i], "output": text, "gts": batch["ground_truth"][i],
+                  "score": float(score), "step": step, "data_source": batch["data_source"][i],
+                  "acc": float(batch["acc"][i])}
+        record.update({f"reward_extra/{k}" if k in record else k: v for k, v in batch[REWARD_EXTRAS][i].items()})
+        lines.append(json.dumps(record, default=_json_value) + "\n")
+    write_text_atomically(path, "".join(lines), fsync=False)
+
+
+def _json_value(value: Any) -> Any:
+    """numpy and torch values as plain JSON values; anything else as its str."""
+    return value.tolist() if hasattr(value, "tolist") else str(value)
 
 
 class PPOTrainer:
@@ -168,13 +178,7 @@ class PPOTrainer:
         with timer("gen", timings):
             batch = self.actor.generate_sequences(prompts)
         with timer("reward", timings):
-            reward = self.reward_fn(batch)
-            batch["token_level_scores"] = reward.token_level_scores
-            batch["acc"] = reward.acc
-            batch["score"] = reward.scores
-            batch["response_text"] = reward.extra["response_text"]
-            if "overlong_penalty" in reward.extra:
-                batch["overlong_penalty"] = reward.extra["overlong_penalty"]
+            self.reward_fn(batch).add_to(batch)
         return batch
 
     def sample_batch(self, step: int, timings: dict[str, float], metrics: dict[str, float]) -> Batch:
@@ -285,27 +289,26 @@ class PPOTrainer:
             return {}
         size = int(self.cfg.data.val_batch_size or len(self.val_set))
         items = [self.val_set[i] for i in range(len(self.val_set))]
-        parts, texts, scores, accs = [], [], [], []
+        parts = []
         start = time.perf_counter()
         for offset in range(0, len(items), size):
             prompts = collate_prompts(items[offset: offset + size], self.tokenizer.pad_token_id)
             prompts["uid"] = [f"val-{offset + i}" for i in range(len(prompts))]
             prompts.info.update(validate=True, seed=self.seed)
             batch = self.actor.generate_sequences(prompts)
-            reward = self.reward_fn(batch)
-            parts.append(batch.select(["data_source", "uid", "raw_prompt", "ground_truth"]))
-            texts.extend(reward.extra["response_text"])
-            scores.append(reward.scores)
-            accs.append(reward.acc)
+            self.reward_fn(batch).add_to(batch)
+            parts.append(batch.select(["data_source", "uid", "raw_prompt", "ground_truth", "response_text", "score",
+                                       "acc", REWARD_EXTRAS]))
         merged = Batch.concat(parts)
-        metrics = validation_metrics(merged["data_source"], merged["uid"], np.concatenate(accs),
-                                     np.concatenate(scores), int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n))
+        metrics = validation_metrics(merged["data_source"], merged["uid"], merged["acc"], merged["score"],
+                                     int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n),
+                                     numeric_columns(merged[REWARD_EXTRAS]))
         metrics["timing_s/testing"] = time.perf_counter() - start
         if self.cfg.trainer.validation_data_dir:
             write_generations(Path(self.cfg.trainer.validation_data_dir) / f"step_{self.global_step}.jsonl",
-                              merged, texts, np.concatenate(scores), self.global_step)
+                              merged, merged["response_text"], merged["score"], self.global_step)
         n_show = int(self.cfg.trainer.log_val_generations)
-        for text, gt, s in list(zip(texts, merged["ground_truth"], np.concatenate(scores)))[:n_show]:
+        for text, gt, s in list(zip(merged["response_text"], merged["ground_truth"], merged["score"]))[:n_show]:
             log.info("val sample: score=%.2f gt=%s output=%r", s, gt, text)
         return metrics
 

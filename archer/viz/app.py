@@ -7,7 +7,9 @@ manifest so the steps of a running training appear without a restart.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -274,14 +276,24 @@ def build_app(trace_dir: str | Path, model_path: str | Path | None = None, *,
 
 def launch(trace_dir: str | Path, model_path: str | Path | None = None, host: str = DEFAULT_HOST,
            port: int = DEFAULT_PORT, *, block: bool = True, poll_seconds: float = POLL_SECONDS) -> gr.Blocks:
-    """Serve the explorer on ``host:port`` (127.0.0.1 unless told otherwise); blocks until interrupted."""
+    """Serve the explorer on ``host:port`` (127.0.0.1 unless told otherwise). With ``block`` it prints its one
+    line (the trace and the address; Gradio's own notes, such as its share=True hint, and httpx's request log
+    are silenced) and serves until interrupted."""
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # Gradio's request to itself at start-up is not news
     app = build_app(trace_dir, model_path, poll_seconds=poll_seconds)
     try:
-        app.launch(server_name=host, server_port=int(port), share=False, prevent_thread_lock=not block,
-                   theme=theme(), footer_links=[], quiet=not block,
+        app.launch(server_name=host, server_port=int(port), share=False, prevent_thread_lock=True,
+                   theme=theme(), footer_links=[], quiet=True,
                    run_history=False)  # a saved run holds whole heatmaps: the browser would slow down and fill
     except OSError as e:
         raise ArcherError(f"cannot serve the explorer on {host}:{port} ({e})",
                           "pick another port with --port, or stop the program that holds this one") from e
+    if block:
+        print(f"archer viz: exploring {trace_dir} at {app.local_url} (Ctrl-C stops it)", flush=True)
+        try:
+            while app.is_running:
+                time.sleep(0.2)
+        finally:
+            app.close(verbose=False)
     return app

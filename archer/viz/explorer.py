@@ -23,7 +23,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from archer.errors import ArcherError
-from archer.trace.format import TraceReader
+from archer.trace.format import TraceReader, read_trace_summary
 from archer.viz import queries, render
 
 STEP_CACHE = 4
@@ -31,11 +31,13 @@ CSV_KEEP = 32  # CSV exports kept in the private temporary folder
 
 
 def existing_trace_dir(trace_dir: str | Path) -> Path:
-    """The trace folder, or an ArcherError naming it when it does not exist (checked before heavy imports)."""
+    """The trace folder, or an ArcherError when it does not exist or is not a trace folder (one that names the
+    trace folders inside a run directory); checked before heavy imports."""
     path = Path(trace_dir).expanduser()
     if not path.is_dir():
         raise ArcherError(f"trace directory {path} does not exist",
                           "pass --trace-dir <run>/entropy_trace or <run>/influence_trace of a run")
+    read_trace_summary(path)
     return path
 
 

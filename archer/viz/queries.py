@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from archer.trace.format import value_stats
+from archer.trace.format import REWARD_EXTRA_PREFIX, value_stats
 
 Arrays = dict[str, np.ndarray]
 Decode = Callable[[np.ndarray], list[str]]
@@ -70,7 +70,8 @@ def _row_means(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
 
 
 def overview_table(arrays: Arrays) -> pd.DataFrame:
-    """One row per response: its metadata, length (valid tokens) and mean/max entropy (and mean influence)."""
+    """One row per response: its metadata, length (valid tokens), reward extras (each under its key, or its field
+    name when the key is taken) and mean/max entropy (and mean influence)."""
     mask = arrays["response_mask"]
     n = mask.shape[0]
     table: dict[str, Any] = {"row": np.arange(n), "response_index": arrays["response_index"]}
@@ -81,6 +82,9 @@ def overview_table(arrays: Arrays) -> pd.DataFrame:
     for name in ("reward", "advantage", "accepted", "group_id"):
         if name in arrays:
             table[name] = arrays[name]
+    for name in sorted(n for n in arrays if n.startswith(REWARD_EXTRA_PREFIX)):  # the reward's extras
+        key = name.removeprefix(REWARD_EXTRA_PREFIX)
+        table[name if key in table else key] = arrays[name]
     entropies = arrays["entropies"]
     table["entropy_mean"] = _row_means(entropies, mask)
     table["entropy_max"] = np.where(mask, entropies.astype(np.float64), -np.inf).max(axis=1, initial=-np.inf)
