@@ -315,6 +315,9 @@ def test_val_only_validates_the_newest_checkpoint_and_leaves_the_run_as_it_was(
              f"trainer.validation_data_dir={dumps}", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
              "actor_rollout_ref.rollout.val_kwargs.temperature=1.0"]  # seeded samples: they show which weights ran
     PPOTrainer(load_config("ppo_trainer", train)).fit()
+    saving = run_dir / "checkpoints" / ".tmp-global_step_3-x"  # a checkpoint another process is still writing
+    saving.mkdir()
+    (saving / "part.bin").write_bytes(b"half")
     trained = run_files(run_dir)
     assert {"metrics.jsonl", "summary.json", "config.yaml", "checkpoints/latest"} <= trained.keys()
     before, after = (read_jsonl_lines(dumps / f"step_{s}.jsonl") for s in (0, 2))

@@ -289,9 +289,10 @@ class PPOTrainer:
 
         return self.checkpoints.save(step, write)
 
-    def checkpoint_to_resume(self) -> Path | None:
+    def checkpoint_to_resume(self, *, read_only: bool = False) -> Path | None:
         """The checkpoint trainer.resume_mode names: resume_from_path, the newest complete one of the run
-        directory (auto), or none (disable, or auto without a checkpoint)."""
+        directory (auto), or none (disable, or auto without a checkpoint). ``read_only`` leaves the folder's
+        debris alone, for a reader (val_only) while another process may be training into it."""
         mode = self.cfg.trainer.resume_mode
         if mode == "disable":
             return None
@@ -301,6 +302,9 @@ class PPOTrainer:
                 raise ArcherError(f"trainer.resume_from_path={path} is not an archer checkpoint (no {TRAINER_STATE})",
                                   "point it at a <run>/checkpoints/global_step_N folder")
             return path
+        if read_only:
+            steps = self.checkpoints.complete_steps()
+            return self.checkpoints.step_dir(steps[-1]) if steps else None
         step = self.checkpoints.latest_step()
         return None if step is None else self.checkpoints.load_dir(step)
 
@@ -379,7 +383,7 @@ class PPOTrainer:
         model when there is none, and stop. The run's own files (config.yaml, metrics.jsonl, summary.json,
         traces, checkpoints) are left as they are: the figures go to one appended line of <run>/val_only.jsonl."""
         start_time = time.perf_counter()
-        path = self.checkpoint_to_resume()
+        path = self.checkpoint_to_resume(read_only=True)
         validated = str(self.cfg.actor_rollout_ref.model.path)
         if path is not None:
             self.actor.load(path / "actor")
