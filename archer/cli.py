@@ -1,6 +1,8 @@
 """``archer <command>``: train, sft, data, quickstart, viz.
 
 Every command turns an ArcherError into one clear message and exit status 2, without a traceback.
+``archer train --help`` and ``archer sft --help`` list the main config keys with their defaults (read
+from the YAML); ``--cfg job`` prints the resolved config and exits without running, as in Hydra.
 """
 
 from __future__ import annotations
@@ -13,14 +15,87 @@ from collections.abc import Sequence
 
 from archer.errors import ArcherError
 
+# The keys `archer train --help` / `archer sft --help` show, by section; the YAML holds them all.
+TRAIN_HELP_KEYS = {
+    "data": ("train_files", "val_files", "prompt_key", "max_prompt_length", "max_response_length",
+             "train_batch_size"),
+    "actor_rollout_ref": ("model.path", "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size_per_gpu",
+                          "actor.optim.lr", "actor.use_kl_loss", "actor.policy_loss.loss_mode", "rollout.n",
+                          "rollout.temperature"),
+    "algorithm": ("adv_estimator", "use_kl_in_reward"),
+    "custom_reward_function": ("path", "name"),
+    "trainer": ("total_epochs", "total_training_steps", "default_local_dir", "save_freq", "test_freq",
+                "val_before_train", "val_only", "resume_mode", "logger", "device"),
+}
+SFT_HELP_KEYS = {
+    "data": ("train_files", "val_files", "prompt_key", "response_key", "max_length", "train_batch_size",
+             "micro_batch_size_per_gpu"),
+    "model": ("partial_pretrain",),
+    "optim": ("lr", "lr_scheduler"),
+    "trainer": ("total_epochs", "total_training_steps", "default_local_dir", "logger", "device"),
+}
+
+
+def config_help(config_name: str, sections: dict[str, tuple[str, ...]]) -> str:
+    """The help epilog of a training command: its config sections and main keys with their defaults."""
+    from omegaconf import OmegaConf
+
+    from archer.config.loader import CONFIG_DIR, config_groups, group_options
+
+    path = CONFIG_DIR / f"{config_name}.yaml"
+    defaults = OmegaConf.load(path)
+    lines = [f"config sections: {', '.join(k for k in defaults if k != 'defaults')}", "main keys (default):"]
+    for section, keys in sections.items():
+        for key in keys:
+            parent, _, leaf = f"{section}.{key}".rpartition(".")
+            node = OmegaConf.select(defaults, parent)
+            value = "??? (required)" if OmegaConf.is_missing(node, leaf) else _shown(node[leaf])
+            lines.append(f"  {section}.{key} = {value}")
+    if config_name == "ppo_trainer":
+        lines += [f"config groups: {group}=NAME, NAME one of {', '.join(group_options(group))}"
+                  for group in sorted(config_groups())]
+    lines += [f"every key, with what it does: {path}",
+              "set keys as key=value (+key=value works too); --cfg job prints the resolved config and exits"]
+    return "\n".join(lines)
+
+
+def _shown(value: object) -> str:
+    """A default as YAML writes it: null, true, [a, b]."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(value):
+        value = OmegaConf.to_container(value)
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, list):
+        return "[" + ", ".join(_shown(v) for v in value) + "]"
+    return str(value)
+
+
+def _print_config(cfg: object) -> None:
+    from omegaconf import OmegaConf
+
+    print(OmegaConf.to_yaml(cfg), end="")
+
 
 def _train(args: argparse.Namespace) -> None:
     from archer.config.loader import load_config
 
     cfg = load_config("ppo_trainer", args.overrides)  # before the trainer's heavy imports: typos fail fast
+    if args.cfg:
+        from archer.trainer.config_check import check_config
+
+        check_config(cfg)
+        _print_config(cfg)
+        return
     from archer.trainer.ppo import PPOTrainer
 
     summary = PPOTrainer(cfg).fit()
+    if cfg.trainer.val_only:
+        print(f"validated {summary['validated_model']} (step {summary['steps']}):")
+        for key, value in summary["val_after"].items():
+            print(f"  {key} = {value:.4f}")
+        print(f"appended to {summary['val_only_file']}")
     print(f"run directory: {summary['run_dir']}")
 
 
@@ -28,6 +103,9 @@ def _sft(args: argparse.Namespace) -> None:
     from archer.config.loader import load_config
 
     cfg = load_config("sft_trainer", args.overrides)
+    if args.cfg:
+        _print_config(cfg)
+        return
     from archer.trainer.sft import run_sft
 
     out = run_sft(cfg)
@@ -76,12 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="RL training (PPO/GRPO/...) with Hydra overrides in verl's key names")
+    p = sub.add_parser("train", help="RL training (PPO/GRPO/...) with Hydra overrides in verl's key names",
+                       epilog=config_help("ppo_trainer", TRAIN_HELP_KEYS),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="key=value or +key=value, e.g. data.train_files=F")
+    p.add_argument("--cfg", choices=["job"], help="print the resolved config (checked, as YAML) and exit")
     p.set_defaults(func=_train)
 
-    p = sub.add_parser("sft", help="supervised fine-tuning on prompt/response data")
+    p = sub.add_parser("sft", help="supervised fine-tuning on prompt/response data",
+                       epilog=config_help("sft_trainer", SFT_HELP_KEYS),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="key=value, e.g. model.partial_pretrain=DIR data.train_files=F")
+    p.add_argument("--cfg", choices=["job"], help="print the resolved config (as YAML) and exit")
     p.set_defaults(func=_sft)
 
     p = sub.add_parser("data", help="generate a built-in task's train/val/sft parquet files")

@@ -1,5 +1,6 @@
-"""Tests of the `archer` command line: help, data generation, SFT and the required-keys error, each in a
-subprocess as a user runs them."""
+"""Tests of the `archer` command line: help (with the main config keys), --cfg job, data generation, SFT,
+RL training with verl's non-default data keys, and the required-keys error, each in a subprocess as a user
+runs them."""
 
 from __future__ import annotations
 
@@ -10,10 +11,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
+
+from archer.config.loader import CONFIG_DIR, load_config
 
 ARCHER = [sys.executable, "-m", "archer.cli"]
 SUBPROCESS_TIMEOUT_S = 240
@@ -86,3 +91,89 @@ def test_sft_on_generated_data_writes_a_loadable_model(data_run, tiny_model_dir:
     assert start.keys() == trained.keys()
     assert max(float((start[k] - trained[k]).abs().max()) for k in start) > 1e-4
     assert all(torch.isfinite(v).all() for v in trained.values())
+
+
+@pytest.mark.parametrize(("command", "config_name", "shown"), [
+    ("train", "ppo_trainer", ["data.train_files = ??? (required)", "data.train_batch_size = 1024",
+                              "actor_rollout_ref.rollout.n = 1", "algorithm.adv_estimator = gae",
+                              "trainer.logger = [console, jsonl, tensorboard]", "trainer.val_only = false",
+                              "config groups: algorithm=NAME, NAME one of archer, aspo, clip_cov, dapo,"]),
+    ("sft", "sft_trainer", ["model.partial_pretrain = ??? (required)", "data.micro_batch_size_per_gpu = 4",
+                            "optim.lr_scheduler = cosine", "trainer.logger = [console, jsonl]"]),
+])
+def test_training_help_lists_the_main_keys_with_defaults(command: str, config_name: str, shown: list[str]) -> None:
+    proc = run_archer(command, "--help")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    for text in shown:
+        assert any(line.strip().startswith(text) for line in lines), text
+    assert f"every key, with what it does: {CONFIG_DIR / config_name}.yaml" in lines
+    assert "--cfg job prints the resolved config and exits" in proc.stdout
+    assert any(line.startswith("config sections: data, ") for line in lines)
+
+
+def test_cfg_job_prints_the_resolved_config_and_runs_nothing(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    overrides = ["data.train_files=a.parquet", "actor_rollout_ref.model.path=/no/model", "algorithm=grpo",
+                 "trainer.logger=console", "actor_rollout_ref.rollout.n=4", f"trainer.default_local_dir={run}"]
+    proc = run_archer("train", "--cfg", "job", *overrides)
+    assert proc.returncode == 0, proc.stderr
+    assert OmegaConf.to_container(OmegaConf.create(proc.stdout)) == OmegaConf.to_container(
+        load_config("ppo_trainer", overrides))
+    assert "  logger:\n  - console\n" in proc.stdout and "rollout_n: 4" in proc.stdout  # lists and resolved values
+    assert not run.exists()
+    bad = run_archer("train", *overrides, "data.max_response_length=0", "--cfg", "job")  # checked as well
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.startswith("archer: error: data.max_response_length=0 must be an integer of at least 1")
+    sft = run_archer("sft", "--cfg", "job", "data.train_files=s.parquet", "model.partial_pretrain=/no/model")
+    assert sft.returncode == 0 and OmegaConf.create(sft.stdout).model.partial_pretrain == "/no/model"
+
+
+def test_train_reads_a_non_default_prompt_key_and_reward_fn_key(micro_model: Path, task_files: dict[str, Path],
+                                                                tmp_path: Path) -> None:
+    """A verl script's data.prompt_key=question (and data.reward_fn_key) end to end through `archer train`."""
+    files = {}
+    for split in ("train", "val"):
+        rows = pq.read_table(task_files[split]).to_pylist()
+        table = pa.table({"data_source": [r["data_source"] for r in rows],
+                          "question": [r["prompt"] for r in rows],
+                          "task": ["digits"] * len(rows),
+                          "reward_model": [r["reward_model"] for r in rows]})
+        files[split] = tmp_path / f"{split}.parquet"
+        pq.write_table(table, files[split])
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return 1.0 if data_source == 'digits' else -1.0\n")
+    run = tmp_path / "run"
+    proc = run_archer("train", f"actor_rollout_ref.model.path={micro_model}", f"data.train_files={files['train']}",
+                      f"data.val_files={files['val']}", "data.prompt_key=question", "data.reward_fn_key=task",
+                      f"custom_reward_function.path={reward}", "algorithm.adv_estimator=grpo",
+                      "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                      "actor_rollout_ref.rollout.n=2", "data.max_prompt_length=48", "data.max_response_length=8",
+                      "trainer.total_training_steps=1", "trainer.logger=console", "trainer.plots=false",
+                      "trainer.device=cpu", f"trainer.default_local_dir={run}")
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1]
+    assert records[0]["val-aux/archer/arithmetic/score/mean@1"] == 1.0  # the reward saw the task column
+    assert records[1]["critic/score/mean"] == 1.0
+    assert not (run / "tensorboard").exists()  # trainer.logger=console is [console] (+ jsonl), not letters
+
+
+@pytest.mark.parametrize("case", ["no_ground_truth", "no_rows"])
+def test_train_refuses_unusable_prompt_files_at_load_time(case: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    path = tmp_path / f"{case}.parquet"
+    truths = ["4", None, None] if case == "no_ground_truth" else []
+    pq.write_table(pa.table({"data_source": ["archer/arithmetic"] * len(truths), "prompt": [f"{i}+{i}?" for i in range(len(truths))],
+                             "reward_model": [{"ground_truth": t} for t in truths]},
+                            schema=pa.schema([("data_source", pa.string()), ("prompt", pa.string()),
+                                              ("reward_model", pa.struct([("ground_truth", pa.string())]))])), path)
+    proc = run_archer("train", f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files={path}",
+                      "data.train_batch_size=1", "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+                      "data.max_response_length=4", "trainer.total_training_steps=1", "trainer.device=cpu",
+                      f"trainer.default_local_dir={tmp_path / 'run'}")
+    assert proc.returncode == 2
+    expected = {"no_ground_truth": f"{path}: 2 of 3 rows have no reward_model.ground_truth; the first is row 1 ('1+1?')",
+                "no_rows": f"{path} has no rows"}[case]
+    assert proc.stderr.startswith(f"archer: error: {expected}\n  fix: "), proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()

@@ -1,4 +1,5 @@
-"""Config loading: overrides, unknown-key errors with suggestions, interpolation, types, struct, save."""
+"""Config loading: overrides, unknown-key errors with suggestions, interpolation, types, single values for list
+keys, struct, save."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 from omegaconf import ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError
 
+from archer.config import loader
 from archer.config.loader import as_list, load_config, save_config
 from archer.errors import ArcherError
 
@@ -243,3 +245,36 @@ def test_other_common_verl_script_keys_are_accepted() -> None:
     assert cfg.trainer.use_legacy_worker_impl == "auto"
     assert cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == 24000
     assert cfg.critic.ppo_micro_batch_size_per_gpu == 32
+
+
+# -- a single value for a list key -------------------------------------------------------------------------
+def test_a_single_value_for_a_list_key_is_a_one_element_list() -> None:
+    cfg = load("trainer.logger=console", "trainer.influence_trace.layers=-1",
+               "actor_rollout_ref.rollout.stop='</answer>'", "trainer.influence_trace.module_name_filter=mlp.down_proj")
+    assert isinstance(cfg.trainer.logger, ListConfig)
+    assert list(cfg.trainer.logger) == ["console"]  # not split into letters
+    assert list(cfg.trainer.influence_trace.layers) == [-1]
+    assert list(cfg.actor_rollout_ref.rollout.stop) == ["</answer>"]
+    assert list(cfg.trainer.influence_trace.module_name_filter) == ["mlp.down_proj"]
+    sft = load_config("sft_trainer", ["data.train_files=a", "model.partial_pretrain=m", "trainer.logger=jsonl"])
+    assert list(sft.trainer.logger) == ["jsonl"]
+
+
+def test_lists_nulls_and_path_keys_are_left_as_given() -> None:
+    cfg = load("trainer.logger=[console,wandb]", "trainer.influence_trace.layers=[0,-1]")
+    assert list(cfg.trainer.logger) == ["console", "wandb"]
+    assert list(cfg.trainer.influence_trace.layers) == [0, -1]
+    assert load().trainer.influence_trace.layers is None  # null: every layer
+    assert load("trainer.logger=null").trainer.logger is None
+    assert cfg.data.train_files == "train.parquet"  # a path or a list of paths, read with as_list
+
+
+def test_every_list_key_with_a_null_default_is_marked_in_the_yaml() -> None:
+    yaml_text = (loader.CONFIG_DIR / "ppo_trainer.yaml").read_text()
+    marked = {line.split(":")[0].strip() for line in yaml_text.splitlines() if "# (list)" in line}
+    declared = loader.NULL_DEFAULT_LIST_KEYS["ppo_trainer"]
+    assert marked == {key.rsplit(".", 1)[-1] for key in declared} == {"layers"}
+    defaults = OmegaConf.load(loader.CONFIG_DIR / "ppo_trainer.yaml")
+    assert all(OmegaConf.select(defaults, key) is None for key in declared)
+    assert declared <= loader.list_keys("ppo_trainer")
+    assert {"trainer.logger", "actor_rollout_ref.rollout.stop", "critic.optim.betas"} <= loader.list_keys("ppo_trainer")

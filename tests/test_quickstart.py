@@ -1,8 +1,11 @@
-"""The quickstart as a user runs it: `archer quickstart` on the CPU, checked against the issue's bar."""
+"""The quickstart as a user runs it: `archer quickstart` on the CPU, checked against the issue's bar; bad
+overrides that leave no folder behind; a trainer.default_local_dir override that the summary and the printed
+commands follow (the warm start replaced by the test's micro model, so it runs in seconds)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoModelForCausalLM
 
+from archer.errors import ArcherError
 from archer.trace.format import TraceReader
+from archer.trainer import quickstart
+from archer.trainer.quickstart import run_quickstart
 
 
 @pytest.mark.slow
@@ -42,3 +48,50 @@ def test_quickstart_learns(tmp_path: Path) -> None:
         reader = TraceReader(summary[kind])
         assert reader.steps() == list(range(1, 41)) and reader.tokenizer_dir() is not None
     assert f"archer viz --trace-dir {summary['influence_trace']}" in proc.stdout
+
+
+def test_bad_overrides_leave_no_out_folder_behind(tmp_path: Path) -> None:
+    out = tmp_path / "qs"
+    proc = subprocess.run([sys.executable, "-m", "archer.cli", "quickstart", "--out", str(out), "bad.key=1"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2 and "unknown config key 'bad.key'" in proc.stderr
+    assert not out.exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(ArcherError, match="actor_rollout_ref.rollout.n=0 must be an integer of at least 1"):
+        run_quickstart(["actor_rollout_ref.rollout.n=0"], out_dir=str(mine))
+    assert [(p.name, p.read_text()) for p in mine.iterdir()] == [("notes.txt", "keep me")]
+
+
+def test_a_default_local_dir_override_moves_the_rl_run_and_everything_naming_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+        task_files: dict[str, Path], micro_model: Path) -> None:
+    def warm_start(run: Path, seed: int, console, sft_extra=()) -> tuple[dict[str, Path], Path]:
+        (run / "data").mkdir(parents=True)
+        files = {split: Path(shutil.copy(task_files[split], run / "data" / f"{split}.parquet")) for split in ("train", "val")}
+        return files, micro_model  # the conftest's task and micro model stand for steps 1-3
+
+    monkeypatch.setattr(quickstart, "warm_start", warm_start)
+    reward = tmp_path / "digit_share.py"  # rewards that differ within a group, so the influence trace has rows
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)\n")
+    out, rl_dir = tmp_path / "qs", tmp_path / "elsewhere" / "rl_run"
+    summary = run_quickstart([f"trainer.default_local_dir={rl_dir}", f"custom_reward_function.path={reward}",
+                              "data.train_batch_size=4",
+                              "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                              "trainer.total_training_steps=1", "trainer.device=cpu",
+                              "+trainer.influence_trace.projection_dim_factor=16"], out_dir=str(out))
+    assert summary["rl_run_dir"] == str(rl_dir)
+    assert summary["entropy_trace"] == str(rl_dir / "entropy_trace")
+    assert summary["influence_trace"] == str(rl_dir / "influence_trace")
+    assert json.loads((out / "summary.json").read_text()) == summary
+    assert [r["step"] for r in map(json.loads, (rl_dir / "metrics.jsonl").read_text().splitlines())] == [0, 1]
+    for kind in ("entropy_trace", "influence_trace"):
+        assert TraceReader(summary[kind]).steps() == [1]
+    assert not (out / "rl").exists()
+    printed = capsys.readouterr().out
+    assert f"  archer viz --trace-dir {rl_dir / 'influence_trace'}\n" in printed
+    repeat = next(line for line in printed.splitlines() if line.startswith("  archer train "))
+    assert repeat.count("trainer.default_local_dir=") == 1
+    assert repeat.endswith(f" trainer.default_local_dir={tmp_path / 'elsewhere' / 'rl_run_again'}")

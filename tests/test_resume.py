@@ -4,7 +4,8 @@ A GRPO run killed with SIGKILL after its step-3 checkpoint and relaunched must l
 an uninterrupted run with the same seed and end with the same weights: model, optimiser, LR schedule,
 adaptive KL coefficient, RNG and data position (shuffled, wrapping into a second epoch) all resume.
 The in-process tests check what `resume()` restores field by field, and that a run dying right after a
-checkpoint commits keeps that step's metrics line.
+checkpoint commits keeps that step's metrics line. trainer.val_only validates the checkpoint resume_mode names
+and leaves every file of the run as it was; an auto-resumed run never replaces metrics it cannot resume.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from archer import cli
 from archer.config.loader import load_config
 from archer.data.tasks import write_task_files
+from archer.errors import ArcherError
 from archer.models.tiny import build_tiny_model
 from archer.trace.format import TraceReader
 from archer.trainer.checkpoint import CheckpointManager
@@ -297,3 +300,72 @@ def test_run_dying_right_after_a_checkpoint_keeps_that_steps_metrics(task: dict[
 
     PPOTrainer(cfg).fit()
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
+
+
+# -- trainer.val_only and an earlier run's files ---------------------------------------------------------------
+def run_files(run_dir: Path) -> dict[str, bytes]:
+    """Every file of a run directory (checkpoints and traces included) with its content."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def test_val_only_validates_the_newest_checkpoint_and_leaves_the_run_as_it_was(
+        task: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    run_dir, dumps = tmp_path / "run", tmp_path / "val_generations"
+    train = [*overrides(task, run_dir), "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=2",
+             f"trainer.validation_data_dir={dumps}", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+             "actor_rollout_ref.rollout.val_kwargs.temperature=1.0"]  # seeded samples: they show which weights ran
+    PPOTrainer(load_config("ppo_trainer", train)).fit()
+    saving = run_dir / "checkpoints" / ".tmp-global_step_3-x"  # a checkpoint another process is still writing
+    saving.mkdir()
+    (saving / "part.bin").write_bytes(b"half")
+    trained = run_files(run_dir)
+    assert {"metrics.jsonl", "summary.json", "config.yaml", "checkpoints/latest"} <= trained.keys()
+    before, after = (read_jsonl_lines(dumps / f"step_{s}.jsonl") for s in (0, 2))
+    assert [g["output"] for g in before] != [g["output"] for g in after], "training must change the sampled outputs"
+
+    checks = tmp_path / "val_only_generations"
+    capsys.readouterr()
+    for mode in ("auto", "disable"):  # the newest checkpoint, then the model itself
+        code = cli.main(["train", *train, "trainer.val_only=true", f"trainer.resume_mode={mode}",
+                         f"trainer.validation_data_dir={checks / mode}"])
+        assert code == 0
+
+    lines = read_jsonl_lines(run_dir / "val_only.jsonl")
+    model_dir = run_dir / "checkpoints" / "global_step_2" / "actor"
+    assert [(r["step"], r["model"]) for r in lines] == [(2, str(model_dir)), (0, str(task["model"]))]
+    metrics = read_metrics(run_dir)
+    assert {k: v for k, v in lines[0].items() if k not in ("step", "model", "timing_s/testing")} == {
+        k: v for k, v in metrics[2].items() if k.startswith("val-")}  # the step-2 checkpoint's figures again
+    assert {k: v for k, v in lines[1].items() if k not in ("step", "model", "timing_s/testing")} == {
+        k: v for k, v in metrics[0].items() if k.startswith("val-")}
+    assert read_jsonl_lines(checks / "auto" / "step_2.jsonl") == after
+    assert read_jsonl_lines(checks / "disable" / "step_0.jsonl") == before
+    assert run_files(run_dir) == {**trained, "val_only.jsonl": (run_dir / "val_only.jsonl").read_bytes()}
+    out = capsys.readouterr().out
+    assert f"validated {model_dir} (step 2):" in out and f"appended to {run_dir / 'val_only.jsonl'}" in out
+    assert f"  val-core/all/acc/mean@1 = {lines[0]['val-core/all/acc/mean@1']:.4f}" in out
+
+
+def test_val_only_on_a_new_folder_validates_the_model(task: dict[str, Path], tmp_path: Path) -> None:
+    run_dir = tmp_path / "fresh"
+    cfg = load_config("ppo_trainer", [*overrides(task, run_dir), "trainer.val_only=true"])
+    summary = PPOTrainer(cfg).fit()
+    assert summary["steps"] == 0 and summary["validated_model"] == str(task["model"])
+    assert sorted(p.name for p in run_dir.iterdir()) == ["val_only.jsonl"]  # no metrics, traces or config
+    (line,) = read_jsonl_lines(run_dir / "val_only.jsonl")
+    assert line["val-core/all/acc/mean@1"] == summary["val_after"]["val-core/all/acc/mean@1"]
+
+
+def test_auto_resume_refuses_a_folder_with_metrics_but_no_checkpoint(task: dict[str, Path], tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    old = '{"step": 1, "critic/score/mean": 0.5}\n'
+    (run_dir / "metrics.jsonl").write_text(old)
+    trainer = PPOTrainer(load_config("ppo_trainer", overrides(task, run_dir)))
+    with pytest.raises(ArcherError) as err:
+        trainer.fit()
+    assert err.value.problem == (f"{run_dir} already holds a run (metrics.jsonl) but no complete checkpoint to resume "
+                                 "from (trainer.resume_mode=auto); archer keeps that file rather than overwrite it")
+    assert "trainer.default_local_dir" in err.value.fix
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
+    assert (run_dir / "metrics.jsonl").read_text() == old

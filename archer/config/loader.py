@@ -3,6 +3,9 @@
 verl scripts write overrides as ``a.b=c`` and ``+a.b=c``; archer accepts both for every key its schema
 knows, and rejects any key it does not know (with or without ``+``), naming the closest known key, so a
 typo is never silently ignored. Free-form mappings (keys whose default is ``{}``) accept any sub-key.
+A single value given for a list key is a one-element list, as verl takes it (``trainer.logger=console`` is
+``[console]``): the list keys are those whose default is a list, and those whose default is null listed in
+``NULL_DEFAULT_LIST_KEYS`` (marked "(list)" in their YAML comment).
 """
 
 from __future__ import annotations
@@ -23,8 +26,14 @@ from archer.errors import ArcherError
 
 CONFIG_DIR = Path(__file__).resolve().parent
 
+# List keys whose default is null (so the YAML cannot show that they take a list); each is marked "(list)"
+# in its YAML comment. A key whose default is a list needs no entry here.
+NULL_DEFAULT_LIST_KEYS: dict[str, frozenset[str]] = {
+    "ppo_trainer": frozenset({"trainer.influence_trace.layers"}),
+}
 
-def _walk(node: Any, prefix: str, keys: set[str], open_maps: set[str]) -> None:
+
+def _walk(node: Any, prefix: str, keys: set[str], open_maps: set[str], lists: set[str]) -> None:
     if isinstance(node, DictConfig):
         if prefix and len(node) == 0:
             open_maps.add(prefix)
@@ -33,15 +42,34 @@ def _walk(node: Any, prefix: str, keys: set[str], open_maps: set[str]) -> None:
                 continue
             path = f"{prefix}.{k}" if prefix else str(k)
             keys.add(path)
-            _walk(node._get_node(k), path, keys, open_maps)
+            child = node._get_node(k)
+            if isinstance(child, ListConfig) and not child._is_interpolation():
+                lists.add(path)
+            _walk(child, path, keys, open_maps, lists)
+
+
+def _schema(config_name: str) -> tuple[set[str], set[str], set[str]]:
+    """A config's dotted keys, its free-form mappings and its list keys (list default or NULL_DEFAULT_LIST_KEYS)."""
+    keys: set[str] = set()
+    open_maps: set[str] = set()
+    lists = set(NULL_DEFAULT_LIST_KEYS.get(config_name, ()))
+    _walk(_defaults(config_name), "", keys, open_maps, lists)
+    return keys, open_maps, lists
 
 
 def known_keys(config_name: str) -> tuple[set[str], set[str]]:
     """All dotted keys of a config's defaults, and the free-form mappings among them."""
-    keys: set[str] = set()
-    open_maps: set[str] = set()
-    _walk(OmegaConf.load(CONFIG_DIR / f"{config_name}.yaml"), "", keys, open_maps)
+    keys, open_maps, _ = _schema(config_name)
     return keys, open_maps
+
+
+def list_keys(config_name: str) -> set[str]:
+    """Dotted keys whose value is a list: a list default, or an entry of NULL_DEFAULT_LIST_KEYS."""
+    return _schema(config_name)[2]
+
+
+def _defaults(config_name: str) -> DictConfig:
+    return OmegaConf.load(CONFIG_DIR / f"{config_name}.yaml")
 
 
 def config_groups() -> set[str]:
@@ -152,9 +180,18 @@ def load_config(config_name: str, overrides: Sequence[str] = ()) -> DictConfig:
     except OmegaConfBaseException as e:
         raise ArcherError(f"config does not resolve: {e}", "check the ${...} references in your overrides") from None
     resolved = OmegaConf.create(container)
-    _check_types(OmegaConf.load(CONFIG_DIR / f"{config_name}.yaml"), resolved, config_name)
+    _scalars_to_lists(resolved, list_keys(config_name))
+    _check_types(_defaults(config_name), resolved, config_name)
     OmegaConf.set_struct(resolved, True)
     return resolved
+
+
+def _scalars_to_lists(cfg: DictConfig, keys: set[str]) -> None:
+    """A single value set for a list key becomes a one-element list (null stays null)."""
+    for key in sorted(keys):
+        value = OmegaConf.select(cfg, key)
+        if value is not None and not OmegaConf.is_config(value):
+            OmegaConf.update(cfg, key, [value])
 
 
 def _type_ok(default: Any, value: Any) -> bool:

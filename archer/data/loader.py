@@ -1,5 +1,5 @@
 """PromptLoader: reproducible, resumable batches of RL prompts over epochs; collate_prompts: a list of
-dataset items to a left-padded Batch the rollout engines take."""
+dataset items to a left-padded Batch the rollout engines take, every item field besides the ids as a row."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ import torch
 
 from archer.batch import Batch
 from archer.errors import ArcherError
-
-ROW_KEYS = ("raw_prompt", "data_source", "ability", "ground_truth", "extra_info", "index")
 
 
 class ItemDataset(Protocol):
@@ -108,8 +106,9 @@ class PromptLoader:
 
 
 def collate_prompts(items: Sequence[dict[str, Any]], pad_token_id: int) -> Batch:
-    """A Batch of prompts: input_ids left-padded to the longest, attention_mask, position_ids, and the
-    rows raw_prompt, data_source, ability, ground_truth, extra_info, index."""
+    """A Batch of prompts: input_ids left-padded to the longest, attention_mask, position_ids, and as rows
+    every other field of the items (RLDataset's raw_prompt, data_source, ability, ground_truth, extra_info,
+    index and the data.reward_fn_key column)."""
     if not items:
         raise ValueError("collate_prompts needs at least one item")
     width = max(len(item["prompt_ids"]) for item in items)
@@ -121,4 +120,5 @@ def collate_prompts(items: Sequence[dict[str, Any]], pad_token_id: int) -> Batch
         attention_mask[r, width - len(ids):] = 1
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-    return Batch(tensors, {key: [item[key] for item in items] for key in ROW_KEYS})
+    rows = {key: [item[key] for item in items] for key in items[0] if key != "prompt_ids"}
+    return Batch(tensors, rows)

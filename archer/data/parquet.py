@@ -1,8 +1,10 @@
-"""Reading RL prompt files in verl's parquet schema into plain Python rows.
+"""Reading RL prompt files in verl's schema into plain Python rows, and refusing files the trainer cannot use.
 
 Owns the normalisation of one row: ``prompt`` becomes a list of ``{"role", "content"}`` messages,
 ``reward_model`` and ``extra_info`` become dicts and ``ability`` a string, whether the file stores them as
-parquet lists/structs or as the string repr of the Python list/dict (as ARPO's released files do).
+parquet lists/structs or as the string repr of the Python list/dict (as ARPO's released files do). A file
+without rows, without a needed column, or (when asked) with rows that have no ``reward_model.ground_truth``
+is an error naming the file.
 """
 
 from __future__ import annotations
@@ -22,28 +24,59 @@ REQUIRED_COLUMNS = ("data_source",)
 DICT_COLUMNS = ("reward_model", "extra_info")
 
 
-def read_rl_parquet(path: str | Path, *, prompt_key: str = "prompt") -> list[dict[str, Any]]:
-    """Rows of one RL parquet file with prompt, reward_model, extra_info and ability normalised."""
+def read_rl_parquet(path: str | Path, *, prompt_key: str = "prompt", reward_fn_key: str = "data_source",
+                    require_ground_truth: bool = False) -> list[dict[str, Any]]:
+    """Rows of one RL parquet file with prompt, reward_model, extra_info and ability normalised.
+
+    ``prompt_key`` and ``reward_fn_key`` name columns the file must have; with ``require_ground_truth`` every
+    row must have a ``reward_model.ground_truth`` that is not null.
+    """
     table = _read_table(Path(path))
-    missing = [c for c in (prompt_key, *REQUIRED_COLUMNS) if c not in table.column_names]
+    if table.num_rows == 0:
+        raise ArcherError(f"{path} has no rows", "write the prompts into it, or leave it out of "
+                          "data.train_files / data.val_files")
+    needed = dict.fromkeys((prompt_key, *REQUIRED_COLUMNS, reward_fn_key))
+    missing = [c for c in needed if c not in table.column_names]
     if missing:
         raise ArcherError(
             f"{path} has no column(s) {missing}; its columns are {table.column_names}",
             "write the prompts in verl's schema (data_source, prompt, ability, reward_model, extra_info) "
-            "or point data.prompt_key at the column that holds the prompt",
+            "or point data.prompt_key (the prompt) / data.reward_fn_key (what the reward routes on) at "
+            "the file's columns",
         )
-    return [_normalise_row(row, i, prompt_key, path) for i, row in enumerate(table.to_pylist())]
+    rows = [_normalise_row(row, i, prompt_key, path) for i, row in enumerate(table.to_pylist())]
+    if require_ground_truth:
+        _check_ground_truth(rows, path, prompt_key)
+    return rows
 
 
-def read_rl_files(paths: str | Path | Iterable[str | Path], *, prompt_key: str = "prompt") -> list[dict[str, Any]]:
-    """Rows of one or several RL parquet files, concatenated in the order given."""
+def read_rl_files(paths: str | Path | Iterable[str | Path], *, prompt_key: str = "prompt",
+                  reward_fn_key: str = "data_source", require_ground_truth: bool = False) -> list[dict[str, Any]]:
+    """Rows of one or several RL parquet files (read as ``read_rl_parquet`` does), concatenated in order."""
     path_list = [paths] if isinstance(paths, (str, Path)) else list(paths)
     if not path_list:
         raise ArcherError("no data files were given", "set data.train_files to a parquet path or a list of them")
     rows: list[dict[str, Any]] = []
     for path in path_list:
-        rows.extend(read_rl_parquet(path, prompt_key=prompt_key))
+        rows.extend(read_rl_parquet(path, prompt_key=prompt_key, reward_fn_key=reward_fn_key,
+                                    require_ground_truth=require_ground_truth))
     return rows
+
+
+def _check_ground_truth(rows: list[dict[str, Any]], path: str | Path, prompt_key: str) -> None:
+    """Rows whose reward_model has no ground_truth (or a null one) are an error: the file, the count, the first."""
+    missing = [i for i, row in enumerate(rows) if row["reward_model"].get("ground_truth") is None]
+    if missing:
+        first = missing[0]
+        question = rows[first][prompt_key][-1]["content"]
+        shown = question if len(question) <= 80 else question[:77] + "..."
+        raise ArcherError(
+            f"{path}: {len(missing)} of {len(rows)} rows have no reward_model.ground_truth; the first is row "
+            f"{first} ({shown!r})",
+            "store each row's answer as reward_model = {'ground_truth': ..., 'style': 'rule'}; for a reward "
+            "that needs no ground truth set data.require_ground_truth=false (those rows then reach the reward "
+            "with ground_truth=None)",
+        )
 
 
 def _read_table(path: Path) -> pa.Table:

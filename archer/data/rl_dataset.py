@@ -33,7 +33,9 @@ def truncate_ids(ids: list[int], max_length: int, mode: str) -> list[int]:
 
 class RLDataset:
     """Tokenised RL prompts; item ``i`` is a dict with prompt_ids, raw_prompt, data_source, ability,
-    ground_truth, extra_info and index (the row's position in the rows given)."""
+    ground_truth (``reward_model.ground_truth``, None when the row has none), extra_info, index (the row's
+    position in the rows given) and, when it is another column, the ``reward_fn_key`` column the reward
+    routes on."""
 
     def __init__(
         self,
@@ -44,6 +46,7 @@ class RLDataset:
         truncation: str = "error",
         filter_overlong_prompts: bool = True,
         prompt_key: str = "prompt",
+        reward_fn_key: str = "data_source",
         chat_template: str | None = None,
         apply_chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
@@ -66,7 +69,7 @@ class RLDataset:
         for index, (row, ids) in enumerate(zip(rows, all_ids, strict=True)):
             kept = self._fit(ids, index, truncation, filter_overlong_prompts)
             if kept is not None:
-                self._items.append(_item(row, kept, index, prompt_key))
+                self._items.append(_item(row, kept, index, prompt_key, reward_fn_key))
         self._log(len(rows), truncation)
         if not self._items:
             raise ArcherError(
@@ -136,9 +139,9 @@ class RLDataset:
         )
 
 
-def _item(row: dict[str, Any], ids: list[int], index: int, prompt_key: str) -> dict[str, Any]:
+def _item(row: dict[str, Any], ids: list[int], index: int, prompt_key: str, reward_fn_key: str) -> dict[str, Any]:
     reward_model = row.get("reward_model") or {}
-    return {
+    item = {
         "prompt_ids": ids,
         "raw_prompt": row[prompt_key],
         "data_source": row["data_source"],
@@ -147,3 +150,5 @@ def _item(row: dict[str, Any], ids: list[int], index: int, prompt_key: str) -> d
         "extra_info": row.get("extra_info") or {},
         "index": index,
     }
+    item.setdefault(reward_fn_key, row[reward_fn_key])
+    return item

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import time
 from pathlib import Path
@@ -24,19 +25,16 @@ from archer.algorithms.kl import apply_kl_penalty, make_kl_controller
 from archer.atomic_files import write_json_atomically, write_text_atomically
 from archer.batch import Batch
 from archer.config.loader import as_list, save_config
-from archer.data.loader import PromptLoader, collate_prompts
-from archer.data.parquet import read_rl_files
-from archer.data.rl_dataset import RLDataset
+from archer.data.loader import collate_prompts
+from archer.data.rl_data import build_rl_data
 from archer.errors import ArcherError
-from archer.models.loading import load_tokenizer, pick_device
+from archer.models.loading import pick_device
 from archer.rewards.custom import load_custom_reward_fn
 from archer.rewards.extras import REWARD_EXTRAS, numeric_columns
 from archer.rewards.manager import RewardManager
 from archer.rewards.shaping import OverlongBuffer
-from archer.rollout.factory import check_engine_name
 from archer.trace.entropy import EntropyTrace
 from archer.trace.influence import InfluenceTrace
-from archer.trace.influence import check_settings as check_influence_settings
 from archer.trace.influence_capture import CaptureSettings
 from archer.trainer.checkpoint import (
     CheckpointManager,
@@ -45,8 +43,8 @@ from archer.trainer.checkpoint import (
     restore_rng_state,
     save_torch_state,
 )
+from archer.trainer.config_check import check_config
 from archer.trainer.group_filter import (
-    check_filter_metric,
     informative_rows,
     too_many_batches_error,
     uniform_accuracy_rows,
@@ -64,37 +62,13 @@ log = logging.getLogger("archer.trainer")
 GEN_BATCH_SEED_STRIDE = 7_919_993  # sampling-seed offset of a step's 2nd, 3rd, ... generation batch
 
 TRAINER_STATE = "trainer_state.pt"
+VAL_ONLY_FILE = "val_only.jsonl"  # trainer.val_only: one line per validation, appended
 
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def check_config(cfg: DictConfig) -> None:
-    """Combinations archer cannot run, reported before any model is loaded."""
-    if cfg.reward_model.enable:
-        raise ArcherError("reward_model.enable=True: model-based reward is not available in archer yet",
-                          "use rule rewards or custom_reward_function.path=FILE (reward_model.enable=False)")
-    check_engine_name(cfg.actor_rollout_ref.rollout.name)
-    if cfg.trainer.resume_mode not in ("auto", "disable", "resume_path"):
-        raise ArcherError(f"unknown trainer.resume_mode {cfg.trainer.resume_mode!r}", "use auto, disable or resume_path")
-    train_bs, mini = int(cfg.data.train_batch_size), int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
-    if mini > train_bs or train_bs % mini:
-        raise ArcherError(f"actor.ppo_mini_batch_size={mini} must divide data.train_batch_size={train_bs}",
-                          "pick a mini-batch size that divides the train batch size (both count prompts)")
-    if cfg.trainer.influence_trace.enable:
-        check_influence_settings(cfg.trainer.influence_trace)
-    buffer = cfg.reward_model.overlong_buffer
-    if buffer.enable:
-        OverlongBuffer(int(cfg.data.max_response_length), int(buffer.len), float(buffer.penalty_factor))
-    filter_groups = cfg.algorithm.filter_groups
-    if filter_groups.enable:
-        check_filter_metric(filter_groups.metric)
-    elif cfg.data.gen_batch_size is not None and int(cfg.data.gen_batch_size) != train_bs:
-        raise ArcherError(f"data.gen_batch_size={cfg.data.gen_batch_size} differs from data.train_batch_size={train_bs} "
-                          "but dynamic sampling is off", "set algorithm.filter_groups.enable=true, or drop data.gen_batch_size")
 
 
 def build_reward_manager(cfg: DictConfig, tokenizer) -> RewardManager:
@@ -138,18 +112,8 @@ class PPOTrainer:
         seed_everything(self.seed)
         self.device = pick_device(cfg.trainer.device)
         ref_cfg = cfg.actor_rollout_ref
-        self.tokenizer = (load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer
-                          else load_tokenizer(ref_cfg.model.path, role="model"))
-
-        dataset_kwargs = dict(max_prompt_length=int(cfg.data.max_prompt_length), truncation=cfg.data.truncation,
-                              filter_overlong_prompts=bool(cfg.data.filter_overlong_prompts),
-                              prompt_key=cfg.data.prompt_key, chat_template=ref_cfg.model.custom_chat_template,
-                              apply_chat_template_kwargs=dict(cfg.data.apply_chat_template_kwargs))
-        self.train_set = RLDataset(read_rl_files(as_list(cfg.data.train_files)), self.tokenizer, **dataset_kwargs)
-        val_files = as_list(cfg.data.val_files)
-        self.val_set = RLDataset(read_rl_files(val_files), self.tokenizer, **dataset_kwargs) if val_files else None
-        self.loader = PromptLoader(self.train_set, int(cfg.data.gen_batch_size or cfg.data.train_batch_size),
-                                   shuffle=bool(cfg.data.shuffle), seed=int(cfg.data.seed))
+        data = build_rl_data(cfg.data, model_path=ref_cfg.model.path, chat_template=ref_cfg.model.custom_chat_template)
+        self.tokenizer, self.train_set, self.val_set, self.loader = data.tokenizer, data.train, data.val, data.loader
         steps = cfg.trainer.total_training_steps
         self.total_steps = int(steps) if steps else self.loader.steps_per_epoch * int(cfg.trainer.total_epochs)
 
@@ -323,21 +287,30 @@ class PPOTrainer:
 
         return self.checkpoints.save(step, write)
 
-    def resume(self) -> int:
-        """Restore the newest complete checkpoint per trainer.resume_mode; returns the step to continue from."""
+    def checkpoint_to_resume(self, *, read_only: bool = False) -> Path | None:
+        """The checkpoint trainer.resume_mode names: resume_from_path, the newest complete one of the run
+        directory (auto), or none (disable, or auto without a checkpoint). ``read_only`` leaves the folder's
+        debris alone, for a reader (val_only) while another process may be training into it."""
         mode = self.cfg.trainer.resume_mode
         if mode == "disable":
-            return 0
+            return None
         if mode == "resume_path":
-            path = Path(str(self.cfg.trainer.resume_from_path or ""))
+            path = Path(str(self.cfg.trainer.resume_from_path))
             if not (path / TRAINER_STATE).is_file():
                 raise ArcherError(f"trainer.resume_from_path={path} is not an archer checkpoint (no {TRAINER_STATE})",
                                   "point it at a <run>/checkpoints/global_step_N folder")
-        else:
-            step = self.checkpoints.latest_step()
-            if step is None:
-                return 0
-            path = self.checkpoints.load_dir(step)
+            return path
+        if read_only:
+            steps = self.checkpoints.complete_steps()
+            return self.checkpoints.step_dir(steps[-1]) if steps else None
+        step = self.checkpoints.latest_step()
+        return None if step is None else self.checkpoints.load_dir(step)
+
+    def resume(self) -> int:
+        """Restore the checkpoint of trainer.resume_mode, if any; returns the step to continue from."""
+        path = self.checkpoint_to_resume()
+        if path is None:
+            return 0
         self.actor.load(path / "actor")
         if self.critic is not None:
             self.critic.load(path / "critic")
@@ -352,6 +325,8 @@ class PPOTrainer:
     def fit(self) -> dict[str, Any]:
         """Validation before training, the steps, periodic validation and checkpoints, plots and summary."""
         cfg = self.cfg.trainer
+        if cfg.val_only:
+            return self.validate_only()
         start_time = time.perf_counter()
         self.guard_existing_run()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -361,13 +336,11 @@ class PPOTrainer:
         self.open_traces(start)
         val_before: dict[str, float] = {}
         val_last: dict[str, float] = {}
-        with Tracking(self.run_dir, backends=list(cfg.logger), project=cfg.project_name, experiment=cfg.experiment_name,
+        with Tracking(self.run_dir, backends=as_list(cfg.logger), project=cfg.project_name, experiment=cfg.experiment_name,
                       config=OmegaConf.to_container(self.cfg, resolve=True), total_steps=self.total_steps, start_step=start) as tracker:
-            if start == 0 and (cfg.val_before_train or cfg.val_only) and self.val_set is not None:
+            if start == 0 and cfg.val_before_train and self.val_set is not None:
                 val_before = self.validate()
                 tracker.log(val_before, step=0)
-                if cfg.val_only:
-                    return self.write_summary(start_time, val_before, val_before)
             for step in range(start + 1, self.total_steps + 1):
                 self.global_step = step
                 metrics = self.train_step(step)
@@ -404,12 +377,42 @@ class PPOTrainer:
             if trace is not None:
                 trace.writer.flush()
 
+    def validate_only(self) -> dict[str, Any]:
+        """trainer.val_only: validate the checkpoint trainer.resume_mode names (with auto the newest one), or the
+        model when there is none, and stop. The run's own files (config.yaml, metrics.jsonl, summary.json,
+        traces, checkpoints) are left as they are: the figures go to one appended line of <run>/val_only.jsonl."""
+        start_time = time.perf_counter()
+        path = self.checkpoint_to_resume(read_only=True)
+        validated = str(self.cfg.actor_rollout_ref.model.path)
+        if path is not None:
+            self.actor.load(path / "actor")
+            self.global_step = int(load_torch_state(path / TRAINER_STATE)["global_step"])
+            validated = str(path / "actor")
+        metrics = self.validate()
+        record = {"step": self.global_step, "model": validated,
+                  **{k: v if math.isfinite(v) else None for k, v in metrics.items()}}
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with (self.run_dir / VAL_ONLY_FILE).open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        return {"steps": self.global_step, "wall_time_s": time.perf_counter() - start_time, "validated_model": validated,
+                "val_before": metrics, "val_after": metrics, "run_dir": str(self.run_dir),
+                "val_only_file": str(self.run_dir / VAL_ONLY_FILE)}
+
     def guard_existing_run(self) -> None:
-        """Never overwrite an earlier run's metrics when resume is disabled."""
+        """Never overwrite an earlier run's metrics: a run directory holding a metrics.jsonl is refused unless
+        the run resumes from a checkpoint (trainer.resume_mode=auto with a checkpoint there, or resume_path)."""
         metrics = self.run_dir / "metrics.jsonl"
-        if self.cfg.trainer.resume_mode == "disable" and metrics.exists() and metrics.stat().st_size > 0:
+        if not (metrics.exists() and metrics.stat().st_size > 0):
+            return
+        mode = self.cfg.trainer.resume_mode
+        if mode == "disable":
             raise ArcherError(f"{self.run_dir} already holds a run (metrics.jsonl) and trainer.resume_mode=disable",
                               "choose a new trainer.default_local_dir, or resume it with trainer.resume_mode=auto")
+        if mode == "auto" and self.checkpoints.latest_step() is None:
+            raise ArcherError(f"{self.run_dir} already holds a run (metrics.jsonl) but no complete checkpoint to "
+                              "resume from (trainer.resume_mode=auto); archer keeps that file rather than overwrite it",
+                              "choose a new trainer.default_local_dir, or move the old metrics.jsonl away to start "
+                              "this run over in that folder")
 
     def write_summary(self, start_time: float, val_before: dict[str, float], val_after: dict[str, float]) -> dict:
         summary = {

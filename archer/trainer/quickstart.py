@@ -6,8 +6,9 @@
 3. a short supervised warm start (``archer sft``) that leaves the model clearly below the ceiling;
 4. GRPO (``archer train``; ``archer quickstart algorithm=NAME`` runs a preset of archer/config/algorithm/
    instead) from the warm-started folder, validating before and after, with the entropy and influence traces on;
-5. ``summary.json`` with the before/after accuracy, the command that repeats the RL stage and the one that
-   opens the trace explorer.
+5. ``summary.json`` with the before/after accuracy and where the RL run and its traces are (``<out>/rl``, or
+   wherever ``trainer.default_local_dir`` / the traces' ``output_dir`` put them), the command that repeats the
+   RL stage and the one that opens the trace explorer.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig
 from rich.console import Console
 
 from archer.atomic_files import write_json_atomically
@@ -25,7 +27,9 @@ from archer.config.loader import load_config
 from archer.data.tasks import write_task_files
 from archer.errors import ArcherError
 from archer.models.tiny import build_tiny_model
-from archer.trainer.ppo import PPOTrainer, check_config
+from archer.trace.entropy import trace_dir
+from archer.trainer.config_check import check_config
+from archer.trainer.ppo import PPOTrainer
 from archer.trainer.sft import run_sft
 
 TASK = "arithmetic"
@@ -123,12 +127,29 @@ def parse_quickstart_args(args: Sequence[str]) -> tuple[int, list[str]]:
     return seed, rest
 
 
+def rl_outputs(cfg: DictConfig) -> dict[str, str | None]:
+    """Where the RL stage of ``cfg`` writes: its run directory and each trace folder (None when it is off)."""
+    run_dir = Path(cfg.trainer.default_local_dir)
+    traces: dict[str, str | None] = {
+        kind: str(trace_dir(cfg.trainer[kind], run_dir, kind)) if cfg.trainer[kind].enable else None
+        for kind in ("entropy_trace", "influence_trace")}
+    return {"rl_run_dir": str(run_dir), **traces}
+
+
+def repeat_command(rl_args: Sequence[str], rl_run_dir: Path) -> str:
+    """The ``archer train`` command that repeats the RL stage into ``<rl_run_dir>_again``."""
+    kept = [a for a in rl_args if a.lstrip("+").partition("=")[0] != "trainer.default_local_dir"]
+    again = rl_run_dir.with_name(rl_run_dir.name + "_again")
+    return "archer train " + " ".join(shlex.quote(a) for a in [*kept, f"trainer.default_local_dir={again}"])
+
+
 def run_quickstart(args: Sequence[str] = (), out_dir: str | None = None) -> dict[str, Any]:
+    """The whole pipeline into ``out_dir``; the RL stage's run directory is ``<out_dir>/rl`` unless the
+    overrides set trainer.default_local_dir, and the summary and printed commands follow it either way."""
     seed, rl_extra = parse_quickstart_args(args)
     console = Console()
     start = time.perf_counter()
     run = Path(out_dir) if out_dir else Path("runs") / "quickstart" / time.strftime("%Y%m%d-%H%M%S")
-    run.mkdir(parents=True, exist_ok=True)
 
     algorithm_name = chosen_preset(rl_extra) or "grpo"
     data_dir = run / "data"
@@ -138,13 +159,17 @@ def run_quickstart(args: Sequence[str] = (), out_dir: str | None = None) -> dict
                 f"data.val_files={data_dir / 'val.parquet'}", f"trainer.default_local_dir={run / 'rl'}",
                 f"trainer.seed={seed}", f"data.seed={seed}", *algorithm_overrides(rl_extra), *RL_OVERRIDES, *rl_extra]
 
-    check_config(load_config("ppo_trainer", rl_args(run / "sft")))  # bad RL overrides fail before the warm start
+    # Bad RL overrides fail before the warm start, and before anything is written (no empty run folder).
+    check_config(load_config("ppo_trainer", rl_args(run / "sft")))
+    run.mkdir(parents=True, exist_ok=True)
 
     files, sft_model = warm_start(run, seed, console)
 
     console.rule(f"[bold]4/4 RL ({algorithm_name})")
     final_args = rl_args(sft_model)
-    rl_summary = PPOTrainer(load_config("ppo_trainer", final_args)).fit()
+    rl_cfg = load_config("ppo_trainer", final_args)
+    rl_summary = PPOTrainer(rl_cfg).fit()
+    outputs = rl_outputs(rl_cfg)
 
     before = rl_summary["val_before"].get(VAL_KEY, float("nan"))
     after = rl_summary["val_after"].get(VAL_KEY, float("nan"))
@@ -159,19 +184,18 @@ def run_quickstart(args: Sequence[str] = (), out_dir: str | None = None) -> dict
         "train_files": [str(files["train"])],
         "val_files": [str(files["val"])],
         "run_dir": str(run),
-        "rl_run_dir": str(run / "rl"),
-        "entropy_trace": str(run / "rl" / "entropy_trace"),
-        "influence_trace": str(run / "rl" / "influence_trace"),
+        **outputs,
     }
     write_json_atomically(run / "summary.json", summary)
-    command = "archer train " + " ".join(shlex.quote(a) for a in final_args[:3] + [
-        f"trainer.default_local_dir={run / 'rl_again'}", *final_args[4:]])
+    rl_dir = Path(outputs["rl_run_dir"])
     console.rule("[bold]quickstart done")
     console.print(f"validation accuracy before RL: {before:.3f}   after RL: {after:.3f}   "
                   f"({(after - before) * 100:+.1f} points, {summary['steps']} {algorithm_name} steps)")
-    console.print(f"run directory: {run}  (summary.json, rl/metrics.jsonl, rl/plots/)")
+    console.print(f"run directory: {run}  (summary.json); RL run: {rl_dir}  (metrics.jsonl, plots/)")
     console.print("repeat the RL stage with:")
-    print(f"  {command}")
-    console.print("explore what RL did, token by token:")
-    print(f"  archer viz --trace-dir {shlex.quote(summary['influence_trace'])}")
+    print(f"  {repeat_command(final_args, rl_dir)}")
+    trace = outputs["influence_trace"] or outputs["entropy_trace"]
+    if trace is not None:
+        console.print("explore what RL did, token by token:")
+        print(f"  archer viz --trace-dir {shlex.quote(trace)}")
     return summary

@@ -1,0 +1,100 @@
+"""Checks of an RL config that need no data and no model: counts in range, and combinations archer can run.
+
+``check_config`` runs before any file is read or model loaded (``archer train`` calls it right after
+composing the config), so a bad value is reported naming its key, not as an internal error after the model
+has loaded.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+from archer.config.loader import as_list
+from archer.errors import ArcherError
+from archer.rewards.shaping import OverlongBuffer
+from archer.rollout.factory import check_engine_name
+from archer.trace.influence import check_settings as check_influence_settings
+from archer.trainer.group_filter import check_filter_metric
+
+# Keys that count something and must be at least 1.
+COUNT_KEYS = (
+    "data.train_batch_size",
+    "data.max_prompt_length",
+    "data.max_response_length",
+    "actor_rollout_ref.actor.ppo_mini_batch_size",
+    "actor_rollout_ref.actor.ppo_epochs",
+    "actor_rollout_ref.actor.logprob_chunk_size",
+    "actor_rollout_ref.rollout.n",
+    "actor_rollout_ref.rollout.val_kwargs.n",
+    "actor_rollout_ref.rollout.max_batch_size",
+    "critic.ppo_mini_batch_size",
+    "critic.ppo_epochs",
+    "trainer.total_epochs",
+)
+# The same for keys whose null means "use another size" (the whole batch, train_batch_size, the epochs).
+NULLABLE_COUNT_KEYS = (
+    "data.gen_batch_size",
+    "data.val_batch_size",
+    "actor_rollout_ref.actor.ppo_micro_batch_size",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+    "critic.ppo_micro_batch_size",
+    "critic.ppo_micro_batch_size_per_gpu",
+    "critic.forward_micro_batch_size",
+    "critic.forward_micro_batch_size_per_gpu",
+    "trainer.total_training_steps",
+)
+
+
+def check_counts(cfg: DictConfig) -> None:
+    """Every count key is an integer >= 1 (the nullable ones may also be null)."""
+    for key in (*COUNT_KEYS, *NULLABLE_COUNT_KEYS):
+        value = OmegaConf.select(cfg, key)
+        if value is None and key in NULLABLE_COUNT_KEYS:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            unset = " (or null)" if key in NULLABLE_COUNT_KEYS else ""
+            raise ArcherError(f"{key}={value!r} must be an integer of at least 1",
+                              f"set {key} to a positive integer{unset}")
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Values and combinations archer cannot run, reported before any data or model is loaded."""
+    check_counts(cfg)
+    if cfg.reward_model.enable:
+        raise ArcherError("reward_model.enable=True: model-based reward is not available in archer yet",
+                          "use rule rewards or custom_reward_function.path=FILE (reward_model.enable=False)")
+    check_engine_name(cfg.actor_rollout_ref.rollout.name)
+    check_trainer_modes(cfg.trainer, has_val_files=bool(as_list(cfg.data.val_files)))
+    train_bs, mini = int(cfg.data.train_batch_size), int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
+    if mini > train_bs or train_bs % mini:
+        raise ArcherError(f"actor.ppo_mini_batch_size={mini} must divide data.train_batch_size={train_bs}",
+                          "pick a mini-batch size that divides the train batch size (both count prompts)")
+    if cfg.trainer.influence_trace.enable:
+        check_influence_settings(cfg.trainer.influence_trace)
+    buffer = cfg.reward_model.overlong_buffer
+    if buffer.enable:
+        OverlongBuffer(int(cfg.data.max_response_length), int(buffer.len), float(buffer.penalty_factor))
+    filter_groups = cfg.algorithm.filter_groups
+    if filter_groups.enable:
+        check_filter_metric(filter_groups.metric)
+    elif cfg.data.gen_batch_size is not None and int(cfg.data.gen_batch_size) != train_bs:
+        raise ArcherError(f"data.gen_batch_size={cfg.data.gen_batch_size} differs from data.train_batch_size={train_bs} "
+                          "but dynamic sampling is off", "set algorithm.filter_groups.enable=true, or drop data.gen_batch_size")
+
+
+def check_trainer_modes(trainer: DictConfig, *, has_val_files: bool) -> None:
+    """trainer.resume_mode and its path, and trainer.val_only's need for validation files."""
+    mode = trainer.resume_mode
+    if mode not in ("auto", "disable", "resume_path"):
+        raise ArcherError(f"unknown trainer.resume_mode {mode!r}", "use auto, disable or resume_path")
+    if mode == "resume_path" and not trainer.resume_from_path:
+        raise ArcherError("trainer.resume_mode=resume_path but trainer.resume_from_path is not set",
+                          "set trainer.resume_from_path=<run>/checkpoints/global_step_N, or use trainer.resume_mode=auto "
+                          "to resume from the newest checkpoint of trainer.default_local_dir")
+    if trainer.val_only and not has_val_files:
+        raise ArcherError("trainer.val_only=true but data.val_files is not set: there is nothing to validate",
+                          "set data.val_files to the validation parquet file(s), or drop trainer.val_only")

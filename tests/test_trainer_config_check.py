@@ -1,0 +1,86 @@
+"""archer.trainer.config_check: counts below 1, the resume and val_only modes, checked before any data or model
+loads (the CLI case points at a model and data files that do not exist, so only the config can be at fault)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from archer.config.loader import load_config
+from archer.errors import ArcherError
+from archer.trainer.config_check import COUNT_KEYS, NULLABLE_COUNT_KEYS, check_config
+
+REQUIRED = ["actor_rollout_ref.model.path=/no/model", "data.train_files=/no/train.parquet",
+            "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
+
+
+def config(*overrides: str):
+    return load_config("ppo_trainer", [*REQUIRED, *overrides])
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("data.train_batch_size", 0),  # was a ZeroDivisionError traceback
+    ("data.train_batch_size", -8),  # was "must divide"
+    ("actor_rollout_ref.actor.ppo_mini_batch_size", 0),
+    ("actor_rollout_ref.rollout.n", 0),  # was "n=0" from the engine, after the model loaded
+    ("data.max_response_length", 0),  # was "max_new_tokens=0", after the model loaded
+    ("data.max_prompt_length", -1),
+    ("data.val_batch_size", 0),
+    ("data.gen_batch_size", 0),
+    ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", 0),
+    ("actor_rollout_ref.actor.ppo_epochs", 0),
+    ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", -2),
+    ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", 0),
+    ("actor_rollout_ref.rollout.val_kwargs.n", 0),
+    ("critic.ppo_micro_batch_size_per_gpu", 0),
+    ("critic.forward_micro_batch_size_per_gpu", 0),
+    ("trainer.total_training_steps", 0),
+])
+def test_a_count_below_one_is_refused_naming_its_key(key: str, value: int) -> None:
+    with pytest.raises(ArcherError) as err:
+        check_config(config(f"{key}={value}"))
+    assert err.value.problem == f"{key}={value} must be an integer of at least 1"
+    assert err.value.fix.startswith(f"set {key} to a positive integer")
+
+
+def test_a_nullable_count_must_still_be_an_integer() -> None:
+    with pytest.raises(ArcherError) as err:
+        check_config(config("data.val_batch_size=all"))
+    assert err.value.problem == "data.val_batch_size='all' must be an integer of at least 1"
+    assert err.value.fix == "set data.val_batch_size to a positive integer (or null)"
+
+
+def test_defaults_and_set_counts_pass() -> None:
+    check_config(config())
+    check_config(config("data.val_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                        "actor_rollout_ref.rollout.n=1", "trainer.total_training_steps=1"))
+    cfg = config()
+    assert all(OmegaConf.select(cfg, key) is None for key in NULLABLE_COUNT_KEYS)
+    assert all(OmegaConf.select(cfg, key) >= 1 for key in COUNT_KEYS)
+
+
+def test_resume_path_without_a_path_names_the_unset_key() -> None:
+    with pytest.raises(ArcherError) as err:
+        check_config(config("trainer.resume_mode=resume_path"))
+    assert err.value.problem == "trainer.resume_mode=resume_path but trainer.resume_from_path is not set"
+    assert "trainer.resume_from_path=<run>/checkpoints/global_step_N" in err.value.fix
+    check_config(config("trainer.resume_mode=resume_path", "trainer.resume_from_path=/runs/a/checkpoints/global_step_2"))
+
+
+def test_val_only_without_validation_files_is_an_error() -> None:
+    with pytest.raises(ArcherError) as err:
+        check_config(config("trainer.val_only=true"))
+    assert err.value.problem == "trainer.val_only=true but data.val_files is not set: there is nothing to validate"
+    assert "data.val_files" in err.value.fix
+    check_config(config("trainer.val_only=true", "data.val_files=/no/val.parquet"))
+
+
+def test_the_cli_reports_a_bad_count_before_reading_data_or_model() -> None:
+    proc = subprocess.run([sys.executable, "-m", "archer.cli", "train", *REQUIRED, "data.train_batch_size=0"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2
+    assert proc.stderr == ("archer: error: data.train_batch_size=0 must be an integer of at least 1\n"
+                           "  fix: set data.train_batch_size to a positive integer\n")
