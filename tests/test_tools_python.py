@@ -131,6 +131,24 @@ def test_scratch_directory_is_the_working_directory_and_is_private(isolated: Pyt
     assert isolated.execute("import os\nos.listdir('.')").text == "[]\n"  # a fresh one for every call
 
 
+def test_proc_shows_only_the_sandboxs_processes(isolated: PythonTool) -> None:
+    pids = eval(isolated.execute("import os\nsorted(int(p) for p in os.listdir('/proc') if p.isdigit())").text)
+    assert pids == [1, 2]  # bubblewrap's pid 1 and the snippet
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the fresh uid is used when archer runs as root")
+def test_under_root_the_snippet_cannot_read_roots_private_files(isolated: PythonTool) -> None:
+    secret = Path.cwd() / f"archer-secret-{uuid.uuid4().hex}"
+    secret.write_text("hunter2")
+    secret.chmod(0o600)
+    try:
+        result = isolated.execute(f"import os\nprint(os.getuid() >= 2**24)\nopen('{secret}').read()")
+    finally:
+        secret.unlink()
+    assert result.text.startswith("True\n") and result.text.endswith("PermissionError: [Errno 13] Permission "
+                                                                       f"denied: '{secret}'")
+
+
 # --- hostile snippets ---
 
 def test_infinite_loop_is_stopped_at_the_timeout(isolated: PythonTool) -> None:
@@ -225,6 +243,11 @@ def test_require_isolation_refuses_to_start_without_namespaces(no_bubblewrap) ->
     with pytest.raises(ArcherError, match="cannot isolate snippets") as err:
         PythonTool(require_isolation=True)
     assert "require_isolation=false" in str(err.value)
+
+
+def test_limits_must_be_positive() -> None:
+    with pytest.raises(ArcherError, match="params.memory_mb must be a positive number, got 0"):
+        PythonTool(memory_mb=0)
 
 
 def test_a_broken_interpreter_is_a_startup_error(tmp_path: Path) -> None:

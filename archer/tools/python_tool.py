@@ -11,6 +11,7 @@ import re
 import signal
 import sys
 
+from archer.errors import ArcherError
 from archer.tools.base import Tool, ToolResult
 from archer.tools.sandbox import Sandbox, SandboxLimits, SandboxRun
 
@@ -45,6 +46,13 @@ class PythonTool(Tool):
                  max_open_files: int = 64, scratch_mb: int = 64, max_output_chars: int = 4096,
                  require_isolation: bool = False) -> None:
         super().__init__(name, trigger_tag)
+        sizes = {"timeout": timeout, "memory_mb": memory_mb, "max_processes": max_processes,
+                 "max_file_mb": max_file_mb, "max_open_files": max_open_files, "scratch_mb": scratch_mb,
+                 "max_output_chars": max_output_chars}
+        for key, value in sizes.items():
+            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+                raise ArcherError(f"tool {name!r}: params.{key} must be a positive number, got {value!r}",
+                                  f"set tool_instances.{name}.params.{key} to a number above 0")
         self.limits = SandboxLimits(timeout_s=float(timeout), memory_mb=memory_mb, max_processes=max_processes,
                                     max_file_mb=max_file_mb, max_open_files=max_open_files,
                                     scratch_mb=scratch_mb, max_output_chars=max_output_chars)
