@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from archer.errors import ArcherError
-from archer.tools import sandbox
+from archer.tools import ToolCall, ToolExecutor, sandbox, tool_metrics
 from archer.tools.python_tool import PythonTool, strip_code_fence
+from archer.tools.search import SearchTool
 
 PRELUDE_MARK = sandbox.PRELUDE.splitlines()[0]
 LIMITS = {"timeout": 1.0, "memory_mb": 256, "max_processes": 8, "max_file_mb": 1, "max_output_chars": 200}
@@ -265,3 +266,23 @@ def test_start_up_cost_per_call_is_small(tool: PythonTool) -> None:
 def test_snippets_run_under_the_interpreter_given(tool: PythonTool) -> None:
     assert tool.execute("import sys\nsys.version_info[:2]").text == f"{tuple(sys.version_info[:2])}\n"
     assert os.path.realpath(tool.sandbox.interpreter.executable) == os.path.realpath(sys.executable)
+
+
+def test_bad_calls_of_one_round_all_show_in_the_tool_metrics(isolated: PythonTool, tmp_path: Path) -> None:
+    cache = tmp_path / "cache.json"
+    cache.write_text('{"known": "Page 1: yes."}')
+    search = SearchTool(backend="cache", cache_file=str(cache))
+    executor = ToolExecutor({"python": isolated, "search": search}, max_workers=8)
+    bad_python = ["def f(:", "x = bytearray(10 * 2**30)", f"open('{Path.cwd() / 'archer-evil'}', 'w')",
+                  "import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)",
+                  "import sys\nfor _ in range(100):\n    sys.stdout.write('y' * 2**20)"]
+    calls = [ToolCall("python", code) for code in bad_python] + [
+        ToolCall("python", "print(2 + 2)"), ToolCall("search", "unknown query"), ToolCall("search", "known")]
+    outcomes = executor.run(calls)
+    executor.close()
+    assert [o.record.ok for o in outcomes] == [False] * 5 + [True, False, True]
+    assert outcomes[5].text == "4\n" and outcomes[7].text == "Page 1: yes."
+    metrics = tool_metrics([o.record for o in outcomes], tools=["python", "search"])
+    assert (metrics["tools/python/calls"], metrics["tools/python/failures"]) == (6.0, 5.0)
+    assert (metrics["tools/search/calls"], metrics["tools/search/failures"]) == (2.0, 1.0)
+    assert not (Path.cwd() / "archer-evil").exists()
