@@ -26,19 +26,17 @@ PRELUDE_MARK = sandbox.PRELUDE.splitlines()[0]
 LIMITS = {"timeout": 1.0, "memory_mb": 256, "max_processes": 8, "max_file_mb": 1, "max_output_chars": 200}
 
 
-def sandbox_processes() -> list[int]:
-    """Pids of live (not zombie) processes that run archer's prelude, the sandbox's interpreter."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
+def processes_with(marker: str) -> list[Path]:
+    """Live processes whose command line holds ``marker`` (a zombie's is empty)."""
+    found = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
             try:
-                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if PRELUDE_MARK in cmdline and state != "Z":
-                pids.append(int(entry.name))
-    return pids
+                if marker in (p / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(p)
+            except OSError:  # it ended while we looked
+                pass
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +54,7 @@ def isolated(tool: PythonTool) -> PythonTool:
 @pytest.fixture(autouse=True)
 def no_stray_process():
     yield
-    assert sandbox_processes() == []
+    assert processes_with(PRELUDE_MARK) == []  # the sandbox's interpreter runs the prelude
 
 
 def test_this_machine_gets_the_namespace_sandbox(tool: PythonTool) -> None:
@@ -177,9 +175,7 @@ def test_a_detached_daemon_is_gone_after_the_call(isolated: PythonTool) -> None:
     code = (f"import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
             f"        os.execv('/bin/sleep', ['sleep', '{marker}'])\n    os._exit(0)\nprint('detached')")
     assert isolated.execute(code).text == "detached\n"
-    leftovers = [p for p in Path("/proc").iterdir() if p.name.isdigit()
-                 and marker in (p / "cmdline").read_bytes().decode(errors="replace")]
-    assert leftovers == []
+    assert processes_with(marker) == []
 
 
 def test_no_network_even_to_a_local_listener(isolated: PythonTool) -> None:
@@ -235,6 +231,15 @@ def test_without_namespaces_it_logs_once_and_runs_with_limits_only(no_bubblewrap
     assert text == "True\n42\n"
     assert set(Path(tempfile.gettempdir()).glob("archer-python-*")) == before  # the scratch folder is removed
     assert tool.execute("b = bytearray(300 * 2**20)").text.endswith("MemoryError")
+    marker = f"{time.time_ns() % 10**6}.25"  # children left in the snippet's process group die with the call
+    code = (f"import subprocess\nsubprocess.Popen(['sleep', '{marker}'])\n"
+            f"subprocess.Popen(['sleep', '{marker}'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+            "print('left')")
+    assert tool.execute(code).text == "left\n"  # the first one holds the output pipes: no wait for it
+    deadline = time.monotonic() + 1  # killed as a group: each dies a moment after the signal
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert processes_with(marker) == []
     start = time.monotonic()
     assert "did not finish within 1 s" in tool.execute("while True:\n    pass").text
     assert time.monotonic() - start < 3

@@ -44,7 +44,8 @@ NAMESPACES = "namespaces"
 RLIMITS = "rlimits"
 SCRATCH = "/tmp"  # the scratch directory's path inside a namespace sandbox
 PRELUDE = (Path(__file__).with_name("sandbox_prelude.py")).read_text()
-_STOP_GRACE_S = 2.0  # after the snippet closed its output: time for the sandbox to exit by itself
+_STOP_GRACE_S = 2.0  # after killing its pid 1: time for bwrap to report the sandbox gone
+_DRAIN_S = 0.1  # after the snippet exited: time to read what it wrote before the pipes are given up
 _UID_RANGE = (1 << 24, 1 << 31)  # random uids for snippets started by root: far above any real account's
 
 
@@ -68,7 +69,6 @@ class SandboxRun:
     stderr: str
     timed_out: bool
     output_truncated: bool
-    wall_s: float
 
 
 @dataclass(frozen=True)
@@ -200,8 +200,8 @@ def _collect(proc: subprocess.Popen, deadline: float, cap_bytes: int) -> tuple[b
                 break
             if exited_at is None and proc.poll() is not None:
                 exited_at = now
-            if exited_at is not None and now - exited_at > _STOP_GRACE_S:
-                break  # the snippet is gone; what still holds the pipes is a process that left its session
+            if exited_at is not None and now - exited_at > _DRAIN_S:
+                break  # the snippet is gone; what still holds the pipes is a process it left behind
             for key, _ in sel.select(min(deadline - now, 0.1)):
                 chunk = os.read(key.fd, 1 << 16)
                 if not chunk:
@@ -217,29 +217,24 @@ def _collect(proc: subprocess.Popen, deadline: float, cap_bytes: int) -> tuple[b
     return bytes(out), bytes(err), timed_out, out_cut, err_cut
 
 
-def _stop(proc: subprocess.Popen, init_pidfd: int | None, finished: bool) -> int | None:
-    """End the sandbox and every process in it; the snippet's exit status when it finished by itself.
+def _kill(proc: subprocess.Popen, init_pidfd: int | None) -> None:
+    """Kill the sandbox and every process in it, then reap bwrap (or the snippet).
 
     With namespaces, killing the sandbox's pid 1 makes the kernel kill everything in its pid namespace;
-    bwrap exits once pid 1 is gone, so waiting for bwrap waits for all of them.
+    bwrap exits once pid 1 is gone, so waiting for bwrap waits for all of them. Otherwise the snippet's
+    process group is killed.
     """
-    if finished:
-        try:
-            return proc.wait(timeout=_STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            pass
     if init_pidfd is not None:
         with contextlib.suppress(ProcessLookupError):
             signal.pidfd_send_signal(init_pidfd, signal.SIGKILL)
         try:
             proc.wait(timeout=_STOP_GRACE_S)
-            return None
+            return
         except subprocess.TimeoutExpired:
             pass
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # safe: the group leader is our unreaped child
+        os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    return None
 
 
 def run_snippet(code: str, interp: Interpreter, limits: SandboxLimits, level: str) -> SandboxRun:
@@ -267,12 +262,19 @@ def run_snippet(code: str, interp: Interpreter, limits: SandboxLimits, level: st
                     proc.stdin.write(code.encode("utf-8", errors="replace"))
             except BrokenPipeError:
                 pass  # it died before reading: its stderr says why
-            cap = 4 * limits.max_output_chars
-            out, err, timed_out, out_cut, err_cut = _collect(proc, start + limits.timeout_s, cap)
-            returncode = _stop(proc, init_pidfd, finished=not (timed_out or out_cut))
+            deadline = start + limits.timeout_s
+            out, err, timed_out, out_cut, err_cut = _collect(proc, deadline, 4 * limits.max_output_chars)
+            returncode = None
+            if not (timed_out or out_cut):
+                try:
+                    returncode = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    timed_out = True  # it closed its output but kept running
+            if returncode is None or level == RLIMITS:  # rlimits: also what it left in its process group
+                _kill(proc, init_pidfd)
         finally:
             if proc.returncode is None:
-                _stop(proc, init_pidfd, finished=False)
+                _kill(proc, init_pidfd)
             if init_pidfd is not None:
                 os.close(init_pidfd)
             proc.stdout.close()
@@ -290,7 +292,7 @@ def run_snippet(code: str, interp: Interpreter, limits: SandboxLimits, level: st
     n = limits.max_output_chars
     truncated = out_cut or err_cut or len(stdout) > n or len(stderr) > n
     return SandboxRun(returncode=returncode, stdout=stdout[:n], stderr=stderr[-n:], timed_out=timed_out,
-                      output_truncated=truncated, wall_s=time.monotonic() - start)
+                      output_truncated=truncated)
 
 
 _PROBE_CODE = "import os, socket\nprint(6 * 7)"
