@@ -23,6 +23,8 @@ from archer.tools.python_tool import PythonTool, strip_code_fence
 from archer.tools.search import SearchTool
 
 PRELUDE_MARK = sandbox.PRELUDE.splitlines()[0]
+# a host folder outside /tmp (the sandbox's scratch tmpfs covers /tmp, and CI may clone the repo there)
+OUTSIDE = Path("/var/tmp") if Path("/var/tmp").is_dir() else Path.home()
 LIMITS = {"timeout": 1.0, "memory_mb": 256, "max_processes": 8, "max_file_mb": 1, "max_output_chars": 200}
 
 
@@ -137,7 +139,7 @@ def test_proc_shows_only_the_sandboxs_processes(isolated: PythonTool) -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the fresh uid is used when archer runs as root")
 def test_under_root_the_snippet_cannot_read_roots_private_files(isolated: PythonTool) -> None:
-    secret = Path.cwd() / f"archer-secret-{uuid.uuid4().hex}"
+    secret = OUTSIDE / f"archer-secret-{uuid.uuid4().hex}"
     secret.write_text("hunter2")
     secret.chmod(0o600)
     try:
@@ -189,7 +191,7 @@ def test_no_network_even_to_a_local_listener(isolated: PythonTool) -> None:
 
 
 def test_writes_outside_the_scratch_directory_change_nothing(isolated: PythonTool) -> None:
-    target = Path.cwd() / f"archer-evil-{uuid.uuid4().hex}"
+    target = OUTSIDE / f"archer-evil-{uuid.uuid4().hex}"
     host_tmp = Path(tempfile.gettempdir()) / f"archer-evil-{uuid.uuid4().hex}"
     try:
         result = isolated.execute(f"open('{host_tmp}', 'w').write('x')\nopen('{target}', 'w').write('x')")
@@ -278,7 +280,7 @@ def test_bad_calls_of_one_round_all_show_in_the_tool_metrics(isolated: PythonToo
     cache.write_text('{"known": "Page 1: yes."}')
     search = SearchTool(backend="cache", cache_file=str(cache))
     executor = ToolExecutor({"python": isolated, "search": search}, max_workers=8)
-    bad_python = ["def f(:", "x = bytearray(10 * 2**30)", f"open('{Path.cwd() / 'archer-evil'}', 'w')",
+    bad_python = ["def f(:", "x = bytearray(10 * 2**30)", f"open('{OUTSIDE / 'archer-evil'}', 'w')",
                   "import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)",
                   "import sys\nfor _ in range(100):\n    sys.stdout.write('y' * 2**20)"]
     calls = [ToolCall("python", code) for code in bad_python] + [
@@ -290,4 +292,4 @@ def test_bad_calls_of_one_round_all_show_in_the_tool_metrics(isolated: PythonToo
     metrics = tool_metrics([o.record for o in outcomes], tools=["python", "search"])
     assert (metrics["tools/python/calls"], metrics["tools/python/failures"]) == (6.0, 5.0)
     assert (metrics["tools/search/calls"], metrics["tools/search/failures"]) == (2.0, 1.0)
-    assert not (Path.cwd() / "archer-evil").exists()
+    assert not (OUTSIDE / "archer-evil").exists()
