@@ -1,4 +1,4 @@
-"""``archer <command>``: train, sft, data, quickstart, viz.
+"""``archer <command>``: train, sft, data, quickstart, viz, build-index.
 
 Every command turns an ArcherError into one clear message and exit status 2, without a traceback.
 ``archer train --help`` and ``archer sft --help`` list the main config keys with their defaults (read
@@ -149,6 +149,15 @@ def _viz(args: argparse.Namespace) -> None:
     launch(args.trace_dir, args.model_path, host=args.host, port=args.port)
 
 
+def _build_index(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from archer.tools.bm25_index import build_index
+
+    n = build_index(Path(args.corpus), Path(args.out))
+    print(f"BM25 index of {n} passages: {args.out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="archer", description="RL post-training of language models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
@@ -188,6 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=7862)
     p.set_defaults(func=_viz)
+
+    p = sub.add_parser("build-index", help="build a local BM25 index for the search tool (bm25s)")
+    p.add_argument("--corpus", required=True, help="passages as .jsonl or .parquet with text (and id, title)")
+    p.add_argument("--out", required=True, help="index folder (replaced if it exists)")
+    p.set_defaults(func=_build_index)
     return parser
 
 

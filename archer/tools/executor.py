@@ -1,0 +1,123 @@
+"""Running one round's tool calls concurrently, and the per-step tool metrics.
+
+``ToolExecutor.run`` takes the calls of a round (tool name + the text inside its tag), runs them in a
+thread pool (``max_workers``), retries a call whose tool raised (``retry_count`` more attempts), gives up on
+calls still running ``timeout`` seconds after the round started, and returns, in call order, the text for
+the model and a ``CallRecord`` for the metrics. It never raises for what a call does: a failure becomes
+ARPO's error text. ``tool_metrics`` turns a step's records into ``tools/<name>/{calls, failures,
+mean_latency_s}``, ``tools/calls_per_response`` and ``tools/call_limit_reached``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+from archer.tools.base import Tool, ToolResult
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    tool: str  # the tool's name
+    content: str  # the text inside its tag
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    tool: str
+    ok: bool
+    latency_s: float
+    attempts: int
+
+
+@dataclass(frozen=True)
+class CallOutcome:
+    text: str
+    record: CallRecord
+
+
+def _attempt(tool: Tool, content: str, retry_count: int) -> tuple[ToolResult, int]:
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return tool.execute(content), attempt
+        except Exception as e:  # a tool's failure is the model's tool result, never the trainer's crash
+            logger.debug("tool %s failed (attempt %d): %s", tool.name, attempt, e)
+            if attempt > retry_count:
+                return ToolResult(f"Error: Tool({tool.name}) execution failed with message: {e}", ok=False), attempt
+
+
+def _timed(tool: Tool, content: str, retry_count: int) -> CallOutcome:
+    start = time.monotonic()
+    result, attempts = _attempt(tool, content, retry_count)
+    text = result.text if result.text.strip() else f"Tool({tool.name}) returned empty output."
+    return CallOutcome(text, CallRecord(tool.name, result.ok, time.monotonic() - start, attempts))
+
+
+class ToolExecutor:
+    def __init__(self, tools: Mapping[str, Tool], *, max_workers: int = 64, timeout: float = 120.0,
+                 retry_count: int = 3) -> None:
+        self.tools = dict(tools)
+        self.timeout = float(timeout)
+        self.retry_count = retry_count
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="archer-tool")
+
+    def run(self, calls: Sequence[ToolCall]) -> list[CallOutcome]:
+        """Run every call of a round concurrently; outcomes in the order of ``calls``."""
+        start = time.monotonic()
+        futures = {}
+        outcomes: dict[int, CallOutcome] = {}
+        for i, call in enumerate(calls):
+            tool = self.tools.get(call.tool)
+            if tool is None:
+                known = ", ".join(sorted(self.tools)) or "none"
+                outcomes[i] = CallOutcome(f"Error: there is no tool named {call.tool!r} (tools: {known}).",
+                                          CallRecord(call.tool, False, 0.0, 0))
+            else:
+                futures[i] = self._pool.submit(_timed, tool, call.content, self.retry_count)
+        wait(futures.values(), timeout=self.timeout)
+        for i, future in futures.items():
+            if future.done():
+                outcomes[i] = future.result()
+            else:
+                future.cancel()  # a call still queued never starts; a running one finishes unseen
+                name = calls[i].tool
+                outcomes[i] = CallOutcome(f"Error: Tool({name}) did not answer within {self.timeout:g} s.",
+                                          CallRecord(name, False, time.monotonic() - start, 1))
+        return [outcomes[i] for i in range(len(calls))]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def tool_metrics(records: Iterable[CallRecord], *, tools: Iterable[str] = (),
+                 calls_per_response: Sequence[int] | None = None,
+                 limit_reached: Sequence[bool] | None = None) -> dict[str, float]:
+    """A step's tool metrics. Every name in ``tools`` gets its three keys even without calls (steady curves).
+
+    ``calls_per_response`` (one count per response) gives the mean; ``limit_reached`` (one flag per response:
+    it asked for a call beyond ``call_limit``) gives the fraction of responses that did.
+    """
+    calls: dict[str, int] = dict.fromkeys(tools, 0)
+    failures: dict[str, int] = dict.fromkeys(tools, 0)
+    latency: dict[str, float] = dict.fromkeys(tools, 0.0)
+    for r in records:
+        calls[r.tool] = calls.get(r.tool, 0) + 1
+        failures[r.tool] = failures.get(r.tool, 0) + (not r.ok)
+        latency[r.tool] = latency.get(r.tool, 0.0) + r.latency_s
+    metrics: dict[str, float] = {}
+    for name in sorted(calls):
+        metrics[f"tools/{name}/calls"] = float(calls[name])
+        metrics[f"tools/{name}/failures"] = float(failures[name])
+        metrics[f"tools/{name}/mean_latency_s"] = latency[name] / calls[name] if calls[name] else 0.0
+    if calls_per_response:
+        metrics["tools/calls_per_response"] = sum(calls_per_response) / len(calls_per_response)
+    if limit_reached:
+        metrics["tools/call_limit_reached"] = sum(map(bool, limit_reached)) / len(limit_reached)
+    return metrics

@@ -1,0 +1,67 @@
+"""The first code a sandboxed Python process runs (passed as ``python -I -S -c <this file's text> <json>``).
+
+It imports nothing from archer (the sandbox may not see archer's files) and only the standard library. In
+order: put the interpreter's own ``sys.path`` back (``-S`` skipped ``site`` and its ``.pth`` hooks), read the
+snippet from stdin, apply the resource limits, leave root for the given unprivileged uid (when there is one),
+then compile and run the snippet as ``__main__``. The value of a final bare expression is printed, as ARPO's
+Python tool does, unless it is None. An exception prints the snippet's part of the traceback and exits 1.
+"""
+
+import ast
+import json
+import os
+import resource
+import sys
+import traceback
+
+LIMITS = {
+    "cpu_s": resource.RLIMIT_CPU,
+    "memory_bytes": resource.RLIMIT_AS,
+    "max_processes": resource.RLIMIT_NPROC,
+    "max_file_bytes": resource.RLIMIT_FSIZE,
+    "max_open_files": resource.RLIMIT_NOFILE,
+}
+
+
+def _print_last_expression(tree: ast.Module) -> ast.Module:
+    """Rewrite a final ``expr`` statement into ``__archer_show__(expr)``."""
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = tree.body[-1]
+        call = ast.Call(func=ast.Name(id="__archer_show__", ctx=ast.Load()), args=[last.value], keywords=[])
+        tree.body[-1] = ast.copy_location(ast.Expr(value=call), last)
+        ast.fix_missing_locations(tree)
+    return tree
+
+
+def _show(value: object) -> None:
+    if value is not None:
+        print(value)
+
+
+def main() -> None:
+    config = json.loads(sys.argv[1])
+    sys.path[:] = config["path"]
+    source = sys.stdin.buffer.read().decode("utf-8", errors="replace")
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    for key, which in LIMITS.items():
+        resource.setrlimit(which, (config[key], config[key] + (1 if key == "cpu_s" else 0)))
+    uid = config["uid"]
+    if uid is not None:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+    sys.argv = ["<snippet>"]
+    namespace = {"__name__": "__main__", "__builtins__": __builtins__, "__archer_show__": _show}
+    try:
+        tree = _print_last_expression(ast.parse(source, filename="<snippet>"))
+        exec(compile(tree, "<snippet>", "exec"), namespace)
+    except SystemExit:
+        raise
+    except BaseException as e:  # the snippet's error is its result: show it as Python would, without our frames
+        sys.stdout.flush()
+        frames = None if isinstance(e, SyntaxError) or e.__traceback__ is None else e.__traceback__.tb_next
+        traceback.print_exception(type(e), e, frames)
+        sys.exit(1)
+
+
+main()

@@ -1,0 +1,295 @@
+"""The sandboxed Python tool: results, limits, and hostile snippets that must leave the host unharmed.
+
+The hostile snippets run only with the namespace sandbox (the limits that contain them are checked first
+with benign snippets); every test checks that no sandbox process outlives its call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from archer.errors import ArcherError
+from archer.tools import ToolCall, ToolExecutor, sandbox, tool_metrics
+from archer.tools.python_tool import PythonTool, strip_code_fence
+from archer.tools.search import SearchTool
+
+PRELUDE_MARK = sandbox.PRELUDE.splitlines()[0]
+# a host folder outside /tmp (the sandbox's scratch tmpfs covers /tmp, and CI may clone the repo there)
+OUTSIDE = Path("/var/tmp") if Path("/var/tmp").is_dir() else Path.home()
+LIMITS = {"timeout": 1.0, "memory_mb": 256, "max_processes": 8, "max_file_mb": 1, "max_output_chars": 200}
+
+
+def processes_with(marker: str) -> list[Path]:
+    """Live processes whose command line holds ``marker`` (a zombie's is empty)."""
+    found = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if marker in (p / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(p)
+            except OSError:  # it ended while we looked
+                pass
+    return found
+
+
+@pytest.fixture(scope="module")
+def tool() -> PythonTool:
+    return PythonTool(**LIMITS)
+
+
+@pytest.fixture()
+def isolated(tool: PythonTool) -> PythonTool:
+    if tool.isolation != sandbox.NAMESPACES:
+        pytest.skip(f"no namespace sandbox here: {sandbox.isolation_level(tool.sandbox.interpreter)[1]}")
+    return tool
+
+
+@pytest.fixture(autouse=True)
+def no_stray_process():
+    yield
+    assert processes_with(PRELUDE_MARK) == []  # the sandbox's interpreter runs the prelude
+
+
+def test_this_machine_gets_the_namespace_sandbox(tool: PythonTool) -> None:
+    # CI and the dev machine allow namespaces; if this fails, every hostile test below is skipped
+    assert tool.isolation == sandbox.NAMESPACES, sandbox.isolation_level(tool.sandbox.interpreter)[1]
+
+
+def test_prints_output_and_the_value_of_a_final_bare_expression(tool: PythonTool) -> None:
+    assert tool.execute("x = 6\nprint('x is', x)\nx * 7").text == "x is 6\n42\n"
+    assert tool.execute("'text'").text == "text\n"  # printed as print() shows it, like ARPO
+    assert tool.execute("x = [1]\nx.append(2)").text == ""  # a final None is not printed
+    result = tool.execute("```python\nimport math\nmath.factorial(5)\n```")
+    assert result.text == "120\n" and result.ok
+
+
+def test_strip_code_fence_only_unwraps_a_whole_fenced_block() -> None:
+    assert strip_code_fence("```py\nprint(1)\n```\n") == "print(1)"
+    assert strip_code_fence("print('```')") == "print('```')"
+
+
+def test_a_syntax_error_is_an_error_result(tool: PythonTool) -> None:
+    result = tool.execute("def f(:\n    pass")
+    assert not result.ok
+    assert result.text.endswith("SyntaxError: invalid syntax")
+    assert 'File "<snippet>", line 1' in result.text
+
+
+def test_an_exception_shows_output_then_the_snippets_own_traceback(tool: PythonTool) -> None:
+    result = tool.execute("print('before')\n1 / 0")
+    assert not result.ok
+    assert result.text == ("before\nTraceback (most recent call last):\n  File \"<snippet>\", line 2, in <module>\n"
+                           "ZeroDivisionError: division by zero")
+
+
+def test_the_environment_is_clean(tool: PythonTool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ARCHER_TEST_SECRET", "hunter2")
+    names = set(eval(tool.execute("import os\nsorted(os.environ)").text))
+    assert names - {"PWD"} == {"HOME", "LANG", "MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "PATH",
+                               "TMPDIR"}  # bubblewrap sets PWD
+
+
+def test_numpy_imports_within_the_memory_limit(tool: PythonTool) -> None:
+    assert tool.execute("import numpy as np\nint(np.arange(10).sum())").text == "45\n"
+
+
+# --- limits, shown with benign snippets ---
+
+def test_memory_limit_turns_a_large_allocation_into_memory_error(tool: PythonTool) -> None:
+    result = tool.execute("b = bytearray(300 * 2**20)")  # 300 MB > memory_mb=256
+    assert not result.ok and result.text.endswith("MemoryError")
+    assert tool.execute("b = bytearray(50 * 2**20)\nlen(b)").text == f"{50 * 2**20}\n"
+
+
+def test_file_size_limit(tool: PythonTool) -> None:
+    result = tool.execute("open('big', 'wb').write(b'x' * 2 * 2**20)")  # 2 MB > max_file_mb=1
+    assert not result.ok and result.text.endswith("OSError: [Errno 27] File too large")
+
+
+def test_process_limit_counts_the_sandboxes_own_processes(isolated: PythonTool) -> None:
+    code = ("import os, time\nn = 0\nwhile True:\n    try:\n        pid = os.fork()\n    except OSError:\n"
+            "        break\n    if pid == 0:\n        time.sleep(30)\n        os._exit(0)\n    n += 1\nn")
+    started = int(isolated.execute(code).text)
+    # max_processes=8 processes of the sandbox's uid: the snippet itself, its children and (without root)
+    # bubblewrap's pid 1; the sleepers die with the sandbox
+    assert 6 <= started <= 7
+
+
+def test_scratch_directory_is_the_working_directory_and_is_private(isolated: PythonTool) -> None:
+    marker = f"archer-{uuid.uuid4().hex}"
+    text = isolated.execute(f"import os\nopen('{marker}', 'w').write('x')\nprint(os.getcwd(), os.listdir('.'))").text
+    assert text == f"/tmp ['{marker}']\n"
+    assert not (Path(tempfile.gettempdir()) / marker).exists()
+    assert isolated.execute("import os\nos.listdir('.')").text == "[]\n"  # a fresh one for every call
+
+
+def test_proc_shows_only_the_sandboxs_processes(isolated: PythonTool) -> None:
+    pids = eval(isolated.execute("import os\nsorted(int(p) for p in os.listdir('/proc') if p.isdigit())").text)
+    assert pids == [1, 2]  # bubblewrap's pid 1 and the snippet
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the fresh uid is used when archer runs as root")
+def test_under_root_the_snippet_cannot_read_roots_private_files(isolated: PythonTool) -> None:
+    secret = OUTSIDE / f"archer-secret-{uuid.uuid4().hex}"
+    secret.write_text("hunter2")
+    secret.chmod(0o600)
+    try:
+        result = isolated.execute(f"import os\nprint(os.getuid() >= 2**24)\nopen('{secret}').read()")
+    finally:
+        secret.unlink()
+    assert result.text.startswith("True\n") and result.text.endswith("PermissionError: [Errno 13] Permission "
+                                                                       f"denied: '{secret}'")
+
+
+# --- hostile snippets ---
+
+def test_infinite_loop_is_stopped_at_the_timeout(isolated: PythonTool) -> None:
+    start = time.monotonic()
+    result = isolated.execute("while True:\n    pass")
+    assert not result.ok and result.text == "Error: the code did not finish within 1 s and was stopped."
+    assert time.monotonic() - start < 3
+
+
+def test_ten_gigabyte_allocation_fails_inside_the_sandbox(isolated: PythonTool) -> None:
+    result = isolated.execute("x = bytearray(10 * 2**30)")
+    assert not result.ok and result.text.endswith("MemoryError")
+
+
+def test_fork_bomb_is_bounded_and_leaves_no_process(isolated: PythonTool) -> None:
+    start = time.monotonic()
+    result = isolated.execute("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")
+    assert not result.ok and "did not finish" in result.text
+    assert time.monotonic() - start < 3
+    # no_stray_process checks that none of the forks survived
+
+
+def test_a_detached_daemon_is_gone_after_the_call(isolated: PythonTool) -> None:
+    marker = f"{time.time_ns() % 10**6}.5"
+    code = (f"import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+            f"        os.execv('/bin/sleep', ['sleep', '{marker}'])\n    os._exit(0)\nprint('detached')")
+    assert isolated.execute(code).text == "detached\n"
+    assert processes_with(marker) == []
+
+
+def test_no_network_even_to_a_local_listener(isolated: PythonTool) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.setblocking(False)
+        port = server.getsockname()[1]
+        result = isolated.execute(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)")
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nothing reached the listener
+    assert not result.ok and "ConnectionRefusedError" in result.text
+
+
+def test_writes_outside_the_scratch_directory_change_nothing(isolated: PythonTool) -> None:
+    target = OUTSIDE / f"archer-evil-{uuid.uuid4().hex}"
+    host_tmp = Path(tempfile.gettempdir()) / f"archer-evil-{uuid.uuid4().hex}"
+    try:
+        result = isolated.execute(f"open('{host_tmp}', 'w').write('x')\nopen('{target}', 'w').write('x')")
+        assert not result.ok and "Read-only file system" in result.text
+        assert not target.exists() and not host_tmp.exists()
+    finally:
+        target.unlink(missing_ok=True)
+        host_tmp.unlink(missing_ok=True)
+
+
+def test_one_hundred_megabytes_of_output_are_cut_short(isolated: PythonTool) -> None:
+    start = time.monotonic()
+    result = isolated.execute("import sys\nfor _ in range(100):\n    sys.stdout.write('y' * 2**20)")
+    assert not result.ok
+    assert result.text == "y" * 200 + "\n[output truncated: more than 200 characters]"
+    assert time.monotonic() - start < 2  # stopped as soon as the output exceeded the cap
+
+
+# --- where namespaces are not allowed ---
+
+@pytest.fixture()
+def no_bubblewrap(monkeypatch: pytest.MonkeyPatch):
+    """bwrap that always fails, as on a kernel without user namespaces; fresh probe caches."""
+    monkeypatch.setattr(sandbox, "bwrap_executable", lambda: "/bin/false")
+    sandbox.isolation_level.cache_clear()
+    yield
+    sandbox.isolation_level.cache_clear()
+
+
+def test_without_namespaces_it_logs_once_and_runs_with_limits_only(no_bubblewrap, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="archer.tools.sandbox"):
+        tool = PythonTool(**LIMITS)
+        PythonTool(**LIMITS)
+    warnings = [r for r in caplog.records if "WITHOUT isolation" in r.getMessage()]
+    assert len(warnings) == 1 and "bubblewrap could not create the sandbox" in warnings[0].getMessage()
+    assert tool.isolation == sandbox.RLIMITS
+    before = set(Path(tempfile.gettempdir()).glob("archer-python-*"))
+    text = tool.execute("import os\nprint(os.path.basename(os.getcwd()).startswith('archer-python-'))\n6 * 7").text
+    assert text == "True\n42\n"
+    assert set(Path(tempfile.gettempdir()).glob("archer-python-*")) == before  # the scratch folder is removed
+    assert tool.execute("b = bytearray(300 * 2**20)").text.endswith("MemoryError")
+    marker = f"{time.time_ns() % 10**6}.25"  # children left in the snippet's process group die with the call
+    code = (f"import subprocess\nsubprocess.Popen(['sleep', '{marker}'])\n"
+            f"subprocess.Popen(['sleep', '{marker}'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+            "print('left')")
+    assert tool.execute(code).text == "left\n"  # the first one holds the output pipes: no wait for it
+    deadline = time.monotonic() + 1  # killed as a group: each dies a moment after the signal
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert processes_with(marker) == []
+    start = time.monotonic()
+    assert "did not finish within 1 s" in tool.execute("while True:\n    pass").text
+    assert time.monotonic() - start < 3
+
+
+def test_require_isolation_refuses_to_start_without_namespaces(no_bubblewrap) -> None:
+    with pytest.raises(ArcherError, match="cannot isolate snippets") as err:
+        PythonTool(require_isolation=True)
+    assert "require_isolation=false" in str(err.value)
+
+
+def test_limits_must_be_positive() -> None:
+    with pytest.raises(ArcherError, match="params.memory_mb must be a positive number, got 0"):
+        PythonTool(memory_mb=0)
+
+
+def test_a_broken_interpreter_is_a_startup_error(tmp_path: Path) -> None:
+    with pytest.raises(ArcherError, match="does not run"):
+        PythonTool(python=str(tmp_path / "no-python"))
+
+
+def test_start_up_cost_per_call_is_small(tool: PythonTool) -> None:
+    start = time.monotonic()
+    for _ in range(5):
+        tool.execute("pass")
+    assert (time.monotonic() - start) / 5 < 0.5  # about 25-60 ms here (README)
+
+
+def test_snippets_run_under_the_interpreter_given(tool: PythonTool) -> None:
+    assert tool.execute("import sys\nsys.version_info[:2]").text == f"{tuple(sys.version_info[:2])}\n"
+    assert os.path.realpath(tool.sandbox.interpreter.executable) == os.path.realpath(sys.executable)
+
+
+def test_bad_calls_of_one_round_all_show_in_the_tool_metrics(isolated: PythonTool, tmp_path: Path) -> None:
+    cache = tmp_path / "cache.json"
+    cache.write_text('{"known": "Page 1: yes."}')
+    search = SearchTool(backend="cache", cache_file=str(cache))
+    executor = ToolExecutor({"python": isolated, "search": search}, max_workers=8)
+    bad_python = ["def f(:", "x = bytearray(10 * 2**30)", f"open('{OUTSIDE / 'archer-evil'}', 'w')",
+                  "import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)",
+                  "import sys\nfor _ in range(100):\n    sys.stdout.write('y' * 2**20)"]
+    calls = [ToolCall("python", code) for code in bad_python] + [
+        ToolCall("python", "print(2 + 2)"), ToolCall("search", "unknown query"), ToolCall("search", "known")]
+    outcomes = executor.run(calls)
+    executor.close()
+    assert [o.record.ok for o in outcomes] == [False] * 5 + [True, False, True]
+    assert outcomes[5].text == "4\n" and outcomes[7].text == "Page 1: yes."
+    metrics = tool_metrics([o.record for o in outcomes], tools=["python", "search"])
+    assert (metrics["tools/python/calls"], metrics["tools/python/failures"]) == (6.0, 5.0)
+    assert (metrics["tools/search/calls"], metrics["tools/search/failures"]) == (2.0, 1.0)
+    assert not (OUTSIDE / "archer-evil").exists()

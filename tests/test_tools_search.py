@@ -1,0 +1,215 @@
+"""The search tool's back ends (ARPO's cache file, a bm25s index, a Search-R1 HTTP retriever) and caches."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from archer.cli import main
+from archer.errors import ArcherError
+from archer.tools import ToolCall, ToolExecutor
+from archer.tools.bm25_index import BM25Index, Passage, build_index
+from archer.tools.search import SearchTool, first_pages, format_pages
+from archer.tools.search_cache import SearchCacheFile
+
+ARPO_CACHE = Path(__file__).resolve().parents[2] / "shared" / "data" / "arpo" / "search_cache.json"
+needs_arpo_cache = pytest.mark.skipif(not ARPO_CACHE.is_file(), reason="shared ARPO data not present")
+
+CORPUS = [
+    {"id": "p1", "title": "Eiffel Tower", "text": "The Eiffel Tower is a wrought-iron lattice tower in Paris."},
+    {"id": "p2", "title": "Louvre", "text": "The Louvre is the world's most visited museum, in Paris."},
+    {"id": "p3", "title": "Mount Everest", "text": "Mount Everest is Earth's highest mountain above sea level."},
+    {"id": "p4", "title": "Python", "text": "Python is a programming language created by Guido van Rossum."},
+    {"id": "p5", "title": "Nile", "text": "The Nile is a major river in northeastern Africa."},
+]
+
+
+@pytest.fixture(scope="module")
+def index_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The corpus indexed by the CLI command users run."""
+    root = tmp_path_factory.mktemp("bm25")
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in CORPUS))
+    assert main(["build-index", "--corpus", str(corpus), "--out", str(root / "index")]) == 0
+    return root / "index"
+
+
+# --- formatting ---
+
+def test_format_pages_is_arpos_page_lines() -> None:
+    passages = [Passage("Nile", "A river\nin Africa."), Passage("", "untitled text")]
+    assert format_pages(passages, 1000) == "Page 1: Nile. A river in Africa.\nPage 2: untitled text"
+    assert format_pages(passages, 8) == "Page 1: Nile. A \nPage 2: untitled"
+    assert format_pages([], 1000) == "No search results found."
+    assert first_pages("Page 1: a\nPage 2: b\nPage 3: c", 2) == "Page 1: a\nPage 2: b"
+    assert first_pages("Page 1: a", 2) == "Page 1: a"
+
+
+# --- (a) ARPO's cache file ---
+
+@needs_arpo_cache
+def test_arpos_cache_answers_its_queries_read_only() -> None:
+    tool = SearchTool(backend="cache", cache_file=str(ARPO_CACHE), top_k=3)
+    expected = json.loads(ARPO_CACHE.read_text())["Amy Smart film debut Campfire Tales"]
+    result = tool.execute("  Amy Smart film debut Campfire Tales\n")
+    assert result.ok and result.text == expected[:expected.index("\nPage 4: ")]
+    assert result.text.startswith("Page 1: The film is made up of three individual short segments")
+    assert tool.execute('"Amy Smart" film debut "Campfire Tales"').text == result.text  # ARPO drops quotes
+    missing = tool.execute("a query nobody asked")
+    assert not missing.ok
+    assert missing.text == "Error: no cached result for this query (read-only cache search_cache.json)."
+
+
+def test_a_corrupt_cache_file_is_a_startup_error_naming_it(tmp_path: Path) -> None:
+    bad = tmp_path / "cache.json"
+    bad.write_text('{"q": "Page 1: ...", ')
+    with pytest.raises(ArcherError, match=f"search cache {bad} cannot be read"):
+        SearchTool(backend="cache", cache_file=str(bad))
+    bad.write_text('{"q": ["not", "text"]}')
+    with pytest.raises(ArcherError, match=f"search cache {bad} is not a JSON object of query -> result text"):
+        SearchTool(backend="cache", cache_file=str(bad))
+    with pytest.raises(ArcherError, match=f"search cache {tmp_path / 'none.json'} does not exist"):
+        SearchTool(backend="cache", cache_file=str(tmp_path / "none.json"))
+
+
+def test_backend_settings_are_checked() -> None:
+    with pytest.raises(ArcherError, match="unknown search backend 'google'"):
+        SearchTool(backend="google")
+    with pytest.raises(ArcherError, match="backend bm25 needs index_dir"):
+        SearchTool(backend="bm25")
+
+
+# --- (b) local BM25 index ---
+
+def test_bm25_finds_the_passage_and_formats_it(index_dir: Path) -> None:
+    tool = SearchTool(backend="bm25", index_dir=str(index_dir), top_k=2, result_length=40)
+    result = tool.execute("highest mountain on Earth")
+    assert result.ok
+    assert result.text.split("\n")[0] == "Page 1: Mount Everest. Mount Everest is Earth's "  # 40 characters
+    paris = tool.execute("museum in Paris").text.split("\n")
+    assert paris[0].startswith("Page 1: Louvre.") and paris[1].startswith("Page 2: Eiffel Tower.")
+    assert tool.execute("zebra quantum").text == "No search results found."
+    assert tool.execute("the of and").text == "No search results found."  # only stop words
+
+
+def test_a_missing_index_folder_is_a_startup_error(tmp_path: Path) -> None:
+    with pytest.raises(ArcherError, match="BM25 index folder .* does not exist") as err:
+        SearchTool(backend="bm25", index_dir=str(tmp_path / "nowhere"))
+    assert "archer build-index" in str(err.value)
+
+
+def test_build_index_reads_parquet_and_replaces_an_old_index(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    corpus = tmp_path / "corpus.parquet"
+    pq.write_table(pa.Table.from_pylist(CORPUS[:2]), corpus)
+    out = tmp_path / "index"
+    assert build_index(corpus, out, show_progress=False) == 2
+    pq.write_table(pa.Table.from_pylist(CORPUS[2:]), corpus)
+    assert build_index(corpus, out, show_progress=False) == 3
+    assert BM25Index(out).search("Nile river", 5) == [Passage("Nile", CORPUS[4]["text"])]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.parquet", "index"]  # no staging leftovers
+
+
+def test_build_index_cli_prints_the_result_and_rejects_a_corpus_without_text(tmp_path: Path, capsys) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps(CORPUS[0]) + "\n")
+    assert main(["build-index", "--corpus", str(corpus), "--out", str(tmp_path / "index")]) == 0
+    assert capsys.readouterr().out == f"BM25 index of 1 passages: {tmp_path / 'index'}\n"
+    corpus.write_text('{"id": 1, "title": "no text"}\n')
+    assert main(["build-index", "--corpus", str(corpus), "--out", str(tmp_path / "other")]) == 2
+    assert capsys.readouterr().err.startswith(f"archer: error: corpus {corpus} record 1 has no text field")
+    assert not (tmp_path / "other").exists()
+
+
+# --- write-through cache in front of a back end ---
+
+def test_write_through_cache_file_receives_new_results(index_dir: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache.json"
+    tool = SearchTool(backend="bm25", index_dir=str(index_dir), cache_file=str(cache), cache_writable=True)
+    text = tool.execute('"Python" programming language').text
+    assert json.loads(cache.read_text()) == {"Python programming language": text}
+    other = SearchCacheFile(cache, writable=True)  # a second trainer sharing the file
+    other.put("nile", "Page 1: Nile.")
+    tool.execute("Eiffel Tower")
+    on_disk = json.loads(cache.read_text())
+    assert set(on_disk) == {"Python programming language", "nile", "Eiffel Tower"}
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")] == []
+    # a read-only cache in front of the index answers what it has and asks the index for the rest
+    reader = SearchTool(backend="bm25", index_dir=str(index_dir), cache_file=str(cache))
+    assert reader.execute("nile").text == "Page 1: Nile."
+    assert reader.execute("Louvre museum").text.startswith("Page 1: Louvre.")
+    assert set(json.loads(cache.read_text())) == set(on_disk)
+
+
+# --- (c) HTTP retriever (Search-R1's /retrieve) ---
+
+class Retriever(BaseHTTPRequestHandler):
+    requests: list[dict] = []
+    fail = False
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        Retriever.requests.append(body)
+        if Retriever.fail:
+            self.send_response(500)
+            self.end_headers()
+            return
+        docs = [{"document": {"id": str(i), "contents": f'"Doc {i}"\ntext {i} for {body["queries"][0]}'},
+                 "score": 1.0 / (i + 1)} for i in range(body["topk"])]
+        payload = json.dumps({"result": [docs]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture()
+def retriever_url() -> Iterator[str]:
+    Retriever.requests, Retriever.fail = [], False
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Retriever)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/retrieve"
+    server.shutdown()
+    server.server_close()
+
+
+def test_http_retriever_search_r1_shape_and_memory_cache(retriever_url: str) -> None:
+    tool = SearchTool(backend="http", url=retriever_url, top_k=2)
+    expected = "Page 1: Doc 0. text 0 for who wrote Hamlet\nPage 2: Doc 1. text 1 for who wrote Hamlet"
+    assert tool.execute("who wrote Hamlet").text == expected
+    assert tool.execute(" who wrote Hamlet ").text == expected  # the in-memory cache answers
+    assert Retriever.requests == [{"queries": ["who wrote Hamlet"], "topk": 2, "return_scores": True}]
+    tool.close()
+
+
+def test_concurrent_calls_share_the_cache_safely(retriever_url: str) -> None:
+    tool = SearchTool(backend="http", url=retriever_url, top_k=1)
+    executor = ToolExecutor({"search": tool}, max_workers=8)
+    outcomes = executor.run([ToolCall("search", f"q{i % 4}") for i in range(32)])
+    executor.close()
+    tool.close()
+    assert [o.text for o in outcomes] == [f"Page 1: Doc 0. text 0 for q{i % 4}" for i in range(32)]
+    assert {r["queries"][0] for r in Retriever.requests} == {"q0", "q1", "q2", "q3"}
+
+
+def test_a_failing_retriever_is_retried_then_an_error_result(retriever_url: str) -> None:
+    Retriever.fail = True
+    tool = SearchTool(backend="http", url=retriever_url)
+    executor = ToolExecutor({"search": tool}, retry_count=2)
+    [outcome] = executor.run([ToolCall("search", "anything")])
+    executor.close()
+    tool.close()
+    assert not outcome.record.ok and outcome.record.attempts == 3 and len(Retriever.requests) == 3
+    assert outcome.text.startswith("Error: Tool(search) execution failed with message: Server error '500")
