@@ -203,3 +203,11 @@ def test_entropy_trace_honours_output_dir_and_write_every(tmp_path: Path, tiny_m
     assert reader.steps() == [2, 4] and reader.summary["write_every"] == 2
     assert sorted(p.name for p in (out / "steps").iterdir()) == ["step_000002.npz", "step_000004.npz"]
     assert (out / "tokenizer").is_dir()
+
+
+def test_response_arrays_of_no_rows_keep_their_types() -> None:
+    # an influence step where no prompt group has mixed rewards traces no response
+    arrays = response_arrays(traced_batch(), rows=np.zeros(0, dtype=np.int64))
+    assert arrays["data_source"].dtype.kind == arrays["uid"].dtype.kind == "U"
+    assert arrays["entropies"].shape == (0, 3) and arrays["reward"].shape == (0,)
+    check_step_arrays(arrays, "entropy")

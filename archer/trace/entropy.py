@@ -40,8 +40,8 @@ def response_arrays(batch: Batch, rows: np.ndarray | None = None) -> dict[str, n
         "sample_index": index_within_group(uids)[rows],
         "old_log_probs": batch["old_log_probs"][index].to(torch.float16).numpy(),
         "reward": batch["token_level_scores"][index].sum(dim=1).float().numpy(),
-        "data_source": np.asarray([str(batch["data_source"][int(i)]) for i in rows])
-        if "data_source" in batch.rows else np.asarray([""] * len(rows)),
+        "data_source": np.asarray([str(batch["data_source"][int(i)]) if "data_source" in batch.rows else ""
+                                   for i in rows], dtype=str),  # str also when no row is chosen
     }
     if advantages is not None:
         m = mask.float()
