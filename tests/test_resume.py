@@ -329,17 +329,23 @@ def test_val_only_validates_the_newest_checkpoint_and_leaves_the_run_as_it_was(
         code = cli.main(["train", *train, "trainer.val_only=true", f"trainer.resume_mode={mode}",
                          f"trainer.validation_data_dir={checks / mode}"])
         assert code == 0
+    # into the training run's own dump folder: its step_2.jsonl stays, the check has its own file
+    code = cli.main(["train", *train, "trainer.val_only=true"])
+    assert code == 0
+    assert read_jsonl_lines(dumps / "step_2.jsonl") == after
+    assert read_jsonl_lines(dumps / "val_only_step_2.jsonl") == after
 
     lines = read_jsonl_lines(run_dir / "val_only.jsonl")
     model_dir = run_dir / "checkpoints" / "global_step_2" / "actor"
-    assert [(r["step"], r["model"]) for r in lines] == [(2, str(model_dir)), (0, str(task["model"]))]
+    assert [(r["step"], r["model"]) for r in lines] == [(2, str(model_dir)), (0, str(task["model"])),
+                                                        (2, str(model_dir))]
     metrics = read_metrics(run_dir)
     assert {k: v for k, v in lines[0].items() if k not in ("step", "model", "timing_s/testing")} == {
         k: v for k, v in metrics[2].items() if k.startswith("val-")}  # the step-2 checkpoint's figures again
     assert {k: v for k, v in lines[1].items() if k not in ("step", "model", "timing_s/testing")} == {
         k: v for k, v in metrics[0].items() if k.startswith("val-")}
-    assert read_jsonl_lines(checks / "auto" / "step_2.jsonl") == after
-    assert read_jsonl_lines(checks / "disable" / "step_0.jsonl") == before
+    assert read_jsonl_lines(checks / "auto" / "val_only_step_2.jsonl") == after
+    assert read_jsonl_lines(checks / "disable" / "val_only_step_0.jsonl") == before
     assert run_files(run_dir) == {**trained, "val_only.jsonl": (run_dir / "val_only.jsonl").read_bytes()}
     out = capsys.readouterr().out
     assert f"validated {model_dir} (step 2):" in out and f"appended to {run_dir / 'val_only.jsonl'}" in out

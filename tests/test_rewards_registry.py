@@ -77,3 +77,9 @@ def test_known_data_sources() -> None:
     sources = known_data_sources()
     assert sources == sorted(sources)
     assert {"openai/gsm8k", "math_dapo", "countdown", "archer/arithmetic", "archer/countdown"} <= set(sources)
+
+
+def test_a_built_in_reward_refuses_a_row_without_ground_truth() -> None:
+    # data.require_ground_truth=false lets such rows through for custom rewards; "None" is never an answer
+    with pytest.raises(ArcherError, match="has none"):
+        default_compute_score("openai/gsm8k", "\\boxed{None}", None)

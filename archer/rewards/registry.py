@@ -84,4 +84,11 @@ def default_compute_score(
     ability: str | None = None,
 ) -> Score:
     """Score one response with the built-in reward for its data_source (float, or dict with "score")."""
-    return _route(data_source, ability)(solution_str, ground_truth)
+    score = _route(data_source, ability)
+    if ground_truth is None:  # possible only with data.require_ground_truth=false
+        raise ArcherError(
+            f"the built-in reward of data_source {data_source!r} compares with a ground truth, and this row has none",
+            "give the row a reward_model.ground_truth, or score such rows with your own function "
+            "(custom_reward_function.path=FILE)",
+        )
+    return score(solution_str, ground_truth)

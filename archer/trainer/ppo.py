@@ -247,8 +247,9 @@ class PPOTrainer:
         return metrics
 
     # -- validation -----------------------------------------------------------------------------------------
-    def validate(self) -> dict[str, float]:
-        """Generate for every validation prompt with rollout.val_kwargs and score it."""
+    def validate(self, dump_prefix: str = "") -> dict[str, float]:
+        """Generate for every validation prompt with rollout.val_kwargs and score it; the generations go to
+        <validation_data_dir>/<dump_prefix>step_N.jsonl when that key is set."""
         if self.val_set is None:
             return {}
         size = int(self.cfg.data.val_batch_size or len(self.val_set))
@@ -269,7 +270,7 @@ class PPOTrainer:
                                      numeric_columns(merged[REWARD_EXTRAS]))
         metrics["timing_s/testing"] = time.perf_counter() - start
         if self.cfg.trainer.validation_data_dir:
-            write_generations(Path(self.cfg.trainer.validation_data_dir) / f"step_{self.global_step}.jsonl",
+            write_generations(Path(self.cfg.trainer.validation_data_dir) / f"{dump_prefix}step_{self.global_step}.jsonl",
                               merged, merged["response_text"], merged["score"], self.global_step)
         n_show = int(self.cfg.trainer.log_val_generations)
         for text, gt, s in list(zip(merged["response_text"], merged["ground_truth"], merged["score"]))[:n_show]:
@@ -388,7 +389,7 @@ class PPOTrainer:
             self.actor.load(path / "actor")
             self.global_step = int(load_torch_state(path / TRAINER_STATE)["global_step"])
             validated = str(path / "actor")
-        metrics = self.validate()
+        metrics = self.validate(dump_prefix="val_only_")  # never replaces a training run's dump of that step
         record = {"step": self.global_step, "model": validated,
                   **{k: v if math.isfinite(v) else None for k, v in metrics.items()}}
         self.run_dir.mkdir(parents=True, exist_ok=True)
