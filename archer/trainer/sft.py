@@ -78,7 +78,7 @@ def _train(model: PreTrainedModel, loader: DataLoader, val_set: SFTDataset | Non
                                   weight_decay=cfg.optim.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.optim.lr_scheduler, cfg.optim.warmup_steps_ratio, total_steps)
     last: dict[str, float] = {}
-    with Tracking(run_dir, backends=list(cfg.trainer.logger), project=cfg.trainer.project_name,
+    with Tracking(run_dir, backends=as_list(cfg.trainer.logger), project=cfg.trainer.project_name,
                   experiment=cfg.trainer.experiment_name, config=OmegaConf.to_container(cfg, resolve=True),
                   total_steps=total_steps, key_metrics=KEY_METRICS) as tracking:
         for step, batch, epoch_end in _steps(loader, total_steps):
