@@ -67,7 +67,7 @@ def run_fast(model, tokenizer, prompts, args) -> dict:
     engine, build_s = _timed(lambda: FastEngine(
         model, tokenizer, gpu_memory_utilization=args.util, max_num_seqs=args.max_num_seqs or rows,
         max_num_batched_tokens=args.batched_tokens, max_model_len=args.prompt + args.new))
-    _, warm_s = _timed(lambda: engine.generate(prompts[:4], SamplingParams(max_new_tokens=8, seed=1)))
+    _, warm_s = _timed(lambda: engine.generate(prompts, SamplingParams(n=args.n, max_new_tokens=8, seed=1)))
     params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new, seed=0)
     prefill_s = []
     prefill = engine.scheduler.prefill
@@ -82,7 +82,8 @@ def run_fast(model, tokenizer, prompts, args) -> dict:
     tokens = int(out.response_mask.sum())
     record = {"peer": "fast", "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
               "prefill_s": first_prefill_s, "decode_tokens_per_s": tokens / (seconds - first_prefill_s),
-              "repeat_tokens_per_s": int(again.response_mask.sum()) / seconds_2, "warmup_s": build_s + warm_s,
+              "repeat_tokens_per_s": int(again.response_mask.sum()) / seconds_2,
+              "repeat_prefill_s": sum(prefill_s) - first_prefill_s, "warmup_s": build_s + warm_s,
               "same_tokens_on_repeat": bool(torch.equal(out.responses, again.responses)),
               "kv_pages": engine.cache.pages, "eos_rows": out.finish_reasons.count("eos")}
     if args.check:

@@ -156,9 +156,9 @@ def test_prompt_prefilled_once_and_pages_returned(parts, prompts, monkeypatch):
     prefilled = []
     original = engine.model.prefill
 
-    def counting(tokens, positions, slots, tables, kv_len, kv):
+    def counting(tokens, positions, slots, tables, kv_len, kv, **kw):
         prefilled.append(int((slots >= engine.page_size).sum()))
-        original(tokens, positions, slots, tables, kv_len, kv)
+        original(tokens, positions, slots, tables, kv_len, kv, **kw)
 
     monkeypatch.setattr(engine.model, "prefill", counting)
     free = engine.cache.free_pages

@@ -52,7 +52,7 @@ def _training_pass(model, prompts, out, temperature):
 
 def test_graphs_match_hf_and_the_training_pass(tokenizer, prompts):
     model = _model(tokenizer)
-    engine = FastEngine(model, tokenizer, max_num_seqs=16, page_size=16)
+    engine = FastEngine(model, tokenizer, dtype=torch.float32, max_num_seqs=16, page_size=16)
     assert engine.runner.use_graphs
     greedy = SamplingParams(n=2, do_sample=False, max_new_tokens=40)
     fast, hf = engine.generate(prompts, greedy), HFGenerateEngine(model, tokenizer).generate(prompts, greedy)
@@ -65,14 +65,15 @@ def test_graphs_match_hf_and_the_training_pass(tokenizer, prompts):
         torch.testing.assert_close(out.log_probs, logp, atol=1e-4, rtol=0)
         torch.testing.assert_close(out.entropies, entropy, atol=1e-4, rtol=0)
         # a row's tokens do not depend on its neighbours, its slot or whether graphs run
-        for other in (FastEngine(model, tokenizer, max_num_seqs=2, page_size=16, window=5),
-                      FastEngine(model, tokenizer, max_num_seqs=16, page_size=16, enforce_eager=True)):
+        for other in (FastEngine(model, tokenizer, dtype=torch.float32, max_num_seqs=2, page_size=16, window=5),
+                      FastEngine(model, tokenizer, dtype=torch.float32, max_num_seqs=16, page_size=16,
+                                 enforce_eager=True)):
             assert torch.equal(other.generate(prompts, params).responses, out.responses)
 
 
 def test_memory_release_weight_sync_and_sessions(tokenizer, prompts):
     model = _model(tokenizer)
-    engine = FastEngine(model, tokenizer, max_num_seqs=8, page_size=16)
+    engine = FastEngine(model, tokenizer, dtype=torch.float32, max_num_seqs=8, page_size=16)
     params = SamplingParams(n=2, max_new_tokens=20, seed=1)
     before = engine.generate(prompts, params)
     engine.release_memory()

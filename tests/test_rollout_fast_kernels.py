@@ -100,7 +100,7 @@ def test_decode_attention(dtype, splits, heads, kv_heads, dim):
     q = _rand(3, heads, dim, dtype=dtype)
     got = kernels.decode_attention(q, k_cache, v_cache, tables, ctx, dim ** -0.5, splits)
     want = ops.paged_attention(q.unsqueeze(2), k_cache, v_cache, tables, (ctx - 1).unsqueeze(1), ctx,
-                               dim ** -0.5).squeeze(1)
+                               dim ** -0.5, max_kv=int(ctx.max())).squeeze(1)
     torch.testing.assert_close(got, want, **_tol(dtype))
 
 

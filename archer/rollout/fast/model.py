@@ -200,15 +200,16 @@ class FastModel:
         return F.linear(hidden, self.lm_head)
 
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-                kv_len: torch.Tensor, kv: list[tuple]) -> None:
+                kv_len: torch.Tensor, kv: list[tuple], *, max_kv: int, fresh: bool) -> None:
         """Write the keys/values of right-padded token rows [R, T] at ``positions`` (slots [R * T]); row r
-        attends to its first ``kv_len[r]`` cached positions, causally."""
+        attends to its first ``kv_len[r]`` (<= ``max_kv``) cached positions, causally. ``fresh``: every
+        row starts at position 0."""
         rows, length = tokens.shape
         spec = self.spec
 
         def attend(q: torch.Tensor, i: int) -> torch.Tensor:
             q = q.view(rows, length, spec.heads, spec.head_dim).transpose(1, 2)
-            out = ops.paged_attention(q, *kv[i], tables, positions, kv_len, self.scale)
+            out = ops.paged_attention(q, *kv[i], tables, positions, kv_len, self.scale, max_kv=max_kv, fresh=fresh)
             return out.reshape(rows * length, -1)
 
         self._layers(F.embedding(tokens.flatten(), self.embed), positions.flatten(), slots, kv, attend)

@@ -76,22 +76,28 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, 
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                    q_positions: torch.Tensor, kv_len: torch.Tensor, scale: float) -> torch.Tensor:
+                    q_positions: torch.Tensor, kv_len: torch.Tensor, scale: float, *, max_kv: int,
+                    fresh: bool = False) -> torch.Tensor:
     """Attention of queries q [R, H, T, D] at ``q_positions`` [R, T] over each row's cached keys
-    (positions < ``kv_len`` [R], pages listed in ``tables`` [R, *]), causal; returns [R, T, H * D]."""
+    (positions < ``kv_len`` [R] <= ``max_kv``, pages listed in ``tables`` [R, *]), causal; returns
+    [R, T, H * D]. ``fresh``: every row's queries are positions 0, 1, ... (a prompt with nothing cached
+    before it), so the causal mask alone applies and SDPA runs without an explicit mask."""
     rows, heads, length, dim = q.shape
     _, kv_heads, page, _ = k_cache.shape
-    blocks = -(-int(kv_len.max()) // page)
+    blocks = -(-max_kv // page)
     pages = tables[:, :blocks].long()
 
     def gather(cache: torch.Tensor) -> torch.Tensor:
         kv = cache[pages].permute(0, 2, 1, 3, 4).reshape(rows, kv_heads, blocks * page, dim)
         return kv.repeat_interleave(heads // kv_heads, dim=1)
 
-    key_pos = torch.arange(blocks * page, device=q.device)
-    mask = (key_pos <= q_positions.unsqueeze(-1)) & (key_pos < kv_len.view(rows, 1, 1))
-    out = F.scaled_dot_product_attention(q, gather(k_cache), gather(v_cache), attn_mask=mask.unsqueeze(1),
-                                         scale=scale)
+    if fresh:
+        out = F.scaled_dot_product_attention(q, gather(k_cache), gather(v_cache), is_causal=True, scale=scale)
+    else:
+        key_pos = torch.arange(blocks * page, device=q.device)
+        mask = (key_pos <= q_positions.unsqueeze(-1)) & (key_pos < kv_len.view(rows, 1, 1))
+        out = F.scaled_dot_product_attention(q, gather(k_cache), gather(v_cache), attn_mask=mask.unsqueeze(1),
+                                             scale=scale)
     return out.transpose(1, 2).reshape(rows, length, heads * dim)
 
 
@@ -101,5 +107,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``splits`` divides each row's context among that many programs (the kernel's parallelism)."""
     if use_kernels(q):
         return kernels.decode_attention(q, k_cache, v_cache, tables, ctx, scale, splits)
-    out = paged_attention(q.unsqueeze(2), k_cache, v_cache, tables, (ctx - 1).unsqueeze(1), ctx, scale)
+    out = paged_attention(q.unsqueeze(2), k_cache, v_cache, tables, (ctx - 1).unsqueeze(1), ctx, scale,
+                          max_kv=int(ctx.max()))
     return out.squeeze(1)

@@ -80,7 +80,7 @@ class Scheduler:
         slots = tables.gather(1, positions // page) * page + positions % page
         slots = torch.where(valid, slots, TRASH_PAGE * page + offsets % page)
         self.model.prefill(tokens.to(device), positions.to(device), slots.flatten().to(device), tables.to(device),
-                           ends.to(device), cache.layers)
+                           ends.to(device), cache.layers, max_kv=int(ends.max()), fresh=not bool(starts.any()))
         for seq, _, end in batch:
             seq.cached = end
 
