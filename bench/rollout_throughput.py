@@ -88,7 +88,9 @@ def run_fast(model, tokenizer, prompts, args) -> dict:
               "kv_pages": engine.cache.pages, "eos_rows": out.finish_reasons.count("eos")}
     if args.check:
         record.update(_check(model, prompts, out, args))
+    held = torch.cuda.memory_reserved()
     engine.release_memory()
+    record["released_gib"] = (held - torch.cuda.memory_reserved()) / 2**30
     return record
 
 
