@@ -313,3 +313,14 @@ def test_from_config_reads_verl_keys(parts):
     assert (engine.utilization, engine.max_num_seqs, engine.max_num_batched_tokens) == (0.3, 6, 64)
     assert engine.max_model_len == 64 and engine.dtype == torch.float32 and engine.runner.slots == 6
     assert engine.cache.pages == 7 * 2 + 1  # every slot (and one prompt) at max_model_len in 32-token pages, + trash
+
+
+def test_finished_rows_return_their_pages_at_once(parts, prompts):
+    # two slots and pages for three rows at most: twelve rows only fit if each frees its pages when it ends
+    engine = FastEngine(*parts, max_num_seqs=2, page_size=16, max_model_len=48)
+    assert engine.cache.pages == 3 * 3 + 1
+    params = SamplingParams(n=3, max_new_tokens=20, seed=6)
+    out = engine.generate(prompts, params)
+    wide = FastEngine(*parts, max_num_seqs=16, page_size=16, max_model_len=48).generate(prompts, params)
+    assert torch.equal(out.responses, wide.responses)
+    assert engine.cache.free_pages == engine.cache.pages - 1

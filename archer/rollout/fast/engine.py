@@ -230,11 +230,6 @@ class FastSession(EngineSession):
         sequences = [self._get(s) for s in seqs]
         jobs = [Job(budget=self.engine.budget(len(s.tokens), m), seq=s) for s, m in zip(sequences, max_new_tokens)]
         self.engine.decode(jobs, params)
-        cache = self.engine.cache
-        for sequence, job in zip(sequences, jobs):
-            sequence.tokens.extend(job.tokens)
-            sequence.cached = len(sequence.tokens) - 1
-            cache.shrink(sequence)
         return [Segment(job.tokens, torch.tensor(job.log_probs, dtype=torch.float32),
                         torch.tensor(job.entropies, dtype=torch.float32), job.reason) for job in jobs]
 

@@ -88,8 +88,8 @@ class Scheduler:
 
     def run(self, cache: KVCache, jobs: list[Job], params: SamplingParams) -> None:
         """Decode every job until its eos, stop string or budget; fills tokens, log_probs, entropies, reason.
-        Forks made for ``parent`` jobs are left in ``job.seq``; the parents are released when all their
-        jobs have started."""
+        A ``parent`` job decodes a fork (in ``job.seq``) whose pages return when it ends; a parent's pages
+        return when all its jobs have started; a session job's sequence takes its tokens when it ends."""
         vocab = self.model.spec.vocab
         filtered = not params.greedy and (0 < params.top_k < vocab or params.top_p < 1)
         stops = _StopMatcher(self.tokenizer, params.stop)
@@ -108,7 +108,7 @@ class Scheduler:
             steps = min(self.runner.window, min(job.budget - len(job.tokens) for job in running.values()))
             for _ in range(steps):
                 self.runner.run(bucket, filtered, cache)
-            self._collect(running, bucket, steps, stops)
+            self._collect(cache, running, bucket, steps, stops)
             self._compact(running)
 
     def _admit(self, cache: KVCache, waiting: deque, running: dict[int, Job], children: Counter,
@@ -168,7 +168,8 @@ class Scheduler:
             need += cache.pages_needed(job.parent, prefix)
         return need
 
-    def _collect(self, running: dict[int, Job], bucket: int, steps: int, stops: _StopMatcher) -> None:
+    def _collect(self, cache: KVCache, running: dict[int, Job], bucket: int, steps: int,
+                 stops: _StopMatcher) -> None:
         window = self.runner.read(bucket, steps)
         finished = []
         for slot, job in running.items():
@@ -190,7 +191,18 @@ class Scheduler:
                 finished.append(slot)
         self.runner.clear(finished)
         for slot in finished:
-            del running[slot]
+            self._finish(cache, running.pop(slot))
+
+    @staticmethod
+    def _finish(cache: KVCache, job: Job) -> None:
+        """Return an ended job's pages at once: all of a fork made for ``generate``; past the cached prefix
+        for a session's sequence, which takes the decoded tokens (the last one pending)."""
+        if job.parent is not None:
+            cache.release(job.seq)
+            return
+        job.seq.tokens.extend(job.tokens)
+        job.seq.cached = len(job.seq.tokens) - 1
+        cache.shrink(job.seq)
 
     def _first_stop(self, stops: _StopMatcher, tokens: list[int], start: int) -> int | None:
         """The first index >= start whose token completes a stop string (as the HF engine checks them)."""
