@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_rollout_hf_engine import _full_sequences
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from archer.models.loading import load_tokenizer
@@ -38,15 +39,11 @@ def prompts(tokenizer):
     return [tokenizer(t)["input_ids"] for t in TEXTS]
 
 
-def _training_pass(model, prompts, out, temperature):
-    rows = [prompts[i] for i in out.prompt_index.tolist()]
-    width = max(len(p) for p in rows)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in rows])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
-    ids, mask = torch.cat([ids, out.responses], 1).cuda(), torch.cat([mask, out.response_mask], 1).cuda()
+def _training_pass(model, tokenizer, prompts, out, temperature):
+    ids, mask, positions = (t.cuda() for t in _full_sequences(prompts, out, tokenizer.pad_token_id))
     with torch.no_grad():
-        logp, entropy = response_logprobs(model, ids, mask, (mask.cumsum(-1) - 1).clamp(min=0),
-                                          out.responses.shape[1], temperature=temperature)
+        logp, entropy = response_logprobs(model, ids, mask, positions, out.responses.shape[1],
+                                          temperature=temperature)
     return logp.cpu(), entropy.cpu()
 
 
@@ -61,7 +58,7 @@ def test_graphs_match_hf_and_the_training_pass(tokenizer, prompts):
     for params in (SamplingParams(n=3, temperature=0.8, top_k=30, top_p=0.9, max_new_tokens=30, seed=3),
                    SamplingParams(n=3, temperature=1.2, max_new_tokens=30, seed=4)):
         out = engine.generate(prompts, params)
-        logp, entropy = _training_pass(model, prompts, out, params.temperature)
+        logp, entropy = _training_pass(model, tokenizer, prompts, out, params.temperature)
         torch.testing.assert_close(out.log_probs, logp, atol=1e-4, rtol=0)
         torch.testing.assert_close(out.entropies, entropy, atol=1e-4, rtol=0)
         # a row's tokens do not depend on its neighbours, its slot or whether graphs run
@@ -107,6 +104,6 @@ def test_bfloat16_log_probs_near_the_training_pass(tokenizer, prompts):
     model = _model(tokenizer, torch.bfloat16)
     out = FastEngine(model, tokenizer, max_num_seqs=8).generate(prompts, SamplingParams(n=2, max_new_tokens=30,
                                                                                         seed=2))
-    logp, _ = _training_pass(model, prompts, out, 1.0)
+    logp, _ = _training_pass(model, tokenizer, prompts, out, 1.0)
     diff = (out.log_probs - logp.float())[out.response_mask.bool()].abs()
     assert diff.mean() < 5e-2

@@ -32,7 +32,9 @@ class FastEngine(RolloutEngine):
 
     ``model`` is the actor (any device and dtype: its weights are copied); the engine runs on ``device``
     (default: the model's) in ``dtype`` (default: bfloat16 on a GPU, float32 on a CPU). Positions are bounded
-    by ``max_model_len`` (default: the model's max_position_embeddings).
+    by ``max_model_len`` (default: the model's max_position_embeddings). The cache is made of pages of
+    ``page_size`` tokens; the host reads the decoded tokens every ``window`` steps, which is when stop strings
+    are checked and an ended row's slot is given to a waiting one.
     """
 
     def __init__(
