@@ -3,6 +3,7 @@ tool answers, the call limit, the response budget, verl's answer cut, both call 
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -240,6 +241,22 @@ def test_hermes_runs_every_call_of_a_turn_and_answers_unreadable_ones():
                             "<|im_start|>assistant\n")
     assert out.num_tool_calls == [4] and out.stats.invalid_calls == 2
     assert out.stats.metrics()["tools/python/calls"] == 2.0 and "tools/nope/calls" not in out.stats.metrics()
+
+
+def test_hermes_call_beyond_the_limit_ends_on_the_turns_own_eos():
+    reg = registry(Echo(), call_limit=0)
+    loop = AgenticRollout(ScriptedEngine(lambda s, _: Turn(hermes_call(), eos=True), TOK), TOK, reg, HermesCalls(TOK),
+                          LoopSettings(response_length=300, call_limit=0))
+    out = loop.generate([enc("q")], SamplingParams(n=1, seed=0), None)
+    assert present(out, 0) == enc(hermes_call()) + [EOS]  # no second eos
+    assert out.finish_reasons == ["call_limit"] and out.stats.limit_reached == [True]
+
+
+def test_the_tool_turn_follows_the_special_token_that_closes_the_turn_whatever_the_eos_token():
+    base = copy.deepcopy(TOK)
+    base.eos_token = "<|endoftext|>"  # a base model's eos; the chat template still closes turns with <|im_end|>
+    for tok in (TOK, base):
+        assert HermesCalls(tok).frame(1) == ["\n<|im_start|>tool\n", "<|im_end|>\n<|im_start|>assistant\n"]
 
 
 def test_hermes_turn_without_a_call_ends_the_response():

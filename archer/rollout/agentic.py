@@ -142,6 +142,8 @@ class AgenticRollout:
         if params.seed is None:
             raise ValueError("the agentic loop needs a sampling seed")
         settings = branching or BranchSettings(n=params.n, initial_rollouts=params.n)
+        if settings.n != params.n:
+            raise ValueError(f"branching for n={settings.n} but sampling for n={params.n}")
         stops = tuple(dict.fromkeys((*params.stop, *self.format.stop_strings)))
         params = replace(params, n=1, stop=stops)
         initial = [settings.initial_rollouts] * len(prompts)

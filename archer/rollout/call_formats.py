@@ -117,13 +117,15 @@ class HermesCalls(CallFormat):
                                                   add_generation_prompt=add_generation_prompt, **self.template_kwargs)
 
     def _text_after_eos(self) -> str:
-        """What the template writes after the eos that ends an assistant turn (Qwen: a newline)."""
+        """What the template writes after the special token that closes an assistant turn (Qwen: the newline
+        after ``<|im_end|>``); the model's turn ends at that token, which is one of its eos tokens."""
         marker = _SENTINEL.format("assistant")
         closed = self._render([{"role": "user", "content": "u"}, {"role": "assistant", "content": marker}],
                               add_generation_prompt=False)
         turn_end = closed[closed.rfind(marker) + len(marker):]
-        eos = self.tokenizer.eos_token or ""
-        return turn_end[len(eos):] if eos and turn_end.startswith(eos) else ""
+        specials = {*self.tokenizer.all_special_tokens, *self.tokenizer.get_added_vocab()}
+        closing = max((t for t in specials if t and turn_end.startswith(t)), key=len, default="")
+        return turn_end[len(closing):]
 
     def parse(self, text: str, finish_reason: str) -> list[ParsedCall]:
         if finish_reason != "eos":
