@@ -81,12 +81,16 @@ def test_the_engine_sees_the_sequence_exactly_as_laid_out():
     assert [len(s) - len(prompt) for s in seen] == segment_starts
 
 
-def test_the_text_after_a_closing_tag_within_its_token_is_not_part_of_the_call():
-    tool = Echo(answer="ok")
-    loop = arpo_loop(calls_then_answer(1, "<python>print(1)</python>.</python>"), tool)
-    out = run(loop)
-    assert tool.calls == ["print(1)"]
-    assert out.num_tool_calls == [1]
+def test_the_call_ends_at_the_first_closing_tag_even_inside_the_last_token():
+    reg = registry(Echo(), Echo("search", trigger_tag="search"))
+    tags = ArpoTags(reg)
+    assert tags.stop_strings == ("</python>", "</search>")
+    # an engine stops at the token that completes the tag; that token may carry more text
+    (parsed,) = tags.parse("<python>print(1)</python>x", "stop")
+    assert (parsed.call.tool, parsed.call.content, parsed.error) == ("python", "print(1)", None)
+    (parsed,) = tags.parse("<search>a</search> <python>b</python>", "stop")
+    assert (parsed.call.tool, parsed.call.content) == ("search", "a")
+    assert tags.parse("<python>print(1)</python>", "eos") == [] and tags.parse("plain", "stop") == []
 
 
 def test_a_closing_tag_without_its_opening_tag_is_answered_with_an_error():
