@@ -4,8 +4,8 @@ log-probs/entropies, its PPO update and the influence hooks on its layers.
 The trainer talks to it in Batches and plain data only (so that it can move into another process): prompts in,
 sequences out (``generate_sequences``, sampling settings in ``info``; with tools configured, through the
 multi-turn tool loop); a batch in, old log-probs and entropies out; a batch in, metrics (and, when the influence
-trace asks for tokens in ``info``, their captured gradient factors) out. The worker keeps the engine's weights in step with the model and frees the engine's memory
-around the update (``rollout.free_cache_engine``).
+trace asks for tokens in ``info``, their captured gradient factors) out. The worker keeps the engine's weights
+in step with the model and frees the engine's memory around the update (``rollout.free_cache_engine``).
 
 Log-probs and entropies come from the chunked kernel in models/logprobs.py (no full float32 tokens x vocab
 tensor). The update splits the batch into mini-batches (one optimiser step each) and micro-batches
