@@ -13,6 +13,7 @@ from archer.algorithms.policy_loss import POLICY_LOSSES
 from archer.config.loader import as_list
 from archer.errors import ArcherError
 from archer.rewards.shaping import OverlongBuffer
+from archer.rollout.agentic_config import check_agentic_config
 from archer.rollout.factory import check_engine_name
 from archer.trace.influence import check_settings as check_influence_settings
 from archer.trainer.group_filter import check_filter_metric
@@ -72,6 +73,7 @@ def check_config(cfg: DictConfig) -> None:
     check_engine_name(cfg.actor_rollout_ref.rollout.name)
     actor = cfg.actor_rollout_ref.actor
     loss_switches(POLICY_LOSSES.lookup(actor.policy_loss.loss_mode), actor)  # a loss mode and switches it takes
+    check_agentic_config(cfg.actor_rollout_ref.rollout)
     check_trainer_modes(cfg.trainer, has_val_files=bool(as_list(cfg.data.val_files)))
     train_bs, mini = int(cfg.data.train_batch_size), int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
     if mini > train_bs or train_bs % mini:
