@@ -32,12 +32,12 @@ stage() {  # NAME SECONDS COMMAND...: runs COMMAND under a time limit and logs h
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   python3 -m pip list 2>/dev/null | grep -iE '^(trl|datasets|accelerate|pyarrow|triton|hydra-core|omegaconf) '
 
-  stage grpo_vs_trl 300 python3 bench/grpo_vs_trl.py --out /tmp/gvt --shape "$shape" \
+  stage grpo_vs_trl 330 python3 bench/grpo_vs_trl.py --out /tmp/gvt --shape "$shape" \
     --steps "${GVT_STEPS:-4}" --trl-steps "${TRL_STEPS:-3}" --json "$out/grpo_vs_trl.json"
   cp /tmp/gvt/archer_run/metrics.jsonl "$out/grpo_vs_trl_archer_metrics.jsonl" 2>/dev/null
 
-  stage quickstart 120 python3 -m archer.cli quickstart --out /tmp/qs
+  stage quickstart 90 python3 -m archer.cli quickstart --out /tmp/qs
   cp /tmp/qs/summary.json "$out/quickstart_summary.json" 2>/dev/null
 
-  stage trace_cost 170 python3 bench/trace_cost.py --out /tmp/tc --shape "$shape" --steps "${TC_STEPS:-4}"
+  stage trace_cost 150 python3 bench/trace_cost.py --out /tmp/tc --shape "$shape" --steps "${TC_STEPS:-4}"
 } 2>&1 | tee "$out/suite.log"
