@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from gpu_step import SHAPES
+from gpu_step import QWEN_VOCAB, SHAPES
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 from archer.models.logprobs import response_logprobs
@@ -34,7 +34,6 @@ from archer.rollout.base import SamplingParams
 from archer.rollout.fast import FastEngine
 from archer.rollout.hf_engine import HFGenerateEngine
 
-QWEN_VOCAB = 151936
 PEERS = ("fast", "hf-static", "hf-dynamic", "hf-engine")
 
 

@@ -68,6 +68,18 @@ def test_graphs_match_hf_and_the_training_pass(tokenizer, prompts):
             assert torch.equal(other.generate(prompts, params).responses, out.responses)
 
 
+def test_more_graph_buckets_than_window_columns(tokenizer, prompts):
+    """Capturing runs each bucket once eagerly, and each run writes one window column: 64 slots give 9 buckets,
+    more than a window of 4 columns, which once wrote out of bounds (a device-side assert)."""
+    model = _model(tokenizer)
+    params = SamplingParams(n=2, max_new_tokens=12, seed=2)
+    engine = FastEngine(model, tokenizer, dtype=torch.float32, max_num_seqs=64, page_size=16, window=4)
+    assert len(engine.runner.buckets) > engine.runner.window
+    eager = FastEngine(model, tokenizer, dtype=torch.float32, max_num_seqs=64, page_size=16, window=4,
+                       enforce_eager=True)
+    assert torch.equal(engine.generate(prompts, params).responses, eager.generate(prompts, params).responses)
+
+
 def test_memory_release_weight_sync_and_sessions(tokenizer, prompts):
     model = _model(tokenizer)
     engine = FastEngine(model, tokenizer, dtype=torch.float32, max_num_seqs=8, page_size=16)

@@ -144,6 +144,7 @@ class DecodeRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         for bucket in missing:
+            self.column.zero_()  # each eager run writes one window column: more buckets than columns would overflow
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
