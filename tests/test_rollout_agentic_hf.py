@@ -92,8 +92,14 @@ def test_training_rollout_with_real_tools_lays_out_tool_output_as_context(model_
         length = int(present[r].sum())
         assert length <= 96 and learned[r, length - 1] == 1  # never ends on tool output
         assert batch["num_tool_calls"][r] == len(tool_text(batch, r, tokenizer))  # every counted call answered
-    parents = batch["branch_parent"].tolist()
+    parents, positions = batch["branch_parent"].tolist(), batch["branch_position"].tolist()
     assert parents[0:2] == [-1, -1] and parents[4:6] == [-1, -1]  # 2 global samples, then branches or refills
+    for r, (parent, position) in enumerate(zip(parents, positions)):
+        assert (parent >= 0) == (position >= 0)
+        if parent >= 0:  # the branch shares its parent's tokens up to the tool answer it branched after
+            p = r // 4 * 4 + parent
+            assert torch.equal(batch["responses"][r, :position], batch["responses"][p, :position])
+            assert tool[r, position - 1] == 1 and learned[r, position] == 1
     stats = batch.info[ROLLOUT_STATS]
     assert sum(p >= 0 for p in parents) == len(stats.branch_entropies)
     metrics = stats.metrics()
