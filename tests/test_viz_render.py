@@ -183,8 +183,11 @@ def test_heatmap_greys_tool_output_and_marks_tool_calls() -> None:
 def test_reward_colour_from_the_groups_lowest_to_highest() -> None:
     assert render.reward_colour(0.0, 0.0, 1.0) == "rgb(214,39,40)"
     assert render.reward_colour(1.0, 0.0, 1.0) == "rgb(44,160,44)"
-    assert render.reward_colour(0.5, 0.0, 1.0) == "rgb(129,100,42)"  # 129, 99.5, 42
-    assert render.reward_colour(3.0, 3.0, 3.0) == render.reward_colour(0.5, 0.0, 1.0)  # all equal: the middle
+    assert render.reward_colour(0.5, 0.0, 1.0) == "rgb(237,177,32)"  # amber half way
+    assert render.reward_colour(0.25, 0.0, 1.0) == "rgb(226,108,36)"  # half way to amber: 225.5, 108, 36
+    assert render.reward_colour(0.75, 0.0, 1.0) == "rgb(141,169,38)"  # 140.5, 168.5, 38
+    assert render.reward_colour(3.0, 3.0, 3.0) == "rgb(237,177,32)"  # all equal: amber
+    assert render.reward_colour(9.0, 0.0, 1.0) == "rgb(44,160,44)"  # clipped
     assert render.reward_colour(float("nan"), 0.0, 1.0) == render.MISSING
 
 
@@ -220,7 +223,7 @@ def test_branch_tree_svg_by_hand() -> None:
     assert len([r for r in lanes[0].iter(f"{SVG}rect") if r.get("class")]) == 2 and lanes[2].find(
         f"{SVG}rect[@class='archer-tree-tool']") is None
     leaves = [g.find(f"{SVG}circle").get("fill") for g in lanes]
-    assert leaves == ["rgb(44,160,44)", "rgb(214,39,40)", "rgb(129,100,42)"]  # rewards 1, 0, 0.5
+    assert leaves == ["rgb(44,160,44)", "rgb(214,39,40)", "rgb(237,177,32)"]  # rewards 1, 0, 0.5
     texts = [[t.text for t in g.iter(f"{SVG}text")] for g in lanes]
     assert texts == [["#0 · row 0", "reward 1 · 1 call · eos"], ["#1 · row 1", "reward 0 · 1 call · length"],
                      ["#2 · row 2", "reward 0.5 · 0 calls · eos"]]

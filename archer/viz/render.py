@@ -162,7 +162,7 @@ def panels_html(panels: Sequence[tuple[str, str]]) -> str:
 
 
 TREE_WIDTH, TREE_LEFT, TREE_RIGHT, TREE_TOP, TREE_LANE = 980, 120, 280, 40, 30
-REWARD_LOW, REWARD_HIGH = (214, 39, 40), (44, 160, 44)
+REWARD_LOW, REWARD_MID, REWARD_HIGH = (214, 39, 40), (237, 177, 32), (44, 160, 44)
 TREE_CSS = (
     "<style>"
     ".archer-tree{font-family:ui-monospace,monospace;font-size:12px;color:#111;background:#fff}"
@@ -180,11 +180,12 @@ def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
 
 
 def reward_colour(value: float, low: float, high: float) -> str:
-    """Red at the group's lowest reward, green at its highest (between them when all are equal); NaN -> grey."""
+    """Red at the group's lowest reward, amber half way, green at its highest (amber when all are equal);
+    NaN -> grey."""
     if math.isnan(value):
         return MISSING
-    t = (value - low) / (high - low) if high > low else 0.5
-    return _mix(REWARD_LOW, REWARD_HIGH, min(max(t, 0.0), 1.0))
+    t = min(max((value - low) / (high - low) if high > low else 0.5, 0.0), 1.0)
+    return _mix(REWARD_LOW, REWARD_MID, 2 * t) if t < 0.5 else _mix(REWARD_MID, REWARD_HIGH, 2 * t - 1)
 
 
 def _lane_summary(record: dict, reward: float) -> str:
@@ -201,8 +202,8 @@ def branch_tree_svg(tree: pd.DataFrame, marks: dict[int, tuple[np.ndarray, np.nd
     positions, from its branch point (a root from 0) to its end; tool output grey and tool calls purple on it
     (``marks``: row -> (tool, tool_call) per position); at each branch point a dot on the parent's lane coloured
     by the entropy there (``vmax`` as in the heatmaps) and labelled with it; at each end a dot coloured by the
-    reward (red lowest, green highest of the group) and the reward, tool calls and finish reason. Every mark of a
-    response is in a ``<g class="archer-tree-node" data-row=ROW>``; ``selected`` is highlighted."""
+    reward (``reward_colour``) and the reward, tool calls and finish reason. Every mark of a response is in a
+    ``<g class="archer-tree-node" data-row=ROW>``; ``selected`` is highlighted."""
     n = len(tree)
     longest = max(int(tree["length"].max()) if n else 0, 1)
     span = TREE_WIDTH - TREE_LEFT - TREE_RIGHT
@@ -263,8 +264,8 @@ def branch_tree_svg(tree: pd.DataFrame, marks: dict[int, tuple[np.ndarray, np.nd
     parts.append("</svg>")
     legend = ("Each line is one response along its token positions, from where it branched off (dashed, from the "
               "dot on its parent's line, coloured and labelled by the entropy there in nats) to its end (the dot "
-              "coloured by its reward: red the group's lowest, green its highest). Grey: tool output; purple: tool "
-              "calls. Click a response to open it.")
+              "coloured by its reward: red the group's lowest, amber half way or all equal, green its highest). "
+              "Grey: tool output; purple: tool calls. Click a response to open it.")
     return f'{TREE_CSS}<div class="archer-tree"><div class="archer-legend">{legend}</div>{"".join(parts)}</div>'
 
 
