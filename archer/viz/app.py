@@ -235,11 +235,9 @@ def build_app(trace_dir: str | Path, model_path: str | Path | None = None, *,
             return {tree_uid: gr.update(choices=explorer.prompt_choices(step_value), value=uid),
                     tree_map: body, tree_table: _display(table)}
 
-        def pick_prompt(step_value: Any, uid: str | None) -> dict[Any, Any]:
+        def pick_prompt(step_value: Any, uid: str | None) -> dict[Any, Any] | None:
             """A prompt picked in the tree tab: open its first response (the tree follows the row)."""
-            if step_value is None or uid is None:
-                return {row: gr.skip(), error: gr.skip()}
-            return {row: explorer.first_row(step_value, uid)}
+            return None if uid is None else {row: explorer.first_row(step_value, uid)}
 
         def open_node(event: gr.EventData) -> dict[Any, Any]:
             """A response clicked in the tree: open it in the response view."""
