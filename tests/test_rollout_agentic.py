@@ -58,7 +58,8 @@ def test_tool_answers_are_context_and_model_tokens_are_learned():
     assert out.log_probs[0].tolist() == [-0.5 if m else 0.0 for m in learned]
     assert out.entropies[0].tolist() == [1.0] * len(call) + [0.0] * len(head + answer + tail) + [2.0] * (len(final) + 1)
     assert tool.calls == ["print(6 * 7)"]
-    assert (out.finish_reasons, out.num_tool_calls, out.num_turns, out.branch_parent) == (["eos"], [1], [2], [-1])
+    assert (out.finish_reasons, out.num_tool_calls, out.num_turns, out.branch_parent, out.branch_position) == (
+        ["eos"], [1], [2], [-1], [-1])
     assert TOK.decode(expected, skip_special_tokens=True) == CALL + " <result>\n42\n</result>" + ANSWER
 
 

@@ -92,8 +92,14 @@ def test_training_rollout_with_real_tools_lays_out_tool_output_as_context(model_
         length = int(present[r].sum())
         assert length <= 96 and learned[r, length - 1] == 1  # never ends on tool output
         assert batch["num_tool_calls"][r] == len(tool_text(batch, r, tokenizer))  # every counted call answered
-    parents = batch["branch_parent"].tolist()
+    parents, positions = batch["branch_parent"].tolist(), batch["branch_position"].tolist()
     assert parents[0:2] == [-1, -1] and parents[4:6] == [-1, -1]  # 2 global samples, then branches or refills
+    for r, (parent, position) in enumerate(zip(parents, positions)):
+        assert (parent >= 0) == (position >= 0)
+        if parent >= 0:  # the branch shares its parent's tokens up to the tool answer it branched after
+            p = r // 4 * 4 + parent
+            assert torch.equal(batch["responses"][r, :position], batch["responses"][p, :position])
+            assert tool[r, position - 1] == 1 and learned[r, position] == 1
     stats = batch.info[ROLLOUT_STATS]
     assert sum(p >= 0 for p in parents) == len(stats.branch_entropies)
     metrics = stats.metrics()
@@ -153,7 +159,7 @@ def test_archer_train_runs_two_steps_on_arpos_data_with_both_tools(model_dir, tm
          "data.max_prompt_length=768", "data.filter_overlong_prompts=true", "data.max_response_length=96",
          "trainer.total_training_steps=2", "trainer.device=cpu", "trainer.logger=[jsonl]", "trainer.plots=false",
          f"trainer.default_local_dir={run}", f"trainer.rollout_data_dir={run / 'rollouts'}",
-         f"{ROLLOUT}.multi_turn.max_tool_response_length=200", *TOOLS],
+         f"{ROLLOUT}.multi_turn.max_tool_response_length=200", "+trainer.entropy_trace.enable=true", *TOOLS],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -168,3 +174,31 @@ def test_archer_train_runs_two_steps_on_arpos_data_with_both_tools(model_dir, tm
     assert len(dump) == 4
     assert {r["data_source"] for r in dump} == {"DR_grpo_mix"}
     assert any("<result>" in r["output"] for r in dump)  # the reward read the tool output
+    check_tool_trace(run / "entropy_trace")
+
+
+def check_tool_trace(trace: Path) -> None:
+    """The entropy trace of the tool run: its tool fields, and each branch is its parent's tokens up to the tool
+    answer it branched after, with the same entropy there (the same context); the explorer's tree agrees."""
+    from archer.trace.format import TraceReader
+    from archer.viz.explorer import Explorer
+
+    reader = TraceReader(trace)
+    branches = 0
+    for step in reader.steps():
+        arrays = reader.load_step(step)
+        tool, mask = arrays["tool_mask"], arrays["response_mask"]
+        assert tool.any() and not (tool & mask).any() and arrays["num_tool_calls"].max() >= 1
+        assert set(arrays["finish_reason"].tolist()) <= {"eos", "stop", "length", "call_limit"}
+        tree = Explorer(trace).branch_tree(step, 0)[1]
+        assert sorted(tree["row"].tolist()) == [0, 1, 2, 3]
+        for r, p, position, entropy in zip(tree["row"], tree["parent_row"], tree["branch_position"],
+                                           tree["branch_entropy"]):
+            assert arrays["branch_parent"][r] == (arrays["sample_index"][p] if p >= 0 else -1)
+            if p < 0:
+                continue
+            branches += 1
+            assert (arrays["responses"][r, :position] == arrays["responses"][p, :position]).all()
+            assert tool[r, position - 1] and mask[r, position]
+            assert entropy == pytest.approx(float(arrays["entropies"][p, position]), abs=2e-2)
+    assert branches >= 1

@@ -103,7 +103,10 @@ def test_a_certain_branch_copies_the_trajectory_right_after_the_tool_answer():
     settings = BranchSettings(n=n, initial_rollouts=1, beam_size=3, branch_probability=1.0, entropy_weight=0.0)
     out = generate(make_loop(tool_script(random_text=True)), settings, prompts=PROMPTS[:1])
     assert out.branch_parent == [-1, 0, 0]  # two branches at the first answer: beam_size - 1 = 2 = the free slots
-    first_answer_end = tokens(out, 0).index(enc("\n</result>")[-1]) + 1
+    tool = out.tool_mask[0].tolist()
+    first_answer_end = tool.index(0, tool.index(1))  # the first model token after the first tool answer
+    assert out.tool_mask[0, first_answer_end - 1] == 1 and out.response_mask[0, first_answer_end] == 1
+    assert out.branch_position == [-1, first_answer_end, first_answer_end]  # the first token after the answer
     for child in (1, 2):
         assert tokens(out, child)[:first_answer_end] == tokens(out, 0)[:first_answer_end]
         assert out.response_mask[child, :first_answer_end].tolist() == out.response_mask[0, :first_answer_end].tolist()

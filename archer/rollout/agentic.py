@@ -70,6 +70,7 @@ class Trajectory:
     ordinal: int  # its place among its prompt's trajectories (creation order)
     seq: int
     parent: int = -1  # ordinal of the trajectory it branched from (-1: a global sample or a refill)
+    branch_position: int = -1  # its first token of its own: the tokens before it are the parent's (-1: none)
     depth: int = 0
     consecutive: int = 0  # consecutive branch points of its path that branched (AEPO's penalty)
     tokens: list[int] = field(default_factory=list)
@@ -96,7 +97,8 @@ class Trajectory:
 class AgenticOutput:
     """``n`` rows per prompt, prompt-major, R = the longest response. ``response_mask`` is 1 on the model's
     tokens (a forced eos included), ``tool_mask`` 1 on tool output; log-probs and entropies are 0 off the
-    model's sampled tokens. ``branch_parent`` is the row (within the prompt's n) a row branched from, or -1."""
+    model's sampled tokens. ``branch_parent`` is the row (within the prompt's n) a row branched from, or -1;
+    ``branch_position`` the response position where it branched (its tokens before it are the parent's), or -1."""
 
     responses: torch.Tensor  # long [N, R], pad after the end
     response_mask: torch.Tensor  # long [N, R]
@@ -107,6 +109,7 @@ class AgenticOutput:
     num_tool_calls: list[int]
     num_turns: list[int]
     branch_parent: list[int]
+    branch_position: list[int]
     stats: RolloutStats
 
 
@@ -197,7 +200,8 @@ class _Run:
     def branch(self, parent: Trajectory, point: _Point) -> Trajectory:
         ordinal = len(self.trajectories[parent.prompt])
         seq = self.session.fork(point.seq, _seed(self.seed, _SAMPLE, parent.prompt, ordinal))
-        child = Trajectory(parent.prompt, ordinal, seq, parent=parent.ordinal, depth=parent.depth + 1,
+        child = Trajectory(parent.prompt, ordinal, seq, parent=parent.ordinal, branch_position=point.length,
+                           depth=parent.depth + 1,
                            tokens=parent.tokens[:point.length], learned=parent.learned[:point.length],
                            log_probs=parent.log_probs[:point.length], entropies=parent.entropies[:point.length],
                            calls=point.calls, turns=point.turns, h_init=parent.h_init)
@@ -342,4 +346,5 @@ class _Run:
             tool_mask=present - learned, log_probs=tensor([t.log_probs for t in rows], 0.0, torch.float32),
             entropies=tensor([t.entropies for t in rows], 0.0, torch.float32),
             finish_reasons=[t.finish for t in rows], num_tool_calls=[t.calls for t in rows],
-            num_turns=[t.turns for t in rows], branch_parent=[t.parent for t in rows], stats=stats)
+            num_turns=[t.turns for t in rows], branch_parent=[t.parent for t in rows],
+            branch_position=[t.branch_position for t in rows], stats=stats)

@@ -8,7 +8,8 @@ The actor worker owns it (the engine generates with the actor's weights).
 With tools configured (``rollout.tools.tool_instances``) it generates with the multi-turn tool loop
 (rollout/agentic.py), for training (with ARPO/AEPO branching) and validation alike, and adds ``tool_mask``
 ([B, R], 1 on tool output), the rows ``num_tool_calls``, ``num_turns``, ``branch_parent`` (the row of the
-prompt's n it branched from, -1 for none) and ``info["rollout_stats"]`` (a RolloutStats: the step's
+prompt's n it branched from, -1 for none), ``branch_position`` (the response position where it branched, -1
+for none) and ``info["rollout_stats"]`` (a RolloutStats: the step's
 ``rollout/*`` and ``tools/*`` metrics).
 
 The layout is where the one learning mask is set: ``response_mask`` is 1 on the tokens the policy wrote and
@@ -111,6 +112,7 @@ class RolloutWorker:
         batch["num_tool_calls"] = out.num_tool_calls
         batch["num_turns"] = out.num_turns
         batch["branch_parent"] = out.branch_parent
+        batch["branch_position"] = out.branch_position
         batch.info[ROLLOUT_STATS] = out.stats
         return batch
 
