@@ -96,7 +96,7 @@ def test_qa_f1_is_an_extra_of_its_row(tokenizer: PreTrainedTokenizerFast) -> Non
     # "paris city" vs "city of paris": 2 common tokens, p = 1, r = 2/3 -> f1 = 0.8
     np.testing.assert_allclose(out.scores, [0.8, 1.0])
     np.testing.assert_array_equal(out.acc, [0.0, 1.0])
-    assert out.extras.tolist() == [{"f1": pytest.approx(0.8)}, {}]  # the math row returned a number
+    assert out.extras.tolist() == [{"f1": pytest.approx(0.8), "format": 1.0, "both_tools": 0.0}, {}]  # math: a number
 
 
 def test_custom_function_scores_every_row(tokenizer: PreTrainedTokenizerFast) -> None:

@@ -25,20 +25,21 @@ def test_normalisation_and_f1_by_hand() -> None:
 
 def test_score_acc_and_f1() -> None:
     assert compute_qa_score(response("the Eiffel Tower Paris"), "Eiffel Tower") == pytest.approx(
-        {"score": 0.8, "acc": 0.0, "f1": 0.8}
+        {"score": 0.8, "acc": 0.0, "f1": 0.8, "format": 1.0, "both_tools": 0.0}
     )
     assert compute_qa_score(response("eleanor of lancaster."), "Eleanor Of Lancaster") == {
         "score": 1.0,
         "acc": 1.0,
         "f1": 1.0,
+        "format": 1.0,
+        "both_tools": 0.0,
     }
     assert compute_qa_score(response(r"\text{Eleanor Of Lancaster}"), "Eleanor Of Lancaster")["acc"] == 1.0
 
 
 def test_tool_bonus_needs_both_tools_and_some_overlap() -> None:
-    assert compute_qa_score(response("Eiffel Tower", SEARCH + PYTHON), "Eiffel Tower")[
-        "score"
-    ] == pytest.approx(1.1)
+    both = compute_qa_score(response("Eiffel Tower", SEARCH + PYTHON), "Eiffel Tower")
+    assert both["score"] == pytest.approx(1.1) and both["both_tools"] == 1.0
     assert compute_qa_score(response("Eiffel Tower", SEARCH), "Eiffel Tower")["score"] == pytest.approx(1.0)
     assert compute_qa_score(response("Louvre", SEARCH + PYTHON), "Eiffel Tower")["score"] == 0.0
 
@@ -72,7 +73,8 @@ def test_references_as_list_or_its_string() -> None:
 )
 def test_malformed_responses_score_minus_one(text: str) -> None:
     assert not is_well_formed(text)
-    assert compute_qa_score(text, "Paris") == {"score": -1.0, "acc": 0.0, "f1": 0.0}
+    assert compute_qa_score(text, "Paris") == {"score": -1.0, "acc": 0.0, "f1": 0.0, "format": 0.0,
+                                               "both_tools": float("<search>" in text and "<python>" in text)}
 
 
 def test_well_formed_with_tools() -> None:

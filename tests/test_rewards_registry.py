@@ -48,7 +48,7 @@ def test_mixed_sources_route_by_ability() -> None:
     qa = default_compute_score(
         "DR_grpo_mix", QA_OK, "Eleanor Of Lancaster", extra_info={"index": 0}, ability="qa"
     )
-    assert qa == {"score": 1.0, "acc": 1.0, "f1": 1.0}
+    assert qa == {"score": 1.0, "acc": 1.0, "f1": 1.0, "format": 1.0, "both_tools": 0.0}
     assert default_compute_score("my_mix", "\\boxed{3}", "3", ability="Math") == 1.0
 
 
@@ -57,6 +57,8 @@ def test_deep_research_eval_sets_without_ability_use_qa() -> None:
         "score": 1.0,
         "acc": 1.0,
         "f1": 1.0,
+        "format": 1.0,
+        "both_tools": 0.0,
     }
 
 

@@ -98,9 +98,11 @@ def _strip_latex_text(answer: str) -> str:
 
 
 def compute_qa_score(solution_str: str, ground_truth: str | Sequence[str]) -> dict[str, float]:
-    """{"score", "acc" (exact match after normalisation), "f1"}; score -1 for a malformed response."""
+    """{"score", "acc" (exact match after normalisation), "f1", "format" (1 when well formed), "both_tools"
+    (1 when it called search and python)}; score -1 for a malformed response."""
+    used_all_tools = float(all(f"<{tool}>" in solution_str for tool in _TOOLS))
     if not is_well_formed(solution_str):
-        return {"score": MALFORMED_SCORE, "acc": 0.0, "f1": 0.0}
+        return {"score": MALFORMED_SCORE, "acc": 0.0, "f1": 0.0, "format": 0.0, "both_tools": used_all_tools}
     answer_block = solution_str[solution_str.index("<answer>") : solution_str.index("</answer>")]
     answer = _strip_latex_text(extract_boxed(answer_block) or "")
     refs = references(ground_truth)
@@ -110,6 +112,5 @@ def compute_qa_score(solution_str: str, ground_truth: str | Sequence[str]) -> di
         )
     f1 = max(token_f1(answer, ref) for ref in refs)
     exact = any(normalize_answer(answer) == normalize_answer(ref) for ref in refs)
-    used_all_tools = all(f"<{tool}>" in solution_str for tool in _TOOLS)
     score = f1 + TOOL_BONUS if f1 > 0 and used_all_tools else f1
-    return {"score": score, "acc": float(exact), "f1": f1}
+    return {"score": score, "acc": float(exact), "f1": f1, "format": 1.0, "both_tools": used_all_tools}
