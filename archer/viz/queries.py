@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from archer.algorithms import grouping
 from archer.trace.format import REWARD_EXTRA_PREFIX, value_stats
 
 Arrays = dict[str, np.ndarray]
@@ -299,8 +300,7 @@ def prompt_uids(arrays: Arrays) -> list[str]:
     """The step's prompt uids, in the order of their first response."""
     if "uid" not in arrays:
         return []
-    uids, first = np.unique(arrays["uid"], return_index=True)
-    return [str(u) for u in uids[np.argsort(first)]]
+    return [str(arrays["uid"][rows[0]]) for rows in grouping.group_rows(arrays["uid"])]
 
 
 def branch_tree(arrays: Arrays, uid: str) -> pd.DataFrame:
