@@ -3,7 +3,7 @@ archer did not choose (every sequence in one row, block-diagonal attention), on 
 batch of left-padded prompts and long-tailed responses.
 
     python bench/padding_free.py                                   # CPU: 4 layers, hidden 256
-    python bench/padding_free.py --device cuda --shape qwen2.5-0.5b --rows 128 --max-response 2048
+    python bench/padding_free.py --device cuda --shape qwen2.5-0.5b --rows 64 --max-response 1024 --budget 16384
 
 For each layout: forward + backward time (median), peak extra memory, the tokens the forward computes
 (rows x width summed over micro-batches) and the largest difference of the log-probs and of the gradient

@@ -26,7 +26,7 @@ from torch.autograd.function import once_differentiable
 from archer.errors import ArcherError
 from archer.models.sequence_layout import SequenceLayout
 
-LOGITS_BYTES_PER_CHUNK = 128 * 2**20  # float32 logits of one chunk when chunk_size is None
+LOGITS_BYTES_PER_CHUNK = 256 * 2**20  # float32 logits of one chunk when chunk_size is None
 
 
 def auto_chunk_size(vocab_size: int) -> int:
@@ -50,8 +50,7 @@ def _log_softmax_stats(
     if compute_entropy:
         exp = shifted.exp()
         total = exp.sum(dim=-1)
-        # sum_v p_v (z_v / T - shift) as a batched dot product: no third [N, V] buffer
-        mean_shifted = torch.bmm(exp.unsqueeze(1), shifted.unsqueeze(2)).view(-1) / total
+        mean_shifted = exp.mul_(shifted).sum(dim=-1) / total  # sum_v p_v (z_v / T - shift), in place
         entropy = total.log() - mean_shifted
     else:
         total = shifted.exp_().sum(dim=-1)
@@ -135,8 +134,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if with_entropy:
                 # dL/dz = -p * (g_logp + g_H (log p + H)) / T + g_logp onehot / T
                 g_entropy = grad_entropy[rows].float().unsqueeze(-1) * scale
-                log_p.mul_(-g_entropy).sub_(g_logp + g_entropy * entropy[rows].unsqueeze(-1))
-                grad.mul_(log_p)
+                offset = -(g_logp + g_entropy * entropy[rows].unsqueeze(-1))
+                grad.mul_(torch.addcmul(offset, log_p, -g_entropy, out=log_p))
             else:
                 grad.mul_(-g_logp)
             del log_p
