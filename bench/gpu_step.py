@@ -20,18 +20,24 @@ from archer.data.tasks import write_task_files
 from archer.models.loading import load_tokenizer
 from archer.models.tiny import build_tiny_model
 
+QWEN_VOCAB = 151936  # the rows of Qwen2.5's embedding and LM head
 SHAPES = {  # hidden, layers, heads, kv heads, intermediate
+    "tiny": (64, 2, 4, 2, 128),  # for trying a bench on a CPU
     "qwen2.5-0.5b": (896, 24, 14, 2, 4864),
     "qwen2.5-1.5b": (1536, 28, 12, 2, 8960),
 }
 
 
-def build_random_model(out: Path, shape: str) -> Path:
-    """A randomly initialised model of ``shape`` with a BPE tokenizer trained on arithmetic-like text."""
+def build_random_model(out: Path, shape: str, vocab_size: int | None = None) -> Path:
+    """A randomly initialised model of ``shape`` with a BPE tokenizer trained on arithmetic-like text.
+
+    ``vocab_size`` pads the embedding and LM head to that many rows (``QWEN_VOCAB`` as Qwen does: the rows
+    past the tokenizer's decode to nothing); None gives them the tokenizer's size.
+    """
     texts = [f"Compute {i}+{i + 1}-{i + 2}. The answer is {i - 1}." for i in range(2000)]
     tokenizer = load_tokenizer(build_tiny_model(out / "tokenizer_model", texts))
     hidden, layers, heads, kv, inter = SHAPES[shape]
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
+    config = Qwen2Config(vocab_size=vocab_size or len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
                          max_position_embeddings=4096, tie_word_embeddings=True,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,

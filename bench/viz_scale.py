@@ -179,6 +179,13 @@ def main() -> None:
     record("prompt group (8 responses, 256 tokens each)", lambda: explorer.prompt_group(step, row))
     record("compare steps (same prompt at another step)", lambda: explorer.compare_steps(step, row, other))
 
+    def tree() -> None:
+        _, tree_table, body = explorer.branch_tree(step, row)
+        html.postprocess(body)
+        table.postprocess(tree_table)
+
+    record("branch tree (the 8 responses of the prompt: SVG + table)", tree)
+
     def switch() -> None:
         """Everything a step change runs: a step not in the cache, then all its panels."""
         target = steps[switch.next]

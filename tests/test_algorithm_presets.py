@@ -28,10 +28,12 @@ from archer.trainer.quickstart import (
     run_quickstart,
 )
 
-PRESETS = ["archer", "aspo", "clip_cov", "dapo", "dr_grpo", "grpo", "gspo", "kl_cov", "ppo", "reinforce_plus_plus",
-           "rloo", "top_entropy"]
+PRESETS = ["aepo", "archer", "arpo", "aspo", "clip_cov", "dapo", "dr_grpo", "grpo", "gspo", "kl_cov", "ppo",
+           "reinforce_plus_plus", "rloo", "top_entropy"]
+AGENTIC = ("aepo", "arpo")  # their branches start after tool calls: they need tools
 REQUIRED = ["actor_rollout_ref.model.path=/no/model", "data.train_files=/no/train.parquet"]
 ACTOR = "actor_rollout_ref.actor"
+ROLLOUT = "actor_rollout_ref.rollout"
 
 # Score = share of digits in the response (varies inside a group); acc alternates 1, 0, 1, 0 over the calls,
 # so every group of 4 responses has mixed accuracy and Archer's rejection sampling keeps all of them.
@@ -78,7 +80,7 @@ def interpolations_of(keys: set[str]) -> set[str]:
     return out
 
 
-def test_the_twelve_presets_are_the_group_options() -> None:
+def test_the_fourteen_presets_are_the_group_options() -> None:
     assert sorted(p.stem for p in (CONFIG_DIR / "algorithm").glob("*.yaml")) == PRESETS
 
 
@@ -167,6 +169,14 @@ REFERENCE_VALUES = {
                f"{ACTOR}.policy_loss.ppo_kl_coef": 1.0},
     "gspo": {f"{ACTOR}.policy_loss.loss_mode": "gspo", f"{ACTOR}.clip_ratio_low": 0.0003,
              f"{ACTOR}.clip_ratio_high": 0.0004},
+    "arpo": {"algorithm.adv_estimator": "grpo", f"{ACTOR}.loss_agg_mode": "token-mean", f"{ACTOR}.use_kl_loss": False,
+             f"{ROLLOUT}.n": 16, f"{ROLLOUT}.initial_rollouts": 8, f"{ROLLOUT}.beam_size": 2,
+             f"{ROLLOUT}.branch_probability": 0.5, f"{ROLLOUT}.entropy_weight": 0.2, f"{ROLLOUT}.tools.call_limit": 3,
+             f"{ROLLOUT}.enable_dynamic_rollouts": False, f"{ROLLOUT}.consecutive_branch_penalty": 0.0},
+    "aepo": {"algorithm.adv_estimator": "grpo", f"{ROLLOUT}.n": 16, f"{ROLLOUT}.beam_size": 2,
+             f"{ROLLOUT}.enable_dynamic_rollouts": True, f"{ROLLOUT}.dynamic_rollout_beta": 0.5,
+             f"{ROLLOUT}.consecutive_branch_penalty": 0.05, f"{ACTOR}.enable_entropy_balanced_clipping": True,
+             f"{ACTOR}.enable_entropy_balanced_advantage": True},
 }
 
 
@@ -209,6 +219,10 @@ def test_quickstart_drops_its_algorithm_keys_under_a_preset(extra: list[str]) ->
 def test_every_preset_gives_a_quickstart_rl_config_archer_accepts(name: str) -> None:
     extra = [f"algorithm={name}"]
     cfg = load_config("ppo_trainer", [*REQUIRED, *algorithm_overrides(extra), *RL_OVERRIDES, *extra])
+    if name in AGENTIC:  # the quickstart's task has no tools: refused before any work, naming the fix
+        with pytest.raises(ArcherError, match="no tool is configured"):
+            check_config(cfg)
+        cfg = load_config("ppo_trainer", [*REQUIRED, *algorithm_overrides(extra), *RL_OVERRIDES, *extra, *TOOLS])
     check_config(cfg)
     build_reward_manager(cfg, tokenizer=None)
 
@@ -217,6 +231,9 @@ def test_every_preset_gives_a_quickstart_rl_config_archer_accepts(name: str) -> 
 
 
 ROWS = 4 * 4  # train_batch_size x rollout.n
+TOOLS = [f"+{ROLLOUT}.tools.tool_instances.python.class_path=python"]
+# rollout.n=4 of the test: two global samples, two from branches or refills
+AGENTIC_OVERRIDES = [*TOOLS, f"{ROLLOUT}.initial_rollouts=2"]
 MAX_RESPONSE = 16
 BUFFER = 4
 
@@ -234,7 +251,8 @@ def train_preset(name: str, model: Path, files: dict[str, Path], root: Path) -> 
         "trainer.total_training_steps=2", "trainer.logger=[jsonl]", "trainer.plots=False",
         f"trainer.rollout_data_dir={run / 'rollouts'}",
         # the paper's 4096-token buffer does not fit 16-token responses; digit shares vary inside groups
-        f"reward_model.overlong_buffer.len={BUFFER}", "algorithm.filter_groups.metric=score"])
+        f"reward_model.overlong_buffer.len={BUFFER}", "algorithm.filter_groups.metric=score",
+        *(AGENTIC_OVERRIDES if name in AGENTIC else [])])
     PPOTrainer(cfg).fit()
     metrics = {}
     for line in (run / "metrics.jsonl").read_text().splitlines():
@@ -325,6 +343,12 @@ def check_mechanism(name: str, metrics: dict[int, dict], dumps: dict[int, list],
     if name == "kl_cov":
         for s in steps:  # max(1, int(2e-3 N)) = 1 for N < 1000
             assert metrics[s]["actor/cov_selected_tokens"] == 1.0
+    if name in AGENTIC:  # the tool loop ran: 4 prompts x 2 global samples, the rest from branches or refills
+        for s in steps:
+            if name == "arpo":
+                assert metrics[s]["rollout/initial_rollouts"] == 2.0
+            assert metrics[s]["rollout/branches"] + metrics[s]["rollout/refills"] == 16 - 4 * metrics[s]["rollout/initial_rollouts"]
+            assert "tools/python/calls" in metrics[s] and "tools/calls_per_response" in metrics[s]
     if name == "gspo":
         assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "gspo"
         assert metrics[1]["actor/pg_clipfrac"] == 0.0  # one on-policy update: sequence ratio exactly 1
@@ -336,8 +360,9 @@ def test_preset_trains_two_steps_and_logs_its_mechanism(name: str, micro_model: 
                                                         tmp_path: Path) -> None:
     metrics, dumps, cfg = train_preset(name, micro_model, task_files, tmp_path)
     assert sorted(metrics) == [1, 2]
-    for key, value in preset_yaml(name).items():  # the run saw the preset (the two test overrides aside)
-        if key not in ("reward_model.overlong_buffer.len", "algorithm.filter_groups.metric"):
+    for key, value in preset_yaml(name).items():  # the run saw the preset (the test's overrides aside)
+        if key not in ("reward_model.overlong_buffer.len", "algorithm.filter_groups.metric", f"{ROLLOUT}.n",
+                       f"{ROLLOUT}.initial_rollouts"):
             assert OmegaConf.select(cfg, key) == value, key
     for s in (1, 2):
         line = metrics[s]

@@ -575,7 +575,7 @@ def test_arpo_validation_scores_real_rows(micro_model: Path, task_files: dict[st
     (val,) = read_jsonl(run / "val_only.jsonl")  # val_only appends its figures there, not to metrics.jsonl
     assert (val.pop("step"), val.pop("model")) == (0, str(micro_model))
     assert 0.0 <= val["val-core/DR_grpo_mix/acc/mean@1"] <= 1.0
-    generations = read_jsonl(run / "val_generations" / "step_0.jsonl")
+    generations = read_jsonl(run / "val_generations" / "val_only_step_0.jsonl")
     assert [g["gts"] for g in generations] == [r["reward_model"]["ground_truth"] for r in rows]  # none filtered
     math_scores = [g["score"] for g, r in zip(generations, rows) if r["ability"] == "math"]
     assert math_scores and set(math_scores) <= {0.0, 1.0}

@@ -112,6 +112,24 @@ def test_empty_output_and_unknown_tools_get_readable_texts() -> None:
     assert unknown.text == "Error: there is no tool named 'calc' (tools: sleepy)." and not unknown.record.ok
 
 
+class Careless(Tool):
+    """A user's tool that answers a number where text is due, or no ToolResult at all."""
+
+    def __init__(self) -> None:
+        super().__init__("careless", "careless")
+
+    def execute(self, text: str) -> ToolResult:
+        return ToolResult(42) if text == "number" else None  # type: ignore[arg-type, return-value]
+
+
+def test_a_tool_that_answers_no_text_is_an_error_result_not_a_crash() -> None:
+    executor = ToolExecutor({"careless": Careless()})
+    number, nothing = executor.run([ToolCall("careless", "number"), ToolCall("careless", "none")])
+    executor.close()
+    assert number.text == "Error: Tool(careless) returned int instead of text." and not number.record.ok
+    assert nothing.text == "Error: Tool(careless) returned NoneType instead of text." and not nothing.record.ok
+
+
 def test_tool_metrics_by_hand() -> None:
     records = [CallRecord("python", True, 0.5, 1), CallRecord("python", False, 1.5, 1),
                CallRecord("python", True, 1.0, 1), CallRecord("search", False, 0.2, 4)]

@@ -23,18 +23,20 @@ from archer.tools.python_tool import PythonTool, strip_code_fence
 from archer.tools.search import SearchTool
 
 PRELUDE_MARK = sandbox.PRELUDE.splitlines()[0]
+OWNER_MARK = f'"owner": {os.getpid()}'  # in the config argument of the sandboxes this test process starts
 # a host folder outside /tmp (the sandbox's scratch tmpfs covers /tmp, and CI may clone the repo there)
 OUTSIDE = Path("/var/tmp") if Path("/var/tmp").is_dir() else Path.home()
 LIMITS = {"timeout": 1.0, "memory_mb": 256, "max_processes": 8, "max_file_mb": 1, "max_output_chars": 200}
 
 
-def processes_with(marker: str) -> list[Path]:
-    """Live processes whose command line holds ``marker`` (a zombie's is empty)."""
+def processes_with(*markers: str) -> list[Path]:
+    """Live processes whose command line holds every one of ``markers`` (a zombie's is empty)."""
     found = []
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
             try:
-                if marker in (p / "cmdline").read_bytes().decode(errors="replace"):
+                cmdline = (p / "cmdline").read_bytes().decode(errors="replace")
+                if all(marker in cmdline for marker in markers):
                     found.append(p)
             except OSError:  # it ended while we looked
                 pass
@@ -56,7 +58,8 @@ def isolated(tool: PythonTool) -> PythonTool:
 @pytest.fixture(autouse=True)
 def no_stray_process():
     yield
-    assert processes_with(PRELUDE_MARK) == []  # the sandbox's interpreter runs the prelude
+    # the sandbox's interpreter runs the prelude; other programs' sandboxes on this machine are not ours
+    assert processes_with(PRELUDE_MARK, OWNER_MARK) == []
 
 
 def test_this_machine_gets_the_namespace_sandbox(tool: PythonTool) -> None:

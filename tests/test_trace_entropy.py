@@ -78,6 +78,42 @@ def test_tokens_outside_the_response_mask_are_not_traced_as_learned() -> None:
     assert arrays["reward"].tolist() == [1.0, 0.5, -1.0]  # the reward is the whole row's score
 
 
+def tool_batch() -> Batch:
+    """traced_batch() of a tool run: row 2 (u1's second response) branched from row 0 at position 2."""
+    batch = traced_batch(tool_tokens=True)
+    batch["tool_mask"] = torch.tensor(TOOL_TOKENS)
+    batch["num_tool_calls"] = [1, 1, 0]
+    batch["num_turns"] = [2, 2, 1]
+    batch["branch_parent"] = [-1, -1, 0]
+    batch["branch_position"] = [-1, -1, 2]
+    batch["finish_reason"] = ["eos", "length", "call_limit"]
+    return batch
+
+
+def test_response_arrays_record_the_tool_fields_of_a_tool_run() -> None:
+    arrays = response_arrays(tool_batch())
+    assert arrays["tool_mask"].dtype == np.bool_
+    assert arrays["tool_mask"].tolist() == [[False, True, False], [True, False, False], [False, False, False]]
+    assert arrays["response_mask"].tolist() == [[True, False, False], [False, True, True], [True, False, False]]
+    for name, values in (("num_tool_calls", [1, 1, 0]), ("num_turns", [2, 2, 1]), ("branch_parent", [-1, -1, 0]),
+                         ("branch_position", [-1, -1, 2])):
+        assert arrays[name].dtype == np.int32 and arrays[name].tolist() == values, name
+    assert arrays["finish_reason"].dtype.kind == "U"
+    assert arrays["finish_reason"].tolist() == ["eos", "length", "call_limit"]
+    assert arrays["sample_index"].tolist() == [0, 0, 1]  # branch_parent 0 of row 2 is row 0 (u1, sample 0)
+    check_step_arrays(arrays, "entropy")
+    chosen = response_arrays(tool_batch(), rows=np.array([2, 0]))
+    assert chosen["tool_mask"].tolist() == [[False, False, False], [False, True, False]]
+    assert chosen["branch_parent"].tolist() == [0, -1] and chosen["branch_position"].tolist() == [2, -1]
+    assert chosen["finish_reason"].tolist() == ["call_limit", "eos"]
+    check_step_arrays(chosen, "entropy")
+
+
+def test_a_run_without_tools_records_no_tool_fields() -> None:
+    arrays = response_arrays(traced_batch())
+    assert not {"tool_mask", "num_tool_calls", "num_turns", "branch_parent", "branch_position"} & set(arrays)
+
+
 def test_response_arrays_of_chosen_rows() -> None:
     arrays = response_arrays(traced_batch(), rows=np.array([2, 0]))
     assert arrays["response_index"].tolist() == [2, 0]
@@ -169,12 +205,13 @@ def test_entropy_trace_writes_under_the_run_with_the_tokenizer(tmp_path: Path, t
     text = "Question: what is 3 + 5? Answer: 8."
     assert saved(text)["input_ids"] == tokenizer(text)["input_ids"]
 
-    batch = traced_batch()
+    batch = tool_batch()
     batch[REWARD_EXTRAS] = [{"f1": 0.5}, {}, {"f1": 0.25}]
     assert trace.record(1, batch) is True
     trace.writer.flush()
     expected = response_arrays(batch)
     assert "reward_extra/f1" in expected  # a field name with a slash survives the npz round trip
+    assert {"tool_mask", "branch_parent", "branch_position", "finish_reason"} <= set(expected)
     reader = TraceReader(trace_dir)
     assert reader.steps() == [1] and reader.tokenizer_dir() == (trace_dir / "tokenizer").resolve()
     step = reader.load_step(1)
@@ -183,7 +220,8 @@ def test_entropy_trace_writes_under_the_run_with_the_tokenizer(tmp_path: Path, t
         assert step[name].dtype == array.dtype, name
         np.testing.assert_array_equal(step[name], array, err_msg=name)  # NaN equals NaN here
     entry = reader.entry(1)
-    assert entry["num_responses"] == 3 and entry["response_len"] == 3 and entry["num_valid_tokens"] == 6
+    assert entry["num_responses"] == 3 and entry["response_len"] == 3
+    assert entry["num_valid_tokens"] == 4  # the two tool tokens are not the policy's
     for name, value in step_stats(expected).items():
         assert entry[name] == pytest.approx(value, abs=1e-12), name
     assert (trace_dir / "latest_step.txt").read_text() == "1\n"

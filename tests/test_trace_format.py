@@ -16,6 +16,7 @@ from archer import atomic_files
 from archer.errors import ArcherError
 from archer.trace.format import (
     RESPONSE_FIELDS,
+    TOOL_FIELDS,
     TraceError,
     TraceReader,
     TraceWriter,
@@ -60,6 +61,23 @@ def influence_arrays() -> dict[str, np.ndarray]:
         "selected_row_id": np.array([4, 7], dtype=np.int32),
         "accepted": np.array([True, False]),
         "group_id": np.array([0, 0], dtype=np.int32),
+    })
+    return arrays
+
+
+def tool_arrays() -> dict[str, np.ndarray]:
+    """entropy_arrays() of a tool run: response 1 holds tool output at position 1 and branched from response 0
+    (same uid) at position 2."""
+    arrays = entropy_arrays()
+    arrays.update({
+        "uid": np.array(["u0", "u0"]),
+        "response_mask": np.array([[True, True, False], [True, False, True]]),
+        "tool_mask": np.array([[False, False, False], [False, True, False]]),
+        "num_tool_calls": np.array([0, 1], dtype=np.int32),
+        "num_turns": np.array([1, 2], dtype=np.int32),
+        "branch_parent": np.array([-1, 0], dtype=np.int32),
+        "branch_position": np.array([-1, 2], dtype=np.int32),
+        "finish_reason": np.array(["eos", "call_limit"]),
     })
     return arrays
 
@@ -389,9 +407,15 @@ def test_check_step_arrays_requires_the_influence_fields(field: str) -> None:
     ("accepted", np.zeros(2, np.int32)),
     ("group_id", np.zeros(2, np.int64)),
     ("selected_row_id", np.zeros(2, np.uint32)),
+    ("tool_mask", np.zeros((2, 3), np.int64)),
+    ("num_tool_calls", np.zeros(2, np.int64)),
+    ("num_turns", np.zeros(2, np.float32)),
+    ("branch_parent", np.full(2, -1, np.int64)),
+    ("branch_position", np.full(2, -1, np.int16)),
+    ("finish_reason", np.array([b"eos", b"eos"])),
 ])
 def test_check_step_arrays_rejects_wrong_dtypes(field: str, bad: np.ndarray) -> None:
-    arrays = influence_arrays()
+    arrays = {**influence_arrays(), **tool_arrays()}
     arrays[field] = bad
     with pytest.raises(ValueError, match=rf"trace field {field} must be"):
         check_step_arrays(arrays, "influence")
@@ -405,12 +429,68 @@ def test_check_step_arrays_rejects_wrong_dtypes(field: str, bad: np.ndarray) -> 
     ("responses", np.zeros((2, 2), np.int32), r"responses has shape \(2, 2\), expected \(2, 3\)"),
     ("old_log_probs", np.zeros((2, 4), np.float16), r"old_log_probs has shape \(2, 4\), expected \(2, 3\)"),
     ("influence", np.zeros((2, 1), np.float16), r"influence has shape \(2, 1\), expected \(2, 3\)"),
+    ("tool_mask", np.zeros((2, 4), bool), r"tool_mask has shape \(2, 4\), expected \(2, 3\)"),
+    ("tool_mask", np.zeros(2, bool), r"tool_mask has shape \(2,\), expected 2-D with 2 rows"),
+    ("branch_parent", np.zeros((2, 1), np.int32), r"branch_parent has shape \(2, 1\), expected 1-D with 2 rows"),
+    ("finish_reason", np.array(["eos"]), r"finish_reason has shape \(1,\), expected 1-D with 2 rows"),
 ])
 def test_check_step_arrays_rejects_wrong_shapes(field: str, bad: np.ndarray, message: str) -> None:
-    arrays = influence_arrays()
+    arrays = {**influence_arrays(), **tool_arrays()}
     arrays[field] = bad
     with pytest.raises(ValueError, match=message):
         check_step_arrays(arrays, "influence")
+
+
+def test_the_tool_fields_are_optional_and_declared() -> None:
+    assert set(TOOL_FIELDS) == {"tool_mask", "num_tool_calls", "num_turns", "branch_parent", "branch_position"}
+    assert field_spec("tool_mask")[0] == "bool" and field_spec("finish_reason")[0] == "str"
+    assert all(field_spec(name)[0] == "int32" for name in ("num_tool_calls", "num_turns", "branch_parent",
+                                                          "branch_position"))
+    check_step_arrays(tool_arrays(), "entropy")
+    check_step_arrays({**influence_arrays(), **tool_arrays()}, "influence")
+    check_step_arrays(entropy_arrays(), "entropy")  # a run without tools writes none of them
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"tool_mask": np.array([[False, True, False], [False, True, False]])},
+     "tool_mask and response_mask are both True"),
+    ({"branch_position": None}, "branch_parent and branch_position come together"),
+    ({"branch_parent": None}, "branch_parent and branch_position come together"),
+    ({"branch_position": np.array([-1, -1], np.int32)}, "must both be -1"),
+    ({"branch_parent": np.array([-1, -1], np.int32)}, "must both be -1"),
+    ({"branch_parent": np.array([-2, 0], np.int32), "branch_position": np.array([-1, 2], np.int32)},
+     "must both be -1"),
+    ({"branch_position": np.array([-1, 3], np.int32)}, "branch_position points past the response length"),
+])
+def test_check_step_arrays_rejects_inconsistent_tool_fields(change: dict, message: str) -> None:
+    arrays = tool_arrays()
+    for name, value in change.items():
+        if value is None:
+            del arrays[name]
+        else:
+            arrays[name] = value
+    with pytest.raises(ValueError, match=message):
+        check_step_arrays(arrays, "entropy")
+
+
+def test_the_tool_fields_round_trip_through_writer_and_reader(tmp_path: Path) -> None:
+    arrays = tool_arrays()
+    TraceWriter(tmp_path, kind="entropy").write_step(1, arrays, {})
+    step = TraceReader(tmp_path).load_step(1)
+    assert sorted(step) == sorted(arrays)
+    for name, array in arrays.items():
+        assert step[name].dtype == array.dtype and np.array_equal(step[name], array), name
+    assert step["finish_reason"].tolist() == ["eos", "call_limit"]
+    assert step["tool_mask"].tolist() == [[False, False, False], [False, True, False]]
+
+
+def test_a_step_file_written_before_the_tool_fields_still_loads(tmp_path: Path) -> None:
+    writer = TraceWriter(tmp_path, kind="entropy")
+    write(writer, 1)
+    old = entropy_arrays()  # the fields a trace of an older archer holds: no tool fields, no finish_reason
+    np.savez_compressed(tmp_path / "steps" / "step_000001.npz", **old)
+    step = TraceReader(tmp_path).load_step(1)
+    assert sorted(step) == sorted(old) and not set(TOOL_FIELDS) & set(step) and "finish_reason" not in step
 
 
 def test_reward_extra_fields_are_float32_per_response() -> None:

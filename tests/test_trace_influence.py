@@ -370,6 +370,13 @@ def test_finish_writes_the_influence_step(tiny_model_dir: Path, tmp_path: Path) 
                                                        "trainer.influence_trace.projection_dim_factor=8",
                                                        "trainer.influence_trace.max_tokens_per_response=3")
     expected = trace.score(sel, captured)
+    # the tool fields of a tool run ride along (the capture above reads none of them)
+    batch["tool_mask"] = torch.zeros_like(batch["response_mask"])
+    batch["tool_mask"][1, 3] = 1  # row 1 holds 3 model tokens, then tool output
+    batch["branch_parent"] = [-1, -1, 0, -1, 0, 1, -1, -1]
+    batch["branch_position"] = [-1, -1, 2, -1, 1, 1, -1, -1]
+    batch["num_tool_calls"] = [0, 1, 1, 0, 0, 1, 0, 0]
+    batch["finish_reason"] = ["eos"] * 7 + ["length"]
     metrics = trace.finish(1, batch, sel, captured)
     trace.writer.flush()
     assert metrics["influence/selected_responses"] == 6 and metrics["influence/selected_groups"] == 2
@@ -381,6 +388,11 @@ def test_finish_writes_the_influence_step(tiny_model_dir: Path, tmp_path: Path) 
     assert step["accepted"].tolist() == [True, False, False, False, True, True]
     assert step["group_id"].tolist() == [0, 0, 0, 1, 1, 1]
     assert step["reward"].tolist() == REWARDS[:6]
+    assert step["branch_parent"].tolist() == [-1, -1, 0, -1, 0, 1]  # within the uid, as sample_index counts
+    assert step["sample_index"].tolist() == [0, 1, 2, 0, 1, 2]
+    assert step["branch_position"].tolist() == [-1, -1, 2, -1, 1, 1]
+    assert step["num_tool_calls"].tolist() == [0, 1, 1, 0, 0, 1] and step["finish_reason"].tolist() == ["eos"] * 6
+    assert np.argwhere(step["tool_mask"]).tolist() == [[1, 3]]
     influence = step["influence"].astype(np.float32)
     # The first three tokens of each response are scored; the rest, and padding, are NaN.
     for s, length in enumerate(LENGTHS[:6]):

@@ -67,6 +67,17 @@ def test_defaults_and_set_counts_pass() -> None:
     assert all(OmegaConf.select(cfg, key) >= 1 for key in COUNT_KEYS)
 
 
+def test_a_loss_mode_and_a_switch_it_does_not_take_are_refused_before_the_model_loads() -> None:
+    with pytest.raises(ArcherError, match="unknown policy loss 'ppo'"):
+        check_config(config("actor_rollout_ref.actor.policy_loss.loss_mode=ppo"))
+    with pytest.raises(ArcherError, match="enable_entropy_balanced_clipping=true does not apply to "
+                                          "policy_loss.loss_mode=gspo"):
+        check_config(config("actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+                            "actor_rollout_ref.actor.enable_entropy_balanced_clipping=true"))
+    check_config(config("actor_rollout_ref.actor.policy_loss.loss_mode=archer",
+                        "actor_rollout_ref.actor.enable_entropy_balanced_clipping=true"))
+
+
 def test_resume_path_without_a_path_names_the_unset_key() -> None:
     with pytest.raises(ArcherError) as err:
         check_config(config("trainer.resume_mode=resume_path"))

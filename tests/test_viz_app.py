@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import trace_support
 from matplotlib.figure import Figure
@@ -158,6 +159,55 @@ def test_prompt_group_and_the_same_prompt_at_another_step(explorer) -> None:
     assert table["responses"].tolist() == [3, 0] and "this prompt is not in the step" in body
 
 
+@pytest.fixture(scope="module")
+def tool_explorer(tmp_path_factory, tokenizer) -> Explorer:
+    return Explorer(trace_support.write_tool_trace(tmp_path_factory.mktemp("viz-tools") / "entropy_trace",
+                                                   tokenizer))
+
+
+def test_a_tool_run_shows_its_tool_output_greyed_and_its_calls(tool_explorer, tokenizer) -> None:
+    arrays = trace_support.tool_step_arrays(tokenizer, 2)
+    row = 2
+    present = arrays["response_mask"][row] | arrays["tool_mask"][row]
+    result = tool_explorer.response(2, row)
+    assert result.response == tokenizer.decode(arrays["responses"][row][present].tolist())  # tool output too
+    assert " <result>\n1024\n</result>" in result.response
+    assert result.view["position"].tolist() == np.flatnonzero(present).tolist()
+    assert result.view["tool"].tolist() == arrays["tool_mask"][row][present].tolist()
+    assert result.entropy_html.count('class="archer-tok archer-tok--tool"') == int(arrays["tool_mask"][row].sum())
+    assert result.view["tool_call"].sum() == result.entropy_html.count("archer-tok archer-tok--call")
+    called = "".join(result.view["token"][result.view["tool_call"]])
+    assert called == "<python>print(2 ** 10)</python><python>print(3 + 5)</python>"
+    overview = tool_explorer.overview(2)
+    assert overview["branch_parent"].tolist() == arrays["branch_parent"].tolist()
+    assert overview["num_tool_calls"].tolist() == [1, 1, 2, 2, 0, 1, 2, 1]
+    _, body = tool_explorer.prompt_group(2, row)
+    # every response's tool output
+    assert body.count('class="archer-tok archer-tok--tool"') == int(arrays["tool_mask"][:4].sum())
+
+
+def test_the_branch_tree_of_a_prompt(tool_explorer, tokenizer) -> None:
+    arrays = trace_support.tool_step_arrays(tokenizer, 2)
+    assert tool_explorer.prompt_choices(2) == [("t2-g0 · 4 responses, 2 branches", "t2-g0"),
+                                               ("t2-g1 · 4 responses, 1 branches", "t2-g1")]
+    assert tool_explorer.first_row(2, "t2-g1") == 4
+    with pytest.raises(IndexError, match="no prompt with uid 'nope'"):
+        tool_explorer.first_row(2, "nope")
+    uid, table, body = tool_explorer.branch_tree(2, 6)
+    assert uid == "t2-g1"
+    pd.testing.assert_frame_equal(table, queries.branch_tree(arrays, "t2-g1"))
+    assert table["row"].tolist() == [4, 5, 6, 7] and table["parent_row"].tolist() == [-1, -1, 5, -1]
+    assert 'data-responses="4"' in body and body.count('class="archer-tree-branch"') == 1
+    assert '<text x="8" y="119" font-weight="bold">#2 · row 6</text>' in body  # the response asked for
+
+
+def test_the_branch_tree_of_a_run_without_tools(explorer) -> None:
+    uid, table, body = explorer.branch_tree(2, 4)
+    assert uid == "s2-g1" and table["row"].tolist() == [3, 4, 5] and (table["parent"] == -1).all()
+    assert "records no branch parents" in body and 'class="archer-tree-branch"' not in body
+    assert explorer.prompt_choices(2) == [("s2-g0 · 3 responses", "s2-g0"), ("s2-g1 · 3 responses", "s2-g1")]
+
+
 def test_corrupt_and_missing_steps_raise_and_the_others_still_work(tmp_path, tokenizer) -> None:
     trace = trace_support.write_trace(tmp_path / "t", tokenizer, steps=(1, 2, 3))
     explorer = Explorer(trace)
@@ -220,7 +270,8 @@ def test_build_app_and_bad_trace_dirs(influence_trace, tmp_path) -> None:
     assert isinstance(app, gr.Blocks)
     ids = {getattr(block, "elem_id", None) for block in app.blocks.values()}
     assert {"archer-step", "archer-row", "archer-heatmap-entropy", "archer-heatmap-influence", "archer-csv",
-            "archer-top-high", "archer-curves", "archer-histogram", "archer-compare", "archer-group"} <= ids
+            "archer-top-high", "archer-curves", "archer-histogram", "archer-compare", "archer-group",
+            "archer-tree", "archer-tree-uid", "archer-tree-table"} <= ids
     with pytest.raises(ArcherError, match="does not exist"):
         build_app(tmp_path / "missing")
     with pytest.raises(ArcherError, match="is not a trace directory"):

@@ -3,7 +3,9 @@
 One app serves an influence trace of steps 1, 2, 3 (corrupt) and 4 for the whole module; each test drives the
 page through the controls a user touches and checks what the browser shows against the trace's arrays:
 heatmap spans and their computed colours, the filter and search, the downloaded CSV row by row, the error of
-a corrupt step, a step written while the app runs, and the other tabs.
+a corrupt step, a step written while the app runs, and the other tabs. A second app serves the entropy trace
+of a tool run (trace_support.write_tool_trace): grey tool output, highlighted tool calls and the branch tree
+(its screenshots land in the tests' tmp_path: tool_tokens.png, branch_tree.png).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 import trace_support
 
 from archer.trace.format import TraceWriter
-from archer.viz import render
+from archer.viz import queries, render
 from archer.viz.app import launch
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -53,25 +55,36 @@ def trace(tmp_path_factory, tokenizer) -> Path:
 
 
 @pytest.fixture(scope="module")
-def page(trace):
+def browser():
     from playwright.sync_api import sync_playwright
 
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        yield browser
+        browser.close()
+
+
+def open_page(browser, trace: Path):
+    """The explorer served over ``trace`` in a page of its own, once it shows a heatmap (a generator fixture)."""
     port = _free_port()
     app = launch(trace, host="127.0.0.1", port=port, block=False, poll_seconds=1.0)
     try:
-        with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
-            context = browser.new_context(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
-            page = context.new_page()
-            page.requested = []  # every URL the page asked for (see the last test)
-            page.on("request", lambda request: page.requested.append(request.url))
-            page.set_default_timeout(TIMEOUT_MS)
-            page.goto(f"http://127.0.0.1:{port}/")
-            page.wait_for_selector("#archer-heatmap-entropy .archer-tok")
-            yield page
-            browser.close()
+        context = browser.new_context(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+        page = context.new_page()
+        page.requested = []  # every URL the page asked for (see the last test)
+        page.on("request", lambda request: page.requested.append(request.url))
+        page.set_default_timeout(TIMEOUT_MS)
+        page.goto(f"http://127.0.0.1:{port}/")
+        page.wait_for_selector("#archer-heatmap-entropy .archer-tok")
+        yield page
+        context.close()
     finally:
         app.close()
+
+
+@pytest.fixture(scope="module")
+def page(browser, trace):
+    yield from open_page(browser, trace)
 
 
 def arrays_of(tokenizer, step: int) -> dict[str, np.ndarray]:
@@ -110,7 +123,7 @@ def heatmap_spans(page, elem_id: str) -> list[dict]:
     return page.eval_on_selector_all(
         f"#{elem_id} .archer-tok",
         "spans => spans.map(s => ({pos: +s.dataset.pos, entropy: s.dataset.entropy, influence: s.dataset.influence,"
-        " cls: s.className, title: s.title, text: s.textContent,"
+        " cls: s.className, title: s.title, text: s.textContent, shadow: getComputedStyle(s).boxShadow,"
         " colour: getComputedStyle(s).backgroundColor.replaceAll(' ', '')}))")
 
 
@@ -273,3 +286,94 @@ def test_the_page_loads_nothing_from_outside_the_app(page) -> None:
     origin = page.url.rstrip("/")
     outside = [url for url in page.requested if not (url.startswith(origin) or url.startswith(("data:", "blob:")))]
     assert page.requested and outside == []
+
+
+# -- a tool run: greyed tool output, highlighted tool calls, the branch tree ---------------------------------------
+
+@pytest.fixture(scope="module")
+def tool_trace(tmp_path_factory, tokenizer) -> Path:
+    return trace_support.write_tool_trace(tmp_path_factory.mktemp("browser-tools") / "entropy_trace", tokenizer)
+
+
+@pytest.fixture(scope="module")
+def tool_page(browser, tool_trace):
+    yield from open_page(browser, tool_trace)
+
+
+def test_tool_output_is_grey_and_tool_calls_are_highlighted(tool_page, tokenizer, tmp_path) -> None:
+    page, step, row = tool_page, 2, 2  # row 2: two python calls, each answered
+    open_response(page, step, row)
+    arrays = trace_support.tool_step_arrays(tokenizer, step)
+    mask, tool = arrays["response_mask"][row], arrays["tool_mask"][row]
+    texts = [tokenizer.decode([int(i)]) for i in arrays["responses"][row]]
+    calls = queries.call_tokens(texts, mask)
+    spans = heatmap_spans(page, "archer-heatmap-entropy")
+    assert [s["pos"] for s in spans] == np.flatnonzero(mask | tool).tolist()  # tool output shown, padding not
+    vmax = vmax_of(page, "archer-heatmap-entropy")
+    for s in spans:
+        p = s["pos"]
+        if tool[p]:
+            assert "archer-tok--tool" in s["cls"] and s["colour"] == render.TOOL  # grey, not the entropy's colour
+            assert "tool output (not the policy's)" in s["title"]
+        else:
+            assert s["colour"] == render.entropy_colour(float(arrays["entropies"][row, p]), vmax)
+        assert ("archer-tok--call" in s["cls"]) == calls[p] == ("inset" in s["shadow"])
+    called = "".join(texts[p] for p in np.flatnonzero(calls))
+    assert called == "<python>print(2 ** 10)</python><python>print(3 + 5)</python>"
+    assert not (calls & tool).any() and tool.sum() > 0
+    assert " <result>\n1024\n</result>" in page.input_value("#archer-response textarea")
+    legend = page.inner_text("#archer-heatmap-entropy .archer-legend")
+    assert "tool output" in legend and "tool call" in legend
+    page.locator("#archer-heatmap-entropy").screenshot(path=str(tmp_path / "tool_tokens.png"))
+    assert (tmp_path / "tool_tokens.png").stat().st_size > 5_000
+
+
+def tree_lanes(page) -> list[int]:
+    return page.eval_on_selector_all("#archer-tree g.archer-tree-node:has(.archer-tree-line)",
+                                     "gs => gs.map(g => +g.dataset.row)")
+
+
+def test_the_branch_tree_draws_a_prompts_responses_and_opens_one(tool_page, tokenizer, tmp_path) -> None:
+    page, step = tool_page, 2
+    open_response(page, step, 3)  # branched from row 2, which branched from row 0
+    page.get_by_role("tab", name="Branch tree").click()
+    page.wait_for_selector("#archer-tree svg[data-responses='4']")
+    arrays = trace_support.tool_step_arrays(tokenizer, step)
+    tree = queries.branch_tree(arrays, "t2-g0")
+    assert tree["row"].tolist() == [0, 2, 3, 1]  # each branch right after its parent
+    assert tree_lanes(page) == [0, 2, 3, 1]
+    branch = page.eval_on_selector_all("#archer-tree .archer-tree-branch",
+                                       "cs => cs.map(c => [+c.closest('g').dataset.row, +c.dataset.entropy])")
+    positions = arrays["branch_position"]
+    assert [r for r, _ in branch] == [2, 3]
+    for r, entropy in branch:  # the entropy at the branch point: that of the branch's first token of its own
+        assert entropy == pytest.approx(float(arrays["entropies"][r, positions[r]]), rel=1e-5)
+    labels = page.eval_on_selector_all("#archer-tree g.archer-tree-node:has(.archer-tree-line) text",
+                                       "ts => ts.map(t => t.textContent)")
+    assert labels == ["#0 · row 0", "reward 1 · 1 call · eos", "#2 · row 2", "reward 0 · 2 calls · eos",
+                      "#3 · row 3", "reward 1 · 2 calls · eos", "#1 · row 1", "reward 0 · 1 call · eos"]
+    assert page.get_attribute("#archer-tree g[data-row='3'] text", "font-weight") == "bold"  # the open response
+    # a lane draws its own part only: rows 0, 2 and 1 each call and get an answer once there, row 3 does not
+    assert page.locator("#archer-tree .archer-tree-tool").count() == 3
+    assert page.locator("#archer-tree .archer-tree-call").count() == 3
+    assert page.input_value("#archer-tree-uid input") == "t2-g0 · 4 responses, 2 branches"
+    page.locator("#archer-tree").screenshot(path=str(tmp_path / "branch_tree.png"))
+    assert (tmp_path / "branch_tree.png").stat().st_size > 5_000
+    page.screenshot(path=str(tmp_path / "branch_tree_page.png"), full_page=True)
+    page.locator("#archer-tree g[data-row='1'] .archer-tree-leaf").click()  # opens row 1 in the response view
+    wait_for_response(page, step, 1)
+    assert page.locator("#archer-heatmap-entropy").is_visible()
+
+
+def test_picking_a_prompt_in_the_branch_tree_tab_draws_its_tree(tool_page, tokenizer) -> None:
+    page, step = tool_page, 2
+    open_response(page, step, 0)
+    page.get_by_role("tab", name="Branch tree").click()
+    page.wait_for_selector("#archer-tree svg[data-responses='4']")
+    page.locator("#archer-tree-uid input").click()
+    page.locator('#archer-tree-uid li[role="option"]').filter(has_text="t2-g1").click()
+    page.wait_for_function("() => document.querySelector('#archer-tree g.archer-tree-node')?.dataset.row === '4'")
+    assert tree_lanes(page) == queries.branch_tree(trace_support.tool_step_arrays(tokenizer, step), "t2-g1")[
+        "row"].tolist() == [4, 5, 6, 7]
+    page.get_by_role("tab", name="Responses").click()
+    wait_for_response(page, step, 4)  # the prompt's first response is open

@@ -12,7 +12,9 @@ import pytest
 
 from archer.viz import queries
 
-VOCAB = {0: "<pad>", 10: " the", 11: "cat", 12: "\n", 13: "The", 14: "a", 15: "\t", 16: "THE end"}
+VOCAB = {0: "<pad>", 10: " the", 11: "cat", 12: "\n", 13: "The", 14: "a", 15: "\t", 16: "THE end", 20: "<python>",
+         21: "x", 22: "</python>", 23: " <result>", 24: "7", 25: "</result>", 28: "<search>", 29: "q",
+         30: "</search>"}
 NAN = np.nan
 
 
@@ -274,3 +276,117 @@ def test_matching_rows_compare_prompt_ids_not_uids() -> None:
     assert queries.matching_rows(here, 2, other).tolist() == []  # [3, 4, 5] is not there
     del other["prompts"]
     assert queries.matching_rows(here, 0, other).tolist() == []
+
+
+# -- a tool run ------------------------------------------------------------------------------------------------
+def tool_step() -> dict[str, np.ndarray]:
+    """5 responses x 7 positions of a tool run. Prompt g: row 0 calls python (positions 0-2), gets the answer
+    (3-5, tool output) and ends with " the"; rows 1 and 3 branched from it right after the answer (position 6);
+    row 2 is a global sample with a search call. Prompt h: row 4, whose parent is not an earlier response."""
+    call, answer = [20, 21, 22], [23, 24, 25]
+    responses = np.array([call + answer + [10], call + answer + [11], [13, 28, 29, 30, 23, 25, 10],
+                          call + answer + [16], [14, 10, 0, 0, 0, 0, 0]], np.int32)
+    tool = np.zeros((5, 7), bool)
+    tool[[0, 1, 3], 3:6] = True
+    tool[2, 4:6] = True
+    mask = (responses != 0) & ~tool
+    entropies = (np.arange(35, dtype=np.float16).reshape(5, 7) / 4).astype(np.float16)  # exact quarters
+    return {"entropies": entropies, "response_mask": mask, "responses": responses, "tool_mask": tool,
+            "response_index": np.arange(5, dtype=np.int32), "uid": np.array(["g", "g", "g", "g", "h"]),
+            "sample_index": np.array([0, 1, 2, 3, 0], np.int32),
+            "reward": np.array([1.0, 0.0, 0.5, 1.0, 0.0], np.float32),
+            "num_tool_calls": np.array([1, 1, 1, 1, 0], np.int32), "num_turns": np.array([2, 2, 2, 2, 1], np.int32),
+            "branch_parent": np.array([-1, 0, -1, 0, 0], np.int32),
+            "branch_position": np.array([-1, 6, -1, 6, 1], np.int32),
+            "finish_reason": np.array(["eos", "eos", "length", "eos", "eos"])}
+
+
+def test_call_tokens_are_the_tagged_blocks_the_model_wrote() -> None:
+    texts = ["a<py", "thon>x</python>", " <result>", "7", "</result>", "<search>q", "</search>", " <python>open"]
+    written = np.array([1, 1, 0, 0, 0, 1, 1, 1], bool)
+    # "a<py" holds the start of the tag; the unclosed call at the end is no call
+    assert queries.call_tokens(texts, written).tolist() == [True, True, False, False, False, True, True, False]
+    # a block interrupted by tool output is no call of the model's
+    assert queries.call_tokens(["<python>", "x", "</python>"], np.array([1, 0, 1], bool)).tolist() == [False] * 3
+    texts = ["<tool_call>", '{"name": "python"}', "</tool_call>", "<search>", "q"]
+    assert queries.call_tokens(texts, np.ones(5, bool)).tolist() == [True, True, True, False, False]
+    assert queries.call_tokens([], np.zeros(0, bool)).tolist() == []
+
+
+def test_token_table_of_a_tool_run_marks_tool_output_and_calls() -> None:
+    table = queries.token_table(tool_step(), 2, decode)
+    assert list(table.columns)[-3:] == ["valid", "tool", "tool_call"]
+    assert table["valid"].tolist() == [True, True, True, True, False, False, True]
+    assert table["tool"].tolist() == [False, False, False, False, True, True, False]
+    assert table["tool_call"].tolist() == [False, True, True, True, False, False, False]
+    assert queries.in_response(table).tolist() == [True] * 7
+    assert "tool" not in queries.token_table(entropy_step(), 0, decode)  # a run without tools
+
+
+def test_the_response_of_a_tool_run_holds_its_tool_output() -> None:
+    arrays = tool_step()
+    assert queries.response_ids(arrays, 0).tolist() == [20, 21, 22, 23, 24, 25, 10]
+    assert queries.response_ids(arrays, 4).tolist() == [14, 10]
+    assert queries.content_mask(arrays)[2].tolist() == [True] * 7
+
+
+def test_the_view_of_a_tool_run_keeps_tool_output_out_of_entropy_filters_and_sorts_it_last() -> None:
+    tokens = queries.token_table(tool_step(), 0, decode)  # entropies 0, 0.25, ..., 1.5 by position
+    assert queries.token_view(tokens)["position"].tolist() == list(range(7))  # tool output is no padding
+    assert queries.token_view(tokens, entropy_range=(0.5, None))["position"].tolist() == [2, 6]  # not 3, 4, 5
+    assert queries.token_view(tokens, search="result")["position"].tolist() == [3, 5]  # the search sees it
+    assert queries.token_view(tokens, sort="entropy_desc")["position"].tolist() == [6, 2, 1, 0, 5, 4, 3]
+    assert queries.token_view(tokens, sort="entropy_asc")["position"].tolist() == [0, 1, 2, 6, 3, 4, 5]
+
+
+def test_overview_of_a_tool_run() -> None:
+    table = queries.overview_table(tool_step())
+    assert list(table.columns) == ["row", "response_index", "uid", "sample_index", "length", "tool_tokens",
+                                   "reward", "num_tool_calls", "num_turns", "branch_parent", "branch_position",
+                                   "finish_reason", "entropy_mean", "entropy_max"]
+    assert table["length"].tolist() == [4, 4, 5, 4, 2] and table["tool_tokens"].tolist() == [3, 3, 2, 3, 0]
+    assert table["finish_reason"].tolist() == ["eos", "eos", "length", "eos", "eos"]
+    # row 0: the model's entropies at 0, 1, 2 and 6 (tool output at 3-5 never counts): 0, 0.25, 0.5, 1.5
+    assert table["entropy_mean"][0] == pytest.approx(2.25 / 4) and table["entropy_max"][0] == 1.5
+
+
+def test_branch_tree_of_a_prompt_by_hand() -> None:
+    arrays = tool_step()
+    tree = queries.branch_tree(arrays, "g")
+    # row 0, then its branches (both at position 6, by sample_index), then the other global sample
+    assert tree["row"].tolist() == [0, 1, 3, 2]
+    assert tree["sample_index"].tolist() == [0, 1, 3, 2]
+    assert tree["parent"].tolist() == [-1, 0, 0, -1] and tree["parent_row"].tolist() == [-1, 0, 0, -1]
+    assert tree["branch_position"].tolist() == [-1, 6, 6, -1]
+    # the entropy of the branch's token at its branch point: row 1 position 6 = 13/4, row 3 position 6 = 27/4
+    assert np.isnan(tree["branch_entropy"][0]) and np.isnan(tree["branch_entropy"][3])
+    assert tree["branch_entropy"].tolist()[1:3] == [3.25, 6.75]
+    assert tree["depth"].tolist() == [0, 1, 1, 0] and tree["branches"].tolist() == [2, 0, 0, 0]
+    assert tree["length"].tolist() == [7, 7, 7, 7] and tree["tool_tokens"].tolist() == [3, 3, 3, 2]
+    assert tree["reward"].tolist() == [1.0, 0.0, 1.0, 0.5]
+    assert tree["num_tool_calls"].tolist() == [1, 1, 1, 1]
+    assert tree["finish_reason"].tolist() == ["eos", "eos", "eos", "length"]
+    lone = queries.branch_tree(arrays, "h")  # parent 0 is not an earlier response of its group: a root
+    assert lone[["row", "parent", "parent_row", "branch_position", "depth", "length"]].values.tolist() == [
+        [4, -1, -1, -1, 0, 2]]
+    assert queries.branch_tree(arrays, "zzz").empty
+
+
+def test_branch_tree_of_a_deeper_tree_and_of_a_run_without_tools() -> None:
+    arrays = tool_step()
+    arrays["branch_parent"] = np.array([-1, 0, -1, 1, 0], np.int32)  # row 3 branched from row 1 at 6
+    tree = queries.branch_tree(arrays, "g")
+    assert tree["row"].tolist() == [0, 1, 3, 2] and tree["depth"].tolist() == [0, 1, 2, 0]
+    assert tree["branches"].tolist() == [1, 1, 0, 0] and tree["parent"].tolist() == [-1, 0, 1, -1]
+    plain = queries.branch_tree(entropy_step(), "a")  # no branch fields: every response is a root
+    assert plain["row"].tolist() == [1, 0] and plain["parent"].tolist() == [-1, -1]
+    assert plain["length"].tolist() == [2, 3] and plain["tool_tokens"].tolist() == [0, 0]
+    assert "num_tool_calls" not in plain and plain["reward"].tolist() == [0.0, 1.0]
+
+
+def test_prompt_uids_in_order_of_first_response() -> None:
+    arrays = entropy_step()
+    arrays["uid"] = np.array(["b", "a", "b"])
+    assert queries.prompt_uids(arrays) == ["b", "a"]
+    del arrays["uid"]
+    assert queries.prompt_uids(arrays) == []

@@ -322,6 +322,29 @@ def test_top_entropy_tokens_are_counted_in_each_token_budget_micro_batch(tiny_mo
     assert update(whole, unequal_policy_batch(whole))["actor/top_entropy_selected_tokens"] == 6.0
 
 
+def test_entropy_aware_advantage_alone_makes_the_update_compute_entropies(tiny_model_dir):
+    # entropy_coeff 0 and the vanilla loss: only AEPO's advantage needs the training forward's entropies
+    actor = make_actor(tiny_model_dir, "actor_rollout_ref.actor.enable_entropy_balanced_advantage=true",
+                       "actor_rollout_ref.actor.optim.lr=0.0", "actor_rollout_ref.rollout.temperature=0.1")
+    batch = hand_batch()
+    # at temperature 0.1 the micro model's entropies spread from 1.9 to 5.1 (at 0.7 they all lie within 0.004 of
+    # ln 320, and standardising would blow float32 noise up)
+    _, entropies = float64_logprobs(actor.model, batch, temperature=0.1)
+    valid = batch["response_mask"].bool()
+    h = entropies[valid]
+    scale = (1 + 0.2 * (entropies - h.mean()) / h.std()).float()  # standardised over the 6 valid tokens
+    advantages = random_advantages(2)
+    metrics = update(actor, policy_batch(actor, advantages))
+    assert "actor/entropy_loss" not in metrics
+    # ratio 1: pg_loss = -sum(A * scale) / 6
+    assert metrics["actor/pg_loss"] == pytest.approx(-float((advantages * scale)[valid].sum()) / VALID_TOKENS,
+                                                     abs=1e-5)
+    assert metrics["actor/entropy_adv_scale_pos"] == pytest.approx(float(scale[valid & (advantages > 0)].mean()),
+                                                                   rel=1e-4)
+    assert metrics["actor/entropy_adv_scale_neg"] == pytest.approx(float(scale[valid & (advantages < 0)].mean()),
+                                                                   rel=1e-4)
+
+
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 def test_nan_advantage_skips_the_step(tiny_model_dir):
     actor = make_actor(tiny_model_dir, "actor_rollout_ref.actor.optim.lr=0.01")

@@ -40,20 +40,23 @@ def test_from_config_reads_the_aspo_recipe():
 
 def test_clip_ratio_low_and_high_fall_back_to_clip_ratio():
     obj = objective(ACTOR + "clip_ratio=0.3", ACTOR + "clip_ratio_high=0.28")
-    assert obj.loss_kwargs == {"clip_ratio_low": 0.3, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0}
+    assert obj.loss_kwargs == {"clip_ratio_low": 0.3, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0,
+                               "enable_entropy_balanced_clipping": False}
 
 
 # Each loss mode set on its own (no preset) gets its paper's values, or verl's for the keys verl shares between
-# its losses (the PPO clip range 0.2 / 0.2 and dual-clip 3.0; KL-Cov's ratio 2e-4 and coefficient 0.1).
+# its losses (the PPO clip range 0.2 / 0.2 and dual-clip 3.0; KL-Cov's ratio 2e-4 and coefficient 0.1), and the
+# losses that clip the token ratio get AEPO's entropy-balanced clipping switch (off).
+OFF = {"enable_entropy_balanced_clipping": False}
 LOSS_DEFAULTS = {
-    "vanilla": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0},
+    "vanilla": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0, **OFF},
     "gspo": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2},
     "archer": {"clip_ratio_c": 3.0, "low_entropy_clip_ratio_low": 0.2, "low_entropy_clip_ratio_high": 0.2,
-               "high_entropy_clip_ratio_low": 0.5, "high_entropy_clip_ratio_high": 0.5},
+               "high_entropy_clip_ratio_low": 0.5, "high_entropy_clip_ratio_high": 0.5, **OFF},
     "aspo": {"clip_ratio_c": 3.0, "low_entropy_clip_ratio_low": 0.2, "low_entropy_clip_ratio_high": 0.2,
              "high_entropy_clip_ratio_low": 0.4, "high_entropy_clip_ratio_high": 0.4},
     "clip_cov": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0,
-                 "clip_cov_ub": 5.0},
+                 "clip_cov_ub": 5.0, **OFF},
     "kl_cov": {"kl_cov_ratio": 0.0002, "ppo_kl_coef": 0.1},
 }
 
@@ -119,6 +122,8 @@ def test_gspo_warns_once_when_loss_agg_mode_is_not_its_own(caplog, overrides, wa
         (("algorithm=aspo",), True),
         ((ACTOR + "policy_loss.loss_mode=archer", ACTOR + "entropy_coeff=0.0"), True),
         ((ACTOR + "entropy_top_ratio=0.2",), True),
+        ((ACTOR + "enable_entropy_balanced_advantage=true",), True),  # AEPO's advantage, entropy_coeff 0
+        ((ACTOR + "enable_entropy_balanced_clipping=true",), False),  # AEPO's clip reads no entropy
     ],
 )
 def test_needs_entropy(overrides, needed):
@@ -248,6 +253,8 @@ def mini_batch_loss(obj: ActorObjective, data: dict[str, torch.Tensor], micro: i
     ("algorithm=archer", ACTOR + "use_kl_loss=false"),  # the split KL is exact only for equal class shares
     ("algorithm=aspo", ACTOR + "use_kl_loss=false", ACTOR + "entropy_coeff=0.01"),
     ("algorithm=gspo", ACTOR + "clip_ratio_low=0.2", ACTOR + "clip_ratio_high=0.2"),
+    (ACTOR + "enable_entropy_balanced_clipping=true", ACTOR + "use_kl_loss=true", ACTOR + "entropy_coeff=0.01"),
+    ("algorithm=archer", ACTOR + "use_kl_loss=false", ACTOR + "enable_entropy_balanced_clipping=true"),
 ])
 def test_unequal_micro_batches_give_the_losses_gradients_and_metrics_of_the_whole_mini_batch(overrides):
     obj = objective(*overrides)
@@ -260,6 +267,8 @@ def test_unequal_micro_batches_give_the_losses_gradients_and_metrics_of_the_whol
         assert torch.allclose(split_grad, whole_grad, rtol=1e-6, atol=1e-9)
         assert split_metrics == pytest.approx(whole_metrics, rel=1e-6, abs=1e-9)
     assert whole_metrics["pg_clipfrac"] > 0
+    if obj.loss_kwargs.get("enable_entropy_balanced_clipping"):
+        assert 0 < whole_metrics["entropy_balanced_clip_kept_frac"] < whole_metrics["pg_clipfrac"]
     if obj.splits_by_entropy:
         assert 0 < whole_metrics["entropy_low_clipfrac"] < 1 and 0 < whole_metrics["entropy_high_clipfrac"] < 1
 
@@ -307,3 +316,81 @@ def test_equal_micro_batches_add_up_to_the_mini_batch_with_top_entropy_tokens():
     for row, col in [(0, 1), (1, 2), (2, 0), (3, 1)]:
         a, r = data["advantages"][row, col].item(), ratio[row, col].item()
         assert pg_grad[row, col].item() == pytest.approx(-a * r / 4)  # |ln r| < 0.15: unclipped, over 4 tokens
+
+
+# -- AEPO's entropy-balanced clipping and entropy-aware advantage --------------------------------------------
+def test_the_aepo_switches_are_read_with_their_defaults():
+    obj = objective()
+    assert (obj.entropy_balanced_advantage, obj.entropy_balanced_advantage_coef) == (False, 0.2)
+    obj = objective(ACTOR + "enable_entropy_balanced_advantage=true", ACTOR + "entropy_balanced_advantage_coef=0.5",
+                    ACTOR + "enable_entropy_balanced_clipping=true", ACTOR + "policy_loss.loss_mode=archer")
+    assert (obj.entropy_balanced_advantage, obj.entropy_balanced_advantage_coef) == (True, 0.5)
+    assert obj.loss_kwargs["enable_entropy_balanced_clipping"] is True
+
+
+@pytest.mark.parametrize("loss_mode", ["gspo", "aspo", "kl_cov"])
+def test_balanced_clipping_is_refused_for_a_loss_without_a_token_ratio_clip(loss_mode):
+    with pytest.raises(ArcherError, match=rf"actor_rollout_ref.actor.enable_entropy_balanced_clipping=true does not "
+                                          rf"apply to policy_loss.loss_mode={loss_mode}") as err:
+        objective(ACTOR + f"policy_loss.loss_mode={loss_mode}", ACTOR + "enable_entropy_balanced_clipping=true")
+    assert err.value.fix.startswith("use it with loss_mode archer | clip_cov | vanilla, or set it to false")
+
+
+def test_entropy_aware_advantage_by_hand_with_a_stop_gradient_on_the_entropy():
+    obj = objective(ACTOR + "enable_entropy_balanced_advantage=true", ACTOR + "clip_ratio_c=10.0")
+    mask = lengths_mask([3, 2], width=4)
+    # valid entropies 2.5, 2.5, 1.5 | 0.5, 0.5: mean 1.5, unbiased std 1 -> H_hat 1, 1, 0 | -1, -1
+    entropy = torch.tensor([[2.5, 2.5, 1.5, 9.0], [0.5, 0.5, 9.0, 9.0]], dtype=F64, requires_grad=True)
+    adv = torch.tensor([[2.0, 2.0, 2.0, 2.0], [-1.0, -1.0, -1.0, -1.0]], dtype=F64)
+    old = torch.full((2, 4), -2.0, dtype=F64)
+    log_prob = old.clone().requires_grad_(True)  # r = 1: the token loss is -A_tilde
+    agg, pg_agg = obj.mini_batch_normalisers(mask, parts([0, 1]))
+    loss, metrics = obj.micro_batch_loss(log_prob=log_prob, entropy=entropy, old_log_prob=old, advantages=adv,
+                                         mask=mask, ref_log_prob=None, agg_kwargs=agg, pg_agg_kwargs=pg_agg)
+    a_tilde = [[2 * 1.2, 2 * 1.2, 2 * 1.0, 0.0], [-0.8, -0.8, 0.0, 0.0]]  # A * (1 + 0.2 * H_hat)
+    assert metrics["pg_loss"].value == pytest.approx(-sum(map(sum, a_tilde)) / 5, abs=1e-8)
+    grad_logp, grad_entropy = torch.autograd.grad(loss, [log_prob, entropy], allow_unused=True)
+    torch.testing.assert_close(grad_logp, -torch.tensor(a_tilde, dtype=F64) / 5, rtol=0, atol=1e-9)
+    assert grad_entropy is None  # sg(H_hat): no gradient reaches the entropies
+    assert metrics["entropy_adv_scale_pos"].value == pytest.approx(3.4 / 3)
+    assert metrics["entropy_adv_scale_neg"].value == pytest.approx(0.8)
+
+
+def test_entropy_aware_advantage_standardises_over_each_micro_batch():
+    obj = objective(ACTOR + "enable_entropy_balanced_advantage=true", ACTOR + "entropy_balanced_advantage_coef=0.3")
+    data = random_mini_batch(2)  # |log r| < 0.15: nothing clipped, the gradient is -A_tilde * r / 16
+    ratio = (data["log_prob"] - data["old_log_prob"]).exp()
+
+    def by_hand(micro: int) -> torch.Tensor:
+        expected = torch.zeros(4, 5, dtype=F64)
+        for start in range(0, 4, micro):
+            rows = slice(start, start + micro)
+            h, m = data["entropy"][rows], data["mask"][rows]
+            valid = h[m.bool()]
+            h_hat = (h - valid.mean()) / valid.std()  # unbiased std over the micro-batch's valid tokens
+            expected[rows] = -data["advantages"][rows] * (1 + 0.3 * h_hat) * ratio[rows] * m / 16
+        return expected
+
+    for micro in (4, 2):
+        _, grad, metrics = accumulate(obj, data, micro)
+        torch.testing.assert_close(grad, by_hand(micro), rtol=1e-6, atol=1e-9)
+        assert metrics["pg_clipfrac"] == 0
+    assert not torch.allclose(by_hand(4), by_hand(2))  # the paper's micro-batch statistics, not the mini-batch's
+
+
+@pytest.mark.parametrize("loss_mode", sorted(LOSS_DEFAULTS))
+def test_entropy_aware_advantage_is_the_same_loss_on_scaled_advantages_for_every_loss_mode(loss_mode):
+    data = random_mini_batch(6, spread=1.6)
+    scaled = objective(ACTOR + f"policy_loss.loss_mode={loss_mode}", ACTOR + "enable_entropy_balanced_advantage=true")
+    plain = objective(ACTOR + f"policy_loss.loss_mode={loss_mode}")
+    valid = data["entropy"][data["mask"].bool()]
+    by_hand = dict(data, advantages=data["advantages"] * (1 + 0.2 * (data["entropy"] - valid.mean()) / valid.std()))
+    torch.manual_seed(0)  # clip_cov draws its tokens at random
+    loss, grad, metrics = accumulate(scaled, data, 4)
+    torch.manual_seed(0)
+    expected, expected_grad, expected_metrics = accumulate(plain, by_hand, 4)
+    assert loss == pytest.approx(expected, rel=1e-6)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-6, atol=1e-9)
+    extra = {k: v for k, v in metrics.items() if k not in expected_metrics}
+    assert sorted(extra) == ["entropy_adv_flipped_frac", "entropy_adv_scale_mean", "entropy_adv_scale_neg",
+                             "entropy_adv_scale_pos"]

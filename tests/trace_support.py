@@ -5,11 +5,13 @@ tokenizer (spaces, newlines and tabs included), right-padded with the pad id; en
 float16 from a seeded generator (padding entropy 0). uids differ between steps while the prompts repeat, as
 in training, so the same prompt is found at two steps only by its token ids. Every step has one reward extra,
 ``reward_extra/f1`` (NaN on every third response). Influence traces add influence (NaN at padding and at every
-fifth valid token), accepted (reward equals the group maximum) and group_id.
+fifth valid token), accepted (reward equals the group maximum) and group_id. ``write_tool_trace`` writes the
+entropy trace of a tool run: tool output, tool calls and branches (TOOL_GROUPS).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -102,3 +104,108 @@ def add_step(writer: TraceWriter, tokenizer: Any, step: int, **shape: Any) -> di
     arrays = step_arrays(tokenizer, step, kind=writer.kind, **shape)
     writer.write_step(step, arrays, manifest_stats(arrays))
     return arrays
+
+
+# A tool run's step: per prompt, its responses as (branch, segments); a segment is (text, is_tool_output) and
+# branch is None for a global sample or (parent, k): the response repeats its parent's tokens up to the end of
+# the parent's k-th tool answer and writes its own segments from there, as the agentic loop's branches do.
+CALL = "I will compute it. <python>print(2 ** 10)</python>"
+ANSWER = " <result>\n1024\n</result>"
+SEARCH = "<search>quick brown fox</search>"
+FOUND = " <result>\nThe quick brown fox jumps over the lazy dog.\n</result>"
+TOOL_GROUPS = [
+    [(None, [(CALL, False), (ANSWER, True), (" The answer is 1024.", False)]),
+     (None, [(SEARCH, False), (FOUND, True), (" I think the answer is 8.", False)]),
+     ((0, 1), [(" Let me check. <python>print(3 + 5)</python>", False), (" <result>\n8\n</result>", True),
+               (" The answer is 8.", False)]),
+     ((2, 2), [(" Done. The answer is 1024.", False)])],
+    [(None, [("The quick brown fox.", False)]),
+     (None, [(SEARCH, False), (FOUND, True), (" The lazy dog.", False)]),
+     ((1, 1), [(" <python>print(1)</python>", False), (" <result>\n1\n</result>", True), (" Done.", False)]),
+     (None, [(CALL, False), (ANSWER, True), (" 1024", False)])],
+]
+TOOL_REWARDS = [[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 0.5, 1.0]]
+
+
+@dataclass
+class ToolResponse:
+    ids: list[int] = field(default_factory=list)
+    tool: list[bool] = field(default_factory=list)
+    parent: int = -1
+    position: int = -1
+    answer_ends: list[int] = field(default_factory=list)  # the position after each tool answer
+
+
+def tool_responses(tokenizer: Any, group: list) -> list[ToolResponse]:
+    """The responses of one of TOOL_GROUPS, each segment encoded on its own (as the loop does)."""
+    out: list[ToolResponse] = []
+    for branch, segments in group:
+        response = ToolResponse()
+        if branch is not None:
+            parent, k = out[branch[0]], branch[1]
+            position = parent.answer_ends[k - 1]
+            response = ToolResponse(parent.ids[:position], parent.tool[:position], branch[0], position,
+                                    parent.answer_ends[:k])
+        for text, is_tool in segments:
+            piece = tokenizer.encode(text, add_special_tokens=False)
+            response.ids += piece
+            response.tool += [is_tool] * len(piece)
+            if is_tool:
+                response.answer_ends.append(len(response.ids))
+        out.append(response)
+    return out
+
+
+def tool_step_arrays(tokenizer: Any, step: int, *, seed: int = 0) -> dict[str, np.ndarray]:
+    """An entropy-trace step of a tool run: TOOL_GROUPS (2 prompts x 4 responses) with their tool fields."""
+    rng = np.random.default_rng([seed, step])
+    responses = [r for group in TOOL_GROUPS for r in tool_responses(tokenizer, group)]
+    n, width = len(responses), max(len(r.ids) for r in responses) + 2
+    pad = tokenizer.pad_token_id
+    ids = np.full((n, width), pad, dtype=np.int32)
+    mask = np.zeros((n, width), dtype=bool)
+    tool = np.zeros((n, width), dtype=bool)
+    for i, r in enumerate(responses):
+        ids[i, :len(r.ids)] = r.ids
+        tool[i, :len(r.ids)] = r.tool
+        mask[i, :len(r.ids)] = ~np.asarray(r.tool, dtype=bool)
+    prompt_len = 40
+    prompts = np.full((n, prompt_len), pad, dtype=np.int32)
+    prompt_length = np.zeros(n, dtype=np.int32)
+    for i in range(n):
+        p_ids = tokenizer.encode(PROMPTS[2 + i // 4], add_special_tokens=False)
+        prompts[i, prompt_len - len(p_ids):] = p_ids
+        prompt_length[i] = len(p_ids)
+    present = mask | tool
+    reward = np.asarray(TOOL_REWARDS, dtype=np.float32).reshape(-1)
+    return {
+        "entropies": np.where(present, rng.uniform(0.0, 3.0, (n, width)), 0.0).astype(np.float16),
+        "response_mask": mask,
+        "responses": ids,
+        "response_index": np.arange(n, dtype=np.int32),
+        "prompt_length": prompt_length,
+        "prompts": prompts,
+        "uid": np.asarray([f"t{step}-g{i // 4}" for i in range(n)]),
+        "sample_index": np.asarray([i % 4 for i in range(n)], dtype=np.int32),
+        "old_log_probs": np.where(mask, -rng.exponential(1.0, (n, width)), 0.0).astype(np.float16),
+        "reward": reward,
+        "advantage": (reward - reward.reshape(2, 4).mean(axis=1).repeat(4)).astype(np.float32),
+        "data_source": np.asarray(["arpo"] * n),
+        "reward_extra/f1": reward.copy(),
+        "finish_reason": np.asarray(["eos"] * n),
+        "tool_mask": tool,
+        "num_tool_calls": np.asarray([len(r.answer_ends) for r in responses], dtype=np.int32),
+        "num_turns": np.asarray([len(r.answer_ends) + 1 for r in responses], dtype=np.int32),
+        "branch_parent": np.asarray([r.parent for r in responses], dtype=np.int32),
+        "branch_position": np.asarray([r.position for r in responses], dtype=np.int32),
+    }
+
+
+def write_tool_trace(out_dir: str | Path, tokenizer: Any, steps=(1, 2)) -> Path:
+    """An entropy trace of a tool run (tool_step_arrays), with the tokenizer saved in it."""
+    writer = TraceWriter(out_dir, kind="entropy", metadata={"project_name": "viz-tests", "experiment_name": "tools"},
+                         tokenizer=tokenizer)
+    for step in steps:
+        arrays = tool_step_arrays(tokenizer, step)
+        writer.write_step(step, arrays, manifest_stats(arrays))
+    return Path(out_dir)

@@ -1,12 +1,13 @@
 """Policy losses (`actor.policy_loss.loss_mode`), by name: PPO clip with dual-clip ("vanilla"), GSPO, Archer's
-dual-token constraints, ASPO, Clip-Cov and KL-Cov (REFERENCE.md sections 1, 2 and 5).
+dual-token constraints, ASPO, Clip-Cov and KL-Cov (REFERENCE.md sections 1, 2 and 5), and AEPO's
+entropy-balanced clipping as a switch of the losses that clip the token ratio (section 7).
 
 Each loss is registered with what it needs (`PolicyLoss`): verl's shared clip settings it reads, its own
-config knobs with their defaults, and the per-micro-batch inputs the actor must compute for it. Its function
-takes exactly those, plus the common arguments, as keyword arguments (checked when it is registered), and
-returns (scalar loss, metrics): pg_clipfrac, ppo_kl and pg_clipfrac_lower plus the metrics of its own
-mechanism, each declared as a `Mean` or a `Total` (archer.algorithms.metrics). Adding a loss touches one
-function, its registration and its YAML keys.
+config knobs with their defaults, the per-micro-batch inputs the actor must compute for it, and the actor
+switches it supports. Its function takes exactly those, plus the common arguments, as keyword arguments
+(checked when it is registered), and returns (scalar loss, metrics): pg_clipfrac, ppo_kl and pg_clipfrac_lower
+plus the metrics of its own mechanism, each declared as a `Mean` or a `Total` (archer.algorithms.metrics).
+Adding a loss touches one function, its registration and its YAML keys.
 """
 
 from __future__ import annotations
@@ -43,6 +44,15 @@ LOSS_INPUTS = {
                          "token_entropy_quantile of the token entropies",
 }
 
+# Boolean actor settings (keys under actor_rollout_ref.actor) that turn on a variant of the losses that
+# support it. A loss that declares one takes it as a keyword (False when not passed); the actor refuses a
+# switch that is on for a loss that does not declare it.
+BALANCED_CLIPPING = "enable_entropy_balanced_clipping"
+LOSS_SWITCHES = {
+    BALANCED_CLIPPING: "AEPO: the upper clip bound 1+eps_h becomes (1+eps_h) * r / sg(r), so a token with "
+                       "A > 0 clipped above keeps the gradient -A*(1+eps_h)*grad logp",
+}
+
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, Metric]]]
 
 
@@ -53,7 +63,8 @@ class PolicyLoss:
     settings: the SHARED_SETTINGS it reads. options: its own knobs, as config key under
     actor_rollout_ref.actor -> default; the YAML leaves them null, meaning "this loss's default", so two losses
     can default the same key differently; the keyword is the key's last part. inputs: names from LOSS_INPUTS.
-    agg_mode: the aggregation the loss always uses (GSPO's sequence-level objective), None for loss_agg_mode.
+    switches: names from LOSS_SWITCHES it supports. agg_mode: the aggregation the loss always uses (GSPO's
+    sequence-level objective), None for loss_agg_mode.
     """
 
     name: str
@@ -62,6 +73,7 @@ class PolicyLoss:
     options: Mapping[str, float] = field(default_factory=dict)
     inputs: tuple[str, ...] = ()
     agg_mode: str | None = None
+    switches: tuple[str, ...] = ()
 
     @property
     def option_defaults(self) -> dict[str, float]:
@@ -71,10 +83,11 @@ class PolicyLoss:
     @property
     def declared(self) -> tuple[str, ...]:
         """The keyword arguments it takes besides COMMON_ARGUMENTS."""
-        return (*self.settings, *self.option_defaults, *self.inputs)
+        return (*self.settings, *self.option_defaults, *self.inputs, *self.switches)
 
     def arguments(self, given: Mapping[str, Any]) -> dict[str, Any]:
-        """Its keyword arguments besides the common ones: `given`, plus the defaults of the options left out."""
+        """Its keyword arguments besides the common ones: `given`, plus the defaults of the options left out
+        (and False for the switches left out)."""
         unknown = sorted(set(given) - set(self.declared))
         if unknown:
             raise ArcherError(f"policy loss '{self.name}' takes no argument {', '.join(unknown)}",
@@ -84,7 +97,7 @@ class PolicyLoss:
             raise ArcherError(f"policy loss '{self.name}' was called without {', '.join(missing)}",
                               f"pass {', '.join(missing)} (the actor computes them from its config and each "
                               "micro-batch)")
-        return {**self.option_defaults, **given}
+        return {**self.option_defaults, **dict.fromkeys(self.switches, False), **given}
 
 
 def option_keyword(key: str) -> str:
@@ -102,15 +115,17 @@ def register_policy_loss(
     options: Mapping[str, float] | None = None,
     inputs: tuple[str, ...] = (),
     agg_mode: str | None = None,
+    switches: tuple[str, ...] = (),
 ) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator: make a policy loss available as `actor.policy_loss.loss_mode=<name>`, with what it needs.
 
     The function's keyword-only parameters must be exactly COMMON_ARGUMENTS plus the declared settings,
-    option keywords and inputs, so that nothing is passed to it undeclared or silently dropped.
+    option keywords, inputs and switches, so that nothing is passed to it undeclared or silently dropped.
     """
 
     def add(fn: PolicyLossFn) -> PolicyLossFn:
-        entry = PolicyLoss(name, fn, tuple(settings), dict(options or {}), tuple(inputs), agg_mode)
+        entry = PolicyLoss(name, fn, tuple(settings), dict(options or {}), tuple(inputs), agg_mode,
+                           tuple(switches))
         _check_declaration(entry)
         POLICY_LOSSES.add(name, entry)
         return fn
@@ -124,14 +139,16 @@ def _check_declaration(entry: PolicyLoss) -> None:
     declared = {*COMMON_ARGUMENTS, *entry.declared}
     bad_settings = set(entry.settings) - set(SHARED_SETTINGS)
     bad_inputs = set(entry.inputs) - set(LOSS_INPUTS)
+    bad_switches = set(entry.switches) - set(LOSS_SWITCHES)
     others = [p.name for p in params if p.kind is not inspect.Parameter.KEYWORD_ONLY]
-    if takes != declared or bad_settings or bad_inputs or others:
+    if takes != declared or bad_settings or bad_inputs or bad_switches or others:
         raise ArcherError(
             f"policy loss '{entry.name}' does not match its declaration: it takes {sorted(takes)}"
             + (f" and {others}" if others else "") + f", declares {sorted(declared)}",
             "make its parameters keyword-only: the common arguments "
-            f"({', '.join(COMMON_ARGUMENTS)}), settings from {', '.join(SHARED_SETTINGS)}, its options and "
-            f"inputs from {', '.join(LOSS_INPUTS)}, exactly as registered",
+            f"({', '.join(COMMON_ARGUMENTS)}), settings from {', '.join(SHARED_SETTINGS)}, its options, "
+            f"inputs from {', '.join(LOSS_INPUTS)} and switches from {', '.join(LOSS_SWITCHES)}, exactly as "
+            "registered",
         )
 
 
@@ -147,7 +164,8 @@ def compute_policy_loss(
     **named: Any,
 ) -> tuple[torch.Tensor, dict[str, Metric]]:
     """Run the named policy loss. `named` holds the settings and inputs it declares (required) and any of its
-    options (omitted ones take the loss's default); a loss with a fixed aggregation ignores `loss_agg_mode`."""
+    options (omitted ones take the loss's default) and switches (omitted ones are off); a loss with a fixed
+    aggregation ignores `loss_agg_mode`."""
     entry = POLICY_LOSSES.lookup(loss_mode)
     return entry.fn(
         old_log_prob=old_log_prob,
@@ -164,15 +182,35 @@ Bound = float | torch.Tensor
 
 
 def clipped_token_losses(
-    ratio: torch.Tensor, advantages: torch.Tensor, clip_ratio_low: Bound, clip_ratio_high: Bound
+    ratio: torch.Tensor, advantages: torch.Tensor, clip_ratio_low: Bound, clip_ratio_high: Bound,
+    balanced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO clip per token: (max(-A*r, -A*clip(r, 1-eps_l, 1+eps_h)), bool where the clipped term is active)."""
+    """PPO clip per token: (max(-A*r, -A*clip(r, 1-eps_l, 1+eps_h)), bool where the clipped term is active).
+
+    balanced (AEPO's entropy-balanced clipping): the upper bound is (1+eps_h) * r / sg(r), whose value is
+    exactly 1+eps_h and whose gradient is (1+eps_h) * grad logp. Values, the clipped share and the lower side
+    stay as they are; a token with A > 0 and r > 1+eps_h (the only one the upper bound clips) gets the
+    gradient -A*(1+eps_h)*grad logp instead of 0.
+    """
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    if balanced:
+        upper = (1 + clip_ratio_high) * (ratio / ratio.detach())
+        clipped = -advantages * torch.minimum(ratio.clamp(min=1 - clip_ratio_low), upper)
+    else:
+        clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
-@register_policy_loss("vanilla", settings=SHARED_SETTINGS)
+def _balanced_clip_metrics(
+    clip_active: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, Metric]:
+    """The share of the loss's tokens whose gradient the entropy-balanced clip kept: clipped with A > 0 (above
+    1+eps_h; plain PPO gives them no gradient)."""
+    kept = clip_active & (advantages > 0)
+    return {"entropy_balanced_clip_kept_frac": masked_mean_metric(kept.float(), response_mask)}
+
+
+@register_policy_loss("vanilla", settings=SHARED_SETTINGS, switches=(BALANCED_CLIPPING,))
 def vanilla_policy_loss(
     *,
     old_log_prob: torch.Tensor,
@@ -184,12 +222,17 @@ def vanilla_policy_loss(
     clip_ratio_low: float,
     clip_ratio_high: float,
     clip_ratio_c: float,
+    enable_entropy_balanced_clipping: bool,
 ) -> tuple[torch.Tensor, dict[str, Metric]]:
-    """PPO clip, plus dual-clip on A < 0 tokens: L = min(L, -A*c)."""
+    """PPO clip, plus dual-clip on A < 0 tokens: L = min(L, -A*c); optionally AEPO's entropy-balanced clip."""
     token_losses, log_ratio, clip_active, dual_active = _dual_clip_losses(
-        old_log_prob, log_prob, advantages, clip_ratio_low, clip_ratio_high, clip_ratio_c)
+        old_log_prob, log_prob, advantages, clip_ratio_low, clip_ratio_high, clip_ratio_c,
+        enable_entropy_balanced_clipping)
     loss = agg_loss(token_losses, response_mask, loss_agg_mode, **agg_kwargs)
-    return loss, _metrics(log_ratio, clip_active, dual_active, response_mask)
+    metrics = _metrics(log_ratio, clip_active, dual_active, response_mask)
+    if enable_entropy_balanced_clipping:
+        metrics.update(_balanced_clip_metrics(clip_active, advantages, response_mask))
+    return loss, metrics
 
 
 def _check_dual_clip(clip_ratio_c: float) -> None:
@@ -202,12 +245,14 @@ def _check_dual_clip(clip_ratio_c: float) -> None:
 
 def _dual_clip_losses(
     old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-    clip_ratio_low: Bound, clip_ratio_high: Bound, clip_ratio_c: float,
+    clip_ratio_low: Bound, clip_ratio_high: Bound, clip_ratio_c: float, balanced: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token dual-clip PPO losses, the clamped log-ratio, and where the clip / the dual-clip is active."""
+    """Per-token dual-clip PPO losses (`balanced`: with the entropy-balanced upper bound), the clamped
+    log-ratio, and where the clip / the dual-clip is active."""
     _check_dual_clip(clip_ratio_c)
     log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ppo_losses, clip_active = clipped_token_losses(log_ratio.exp(), advantages, clip_ratio_low, clip_ratio_high)
+    ppo_losses, clip_active = clipped_token_losses(
+        log_ratio.exp(), advantages, clip_ratio_low, clip_ratio_high, balanced)
     dual_bound = -advantages * clip_ratio_c
     dual_active = (advantages < 0) & (ppo_losses > dual_bound)
     return torch.where(dual_active, dual_bound, ppo_losses), log_ratio, clip_active, dual_active
@@ -220,7 +265,8 @@ def _split_bounds(high_entropy_mask: torch.Tensor, low: float, high: float, like
 
 @register_policy_loss("archer", settings=("clip_ratio_c",), inputs=("high_entropy_mask",),
                       options={"low_entropy_clip_ratio_low": 0.2, "low_entropy_clip_ratio_high": 0.2,
-                               "high_entropy_clip_ratio_low": 0.5, "high_entropy_clip_ratio_high": 0.5})
+                               "high_entropy_clip_ratio_low": 0.5, "high_entropy_clip_ratio_high": 0.5},
+                      switches=(BALANCED_CLIPPING,))
 def archer_policy_loss(
     *,
     old_log_prob: torch.Tensor,
@@ -235,16 +281,20 @@ def archer_policy_loss(
     low_entropy_clip_ratio_high: float,
     high_entropy_clip_ratio_low: float,
     high_entropy_clip_ratio_high: float,
+    enable_entropy_balanced_clipping: bool,
 ) -> tuple[torch.Tensor, dict[str, Metric]]:
     """Archer's dual-token constraints: dual-clip PPO whose clip range depends on the token's entropy class
-    (the paper's 0.2 for low-entropy and 0.5 for high-entropy tokens)."""
+    (the paper's 0.2 for low-entropy and 0.5 for high-entropy tokens). The entropy-balanced clip, when on,
+    rewrites the upper bound of every token, each with its class's eps_h."""
     eps_low = _split_bounds(high_entropy_mask, low_entropy_clip_ratio_low, high_entropy_clip_ratio_low, log_prob)
     eps_high = _split_bounds(high_entropy_mask, low_entropy_clip_ratio_high, high_entropy_clip_ratio_high, log_prob)
     token_losses, log_ratio, clip_active, dual_active = _dual_clip_losses(
-        old_log_prob, log_prob, advantages, eps_low, eps_high, clip_ratio_c)
+        old_log_prob, log_prob, advantages, eps_low, eps_high, clip_ratio_c, enable_entropy_balanced_clipping)
     loss = agg_loss(token_losses, response_mask, loss_agg_mode, **agg_kwargs)
     metrics = _metrics(log_ratio, clip_active, dual_active, response_mask)
     metrics.update(_entropy_class_metrics(high_entropy_mask, clip_active, response_mask))
+    if enable_entropy_balanced_clipping:
+        metrics.update(_balanced_clip_metrics(clip_active, advantages, response_mask))
     return loss, metrics
 
 
@@ -297,7 +347,7 @@ def aspo_policy_loss(
 
 @register_policy_loss("clip_cov", settings=("clip_ratio_low", "clip_ratio_high"),
                       options={"policy_loss.clip_cov_ratio": 0.0002, "policy_loss.clip_cov_lb": 1.0,
-                               "policy_loss.clip_cov_ub": 5.0})
+                               "policy_loss.clip_cov_ub": 5.0}, switches=(BALANCED_CLIPPING,))
 def clip_cov_policy_loss(
     *,
     old_log_prob: torch.Tensor,
@@ -311,17 +361,22 @@ def clip_cov_policy_loss(
     clip_cov_ratio: float,
     clip_cov_lb: float,
     clip_cov_ub: float,
+    enable_entropy_balanced_clipping: bool,
 ) -> tuple[torch.Tensor, dict[str, Metric]]:
     """Clip-Cov: PPO clip, and the gradient of a few random tokens with lb < cov(A, logp) < ub is cut off
-    (drawn with torch's global generator, which the trainer seeds)."""
+    (drawn with torch's global generator, which the trainer seeds). With the entropy-balanced clip the clipped
+    tokens keep a gradient; the candidates are still the tokens the PPO clip did not clip."""
     log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ppo_losses, clip_active = clipped_token_losses(log_ratio.exp(), advantages, clip_ratio_low, clip_ratio_high)
+    ppo_losses, clip_active = clipped_token_losses(
+        log_ratio.exp(), advantages, clip_ratio_low, clip_ratio_high, enable_entropy_balanced_clipping)
     cov = advantage_logp_covariance(advantages, log_prob, response_mask)
     cut = clip_cov_tokens(cov, response_mask.bool() & ~clip_active, clip_cov_ratio, clip_cov_lb, clip_cov_ub)
     token_losses = torch.where(cut, 0.0, ppo_losses)
     loss = agg_loss(token_losses, response_mask, loss_agg_mode, **agg_kwargs)
     metrics = _metrics(log_ratio, clip_active, torch.zeros_like(clip_active), response_mask)
     metrics["cov_selected_tokens"] = Total(cut.sum().float())
+    if enable_entropy_balanced_clipping:
+        metrics.update(_balanced_clip_metrics(clip_active, advantages, response_mask))
     return loss, metrics
 
 

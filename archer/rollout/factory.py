@@ -1,4 +1,10 @@
-"""Which generation engine `actor_rollout_ref.rollout.name` builds, on the actor's model."""
+"""Which generation engine `actor_rollout_ref.rollout.name` builds on the actor's model.
+
+- ``fast``: archer's own engine (archer/rollout/fast/); an architecture it cannot run is an error naming ``hf``;
+- ``hf``: the Hugging Face decoding loop (archer/rollout/hf_engine.py), for every architecture and the CPU;
+- ``auto`` (the default): ``fast`` on a GPU for the architectures it runs, else ``hf`` (saying why once);
+- verl's ``vllm`` / ``sglang``: as ``auto``, with a note that archer generates with its own engines.
+"""
 
 from __future__ import annotations
 
@@ -10,19 +16,21 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from archer.errors import ArcherError
 from archer.rollout.base import RolloutEngine
+from archer.rollout.fast.engine import FastEngine
+from archer.rollout.fast.model import model_spec
 from archer.rollout.hf_engine import HFGenerateEngine
 
 log = logging.getLogger("archer.rollout")
 
-ENGINE_NAMES = ("hf",)
-VERL_ENGINE_NAMES = ("vllm", "sglang")  # verl's engines: archer generates with its own and says so
+ENGINE_NAMES = ("auto", "fast", "hf")
+VERL_ENGINE_NAMES = ("vllm", "sglang")  # verl's engines: archer's own stand in for them, as with auto
 
 
 def check_engine_name(name: str) -> None:
-    """Refuse an engine archer does not have (before any model loads); warn about verl's names."""
+    """Refuse an engine archer does not have (before any model loads); note what verl's names mean here."""
     if name in VERL_ENGINE_NAMES:
-        log.warning("rollout.name=%s: archer generates with its Hugging Face engine (hf); the %s-specific "
-                    "rollout keys are accepted and ignored", name, name)
+        log.info("rollout.name=%s: archer generates with its own engines (as rollout.name=auto: fast on a GPU, "
+                 "hf otherwise); the %s-specific rollout keys are accepted and ignored", name, name)
     elif name not in ENGINE_NAMES:
         raise ArcherError(f"unknown rollout engine {name!r}",
                           f"set actor_rollout_ref.rollout.name to one of: {', '.join(ENGINE_NAMES)}")
@@ -30,5 +38,19 @@ def check_engine_name(name: str) -> None:
 
 def build_engine(rollout: DictConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                  device: torch.device) -> RolloutEngine:
-    """The engine named by ``rollout.name`` (checked by ``check_engine_name``), generating with ``model``."""
+    """The engine ``rollout.name`` names (checked by ``check_engine_name``), generating from ``model``."""
+    if rollout.name == "fast" or (rollout.name != "hf" and _fast_engine_runs(model, device)):
+        return FastEngine.from_config(model, tokenizer, rollout, device=device)
     return HFGenerateEngine(model, tokenizer, device=device, max_batch_size=int(rollout.max_batch_size))
+
+
+def _fast_engine_runs(model: PreTrainedModel, device: torch.device) -> bool:
+    """Whether auto picks the fast engine: on a GPU, for an architecture it runs."""
+    if device.type != "cuda":
+        return False
+    try:
+        model_spec(model)
+    except ArcherError as e:
+        log.warning("rollout.name=auto: generating with the hf engine, because %s", e.problem)
+        return False
+    return True

@@ -46,7 +46,11 @@ def _attempt(tool: Tool, content: str, retry_count: int) -> tuple[ToolResult, in
     while True:
         attempt += 1
         try:
-            return tool.execute(content), attempt
+            result = tool.execute(content)
+            if not (isinstance(result, ToolResult) and isinstance(result.text, str)):
+                got = type(result.text if isinstance(result, ToolResult) else result).__name__
+                return ToolResult(f"Error: Tool({tool.name}) returned {got} instead of text.", ok=False), attempt
+            return result, attempt
         except Exception as e:  # a tool's failure is the model's tool result, never the trainer's crash
             logger.debug("tool %s failed (attempt %d): %s", tool.name, attempt, e)
             if attempt > retry_count:

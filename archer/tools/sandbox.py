@@ -149,6 +149,7 @@ def _prelude_config(interp: Interpreter, limits: SandboxLimits, uid: int | None)
         "max_file_bytes": limits.max_file_mb << 20,
         "max_open_files": limits.max_open_files,
         "uid": uid,
+        "owner": os.getpid(),  # the trainer that started it: tells its sandboxes apart in ps (unused inside)
     })
 
 

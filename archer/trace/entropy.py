@@ -2,8 +2,10 @@
 
 The arrays come from the old-log-prob pass (``old_log_probs``, ``entropies``), so writing the trace adds no
 model work: it copies tensors to numpy, compresses them and replaces files atomically. The step file also
-holds what the explorer needs without the run: prompt ids, reward, advantage, data_source, log-probs and the
-reward's numeric extras (``reward_extra/<key>``, float32, NaN where a response has none).
+holds what the explorer needs without the run: prompt ids, reward, advantage, data_source, log-probs, the
+reward's numeric extras (``reward_extra/<key>``, float32, NaN where a response has none), each response's
+finish_reason and, for a run with tools, the tool fields (format.TOOL_FIELDS: tool_mask, num_tool_calls,
+num_turns, branch_parent, branch_position). Both trace kinds take their per-response fields from here.
 """
 
 from __future__ import annotations
@@ -49,6 +51,13 @@ def response_arrays(batch: Batch, rows: np.ndarray | None = None) -> dict[str, n
     if REWARD_EXTRAS in batch.rows:
         for key, column in numeric_columns(batch[REWARD_EXTRAS][rows]).items():
             arrays[REWARD_EXTRA_PREFIX + key] = column.astype(np.float32)
+    if "finish_reason" in batch.rows:
+        arrays["finish_reason"] = np.asarray([str(r) for r in batch["finish_reason"][rows]], dtype=str)
+    if "tool_mask" in batch.tensors:
+        arrays["tool_mask"] = batch["tool_mask"][index].bool().numpy()
+    for name in ("num_tool_calls", "num_turns", "branch_parent", "branch_position"):
+        if name in batch.rows:
+            arrays[name] = batch[name][rows].astype(np.int32)
     return arrays
 
 

@@ -8,7 +8,7 @@ A trace directory holds
                         response_len, num_valid_tokens and statistics of the step
     latest_step.txt     the newest written step
     steps/step_XXXXXX.npz   np.savez_compressed arrays of one step (fields below; each numeric reward extra
-                        adds a float32 field ``reward_extra/<key>``)
+                        adds a float32 field ``reward_extra/<key>``; a run with tools adds TOOL_FIELDS)
     tokenizer/          the run's tokenizer, so the trace can be read without the run
 
 Every file is replaced atomically (temporary file + os.replace, optional fsync): a crash leaves either the
@@ -61,6 +61,18 @@ RESPONSE_FIELDS = {
     "reward": ("float32", "[num_responses] sequence score of the response"),
     "advantage": ("float32", "[num_responses] mean advantage over the response's tokens"),
     "data_source": ("str", "[num_responses] data_source of the prompt"),
+    "finish_reason": ("str", "[num_responses] why generation ended: eos | stop | length | call_limit"),
+}
+# Fields of a run with tools (the multi-turn loop, archer/rollout/agentic.py); absent otherwise.
+TOOL_FIELDS = {
+    "tool_mask": ("bool", "[num_responses, response_len] True on tool output: context the policy did not write "
+                  "(response_mask is False there)"),
+    "num_tool_calls": ("int32", "[num_responses] tool calls answered in the response"),
+    "num_turns": ("int32", "[num_responses] segments the model wrote"),
+    "branch_parent": ("int32", "[num_responses] sample_index (same uid) of the response it branched from, -1 for "
+                      "a global sample"),
+    "branch_position": ("int32", "[num_responses] position of its first token of its own (the tokens before it "
+                        "are its parent's), -1 for a global sample"),
 }
 REWARD_EXTRA_PREFIX = "reward_extra/"
 REWARD_EXTRA_FIELD = (
@@ -73,7 +85,8 @@ INFLUENCE_FIELDS = {
     "group_id": ("int32", "[num_responses] index of the prompt group within the step"),
 }
 
-ALL_FIELDS = {**RESPONSE_FIELDS, **INFLUENCE_FIELDS}
+ALL_FIELDS = {**RESPONSE_FIELDS, **TOOL_FIELDS, **INFLUENCE_FIELDS}
+TOKEN_FIELDS = ("entropies", "response_mask", "responses", "old_log_probs", "influence", "tool_mask")
 
 
 def field_spec(name: str) -> tuple[str, str] | None:
@@ -260,7 +273,6 @@ def check_step_arrays(arrays: dict[str, np.ndarray], kind: str) -> None:
     shape = arrays["response_mask"].shape
     if len(shape) != 2:
         raise ValueError(f"trace field response_mask must be 2-D [num_responses, response_len], got shape {shape}")
-    token_fields = ("entropies", "responses", "old_log_probs", "influence")
     for name, array in arrays.items():
         spec = field_spec(name)
         if spec is None:
@@ -269,11 +281,27 @@ def check_step_arrays(arrays: dict[str, np.ndarray], kind: str) -> None:
         kind_ok = array.dtype.kind == "U" if dtype == "str" else array.dtype == np.dtype(dtype)
         if not kind_ok:
             raise ValueError(f"trace field {name} must be {dtype}, got {array.dtype}")
-        rank = 2 if name in token_fields or name in ("response_mask", "prompts") else 1
+        rank = 2 if name in TOKEN_FIELDS or name == "prompts" else 1
         if array.ndim != rank or array.shape[0] != shape[0]:
             raise ValueError(f"trace field {name} has shape {array.shape}, expected {rank}-D with {shape[0]} rows")
-        if name in token_fields and array.shape != shape:
+        if name in TOKEN_FIELDS and array.shape != shape:
             raise ValueError(f"trace field {name} has shape {array.shape}, expected {shape}")
+    _check_tool_fields(arrays)
+
+
+def _check_tool_fields(arrays: dict[str, np.ndarray]) -> None:
+    """Tool output is never a learned token; a branch has both its parent and its position, a root neither."""
+    if "tool_mask" in arrays and np.any(arrays["tool_mask"] & arrays["response_mask"]):
+        raise ValueError("trace fields tool_mask and response_mask are both True at some token")
+    if ("branch_parent" in arrays) != ("branch_position" in arrays):
+        raise ValueError("trace fields branch_parent and branch_position come together; one is missing")
+    if "branch_parent" in arrays:
+        parent, position = arrays["branch_parent"], arrays["branch_position"]
+        if np.any(parent < -1) or np.any((parent >= 0) != (position >= 0)):
+            raise ValueError("trace fields branch_parent and branch_position must both be -1 (a global sample) or "
+                             "both be at least 0 (a branch)")
+        if np.any(position >= arrays["response_mask"].shape[1]):
+            raise ValueError("trace field branch_position points past the response length")
 
 
 def read_manifest(path: Path) -> list[dict[str, Any]]:

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
+from archer.algorithms.policy_loss import POLICY_LOSSES
 from archer.config.loader import as_list
 from archer.errors import ArcherError
 from archer.rewards.shaping import OverlongBuffer
+from archer.rollout.agentic_config import check_agentic_config
 from archer.rollout.factory import check_engine_name
 from archer.trace.influence import check_settings as check_influence_settings
 from archer.trainer.group_filter import check_filter_metric
+from archer.workers.actor_objective import loss_switches
 
 # Keys that count something and must be at least 1.
 COUNT_KEYS = (
@@ -74,6 +77,9 @@ def check_config(cfg: DictConfig) -> None:
         raise ArcherError("reward_model.enable=True: model-based reward is not available in archer yet",
                           "use rule rewards or custom_reward_function.path=FILE (reward_model.enable=False)")
     check_engine_name(cfg.actor_rollout_ref.rollout.name)
+    actor = cfg.actor_rollout_ref.actor
+    loss_switches(POLICY_LOSSES.lookup(actor.policy_loss.loss_mode), actor)  # a loss mode and switches it takes
+    check_agentic_config(cfg.actor_rollout_ref.rollout)
     check_trainer_modes(cfg.trainer, has_val_files=bool(as_list(cfg.data.val_files)))
     train_bs, mini = int(cfg.data.train_batch_size), int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
     if mini > train_bs or train_bs % mini:

@@ -33,6 +33,7 @@ from archer.rewards.custom import load_custom_reward_fn
 from archer.rewards.extras import REWARD_EXTRAS, numeric_columns
 from archer.rewards.manager import RewardManager
 from archer.rewards.shaping import OverlongBuffer
+from archer.rollout.rollout_stats import RolloutStats
 from archer.trace.entropy import EntropyTrace
 from archer.trace.influence import InfluenceTrace
 from archer.trace.influence_capture import CaptureSettings
@@ -55,7 +56,7 @@ from archer.trainer.tracking import Tracking
 from archer.workers.actor import INFLUENCE_TOKENS, ActorWorker
 from archer.workers.critic import CriticWorker
 from archer.workers.reference import ReferenceWorker
-from archer.workers.rollout import concat_sequences
+from archer.workers.rollout import ROLLOUT_STATS, concat_sequences
 
 log = logging.getLogger("archer.trainer")
 
@@ -118,7 +119,8 @@ class PPOTrainer:
         self.total_steps = int(steps) if steps else self.loader.steps_per_epoch * int(cfg.trainer.total_epochs)
 
         self.reward_fn = build_reward_manager(cfg, self.tokenizer)
-        self.actor = ActorWorker(ref_cfg, device=self.device, total_steps=self.total_steps, tokenizer=self.tokenizer)
+        self.actor = ActorWorker(ref_cfg, device=self.device, total_steps=self.total_steps, tokenizer=self.tokenizer,
+                                 chat_template_kwargs=OmegaConf.to_container(cfg.data.apply_chat_template_kwargs))
         algo = cfg.algorithm
         self.use_ref = bool(ref_cfg.actor.use_kl_loss or algo.use_kl_in_reward)
         self.ref = ReferenceWorker(ref_cfg, device=self.device) if self.use_ref else None
@@ -133,14 +135,18 @@ class PPOTrainer:
         self.influence_trace: InfluenceTrace | None = None
 
     # -- the step -----------------------------------------------------------------------------------------
-    def generate_batch(self, step: int, gen_index: int, timings: dict[str, float]) -> Batch:
-        """One generation batch of the step, scored: prompts -> responses -> token_level_scores, acc, score."""
+    def generate_batch(self, step: int, gen_index: int, timings: dict[str, float],
+                       rollout_stats: list[RolloutStats]) -> Batch:
+        """One generation batch of the step, scored: prompts -> responses -> token_level_scores, acc, score.
+        The agentic loop's stats of the batch go to ``rollout_stats``."""
         prompts = collate_prompts(self.loader.next_batch(), self.tokenizer.pad_token_id)
         prefix = f"{step}" if gen_index == 0 else f"{step}.{gen_index}"
         prompts["uid"] = [f"{prefix}-{i}" for i in range(len(prompts))]
         prompts.info.update(validate=False, seed=self.seed * 1_000_003 + step + gen_index * GEN_BATCH_SEED_STRIDE)
         with timer("gen", timings):
             batch = self.actor.generate_sequences(prompts)
+        if ROLLOUT_STATS in batch.info:
+            rollout_stats.append(batch.info.pop(ROLLOUT_STATS))
         with timer("reward", timings):
             self.reward_fn(batch).add_to(batch)
         return batch
@@ -151,8 +157,9 @@ class PPOTrainer:
         then Archer's rejection sampling, which drops groups whose accuracies are all 0 or all 1."""
         algo, n = self.cfg.algorithm, int(self.cfg.actor_rollout_ref.rollout.n)
         fg = algo.filter_groups
+        rollout_stats: list[RolloutStats] = []
         if not fg.enable:
-            batch = self.generate_batch(step, 0, timings)
+            batch = self.generate_batch(step, 0, timings, rollout_stats)
             metrics["train/num_candidate_groups"] = float(count_groups(batch["uid"]))
         else:
             needed, limit = int(self.cfg.data.train_batch_size), int(fg.max_num_gen_batches)
@@ -161,7 +168,7 @@ class PPOTrainer:
             while num_kept < needed:
                 if limit > 0 and num_batches >= limit:  # verl: <= 0 means no limit
                     raise too_many_batches_error(num_batches, num_kept, needed)
-                generated = self.generate_batch(step, num_batches, timings)
+                generated = self.generate_batch(step, num_batches, timings, rollout_stats)
                 num_batches += 1
                 candidates += count_groups(generated["uid"])
                 values = generated["acc"] if fg.metric == "acc" else generated["score"]
@@ -174,6 +181,8 @@ class PPOTrainer:
             batch = batch.index(slice(0, needed * n))
             metrics["train/num_gen_batches"] = float(num_batches)
             metrics["train/num_candidate_groups"] = float(candidates)
+        if rollout_stats:  # every response generated in the step, kept or not
+            metrics.update(RolloutStats.merge(rollout_stats).metrics())
         if self.cfg.trainer.rejection_sample:
             rejected = uniform_accuracy_rows(batch["uid"], batch["acc"])
             metrics["train/num_rejected_groups"] = float(count_groups(batch["uid"][rejected]))
@@ -261,6 +270,7 @@ class PPOTrainer:
             prompts["uid"] = [f"val-{offset + i}" for i in range(len(prompts))]
             prompts.info.update(validate=True, seed=self.seed)
             batch = self.actor.generate_sequences(prompts)
+            batch.info.pop(ROLLOUT_STATS, None)
             self.reward_fn(batch).add_to(batch)
             parts.append(batch.select(["data_source", "uid", "raw_prompt", "ground_truth", "response_text", "score",
                                        "acc", REWARD_EXTRAS]))

@@ -68,6 +68,9 @@ RL_OVERRIDES = [
     "trainer.test_freq=10",
     "trainer.save_freq=-1",
     "trainer.logger=[console,jsonl]",
+    # the tiny model's generation memory is small: on a GPU the fast engine keeps its KV cache and CUDA graphs
+    # between steps instead of re-capturing them every step (no effect on the CPU's hf engine)
+    "actor_rollout_ref.rollout.free_cache_engine=false",
     # what RL does, token by token: both traces (bit-identical training; cost in BENCHMARKS.md)
     "trainer.entropy_trace.enable=true",
     "trainer.influence_trace.enable=true",

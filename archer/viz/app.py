@@ -26,7 +26,10 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7862
 POLL_SECONDS = 5.0
 VIEW_ROWS_SHOWN = 500  # rows of the response view drawn in the table (all go to the CSV)
-GROUP_TAB, COMPARE_TAB = "Prompt group", "Compare steps"
+RESPONSES_TAB, GROUP_TAB, COMPARE_TAB, TREE_TAB = "Responses", "Prompt group", "Compare steps", "Branch tree"
+# A click on a response of the branch tree sends its row (render.branch_tree_svg marks it with data-row).
+TREE_CLICK_JS = ("element.addEventListener('click', (event) => { const node = event.target.closest('[data-row]'); "
+                 "if (node) trigger('click', {row: Number(node.dataset.row)}); });")
 SORT_CHOICES = list(zip(("position", "entropy ascending", "entropy descending"), queries.SORTS))
 # Errors a view turns into a message: a missing/corrupt step, a row out of range, a bad user path.
 VIEW_ERRORS = (TraceError, IndexError, ArcherError)
@@ -99,10 +102,10 @@ def build_app(trace_dir: str | Path, model_path: str | Path | None = None, *,
         stats = gr.Dataframe(label="step statistics (entropy over valid tokens"
                              + (", influence over computed tokens)" if influence else ")"),
                              interactive=False, elem_id="archer-stats")
-        open_tab = gr.State("Responses")
+        open_tab = gr.State(RESPONSES_TAB)
         drawn = gr.State("")  # the response view this browser session shows (see response_values)
         with gr.Tabs() as tabs:
-            with gr.Tab("Responses"):
+            with gr.Tab(RESPONSES_TAB, id=RESPONSES_TAB):
                 overview = gr.Dataframe(label="responses (select a row to open it)", interactive=False,
                                         max_height=300, elem_id="archer-overview")
                 with gr.Row():
@@ -141,6 +144,11 @@ def build_app(trace_dir: str | Path, model_path: str | Path | None = None, *,
                     compare_tokens = gr.Slider(16, 4096, value=256, step=16, label="tokens shown per response")
                 compare_table = gr.Dataframe(interactive=False, elem_id="archer-compare-table")
                 compare_map = gr.HTML(elem_id="archer-compare")
+            with gr.Tab(TREE_TAB):
+                tree_uid = gr.Dropdown(label="prompt (uid)", elem_id="archer-tree-uid")
+                tree_map = gr.HTML(elem_id="archer-tree", js_on_load=TREE_CLICK_JS)
+                tree_table = gr.Dataframe(label="the prompt's responses in tree order (select a row to open it)",
+                                          interactive=False, elem_id="archer-tree-table")
             with gr.Tab("Curves"):
                 curves = gr.Plot(format="png", elem_id="archer-curves")
             with gr.Tab("Histogram"):
@@ -218,6 +226,23 @@ def build_app(trace_dir: str | Path, model_path: str | Path | None = None, *,
             table, body = explorer.compare_steps(step_value, _row(row_value), other_value, int(tokens_value))
             return {compare_table: _display(table), compare_map: body}
 
+        tree_outputs = [tree_uid, tree_map, tree_table, error]
+
+        def show_tree(step_value: Any, row_value: Any, tab: str) -> dict[Any, Any] | None:
+            if tab != TREE_TAB:
+                return None
+            uid, table, body = explorer.branch_tree(step_value, _row(row_value))
+            return {tree_uid: gr.update(choices=explorer.prompt_choices(step_value), value=uid),
+                    tree_map: body, tree_table: _display(table)}
+
+        def pick_prompt(step_value: Any, uid: str | None) -> dict[Any, Any] | None:
+            """A prompt picked in the tree tab: open its first response (the tree follows the row)."""
+            return None if uid is None else {row: explorer.first_row(step_value, uid)}
+
+        def open_node(event: gr.EventData) -> dict[Any, Any]:
+            """A response clicked in the tree: open it in the response view."""
+            return {row: int(event.row), tabs: gr.Tabs(selected=RESPONSES_TAB), open_tab: RESPONSES_TAB}
+
         hist_outputs = [histogram, error]
 
         def show_histogram(step_value: Any, bins_value: Any) -> dict[Any, Any]:
@@ -246,6 +271,7 @@ def build_app(trace_dir: str | Path, model_path: str | Path | None = None, *,
         hist_stage: Stage = (guarded(hist_outputs, show_histogram), [step, bins], hist_outputs)
         group_stage: Stage = (guarded(group_outputs, show_group), group_inputs, group_outputs)
         compare_stage: Stage = (guarded(compare_outputs, show_compare), compare_inputs, compare_outputs)
+        tree_stage: Stage = (guarded(tree_outputs, show_tree), [step, row, open_tab], tree_outputs)
 
         def chain(trigger: Callable[..., Any], stages: list[Stage], **options: Any) -> None:
             """The first stage on ``trigger``, each next one when the previous has finished."""
@@ -253,11 +279,11 @@ def build_app(trace_dir: str | Path, model_path: str | Path | None = None, *,
             for stage in stages[1:]:
                 event = event.then(*stage)
 
-        after_step = [step_stage, top_stage, hist_stage, group_stage, compare_stage]
+        after_step = [step_stage, top_stage, hist_stage, group_stage, compare_stage, tree_stage]
         chain(app.load, [(show_curves, [], [curves]), *after_step])
         chain(step.change, after_step)
-        chain(row.change, [response_stage, group_stage, compare_stage], trigger_mode="always_last")
-        chain(tabs.select, [(_tab_label, [], [open_tab]), group_stage, compare_stage])
+        chain(row.change, [response_stage, group_stage, compare_stage, tree_stage], trigger_mode="always_last")
+        chain(tabs.select, [(_tab_label, [], [open_tab]), group_stage, compare_stage, tree_stage])
         gr.on([low.submit, low.blur, high.submit, high.blur, search.change, padding.change, sort.change],
               *response_stage, trigger_mode="always_last")
         k.release(*top_stage)
@@ -268,6 +294,9 @@ def build_app(trace_dir: str | Path, model_path: str | Path | None = None, *,
         overview.select(_select_row(0), None, row)  # the overview's first column is the row
         top_high.select(_select_row(1), None, row)  # top-K tables: rank, row, ...
         top_low.select(_select_row(1), None, row)
+        tree_table.select(_select_row(0), None, row)  # the tree table's first column is the row
+        tree_uid.input(guarded([row, error], pick_prompt), [step, tree_uid], [row, error])
+        tree_map.click(open_node, None, [row, tabs, open_tab])
         refresh.click(lambda s, o, v: poll(s, o, v, True), [step, other, seen], refresh_outputs)
         timer.tick(lambda s, o, v: poll(s, o, v, False), [step, other, seen], refresh_outputs,
                    show_progress="hidden")

@@ -190,7 +190,7 @@ class Explorer:
         view = queries.token_view(tokens, entropy_range=entropy_range, search=search, show_padding=show_padding,
                                   sort=sort)
         in_view = queries.view_mask(tokens, entropy_range=entropy_range, search=search)
-        shown = tokens["valid"].to_numpy() | show_padding
+        shown = queries.in_response(tokens) | show_padding
         shown_tokens, shown_in_view = tokens[shown], in_view[shown]
         entropy_html = render.heatmap_html(shown_tokens, colour_by="entropy", vmax=data.entropy_vmax,
                                            in_view=shown_in_view)
@@ -242,7 +242,7 @@ class Explorer:
         panels = []
         for row in rows:
             tokens = queries.token_table(data.arrays, int(row), self.decode)
-            tokens = tokens[tokens["valid"].to_numpy()]
+            tokens = tokens[queries.in_response(tokens)]
             record = overview.iloc[int(row)]
             title = f"step {data.step} · row {int(row)}" + "".join(
                 f" · {k} {_fmt(record[k])}" for k in ("sample_index", "reward", "advantage", "accepted", "length",
@@ -257,6 +257,44 @@ class Explorer:
         row = queries.check_row(data.arrays, row)
         rows = _group_of(data, row)
         return self._prompt_text(data, row), render.panels_html(self._response_panels(data, rows, max_tokens))
+
+    def prompt_choices(self, step: int) -> list[tuple[str, str]]:
+        """(label, uid) of each prompt of the step: its uid, number of responses and of branches."""
+        arrays = self.step_data(step).arrays
+        uids = arrays["uid"] if "uid" in arrays else np.zeros(0, dtype=str)
+        branched = arrays["branch_parent"] >= 0 if "branch_parent" in arrays else np.zeros(len(uids), dtype=bool)
+        choices = []
+        for uid in queries.prompt_uids(arrays):
+            members = uids == uid
+            label = f"{uid} · {int(members.sum())} responses"
+            if "branch_parent" in arrays:
+                label += f", {int(branched[members].sum())} branches"
+            choices.append((label, uid))
+        return choices
+
+    def first_row(self, step: int, uid: str) -> int:
+        """The row of the prompt's first response (IndexError when the step has no such uid)."""
+        rows = queries.group_rows(self.step_data(step).arrays, uid)
+        if not len(rows):
+            raise IndexError(f"step {step} has no prompt with uid {uid!r}")
+        return int(rows[0])
+
+    def branch_tree(self, step: int, row: int) -> tuple[str | None, pd.DataFrame, str]:
+        """The uid of ``row``, the tree table of its prompt's responses and their SVG tree (``row`` highlighted)."""
+        data = self.step_data(step)
+        arrays = data.arrays
+        row = queries.check_row(arrays, row)
+        if "uid" not in arrays:
+            return None, pd.DataFrame(), "<p>the step has no prompt uids: its responses cannot be grouped</p>"
+        uid = str(arrays["uid"][row])
+        tree = queries.branch_tree(arrays, uid)
+        marks = {}
+        for r in tree["row"] if "tool_mask" in arrays else []:  # the tool output and calls on each lane
+            tokens = queries.token_table(arrays, int(r), self.decode)
+            marks[int(r)] = (tokens["tool"].to_numpy(), tokens["tool_call"].to_numpy())
+        note = "" if "branch_parent" in arrays else (
+            "<p>this trace records no branch parents (a run without tools): every response is a root</p>")
+        return uid, tree, note + render.branch_tree_svg(tree, marks, vmax=data.entropy_vmax, selected=row)
 
     def _prompt_text(self, data: StepData, row: int) -> str:
         prompt = queries.prompt_ids(data.arrays, row)

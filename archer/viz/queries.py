@@ -3,11 +3,14 @@
 A step is the dict of arrays ``TraceReader.load_step`` returns (fields in trace/format.py). Token texts come
 from a ``decode`` callable (token ids -> one string per id) so nothing here needs a tokenizer. Entropy
 statistics use the valid tokens (``response_mask``); influence statistics use the valid tokens whose
-influence is not NaN.
+influence is not NaN. A response's text is its valid tokens and, in a run with tools, the tool output between
+them (``tool_mask``): shown, never counted as the policy's. ``branch_tree`` lays out one prompt's responses
+as the tree the agentic loop grew (``branch_parent``, ``branch_position``).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +23,9 @@ Arrays = dict[str, np.ndarray]
 Decode = Callable[[np.ndarray], list[str]]
 
 SORTS = ("position", "entropy_asc", "entropy_desc")
+# The tags of a tool call the model writes: ARPO's built-in tools and Hermes' tool_call.
+CALL_TAGS = ("python", "search", "tool_call")
+_CALL = re.compile(r"<({})>.*?</\1>".format("|".join(CALL_TAGS)), re.DOTALL)
 # Manifest keys that are bookkeeping, not curves.
 _NOT_CURVES = {"step", "created_at", "file", "num_responses", "response_len"}
 _STEP_STATS = ("mean", "std", "p50", "p90", "p99")
@@ -79,7 +85,10 @@ def overview_table(arrays: Arrays) -> pd.DataFrame:
         if name in arrays:
             table[name] = arrays[name]
     table["length"] = mask.sum(axis=1)
-    for name in ("reward", "advantage", "accepted", "group_id"):
+    if "tool_mask" in arrays:
+        table["tool_tokens"] = arrays["tool_mask"].sum(axis=1)
+    for name in ("reward", "advantage", "accepted", "group_id", "num_tool_calls", "num_turns", "branch_parent",
+                 "branch_position", "finish_reason"):
         if name in arrays:
             table[name] = arrays[name]
     for name in sorted(n for n in arrays if n.startswith(REWARD_EXTRA_PREFIX)):  # the reward's extras
@@ -105,9 +114,31 @@ def prompt_ids(arrays: Arrays, row: int) -> np.ndarray | None:
     return prompt[prompt.shape[0] - length:] if length > 0 else prompt[:0]
 
 
+def content_mask(arrays: Arrays) -> np.ndarray:
+    """[num_responses, response_len] the tokens of each response: the valid ones and the tool output."""
+    mask = arrays["response_mask"]
+    return mask | arrays["tool_mask"] if "tool_mask" in arrays else mask
+
+
 def response_ids(arrays: Arrays, row: int) -> np.ndarray:
-    """The valid token ids of a response, in order."""
-    return arrays["responses"][row][arrays["response_mask"][row]]
+    """The token ids of a response (its valid tokens and tool output), in order."""
+    return arrays["responses"][row][content_mask(arrays)[row]]
+
+
+def call_tokens(texts: Sequence[str], written: np.ndarray) -> np.ndarray:
+    """bool per token: inside a tool call (``<python>...</python>``, ``<search>...</search>``,
+    ``<tool_call>...</tool_call>``) within one run of tokens the model ``written``; a token the call's text only
+    touches (a tag fused with other text) counts."""
+    out = np.zeros(len(texts), dtype=bool)
+    ends = np.cumsum([len(t) for t in texts])
+    starts = ends - np.array([len(t) for t in texts], dtype=ends.dtype)
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], written.astype(np.int8), [0]])))
+    for first, last in zip(edges[::2], edges[1::2]):  # each run of written tokens [first, last)
+        offset = starts[first]
+        for match in _CALL.finditer("".join(texts[first:last])):
+            a, b = match.start() + offset, match.end() + offset
+            out[first:last] |= (starts[first:last] < b) & (ends[first:last] > a)
+    return out
 
 
 def check_row(arrays: Arrays, row: int) -> int:
@@ -118,10 +149,12 @@ def check_row(arrays: Arrays, row: int) -> int:
 
 
 def token_table(arrays: Arrays, row: int, decode: Decode) -> pd.DataFrame:
-    """Every position of one response: position, token, token_id, entropy, log_prob, prob, influence, valid."""
+    """Every position of one response: position, token, token_id, entropy, log_prob, prob, influence, valid and,
+    in a run with tools, tool (tool output) and tool_call (the model's tokens of a call)."""
     row = check_row(arrays, row)
     ids = arrays["responses"][row]
-    table: dict[str, Any] = {"position": np.arange(ids.shape[0]), "token": decode(ids), "token_id": ids,
+    texts = decode(ids)
+    table: dict[str, Any] = {"position": np.arange(ids.shape[0]), "token": texts, "token_id": ids,
                              "entropy": arrays["entropies"][row].astype(np.float64)}
     if "old_log_probs" in arrays:
         log_probs = arrays["old_log_probs"][row].astype(np.float64)
@@ -130,7 +163,16 @@ def token_table(arrays: Arrays, row: int, decode: Decode) -> pd.DataFrame:
     if "influence" in arrays:
         table["influence"] = arrays["influence"][row].astype(np.float64)
     table["valid"] = arrays["response_mask"][row]
+    if "tool_mask" in arrays:
+        table["tool"] = arrays["tool_mask"][row]
+        table["tool_call"] = call_tokens(texts, arrays["response_mask"][row])
     return pd.DataFrame(table)
+
+
+def in_response(tokens: pd.DataFrame) -> np.ndarray:
+    """The rows of a token table that are part of the response (valid or tool output), not padding."""
+    valid = tokens["valid"].to_numpy()
+    return valid | tokens["tool"].to_numpy() if "tool" in tokens.columns else valid
 
 
 def view_mask(tokens: pd.DataFrame, *, entropy_range: tuple[float | None, float | None] = (None, None),
@@ -138,6 +180,7 @@ def view_mask(tokens: pd.DataFrame, *, entropy_range: tuple[float | None, float 
     """Tokens inside the entropy range (inclusive; None = open end) whose text contains ``search``.
 
     The search is a case-insensitive substring match on the token's decoded text; empty matches everything.
+    Tool output is outside every entropy range: its entropy is not the policy's.
     """
     keep = np.ones(len(tokens), dtype=bool)
     low, high = entropy_range
@@ -146,6 +189,8 @@ def view_mask(tokens: pd.DataFrame, *, entropy_range: tuple[float | None, float 
         keep &= entropy >= low
     if high is not None:
         keep &= entropy <= high
+    if (low is not None or high is not None) and "tool" in tokens.columns:
+        keep &= ~tokens["tool"].to_numpy()
     if search:
         needle = search.lower()
         keep &= np.fromiter((needle in text.lower() for text in tokens["token"]), dtype=bool, count=len(tokens))
@@ -156,17 +201,19 @@ def token_view(tokens: pd.DataFrame, *, entropy_range: tuple[float | None, float
                search: str = "", show_padding: bool = False, sort: str = "position") -> pd.DataFrame:
     """The selected response view: padding hidden unless asked, filtered, sorted.
 
-    ``sort``: "position", "entropy_asc" or "entropy_desc"; ties keep position order.
+    ``sort``: "position", "entropy_asc" or "entropy_desc"; ties keep position order, and tool output comes
+    after the policy's tokens.
     """
     if sort not in SORTS:
         raise ValueError(f"unknown sort {sort!r}; expected one of {SORTS}")
     keep = view_mask(tokens, entropy_range=entropy_range, search=search)
     if not show_padding:
-        keep &= tokens["valid"].to_numpy()
+        keep &= in_response(tokens)
     view = tokens[keep]
     if sort != "position":
         entropy = view["entropy"].to_numpy()
-        order = np.lexsort((view["position"].to_numpy(), entropy if sort == "entropy_asc" else -entropy))
+        tool = view["tool"].to_numpy() if "tool" in view.columns else np.zeros(len(view), dtype=bool)
+        order = np.lexsort((view["position"].to_numpy(), entropy if sort == "entropy_asc" else -entropy, tool))
         view = view.iloc[order]
     return view.reset_index(drop=True)
 
@@ -246,3 +293,63 @@ def matching_rows(arrays: Arrays, row: int, other: Arrays) -> np.ndarray:
     if rows.size and "sample_index" in other:
         rows = rows[np.lexsort((rows, other["sample_index"][rows]))]
     return rows
+
+
+def prompt_uids(arrays: Arrays) -> list[str]:
+    """The step's prompt uids, in the order of their first response."""
+    if "uid" not in arrays:
+        return []
+    uids, first = np.unique(arrays["uid"], return_index=True)
+    return [str(u) for u in uids[np.argsort(first)]]
+
+
+def branch_tree(arrays: Arrays, uid: str) -> pd.DataFrame:
+    """The responses to one prompt as the tree the tool loop grew, one row per response in drawing order (each
+    response right after the one it branched from, its branches by branch position):
+
+    row, sample_index, parent (the sample_index it branched from, -1 for a root), parent_row, branch_position
+    (its first token of its own, -1 for a root), branch_entropy (the entropy at that token: the distribution it
+    and its parent both sampled from there), depth, branches (responses that branched from it), length (its
+    tokens, tool output included), tool_tokens, reward, num_tool_calls, finish_reason (the last three when the
+    trace has them). Without ``branch_parent`` (a run without tools), or when a parent is not an earlier response
+    of the group, a response is a root.
+    """
+    rows = group_rows(arrays, uid).tolist()
+    n = len(rows)
+    sample = dict(zip(rows, (arrays["sample_index"][rows] if "sample_index" in arrays else range(n))))
+    sample = {r: int(s) for r, s in sample.items()}
+    row_of = {s: r for r, s in sample.items()}
+    parent_of = arrays["branch_parent"] if "branch_parent" in arrays else np.full(len(arrays["response_mask"]), -1)
+    parent_row = {}
+    for r in rows:
+        p = int(parent_of[r])
+        parent_row[r] = row_of[p] if 0 <= p < sample[r] and p in row_of else -1  # a root otherwise
+    position = {r: int(arrays["branch_position"][r]) if parent_row[r] >= 0 else -1 for r in rows}
+    children: dict[int, list[int]] = {}
+    for r in rows:
+        children.setdefault(parent_row[r], []).append(r)
+    order: list[tuple[int, int]] = []  # (row, depth), depth first
+    stack = [(r, 0) for r in reversed(children.get(-1, []))]
+    while stack:
+        r, depth = stack.pop()
+        order.append((r, depth))
+        below = sorted(children.get(r, []), key=lambda c: (position[c], sample[c]))
+        stack += [(c, depth + 1) for c in reversed(below)]
+    content = content_mask(arrays)
+    ordered = [r for r, _ in order]
+    table: dict[str, Any] = {
+        "row": ordered, "sample_index": [sample[r] for r in ordered],
+        "parent": [sample[parent_row[r]] if parent_row[r] >= 0 else -1 for r in ordered],
+        "parent_row": [parent_row[r] for r in ordered],
+        "branch_position": [position[r] for r in ordered],
+        "branch_entropy": [float(arrays["entropies"][r, position[r]]) if position[r] >= 0 else np.nan
+                           for r in ordered],
+        "depth": [d for _, d in order],
+        "branches": [len(children.get(r, [])) for r in ordered],
+        "length": [int(np.flatnonzero(content[r])[-1]) + 1 if content[r].any() else 0 for r in ordered],
+        "tool_tokens": [int(arrays["tool_mask"][r].sum()) if "tool_mask" in arrays else 0 for r in ordered],
+    }
+    for name in ("reward", "num_tool_calls", "finish_reason"):
+        if name in arrays:
+            table[name] = arrays[name][np.asarray(ordered, dtype=np.int64)]
+    return pd.DataFrame(table)

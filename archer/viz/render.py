@@ -3,7 +3,9 @@
 A heatmap is a ``<div class="archer-heatmap">`` holding one ``<span class="archer-tok">`` per token, with the
 token's text (HTML-escaped, whitespace made visible), a hover ``title`` and ``data-pos`` / ``data-entropy`` /
 ``data-influence`` attributes. The background comes from ``entropy_colour`` (white -> red) or, for the
-influence heatmap, ``influence_colour`` (blue for negative, white at zero, red for positive).
+influence heatmap, ``influence_colour`` (blue for negative, white at zero, red for positive). Tool output is
+grey (``archer-tok--tool``: not the policy's tokens), the model's tool calls are underlined in purple
+(``archer-tok--call``). ``branch_tree_svg`` draws one prompt's responses as an SVG tree.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ WHITE = (255, 255, 255)
 HOT = (214, 39, 40)  # high entropy / positive influence
 COLD = (31, 119, 180)  # negative influence
 MISSING = "rgb(221,221,221)"  # NaN (influence not computed)
+TOOL = "rgb(236,236,236)"  # tool output: not coloured by entropy or influence
+CALL = "rgb(106,61,154)"  # the model's tool calls
 VISIBLE_WHITESPACE = {" ": "·", "\n": "↵", "\t": "→", "\r": "␍"}
 _VISIBLE = str.maketrans(VISIBLE_WHITESPACE)
 HEATMAP_CSS = (
@@ -30,6 +34,8 @@ HEATMAP_CSS = (
     ".archer-heatmap .archer-tok{padding:1px 0;border-radius:2px;white-space:pre-wrap}"
     ".archer-heatmap .archer-tok--out{color:#aaa;background-color:transparent!important}"
     ".archer-heatmap .archer-tok--pad{outline:1px dashed #999}"
+    ".archer-tok--tool{color:#8a8a8a;font-style:italic}"
+    f".archer-tok--call{{box-shadow:inset 0 -3px 0 {CALL};color:#3f1d6b;font-weight:600}}"
     ".archer-heatmap .archer-tok:hover{outline:1px solid #000}"
     ".archer-panels{display:grid;gap:8px;grid-auto-flow:column;grid-auto-columns:minmax(320px,1fr);"
     "overflow-x:auto}"
@@ -82,22 +88,31 @@ def token_title(token: dict) -> str:
         parts.append(f"log-prob {_number(token['log_prob'])} (p={_number(token['prob'])})")
     if "influence" in token:
         parts.append(f"influence {_number(token['influence'])}")
-    if not token["valid"]:
+    if token.get("tool"):
+        parts.append("tool output (not the policy's)")
+    elif not token["valid"]:
         parts.append("padding")
+    if token.get("tool_call"):
+        parts.append("tool call")
     return " | ".join(parts)
 
 
-def legend_html(colour_by: str, vmax: float) -> str:
-    """The colour scale of a heatmap in words and swatches."""
+def legend_html(colour_by: str, vmax: float, tools: bool = False) -> str:
+    """The colour scale of a heatmap in words and swatches (with the tool marks when ``tools``)."""
     if colour_by == "entropy":
         stops = [(0.0, "0"), (vmax / 2, f"{vmax / 2:.3g}"), (vmax, f"≥ {vmax:.3g}")]
         swatches = "".join(f'<span style="background-color:{entropy_colour(v, vmax)}">&nbsp;{label}&nbsp;</span>'
                            for v, label in stops)
-        return f'<div class="archer-legend">entropy (nats): {swatches}</div>'
-    stops = [(-vmax, f"≤ -{vmax:.3g}"), (0.0, "0"), (vmax, f"≥ {vmax:.3g}"), (math.nan, "not computed")]
-    swatches = "".join(f'<span style="background-color:{influence_colour(v, vmax)}">&nbsp;{label}&nbsp;</span>'
-                       for v, label in stops)
-    return f'<div class="archer-legend">influence: {swatches}</div>'
+        title = "entropy (nats)"
+    else:
+        stops = [(-vmax, f"≤ -{vmax:.3g}"), (0.0, "0"), (vmax, f"≥ {vmax:.3g}"), (math.nan, "not computed")]
+        swatches = "".join(f'<span style="background-color:{influence_colour(v, vmax)}">&nbsp;{label}&nbsp;</span>'
+                           for v, label in stops)
+        title = "influence"
+    if tools:
+        swatches += (f' &nbsp;<span class="archer-tok--tool" style="background-color:{TOOL}">&nbsp;tool output&nbsp;'
+                     '</span> <span class="archer-tok--call">&nbsp;tool call&nbsp;</span>')
+    return f'<div class="archer-legend">{title}: {swatches}</div>'
 
 
 def heatmap_html(tokens: pd.DataFrame, *, colour_by: str = "entropy", vmax: float = 1.0,
@@ -105,8 +120,9 @@ def heatmap_html(tokens: pd.DataFrame, *, colour_by: str = "entropy", vmax: floa
     """One span per row of ``tokens`` (a token table, in its order), coloured by entropy or influence.
 
     Tokens where ``in_view`` is False get the class ``archer-tok--out`` (grey, no colour); padding tokens get
-    ``archer-tok--pad``. ``max_tokens`` cuts the heatmap and says how many tokens were left out; ``legend``
-    puts the colour scale above it.
+    ``archer-tok--pad``; tool output (``tool``) gets ``archer-tok--tool`` and the grey ``TOOL`` background,
+    the model's tool calls (``tool_call``) ``archer-tok--call``. ``max_tokens`` cuts the heatmap and says how
+    many tokens were left out; ``legend`` puts the colour scale above it.
     """
     if colour_by not in ("entropy", "influence"):
         raise ValueError(f"colour_by must be 'entropy' or 'influence', got {colour_by!r}")
@@ -114,18 +130,22 @@ def heatmap_html(tokens: pd.DataFrame, *, colour_by: str = "entropy", vmax: floa
     shown = tokens if max_tokens is None else tokens.iloc[:max_tokens]
     keep = np.ones(len(shown), dtype=bool) if in_view is None else np.asarray(in_view)[: len(shown)]
     has_influence = "influence" in shown.columns
-    parts = [HEATMAP_CSS, legend_html(colour_by, vmax) if legend else "",
+    tools = "tool" in shown.columns and bool(shown["tool"].any())
+    parts = [HEATMAP_CSS, legend_html(colour_by, vmax, tools) if legend else "",
              f'<div class="archer-heatmap" data-colour="{colour_by}" data-vmax="{float(vmax)!r}" '
              f'data-tokens="{len(shown)}">']
     for token, inside in zip(shown.to_dict("records"), keep):
-        classes = "archer-tok" + ("" if inside else " archer-tok--out") + ("" if token["valid"] else " archer-tok--pad")
-        value = token[colour_by]
+        tool = bool(token.get("tool"))
+        classes = ("archer-tok" + ("" if inside else " archer-tok--out")
+                   + (" archer-tok--tool" if tool else "" if token["valid"] else " archer-tok--pad")
+                   + (" archer-tok--call" if token.get("tool_call") else ""))
         data = f'data-pos="{token["position"]}" data-entropy="{_number(token["entropy"])}"'
         if has_influence:
             data += f' data-influence="{_number(token["influence"])}"'
         text = visible_text(token["token"])
+        background = TOOL if tool else colour(token[colour_by], vmax)
         parts.append(f'<span class="{classes}" {data} title="{html.escape(token_title(token))}" '
-                     f'style="background-color:{colour(value, vmax)}">{text}</span>')
+                     f'style="background-color:{background}">{text}</span>')
         if "\n" in token["token"]:
             parts.append("<br>")
     if len(shown) < len(tokens):
@@ -139,6 +159,114 @@ def panels_html(panels: Sequence[tuple[str, str]]) -> str:
     columns = "".join(f'<div class="archer-panel"><div class="archer-panel-title">{html.escape(title)}</div>'
                       f"{body}</div>" for title, body in panels)
     return f'<div class="archer-panels">{columns}</div>'
+
+
+TREE_WIDTH, TREE_LEFT, TREE_RIGHT, TREE_TOP, TREE_LANE = 980, 120, 280, 40, 30
+REWARD_LOW, REWARD_MID, REWARD_HIGH = (214, 39, 40), (237, 177, 32), (44, 160, 44)
+TREE_CSS = (
+    "<style>"
+    ".archer-tree{font-family:ui-monospace,monospace;font-size:12px;color:#111;background:#fff}"
+    ".archer-tree svg{width:100%;height:auto;background:#fff;border:1px solid #ddd;border-radius:4px}"
+    ".archer-tree .archer-tree-node{cursor:pointer}"
+    ".archer-tree .archer-tree-node:hover .archer-tree-line{stroke:#000;stroke-width:3}"
+    "</style>"
+)
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of each run of True."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], np.asarray(mask, dtype=np.int8), [0]])))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+
+
+def reward_colour(value: float, low: float, high: float) -> str:
+    """Red at the group's lowest reward, amber half way, green at its highest (amber when all are equal);
+    NaN -> grey."""
+    if math.isnan(value):
+        return MISSING
+    t = min(max((value - low) / (high - low) if high > low else 0.5, 0.0), 1.0)
+    return _mix(REWARD_LOW, REWARD_MID, 2 * t) if t < 0.5 else _mix(REWARD_MID, REWARD_HIGH, 2 * t - 1)
+
+
+def _lane_summary(record: dict, reward: float) -> str:
+    """What the end of a response's lane says: reward, tool calls, finish reason."""
+    calls = record.get("num_tool_calls")
+    return " · ".join([f"reward {reward:.3g}" if np.isfinite(reward) else "no reward"]
+                      + ([f"{int(calls)} call" + ("" if int(calls) == 1 else "s")] if calls is not None else [])
+                      + ([str(record["finish_reason"])] if "finish_reason" in record else []))
+
+
+def branch_tree_svg(tree: pd.DataFrame, marks: dict[int, tuple[np.ndarray, np.ndarray]], *, vmax: float,
+                    selected: int | None = None) -> str:
+    """One prompt's responses (``queries.branch_tree``) as an SVG tree: a lane per response along token
+    positions, from its branch point (a root from 0) to its end; tool output grey and tool calls purple on it
+    (``marks``: row -> (tool, tool_call) per position); at each branch point a dot on the parent's lane coloured
+    by the entropy there (``vmax`` as in the heatmaps) and labelled with it; at each end a dot coloured by the
+    reward (``reward_colour``) and the reward, tool calls and finish reason. Every mark of a response is in a
+    ``<g class="archer-tree-node" data-row=ROW>``; ``selected`` is highlighted."""
+    n = len(tree)
+    longest = max(int(tree["length"].max()) if n else 0, 1)
+    span = TREE_WIDTH - TREE_LEFT - TREE_RIGHT
+    height = TREE_TOP + n * TREE_LANE + 8
+
+    def x(position: float) -> float:
+        return round(TREE_LEFT + span * position / longest, 1)
+
+    def bars(mask: np.ndarray, offset: int, y: int, name: str, fill: str) -> str:
+        """A bar over each run of ``mask`` (positions from ``offset``) on the lane at ``y``."""
+        return "".join(f'<rect class="archer-tree-{name}" x="{x(offset + a)}" y="{y - 5}" height="10" fill="{fill}" '
+                       f'width="{max(x(offset + b) - x(offset + a), 1.5):.1f}"/>' for a, b in _runs(mask))
+
+    lane = {int(r): TREE_TOP + i * TREE_LANE + TREE_LANE // 2 for i, r in enumerate(tree["row"])}
+    rewards = tree["reward"].astype(np.float64).to_numpy() if "reward" in tree else np.full(n, np.nan)
+    finite = rewards[np.isfinite(rewards)]
+    low, high = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 0.0)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {TREE_WIDTH} {height}" width="{TREE_WIDTH}" '
+             f'height="{height}" data-responses="{n}">',
+             f'<text x="{x(0)}" y="14" fill="#555">0</text>',
+             f'<text x="{x(longest)}" y="14" fill="#555" text-anchor="end">{longest}</text>',
+             f'<text x="{x(longest / 2)}" y="14" fill="#555" text-anchor="middle">token position</text>',
+             f'<line x1="{x(0)}" y1="20" x2="{x(longest)}" y2="20" stroke="#ccc"/>']
+    branch_marks = []
+    for record, reward in zip(tree.to_dict("records"), rewards):
+        row, y = int(record["row"]), lane[int(record["row"])]
+        start, end = max(int(record["branch_position"]), 0), int(record["length"])
+        tool, call = marks.get(row, (np.zeros(0, bool), np.zeros(0, bool)))
+        summary = _lane_summary(record, reward)
+        origin = (f"branched from #{record['parent']} (row {record['parent_row']}) at position {start}, entropy "
+                  f"{_number(record['branch_entropy'])} there" if record["parent_row"] >= 0 else "a global sample")
+        title = html.escape(f"#{record['sample_index']} · row {row} · {origin} · {end} tokens "
+                            f"({record['tool_tokens']} of tool output) · {summary}")
+        top = y - TREE_LANE // 2
+        weight = ' font-weight="bold"' if row == selected else ""
+        if row == selected:
+            parts.append(f'<rect x="0" y="{top}" width="{TREE_WIDTH}" height="{TREE_LANE}" fill="#fff4c2"/>')
+        parts.append(
+            f'<g class="archer-tree-node" data-row="{row}"><title>{title}</title>'
+            f'<rect x="0" y="{top}" width="{TREE_WIDTH}" height="{TREE_LANE}" fill="transparent"/>'
+            f'<text x="8" y="{y + 4}"{weight}>#{record["sample_index"]} · row {row}</text>'
+            f'<line class="archer-tree-line" x1="{x(start)}" y1="{y}" x2="{x(end)}" y2="{y}" stroke="#444" '
+            'stroke-width="2"/>'
+            + bars(tool[start:end], start, y, "tool", "#b0b0b0") + bars(call[start:end], start, y, "call", CALL)
+            + f'<circle class="archer-tree-leaf" cx="{x(end)}" cy="{y}" r="6" stroke="#333" '
+            f'fill="{reward_colour(reward, low, high)}"/>'
+            f'<text x="{TREE_WIDTH - TREE_RIGHT + 14}" y="{y + 4}">{html.escape(summary)}</text></g>')
+        if record["parent_row"] >= 0:
+            joint = lane[int(record["parent_row"])]
+            entropy = float(record["branch_entropy"])
+            branch_marks.append(
+                f'<g class="archer-tree-node" data-row="{row}"><title>{title}</title>'
+                f'<line x1="{x(start)}" y1="{joint}" x2="{x(start)}" y2="{y}" stroke="#888" stroke-dasharray="3 2"/>'
+                f'<circle class="archer-tree-branch" cx="{x(start)}" cy="{joint}" r="5" stroke="#000" '
+                f'fill="{entropy_colour(entropy, vmax)}" data-entropy="{_number(entropy)}"/>'
+                f'<text x="{x(start) + 6}" y="{joint - 7}" font-size="10">H {entropy:.3g}</text></g>')
+    parts += branch_marks  # drawn last: on top of the lanes they join
+    parts.append("</svg>")
+    legend = ("Each line is one response along its token positions, from where it branched off (dashed, from the "
+              "dot on its parent's line, coloured and labelled by the entropy there in nats) to its end (the dot "
+              "coloured by its reward: red the group's lowest, amber half way or all equal, green its highest). "
+              "Grey: tool output; purple: tool calls. Click a response to open it.")
+    return f'{TREE_CSS}<div class="archer-tree"><div class="archer-legend">{legend}</div>{"".join(parts)}</div>'
 
 
 def curves_figure(table: pd.DataFrame) -> Figure:

@@ -2,10 +2,10 @@
 log-probs/entropies, its PPO update and the influence hooks on its layers.
 
 The trainer talks to it in Batches and plain data only (so that it can move into another process): prompts in,
-sequences out (``generate_sequences``, sampling settings in ``info``); a batch in, old log-probs and entropies
-out; a batch in, metrics (and, when the influence trace asks for tokens in ``info``, their captured gradient
-factors) out. The worker keeps the engine's weights in step with the model and frees the engine's memory
-around the update (``rollout.free_cache_engine``).
+sequences out (``generate_sequences``, sampling settings in ``info``; with tools configured, through the
+multi-turn tool loop); a batch in, old log-probs and entropies out; a batch in, metrics (and, when the influence
+trace asks for tokens in ``info``, their captured gradient factors) out. The worker keeps the engine's weights
+in step with the model and frees the engine's memory around the update (``rollout.free_cache_engine``).
 
 Log-probs and entropies come from the chunked kernel in models/logprobs.py (no full float32 tokens x vocab
 tensor). The update splits the batch into mini-batches (one optimiser step each) and micro-batches
@@ -16,9 +16,11 @@ every loss is normalised over its whole mini-batch, so accumulation is exact wha
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from contextlib import nullcontext
 from pathlib import Path
 from time import perf_counter
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -77,7 +79,8 @@ class ActorWorker:
     """Owns the policy model, its optimiser and schedule, and the rollout engine, on one device."""
 
     def __init__(self, cfg: DictConfig, *, device: torch.device, total_steps: int,
-                 tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+                 tokenizer: PreTrainedTokenizerBase | None = None,
+                 chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
         self.cfg = cfg
         self.actor_cfg = cfg.actor
         self.device = device
@@ -98,22 +101,24 @@ class ActorWorker:
         self.objective = ActorObjective.from_config(self.actor_cfg)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path, role="model")
         self.rollout = RolloutWorker(build_engine(cfg.rollout, self.model, tokenizer, device), cfg.rollout,
-                                     device=device)
+                                     device=device, tokenizer=tokenizer, chat_template=cfg.model.custom_chat_template,
+                                     template_kwargs=chat_template_kwargs)
         self._engine_is_stale = False  # the weights changed since the engine last took them
         self.influence: tuple[CaptureSettings, dict[str, torch.nn.Linear]] | None = None
 
     # -- generation --------------------------------------------------------------------------------------
     def generate_sequences(self, prompts: Batch) -> Batch:
-        """Responses to ``prompts`` (``info``: ``validate`` picks rollout.val_kwargs, ``seed`` the sampling seed)."""
+        """Responses to ``prompts`` (``info``: ``validate`` picks rollout.val_kwargs and turns branching off,
+        ``seed`` the sampling seed); with tools configured, through the multi-turn tool loop."""
         engine = self.rollout.engine
         if self._engine_is_stale:
             engine.sync_weights(self.model)
             self._engine_is_stale = False
-        params = sampling_params(self.cfg.rollout, validate=bool(prompts.info.get("validate", False)),
-                                 seed=int(prompts.info["seed"]))
+        validate = bool(prompts.info.get("validate", False))
+        params = sampling_params(self.cfg.rollout, validate=validate, seed=int(prompts.info["seed"]))
         engine.reclaim_memory()
         try:
-            return self.rollout.generate_sequences(prompts, params)
+            return self.rollout.generate_sequences(prompts, params, validate=validate)
         finally:
             if self.cfg.rollout.free_cache_engine:
                 engine.release_memory()

@@ -1,11 +1,13 @@
-"""The actor's objective on one micro-batch: the policy loss with the settings, options and inputs its
-registration declares (archer.algorithms.policy_loss), top-entropy token selection, the entropy bonus and the
-KL loss (Archer's split KL for a loss on the entropy split).
+"""The actor's objective on one micro-batch: the policy loss with the settings, options, inputs and switches
+its registration declares (archer.algorithms.policy_loss), top-entropy token selection, AEPO's entropy-aware
+advantage, the entropy bonus and the KL loss (Archer's split KL for a loss on the entropy split).
 
 Every term is normalised over its whole mini-batch (the normalisers come from `mini_batch_normalisers`), so
 the micro-batch losses add up to the mini-batch loss, and every metric is declared as a Mean or a Total
-(archer.algorithms.metrics), so the micro-batch metrics add up to the mini-batch's too. Token entropies come
-from the training forward pass (detached) whenever a term needs them, whatever entropy_coeff is.
+(archer.algorithms.metrics), so the micro-batch metrics add up to the mini-batch's too. (AEPO's
+entropy-aware advantage standardises the entropy over each micro-batch, as its paper's code does; that step
+alone depends on the split.) Token entropies come from the training forward pass (detached) whenever a term
+needs them, whatever entropy_coeff is.
 """
 
 from __future__ import annotations
@@ -20,10 +22,17 @@ from omegaconf import DictConfig, OmegaConf
 
 from archer.algorithms.aggregation import AGG_MODES, mini_batch_totals
 from archer.algorithms.entropy import entropy_loss
+from archer.algorithms.entropy_advantage import entropy_advantage_metrics, entropy_advantage_scale
 from archer.algorithms.kl import KL_ESTIMATORS, kl_loss, kl_penalty
 from archer.algorithms.masked import masked_mean
 from archer.algorithms.metrics import Metric, Total, masked_mean_metric, total_metric
-from archer.algorithms.policy_loss import POLICY_LOSSES, PolicyLoss, compute_policy_loss, option_keyword
+from archer.algorithms.policy_loss import (
+    LOSS_SWITCHES,
+    POLICY_LOSSES,
+    PolicyLoss,
+    compute_policy_loss,
+    option_keyword,
+)
 from archer.algorithms.token_selection import high_entropy_tokens, top_entropy_count, top_entropy_tokens
 from archer.errors import ArcherError
 
@@ -37,7 +46,8 @@ class ActorObjective:
     """The loss settings of `actor_rollout_ref.actor`, read once.
 
     loss_kwargs: the keyword arguments of the policy loss that come from the config (the shared settings it
-    declares and its options, a null option resolved to the loss's own default).
+    declares, its options, a null option resolved to the loss's own default, and the switches it supports).
+    entropy_balanced_advantage(_coef): AEPO's entropy-aware advantage and its coefficient.
     """
 
     loss_mode: str
@@ -49,7 +59,9 @@ class ActorObjective:
     entropy_top_ratio: float | None
     token_entropy_quantile: float
     high_entropy_kl_loss_scale_coef: float
-    loss_kwargs: dict[str, float] = field(default_factory=dict)
+    entropy_balanced_advantage: bool
+    entropy_balanced_advantage_coef: float
+    loss_kwargs: dict[str, float | bool] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, a: DictConfig) -> ActorObjective:
@@ -62,14 +74,17 @@ class ActorObjective:
         if loss.agg_mode is not None and agg_mode != loss.agg_mode:
             log.warning("policy_loss.loss_mode=%s always aggregates %s (its objective); actor.loss_agg_mode=%s "
                         "applies to the entropy and KL terms only", loss.name, loss.agg_mode, agg_mode)
-        kwargs = {name: shared_setting(a, name) for name in loss.settings}
+        kwargs: dict[str, float | bool] = {name: shared_setting(a, name) for name in loss.settings}
         kwargs.update(loss_options(loss, a))
+        kwargs.update(loss_switches(loss, a))
         return cls(
             loss_mode=loss.name, loss_agg_mode=agg_mode, entropy_coeff=float(a.entropy_coeff),
             use_kl_loss=bool(a.use_kl_loss), kl_loss_coef=float(a.kl_loss_coef), kl_loss_type=str(a.kl_loss_type),
             entropy_top_ratio=None if a.entropy_top_ratio is None else float(a.entropy_top_ratio),
             token_entropy_quantile=float(a.token_entropy_quantile),
-            high_entropy_kl_loss_scale_coef=float(a.high_entropy_kl_loss_scale_coef), loss_kwargs=kwargs)
+            high_entropy_kl_loss_scale_coef=float(a.high_entropy_kl_loss_scale_coef),
+            entropy_balanced_advantage=bool(a.enable_entropy_balanced_advantage),
+            entropy_balanced_advantage_coef=float(a.entropy_balanced_advantage_coef), loss_kwargs=kwargs)
 
     @property
     def policy_loss(self) -> PolicyLoss:
@@ -83,7 +98,8 @@ class ActorObjective:
     @property
     def needs_entropy(self) -> bool:
         """Whether the training forward pass must return token entropies."""
-        return self.entropy_coeff != 0 or self.splits_by_entropy or self.entropy_top_ratio is not None
+        return (self.entropy_coeff != 0 or self.splits_by_entropy or self.entropy_top_ratio is not None
+                or self.entropy_balanced_advantage)
 
     def mini_batch_normalisers(self, mask: torch.Tensor, parts: Sequence[torch.Tensor]
                                ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -111,6 +127,10 @@ class ActorObjective:
             pg_mask = mask * selected
             metrics["top_entropy_selected_frac"] = masked_mean_metric(selected.float(), mask)
             metrics["top_entropy_selected_tokens"] = Total(selected.sum().float())
+        if self.entropy_balanced_advantage:
+            scale = entropy_advantage_scale(entropy, mask, self.entropy_balanced_advantage_coef)
+            metrics.update(entropy_advantage_metrics(scale, advantages, pg_mask))
+            advantages = advantages * scale
         inputs = {name: INPUT_BUILDERS[name](self, entropy, mask) for name in self.policy_loss.inputs}
         pg_loss, pg_metrics = compute_policy_loss(
             self.loss_mode, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
@@ -174,3 +194,15 @@ def loss_options(loss: PolicyLoss, a: DictConfig) -> dict[str, float]:
                               f"set it to a number, or to null for the {loss.name} loss's default ({default})")
         out[option_keyword(key)] = float(default if value is None else value)
     return out
+
+
+def loss_switches(loss: PolicyLoss, a: DictConfig) -> dict[str, bool]:
+    """The switches the loss supports, from the actor config; a switch that is on for a loss that does not
+    support it is an error."""
+    for name in LOSS_SWITCHES:
+        if a[name] and name not in loss.switches:
+            supported = sorted(n for n, entry in POLICY_LOSSES.items() if name in entry.switches)
+            raise ArcherError(f"{ACTOR_KEY}.{name}=true does not apply to policy_loss.loss_mode={loss.name}",
+                              f"use it with loss_mode {' | '.join(supported)}, or set it to false "
+                              "(README, \"Algorithms\", says why)")
+    return {name: bool(a[name]) for name in loss.switches}

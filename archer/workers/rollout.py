@@ -5,23 +5,36 @@ It wraps a generation engine (rollout/) and lays out the tensors the later stage
 and the engine's per-token ``rollout_log_probs`` / ``rollout_entropies``. Rows are repeated n times.
 The actor worker owns it (the engine generates with the actor's weights).
 
+With tools configured (``rollout.tools.tool_instances``) it generates with the multi-turn tool loop
+(rollout/agentic.py), for training (with ARPO/AEPO branching) and validation alike, and adds ``tool_mask``
+([B, R], 1 on tool output), the rows ``num_tool_calls``, ``num_turns``, ``branch_parent`` (the row of the
+prompt's n it branched from, -1 for none), ``branch_position`` (the response position where it branched, -1
+for none) and ``info["rollout_stats"]`` (a RolloutStats: the step's
+``rollout/*`` and ``tools/*`` metrics).
+
 The layout is where the one learning mask is set: ``response_mask`` is 1 on the tokens the policy wrote and
-0 elsewhere (padding, and tool output once tools exist); the attention mask covers every token of the
-sequence, tool output included (``response_attention`` gives its response part).
+0 elsewhere (padding, and tool output); the attention mask covers every token of the sequence, tool output
+included (``response_attention`` gives its response part).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
+from transformers import PreTrainedTokenizerBase
 
 from archer.batch import Batch, response_attention
 from archer.models.loading import autocast_for
+from archer.rollout.agentic_config import branch_settings, build_agentic_rollout, uses_tools
 from archer.rollout.base import RolloutEngine, SamplingParams
 
 log = logging.getLogger("archer.rollout")
+
+ROLLOUT_STATS = "rollout_stats"  # info key of a generated batch: the agentic loop's RolloutStats
 
 
 def sampling_params(rollout: DictConfig, *, validate: bool, seed: int) -> SamplingParams:
@@ -34,13 +47,16 @@ def sampling_params(rollout: DictConfig, *, validate: bool, seed: int) -> Sampli
         do_sample=bool(src.do_sample) and temperature > 0, seed=seed)
 
 
-def layout_sequences(prompts: Batch, responses: torch.Tensor, response_mask: torch.Tensor, n: int) -> Batch:
-    """verl's tensor layout for prompt (left-padded) + response (right-padded) sequences."""
+def layout_sequences(prompts: Batch, responses: torch.Tensor, response_mask: torch.Tensor, n: int,
+                     present: torch.Tensor | None = None) -> Batch:
+    """verl's tensor layout for prompt (left-padded) + response (right-padded) sequences. ``present`` is the
+    response part of the attention mask (tool output included); default: ``response_mask``."""
     out = prompts.repeat(n, interleave=True)
     prompt_ids = out.tensors.pop("input_ids")
     prompt_mask = out.tensors.pop("attention_mask")
     out.tensors.pop("position_ids", None)
-    attention_mask = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1)
+    present = response_mask if present is None else present
+    attention_mask = torch.cat([prompt_mask, present.to(prompt_mask.dtype)], dim=1)
     out.tensors.update({
         "prompts": prompt_ids,
         "responses": responses,
@@ -53,22 +69,51 @@ def layout_sequences(prompts: Batch, responses: torch.Tensor, response_mask: tor
 
 
 class RolloutWorker:
-    """Generates responses with an engine that shares the actor's weights (hybrid engine)."""
+    """Generates responses with an engine that shares the actor's weights (hybrid engine); with tools
+    configured, through the agentic loop (``tokenizer`` is then required; ``chat_template`` and
+    ``template_kwargs`` render the tool messages of multi_turn.format=hermes)."""
 
-    def __init__(self, engine: RolloutEngine, cfg: DictConfig, *, device: torch.device) -> None:
+    def __init__(self, engine: RolloutEngine, cfg: DictConfig, *, device: torch.device,
+                 tokenizer: PreTrainedTokenizerBase | None = None, chat_template: str | None = None,
+                 template_kwargs: Mapping[str, Any] | None = None) -> None:
         self.engine = engine
         self.cfg = cfg
         self.device = device
+        self.agentic = None
+        if uses_tools(cfg):
+            if tokenizer is None:
+                raise ValueError("a rollout worker with tools needs the tokenizer")
+            self.agentic = build_agentic_rollout(engine, tokenizer, cfg, chat_template=chat_template,
+                                                 template_kwargs=template_kwargs)
 
-    def generate_sequences(self, prompts: Batch, params: SamplingParams) -> Batch:
+    def generate_sequences(self, prompts: Batch, params: SamplingParams, *, validate: bool = False) -> Batch:
         ids, mask = prompts["input_ids"], prompts["attention_mask"]
         prompt_lists = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+        if self.agentic is not None:
+            return self._generate_with_tools(prompts, prompt_lists, params, validate)
         with autocast_for(self.device):
             out = self.engine.generate(prompt_lists, params)
         batch = layout_sequences(prompts, out.responses.cpu(), out.response_mask.cpu().long(), params.n)
         batch["rollout_log_probs"] = out.log_probs.float().cpu()
         batch["rollout_entropies"] = out.entropies.float().cpu()
         batch["finish_reason"] = list(out.finish_reasons)
+        return batch
+
+    def _generate_with_tools(self, prompts: Batch, prompt_lists: list[list[int]], params: SamplingParams,
+                             validate: bool) -> Batch:
+        with autocast_for(self.device):
+            out = self.agentic.generate(prompt_lists, params, branch_settings(self.cfg, params, validate=validate))
+        batch = layout_sequences(prompts, out.responses, out.response_mask, params.n,
+                                 present=out.response_mask + out.tool_mask)
+        batch["tool_mask"] = out.tool_mask
+        batch["rollout_log_probs"] = out.log_probs
+        batch["rollout_entropies"] = out.entropies
+        batch["finish_reason"] = out.finish_reasons
+        batch["num_tool_calls"] = out.num_tool_calls
+        batch["num_turns"] = out.num_turns
+        batch["branch_parent"] = out.branch_parent
+        batch["branch_position"] = out.branch_position
+        batch.info[ROLLOUT_STATS] = out.stats
         return batch
 
 

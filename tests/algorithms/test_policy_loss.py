@@ -116,18 +116,20 @@ def test_unknown_loss_mode_lists_the_known_ones():
 
 # -- registration: a loss declares what it needs -----------------------------------------------------------------
 def test_every_loss_declares_its_settings_options_and_inputs():
-    declared = {name: (e.settings, dict(e.options), e.inputs, e.agg_mode) for name, e in POLICY_LOSSES.items()}
+    declared = {name: (e.settings, dict(e.options), e.inputs, e.agg_mode, e.switches)
+                for name, e in POLICY_LOSSES.items()}
     entropy_split = {"low_entropy_clip_ratio_low": 0.2, "low_entropy_clip_ratio_high": 0.2}
+    balanced = ("enable_entropy_balanced_clipping",)  # AEPO's switch: the losses that clip the token ratio
     assert declared == {
-        "vanilla": (("clip_ratio_low", "clip_ratio_high", "clip_ratio_c"), {}, (), None),
-        "gspo": (("clip_ratio_low", "clip_ratio_high"), {}, (), "seq-mean-token-mean"),
+        "vanilla": (("clip_ratio_low", "clip_ratio_high", "clip_ratio_c"), {}, (), None, balanced),
+        "gspo": (("clip_ratio_low", "clip_ratio_high"), {}, (), "seq-mean-token-mean", ()),
         "archer": (("clip_ratio_c",), {**entropy_split, "high_entropy_clip_ratio_low": 0.5,
-                                       "high_entropy_clip_ratio_high": 0.5}, ("high_entropy_mask",), None),
+                                       "high_entropy_clip_ratio_high": 0.5}, ("high_entropy_mask",), None, balanced),
         "aspo": (("clip_ratio_c",), {**entropy_split, "high_entropy_clip_ratio_low": 0.4,
-                                     "high_entropy_clip_ratio_high": 0.4}, ("high_entropy_mask",), None),
+                                     "high_entropy_clip_ratio_high": 0.4}, ("high_entropy_mask",), None, ()),
         "clip_cov": (("clip_ratio_low", "clip_ratio_high"), {"policy_loss.clip_cov_ratio": 0.0002,
-                     "policy_loss.clip_cov_lb": 1.0, "policy_loss.clip_cov_ub": 5.0}, (), None),
-        "kl_cov": ((), {"policy_loss.kl_cov_ratio": 0.0002, "policy_loss.ppo_kl_coef": 0.1}, (), None),
+                     "policy_loss.clip_cov_lb": 1.0, "policy_loss.clip_cov_ub": 5.0}, (), None, balanced),
+        "kl_cov": ((), {"policy_loss.kl_cov_ratio": 0.0002, "policy_loss.ppo_kl_coef": 0.1}, (), None, ()),
     }
 
 
@@ -160,7 +162,11 @@ def test_a_loss_whose_parameters_differ_from_its_declaration_is_refused():
     def unknown_input(*, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, agg_kwargs, tokens):
         return advantages.sum(), {}
 
-    for fn, declaration in [(swallowing, {}), (undeclared, {}), (unknown_input, {"inputs": ("tokens",)})]:
+    def unknown_switch(*, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, agg_kwargs, turbo):
+        return advantages.sum(), {}
+
+    for fn, declaration in [(swallowing, {}), (undeclared, {}), (unknown_input, {"inputs": ("tokens",)}),
+                            (unknown_switch, {"switches": ("turbo",)})]:
         with pytest.raises(ArcherError, match="does not match its declaration"):
             register_policy_loss("test_bad", **declaration)(fn)
         assert "test_bad" not in POLICY_LOSSES

@@ -1,0 +1,256 @@
+"""FastEngine: archer's own generation engine for the Qwen2 family (RolloutEngine), and its sessions.
+
+It owns a copy of the actor's weights (``sync_weights`` copies them in place), a paged KV cache sized from
+``gpu_memory_utilization`` (freed by ``release_memory`` during the policy update and made again by
+``reclaim_memory``), and decodes with continuous batching over ``max_num_seqs`` slots, as CUDA graphs on a
+GPU (eagerly with ``enforce_eager`` or on a CPU). Samples follow per-row seeds; every sampled token carries
+its float32 log-prob and full-vocabulary entropy of softmax(logits / T), as the HF engine reports them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from archer.errors import ArcherError
+from archer.models.loading import default_dtype
+from archer.rollout.base import EngineSession, RolloutEngine, RolloutOutput, SamplingParams, Segment
+from archer.rollout.fast import ops
+from archer.rollout.fast.model import FastModel
+from archer.rollout.fast.pages import KVCache, Sequence, budget_pages
+from archer.rollout.fast.runner import DecodeRunner
+from archer.rollout.fast.sampling import noise_key
+from archer.rollout.fast.scheduler import Job, Scheduler
+from archer.rollout.hf_engine import _eos_ids
+
+_MIB = 1 << 20
+
+
+class FastEngine(RolloutEngine):
+    """Generation with archer's own Qwen2-family forward (see the module docstring).
+
+    ``model`` is the actor (any device and dtype: its weights are copied); the engine runs on ``device``
+    (default: the model's) in ``dtype`` (default: bfloat16 on a GPU, float32 on a CPU). Positions are bounded
+    by ``max_model_len`` (default: the model's max_position_embeddings). The cache is made of pages of
+    ``page_size`` tokens; the host reads the decoded tokens every ``window`` steps, which is when stop strings
+    are checked and an ended row's slot is given to a waiting one.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        gpu_memory_utilization: float = 0.5,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
+        page_size: int = 32,
+        window: int = 16,
+    ) -> None:
+        if tokenizer.pad_token_id is None:
+            raise ArcherError("the tokenizer has no pad token, which batched generation needs",
+                              "load it with archer.models.loading.load_tokenizer (pad falls back to eos)")
+        checks = (
+            (0 < gpu_memory_utilization <= 1, f"rollout.gpu_memory_utilization={gpu_memory_utilization}",
+             "use a fraction in (0, 1]"),
+            (max_num_seqs >= 1, f"rollout.max_num_seqs={max_num_seqs}", "use 1 or more"),
+            (max_num_batched_tokens >= 1, f"rollout.max_num_batched_tokens={max_num_batched_tokens}",
+             "use 1 or more"),
+            (page_size >= 16 and page_size & (page_size - 1) == 0, f"page_size={page_size}",
+             "use a power of two >= 16"),
+            (window >= 1, f"window={window}", "use 1 or more"),
+        )
+        for ok, value, fix in checks:
+            if not ok:
+                raise ArcherError(f"invalid fast engine setting {value}", fix)
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.dtype = dtype or default_dtype(self.device)
+        self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
+        self.model = FastModel(model, device=self.device, dtype=self.dtype, max_len=self.max_model_len + 1)
+        self.tokenizer = tokenizer
+        self.pad_token_id = int(tokenizer.pad_token_id)
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.utilization, self.page_size = gpu_memory_utilization, page_size
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        use_graphs = self.device.type == "cuda" and not enforce_eager and ops.kernels is not None
+        self.runner = DecodeRunner(self.model, slots=max_num_seqs, table_width=-(-self.max_model_len // page_size),
+                                   eos_ids=self.eos_token_ids, window=window, use_graphs=use_graphs)
+        self.scheduler = Scheduler(self.model, self.runner, tokenizer, max_batched_tokens=max_num_batched_tokens)
+        self.cache: KVCache | None = None
+        self.live: set[Sequence] = set()  # session sequences, whose keys/values a weight sync invalidates
+        self.reclaim_memory()
+
+    @classmethod
+    def from_config(cls, model: nn.Module, tokenizer: PreTrainedTokenizerBase, rollout, *,
+                    device: torch.device | str) -> FastEngine:
+        """Build from ``actor_rollout_ref.rollout`` (verl's keys): gpu_memory_utilization, max_num_seqs,
+        max_num_batched_tokens, max_model_len (null: prompt_length + response_length), enforce_eager and,
+        on a GPU, dtype."""
+        device = torch.device(device)
+        max_len = rollout.max_model_len or int(rollout.prompt_length) + int(rollout.response_length)
+        dtype = getattr(torch, str(rollout.dtype)) if device.type == "cuda" else None
+        return cls(model, tokenizer, device=device, dtype=dtype,
+                   gpu_memory_utilization=float(rollout.gpu_memory_utilization),
+                   max_num_seqs=int(rollout.max_num_seqs), max_num_batched_tokens=int(rollout.max_num_batched_tokens),
+                   max_model_len=int(max_len), enforce_eager=bool(rollout.enforce_eager))
+
+    # -- memory and weights ------------------------------------------------------------------------------
+
+    def _workspace_bytes(self) -> int:
+        """Activations beside the cache: the decode step of every slot (logits and the float32 work of the
+        sampler, kept by the graphs' pool) and a prefill of max_num_batched_tokens tokens."""
+        spec, item = self.model.spec, self.dtype.itemsize
+        decode = self.max_num_seqs * spec.vocab * (item + 28)
+        prefill = self.max_num_batched_tokens * item * (
+            8 * spec.hidden + spec.qkv_width + 3 * spec.intermediate + 4 * spec.heads * spec.head_dim)
+        return decode + prefill + 256 * _MIB
+
+    def reclaim_memory(self) -> None:
+        """Allocate the KV cache (once: a no-op while it exists)."""
+        if self.cache is not None:
+            return
+        spec = self.model.spec
+        blocks = -(-self.max_model_len // self.page_size)
+        pages = budget_pages(spec, self.page_size, self.dtype, self.device, self.utilization,
+                             self._workspace_bytes(), max_pages=(self.max_num_seqs + 1) * blocks + 1)
+        self.cache = KVCache(spec, pages, self.page_size, self.dtype, self.device)
+
+    def release_memory(self) -> None:
+        """Free the KV cache and the CUDA graphs; live session sequences keep their tokens and are prefilled
+        again when they next decode."""
+        for seq in self.live:
+            seq.pages.clear()
+            seq.cached = 0
+        self.runner.release_graphs()
+        self.cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def sync_weights(self, model: nn.Module) -> None:
+        """Copy ``model``'s weights into the engine's, in place (its graphs stay valid). Session sequences'
+        keys/values were made by the old weights, so they are dropped and recomputed on next use."""
+        self.model.load(model)
+        for seq in self.live:
+            if self.cache is not None:
+                self.cache.release(seq)
+
+    # -- generation ------------------------------------------------------------------------------------------
+
+    def budget(self, length: int, max_new_tokens: int) -> int:
+        """Tokens a sequence of ``length`` may still sample: max_new_tokens, within max_model_len."""
+        if length > self.max_model_len:
+            raise ArcherError(f"a sequence of {length} tokens is longer than rollout.max_model_len="
+                              f"{self.max_model_len}", "raise actor_rollout_ref.rollout.max_model_len")
+        return min(max_new_tokens, self.max_model_len - length + 1)
+
+    def decode(self, jobs: list[Job], params: SamplingParams) -> None:
+        """Run ``jobs`` through the scheduler (allocating the cache first if it was released)."""
+        self.reclaim_memory()
+        with torch.no_grad():
+            self.scheduler.run(self.cache, jobs, params)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise ArcherError(f"prompt {i} is empty", "every prompt needs at least one token")
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        parents = [Sequence(list(prompt), key=0) for prompt in prompts]
+        jobs = [Job(budget=self.budget(len(prompt), params.max_new_tokens), parent=parent,
+                    key=noise_key(seed, i * params.n + j))
+                for i, (prompt, parent) in enumerate(zip(prompts, parents)) for j in range(params.n)]
+        try:
+            self.decode(jobs, params)
+        finally:
+            if self.cache is not None:
+                for seq in parents + [job.seq for job in jobs if job.seq is not None]:
+                    self.cache.release(seq)
+        return self._output(jobs, len(prompts), params.n)
+
+    def _output(self, jobs: list[Job], prompts: int, n: int) -> RolloutOutput:
+        width = max((len(job.tokens) for job in jobs), default=0)
+        responses = torch.full((len(jobs), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(jobs), width, dtype=torch.long)
+        log_probs = torch.zeros(len(jobs), width)
+        entropies = torch.zeros(len(jobs), width)
+        for row, job in enumerate(jobs):
+            length = len(job.tokens)
+            responses[row, :length] = torch.tensor(job.tokens, dtype=torch.long)
+            mask[row, :length] = 1
+            log_probs[row, :length] = torch.tensor(job.log_probs)
+            entropies[row, :length] = torch.tensor(job.entropies)
+        return RolloutOutput(responses=responses, response_mask=mask, log_probs=log_probs, entropies=entropies,
+                             prompt_index=torch.arange(prompts).repeat_interleave(n),
+                             finish_reasons=[job.reason for job in jobs])
+
+    def session(self) -> FastSession:
+        return FastSession(self)
+
+
+class FastSession(EngineSession):
+    """Turn-by-turn sequences on a FastEngine: tokens added by ``add`` / ``extend`` are prefilled at the next
+    ``decode`` or ``fork`` (only the new ones, batched across sequences); ``fork`` shares the pages."""
+
+    def __init__(self, engine: FastEngine) -> None:
+        self.engine = engine
+        self._seqs: dict[int, Sequence] = {}
+        self._next = 0
+
+    def _get(self, seq: int) -> Sequence:
+        if seq not in self._seqs:
+            raise ArcherError(f"sequence {seq} is not in this session",
+                              "use an id that add or fork returned and that was not released")
+        return self._seqs[seq]
+
+    def _register(self, sequence: Sequence) -> int:
+        self.engine.budget(len(sequence.tokens), 1)
+        sid, self._next = self._next, self._next + 1
+        self._seqs[sid] = sequence
+        self.engine.live.add(sequence)
+        return sid
+
+    def add(self, prompt: list[int], seed: int) -> int:
+        if not prompt:
+            raise ArcherError("the prompt is empty", "a sequence needs at least one token")
+        return self._register(Sequence(list(prompt), key=noise_key(seed)))
+
+    def extend(self, seq: int, tokens: list[int]) -> None:
+        sequence = self._get(seq)
+        self.engine.budget(len(sequence.tokens) + len(tokens), 1)
+        sequence.tokens.extend(tokens)
+
+    def decode(self, seqs: list[int], params: SamplingParams, max_new_tokens: list[int]) -> list[Segment]:
+        if len(seqs) != len(max_new_tokens) or len(set(seqs)) != len(seqs):
+            raise ArcherError(f"decode got {len(seqs)} sequences ({len(set(seqs))} distinct) and "
+                              f"{len(max_new_tokens)} budgets", "pass each sequence once, with one budget each")
+        if any(m < 1 for m in max_new_tokens):
+            raise ArcherError(f"max_new_tokens={max_new_tokens}", "every budget must be at least 1")
+        sequences = [self._get(s) for s in seqs]
+        jobs = [Job(budget=self.engine.budget(len(s.tokens), m), seq=s) for s, m in zip(sequences, max_new_tokens)]
+        self.engine.decode(jobs, params)
+        return [Segment(job.tokens, torch.tensor(job.log_probs, dtype=torch.float32),
+                        torch.tensor(job.entropies, dtype=torch.float32), job.reason) for job in jobs]
+
+    def fork(self, seq: int, seed: int) -> int:
+        sequence = self._get(seq)
+        engine = self.engine
+        engine.reclaim_memory()
+        if not sequence.ready:
+            engine.cache.copy_pages(engine.cache.make_writable(sequence, len(sequence.tokens) - 1))
+            with torch.no_grad():
+                engine.scheduler.prefill(engine.cache, [sequence])
+        return self._register(engine.cache.fork(sequence, noise_key(seed)))
+
+    def release(self, seq: int) -> None:
+        sequence = self._get(seq)
+        del self._seqs[seq]
+        self.engine.live.discard(sequence)
+        if self.engine.cache is not None:
+            self.engine.cache.release(sequence)
+
+    def tokens(self, seq: int) -> list[int]:
+        return list(self._get(seq).tokens)

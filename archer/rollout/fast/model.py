@@ -1,0 +1,215 @@
+"""FastModel: the fast engine's own forward of the Qwen2 family (Qwen2 / Qwen2.5 with q/k/v bias, Qwen3 with
+per-head q/k RMSNorm, LLaMA-style models: the same decoder shape), on its own weights.
+
+The weights live in tensors allocated once, with q/k/v and gate/up fused into one matrix each; ``load``
+copies an actor's weights into them in place, so their addresses (and the CUDA graphs that read them) stay
+valid across updates. RoPE tables come from the actor's own rotary module, so every static rope type
+(default, linear, llama3, yarn ...) gives the training forward's angles. An architecture outside this family
+is refused with an error that names the Hugging Face engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from archer.errors import ArcherError
+from archer.models.logprobs import backbone_of
+from archer.rollout.fast import ops
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+_FALLBACK = "use actor_rollout_ref.rollout.name=hf (the Hugging Face engine runs any causal LM)"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The decoder's shape and the variant's switches."""
+
+    model_type: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    eps: float
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    tied: bool
+
+    @property
+    def qkv_width(self) -> int:
+        return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+
+def _unsupported(what: str) -> ArcherError:
+    return ArcherError(f"the fast rollout engine does not support {what}", _FALLBACK)
+
+
+def model_spec(model: nn.Module) -> ModelSpec:
+    """The spec of a Hugging Face causal LM, or an ArcherError naming what the fast engine cannot run."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise _unsupported(f"{type(model).__name__} (model_type {model_type!r}); it runs the "
+                           f"{', '.join(SUPPORTED_MODEL_TYPES)} architectures")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise _unsupported(f"hidden_act={config.hidden_act!r} (only silu)")
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        raise _unsupported("sliding-window attention layers (use_sliding_window / layer_types)")
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = str(rope.get("rope_type", rope.get("type", "default")))
+    if "dynamic" in rope_type or "longrope" in rope_type:
+        raise _unsupported(f"rope_type={rope_type!r} (its angles change with the sequence length)")
+    if getattr(config, "mlp_bias", False):
+        raise _unsupported("mlp_bias=True")
+    backbone = backbone_of(model)
+    if not hasattr(backbone, "rotary_emb") or not hasattr(backbone, "layers"):
+        raise _unsupported(f"{type(model).__name__}: no rotary_emb / layers on its backbone")
+    attn = backbone.layers[0].self_attn
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if heads % kv_heads:
+        raise _unsupported(f"{heads} attention heads over {kv_heads} key/value heads")
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise _unsupported("an LM head with a bias")
+    return ModelSpec(
+        model_type=model_type, layers=config.num_hidden_layers, hidden=config.hidden_size, heads=heads,
+        kv_heads=kv_heads, head_dim=head_dim, intermediate=config.intermediate_size, vocab=embed.weight.shape[0],
+        eps=float(config.rms_norm_eps), qkv_bias=attn.q_proj.bias is not None, o_bias=attn.o_proj.bias is not None,
+        qk_norm=hasattr(attn, "q_norm"), tied=head.weight.data_ptr() == embed.weight.data_ptr(),
+    )
+
+
+class _Layer:
+    """One decoder layer's weights (fused q/k/v and gate/up)."""
+
+    def __init__(self, spec: ModelSpec, **kw) -> None:
+        hidden, inter = spec.hidden, spec.intermediate
+        self.ln1 = torch.empty(hidden, **kw)
+        self.qkv_w = torch.empty(spec.qkv_width, hidden, **kw)
+        self.qkv_b = torch.empty(spec.qkv_width, **kw) if spec.qkv_bias else None
+        self.q_norm = torch.empty(spec.head_dim, **kw) if spec.qk_norm else None
+        self.k_norm = torch.empty(spec.head_dim, **kw) if spec.qk_norm else None
+        self.o_w = torch.empty(hidden, spec.heads * spec.head_dim, **kw)
+        self.o_b = torch.empty(hidden, **kw) if spec.o_bias else None
+        self.ln2 = torch.empty(hidden, **kw)
+        self.gate_up_w = torch.empty(2 * inter, hidden, **kw)
+        self.down_w = torch.empty(hidden, inter, **kw)
+
+    def load(self, layer: nn.Module) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.ln1.copy_(layer.input_layernorm.weight)
+        self.ln2.copy_(layer.post_attention_layernorm.weight)
+        q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+        rows = [q.weight.shape[0], k.weight.shape[0], v.weight.shape[0]]
+        for part, src in zip(self.qkv_w.split(rows), (q, k, v)):
+            part.copy_(src.weight)
+        if self.qkv_b is not None:
+            for part, src in zip(self.qkv_b.split(rows), (q, k, v)):
+                part.copy_(src.bias)
+        if self.q_norm is not None:
+            self.q_norm.copy_(attn.q_norm.weight)
+            self.k_norm.copy_(attn.k_norm.weight)
+        self.o_w.copy_(attn.o_proj.weight)
+        if self.o_b is not None:
+            self.o_b.copy_(attn.o_proj.bias)
+        gate, up = self.gate_up_w.chunk(2)
+        gate.copy_(mlp.gate_proj.weight)
+        up.copy_(mlp.up_proj.weight)
+        self.down_w.copy_(mlp.down_proj.weight)
+
+
+class FastModel:
+    """The forward over a paged KV cache: ``prefill`` (many tokens per row, no logits) and ``decode_logits``
+    (one token per row). ``max_len`` bounds the positions (the RoPE table's length)."""
+
+    def __init__(self, model: nn.Module, *, device: torch.device, dtype: torch.dtype, max_len: int) -> None:
+        self.spec = model_spec(model)
+        head_dim = self.spec.head_dim
+        if device.type == "cuda" and ops.kernels is not None and (head_dim < 16 or head_dim & (head_dim - 1)):
+            raise _unsupported(f"head_dim={head_dim} on a GPU (its kernels need a power of two >= 16)")
+        self.device, self.dtype, self.max_len = device, dtype, max_len
+        kw = {"device": device, "dtype": dtype}
+        spec = self.spec
+        self.embed = torch.empty(spec.vocab, spec.hidden, **kw)
+        self.lm_head = self.embed if spec.tied else torch.empty(spec.vocab, spec.hidden, **kw)
+        self.norm = torch.empty(spec.hidden, **kw)
+        self.layers = [_Layer(spec, **kw) for _ in range(spec.layers)]
+        self.cos, self.sin = self._rope_tables(model)
+        self.scale = spec.head_dim ** -0.5
+        self.load(model)
+
+    def _rope_tables(self, model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos / sin [max_len, head_dim / 2] from the model's own rotary module."""
+        rotary = backbone_of(model).rotary_emb
+        probe = next(rotary.buffers(), None)
+        where = probe.device if probe is not None else torch.device("cpu")
+        positions = torch.arange(self.max_len, device=where).unsqueeze(0)
+        with torch.no_grad():
+            cos, sin = rotary(torch.zeros(1, dtype=torch.float32, device=where), positions)
+        half = self.spec.head_dim // 2
+        return (cos[0, :, :half].float().to(self.device).contiguous(),
+                sin[0, :, :half].float().to(self.device).contiguous())
+
+    @torch.no_grad()
+    def load(self, model: nn.Module) -> None:
+        """Copy ``model``'s weights into this model's tensors, in place."""
+        spec = model_spec(model)
+        if spec != self.spec:
+            raise ArcherError(f"the fast engine was built for {self.spec} and was given weights of {spec}",
+                              "sync the engine from the actor it was built on")
+        backbone = backbone_of(model)
+        self.embed.copy_(model.get_input_embeddings().weight)
+        if not spec.tied:
+            self.lm_head.copy_(model.get_output_embeddings().weight)
+        self.norm.copy_(backbone.norm.weight)
+        for mine, theirs in zip(self.layers, backbone.layers, strict=True):
+            mine.load(theirs)
+
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: list[tuple],
+                attend) -> torch.Tensor:
+        """The decoder stack on token rows x [N, hidden]; ``attend(q, layer)`` runs one layer's attention."""
+        spec, residual = self.spec, None
+        for i, layer in enumerate(self.layers):
+            h, residual = ops.add_rmsnorm(x, residual, layer.ln1, spec.eps)
+            qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
+            q = ops.rope_store(qkv, positions, slots, self.cos, self.sin, layer.q_norm, layer.k_norm, spec.eps,
+                               *kv[i], spec.heads)
+            x = F.linear(attend(q, i), layer.o_w, layer.o_b)
+            h, residual = ops.add_rmsnorm(x, residual, layer.ln2, spec.eps)
+            x = F.linear(ops.silu_mul(F.linear(h, layer.gate_up_w)), layer.down_w)
+        return ops.add_rmsnorm(x, residual, self.norm, spec.eps)[0]
+
+    def decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      tables: torch.Tensor, kv: list[tuple], splits: int) -> torch.Tensor:
+        """Logits [B, vocab] (activation dtype) after one input token per row at ``positions``; each row's
+        key/value go to token ``slots`` and its attention reads the pages in its ``tables`` row."""
+        ctx = positions + 1
+
+        def attend(q: torch.Tensor, i: int) -> torch.Tensor:
+            return ops.decode_attention(q, *kv[i], tables, ctx, self.scale, splits)
+
+        hidden = self._layers(F.embedding(tokens, self.embed), positions, slots, kv, attend)
+        return F.linear(hidden, self.lm_head)
+
+    def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                kv_len: torch.Tensor, kv: list[tuple], *, max_kv: int, fresh: bool) -> None:
+        """Write the keys/values of right-padded token rows [R, T] at ``positions`` (slots [R * T]); row r
+        attends to its first ``kv_len[r]`` (<= ``max_kv``) cached positions, causally. ``fresh``: every
+        row starts at position 0."""
+        rows, length = tokens.shape
+        spec = self.spec
+
+        def attend(q: torch.Tensor, i: int) -> torch.Tensor:
+            q = q.view(rows, length, spec.heads, spec.head_dim).transpose(1, 2)
+            out = ops.paged_attention(q, *kv[i], tables, positions, kv_len, self.scale, max_kv=max_kv, fresh=fresh)
+            return out.reshape(rows * length, -1)
+
+        self._layers(F.embedding(tokens.flatten(), self.embed), positions.flatten(), slots, kv, attend)

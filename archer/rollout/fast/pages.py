@@ -1,0 +1,155 @@
+"""The fast engine's paged KV cache: one tensor allocated from a memory budget, pages handed to sequences with
+reference counts, so a prompt's pages are shared by its samples and a fork shares its parent's.
+
+A sequence's keys/values fill its pages in order; a page that another sequence also holds is copied before
+it is written (copy on write), so only the partly filled last page of a shared prefix is ever copied.
+Page 0 is never handed out: rows that are not decoding write their keys/values there.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from archer.errors import ArcherError
+from archer.rollout.fast.model import ModelSpec
+
+TRASH_PAGE = 0
+_GIB = 1 << 30
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A token sequence and the pages that hold its keys/values.
+
+    ``cached`` tokens (a prefix of ``tokens``) have their keys/values in the cache; a sequence is ready to
+    decode when all but its last token are cached: decoding starts by feeding that last token.
+    """
+
+    tokens: list[int]
+    key: int
+    pages: list[int] = field(default_factory=list)
+    cached: int = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.cached == len(self.tokens) - 1
+
+
+def page_bytes(spec: ModelSpec, page_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one page: keys and values of ``page_size`` tokens in every layer."""
+    return 2 * spec.layers * spec.kv_heads * page_size * spec.head_dim * dtype.itemsize
+
+
+def budget_pages(spec: ModelSpec, page_size: int, dtype: torch.dtype, device: torch.device, utilization: float,
+                 workspace: int, max_pages: int) -> int:
+    """How many pages fit: on a GPU, the device's memory in use may grow to ``utilization`` of its total
+    (verl's gpu_memory_utilization), less ``workspace`` bytes for activations; on a CPU, ``utilization`` of
+    the memory that is free. At most ``max_pages``."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = utilization * total - (total - free) - workspace
+        what = f"of the GPU's {total / _GIB:.1f} GiB, {(total - free) / _GIB:.1f} GiB are in use"
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        budget = utilization * free - workspace
+        what = f"{free / _GIB:.1f} GiB of memory are free"
+    pages = min(int(budget // page_bytes(spec, page_size, dtype)), max_pages)
+    if pages < 2:
+        raise ArcherError(
+            f"rollout.gpu_memory_utilization={utilization} leaves no room for the fast engine's KV cache ({what}; "
+            f"activations need {workspace / _GIB:.1f} GiB)",
+            "raise actor_rollout_ref.rollout.gpu_memory_utilization, or lower rollout.max_num_seqs / "
+            "rollout.max_num_batched_tokens",
+        )
+    return pages
+
+
+class KVCache:
+    """Keys and values of every layer, [layers, 2, pages, kv_heads, page_size, head_dim], and the page ledger."""
+
+    def __init__(self, spec: ModelSpec, pages: int, page_size: int, dtype: torch.dtype, device: torch.device):
+        self.page_size = page_size
+        self.data = torch.zeros(spec.layers, 2, pages, spec.kv_heads, page_size, spec.head_dim, dtype=dtype,
+                                device=device)
+        self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(spec.layers)]
+        self.refs = [0] * pages
+        self.free = list(range(pages - 1, TRASH_PAGE, -1))
+
+    @property
+    def pages(self) -> int:
+        return len(self.refs)
+
+    @property
+    def free_pages(self) -> int:
+        return len(self.free)
+
+    def _take(self) -> int:
+        page = self.free.pop()
+        self.refs[page] = 1
+        return page
+
+    def _drop(self, pages: list[int]) -> None:
+        for page in pages:
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                self.free.append(page)
+
+    def blocks(self, tokens: int) -> int:
+        """Pages that hold ``tokens`` positions."""
+        return -(-tokens // self.page_size)
+
+    def pages_needed(self, seq: Sequence, capacity: int) -> int:
+        """Fresh pages that ``make_writable(seq, capacity)`` takes."""
+        start = seq.cached // self.page_size
+        shared = sum(1 for page in seq.pages[start:] if self.refs[page] > 1)
+        return shared + max(0, self.blocks(capacity) - len(seq.pages))
+
+    def fork_pages_needed(self, prefix: int, capacity: int) -> int:
+        """Fresh pages a fork of a sequence with ``prefix`` cached tokens takes to write up to ``capacity``."""
+        return self.blocks(capacity) - prefix // self.page_size
+
+    def make_writable(self, seq: Sequence, capacity: int) -> list[tuple[int, int]]:
+        """Give ``seq`` private pages for positions cached .. capacity - 1; returns the (source, copy) pages
+        whose content ``copy_pages`` must duplicate (a shared, partly filled page)."""
+        copies = []
+        for index in range(seq.cached // self.page_size, len(seq.pages)):
+            page = seq.pages[index]
+            if self.refs[page] > 1:
+                fresh = self._take()
+                if index * self.page_size < seq.cached:
+                    copies.append((page, fresh))
+                self._drop([page])
+                seq.pages[index] = fresh
+        if self.blocks(capacity) - len(seq.pages) > self.free_pages:
+            raise ArcherError(f"the fast engine's KV cache ({self.pages} pages of {self.page_size} tokens) is full",
+                              "raise actor_rollout_ref.rollout.gpu_memory_utilization, or release session sequences")
+        while len(seq.pages) < self.blocks(capacity):
+            seq.pages.append(self._take())
+        return copies
+
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            src, dst = (torch.tensor(side, device=self.data.device) for side in zip(*copies))
+            self.data[:, :, dst] = self.data[:, :, src]
+
+    def fork(self, seq: Sequence, key: int) -> Sequence:
+        """A new sequence with ``seq``'s tokens that shares the pages of its cached prefix."""
+        shared = seq.pages[: self.blocks(seq.cached)]
+        for page in shared:
+            self.refs[page] += 1
+        return Sequence(list(seq.tokens), key, list(shared), seq.cached)
+
+    def shrink(self, seq: Sequence) -> None:
+        """Return the pages past ``seq``'s cached prefix."""
+        keep = self.blocks(seq.cached)
+        self._drop(seq.pages[keep:])
+        del seq.pages[keep:]
+
+    def release(self, seq: Sequence) -> None:
+        """Return all of ``seq``'s pages; its keys/values will be computed again if it is decoded later."""
+        self._drop(seq.pages)
+        seq.pages.clear()
+        seq.cached = 0

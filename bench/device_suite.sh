@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU figures of issue 11 in one device call (about 8 minutes on an H200): archer's GRPO step against TRL's
+# GRPOTrainer (bench/grpo_vs_trl.py, Qwen2.5-0.5B's shape), the quickstart on the GPU, and the cost of the
+# entropy and influence traces (bench/trace_cost.py). Logs and JSON go to $OUT (default ./suite_out), at most
+# 8 files there: runs write under /tmp and the suite copies their summaries.
+#
+# Run from a folder holding archer/ and bench/ (the repo root, or a copy of both). Packages the machine lacks
+# are installed from ./whl when it exists (bench/device_wheels.sh fills it):
+#   bash bench/device_suite.sh
+# SHAPE (default qwen2.5-0.5b) and GVT_STEPS / TRL_STEPS / TC_STEPS change the workload; every stage has its
+# own time limit, so one that hangs leaves the others their time.
+set -uo pipefail
+out=${OUT:-$PWD/suite_out}
+shape=${SHAPE:-qwen2.5-0.5b}
+mkdir -p "$out"
+if [ -d whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site whl/*.whl
+fi
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+
+stage() {  # NAME SECONDS COMMAND...: runs COMMAND under a time limit and logs how it ended
+  local name=$1 limit=$2 start=$SECONDS
+  shift 2
+  echo "=== $name: $*"
+  timeout "$limit" "$@"
+  echo "=== $name: exit $? after $((SECONDS - start)) s"
+}
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+  python3 -m pip list 2>/dev/null | grep -iE '^(trl|datasets|accelerate|pyarrow|triton|hydra-core|omegaconf) '
+
+  stage grpo_vs_trl 330 python3 bench/grpo_vs_trl.py --out /tmp/gvt --shape "$shape" \
+    --steps "${GVT_STEPS:-4}" --trl-steps "${TRL_STEPS:-3}" --json "$out/grpo_vs_trl.json"
+  cp /tmp/gvt/archer_run/metrics.jsonl "$out/grpo_vs_trl_archer_metrics.jsonl" 2>/dev/null
+
+  stage quickstart 90 python3 -m archer.cli quickstart --out /tmp/qs
+  cp /tmp/qs/summary.json "$out/quickstart_summary.json" 2>/dev/null
+
+  stage trace_cost 150 python3 bench/trace_cost.py --out /tmp/tc --shape "$shape" --steps "${TC_STEPS:-4}"
+} 2>&1 | tee "$out/suite.log"

@@ -1,0 +1,71 @@
+"""bench/grpo_vs_trl.py without TRL: prompts of an exact token length, the steady-step median, the report table,
+and the archer half on a tiny model."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+from archer.models.loading import load_tokenizer
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="module")
+def gvt():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCH))
+        yield importlib.import_module("grpo_vs_trl")
+
+
+def test_exact_prompts_are_distinct_and_of_the_exact_length(gvt, tiny_model_dir: Path) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    contents = gvt.exact_prompts(tokenizer, 3, 40)
+    assert len(set(contents)) == 3
+    for content in contents:
+        assert len(gvt.chat_prompt_ids(tokenizer, content)) == 40
+
+
+def test_steady_drops_the_first_step(gvt) -> None:
+    assert gvt.steady([9.0, 2.0, 4.0, 3.0]) == 3.0
+    assert gvt.steady([9.0, 2.0]) == 2.0
+    assert gvt.steady([7.0]) == 7.0
+
+
+def test_report_lists_each_peer_and_the_ratio(gvt) -> None:
+    records = [
+        {"peer": "archer", "steady_step_s": 2.0, "step_s": [9.0, 2.0, 2.0], "response_length_mean": 511.5,
+         "stages_s": {"gen": 1.25, "update_actor": 0.5}},
+        {"peer": "trl", "steady_step_s": 8.0, "step_s": [10.0, 8.0], "response_length_mean": 512.0,
+         "stages_s": {"generate": 7.0, "score": 0.1, "update": 0.9}},
+    ]
+    lines = gvt.report(records).splitlines()
+    assert lines[2] == "| archer | 2.00 | 9.00 | 3 | 511.5 | gen 1.25, update_actor 0.50 |"
+    assert lines[3] == "| trl | 8.00 | 10.00 | 2 | 512.0 | generate 7.00, score 0.10, update 0.90 |"
+    assert lines[-1] == "archer / trl steady step: 0.250 (goal <= 0.333: met)"
+    records[0]["steady_step_s"] = 4.0
+    assert gvt.report(records).splitlines()[-1] == "archer / trl steady step: 0.500 (goal <= 0.333: missed)"
+
+
+def test_archer_half_reads_the_run_timings(gvt, tmp_path: Path) -> None:
+    prompts, n, prompt_length, response_length, micro_batch, vocab = gvt.WORKLOADS["tiny"]
+    args = argparse.Namespace(out=tmp_path, prompts=prompts, n=n, prompt_length=prompt_length,
+                              response_length=response_length, micro_batch=micro_batch, steps=2, archer_override=[])
+    model_dir = gvt.build_random_model(tmp_path, "tiny", vocab)
+    contents = gvt.exact_prompts(load_tokenizer(model_dir), prompts * 2, prompt_length)
+    train_file = gvt.write_prompts(tmp_path / "train.parquet", contents)
+    reward = tmp_path / "digit_reward.py"
+    reward.write_text(gvt.DIGIT_REWARD)
+    record = gvt.run_archer(args, model_dir, train_file, reward)
+    lines = [json.loads(line) for line in (tmp_path / "archer_run" / "metrics.jsonl").read_text().splitlines()]
+    assert record["step_s"] == [line["timing_s/step"] for line in lines]
+    assert len(record["step_s"]) == 2
+    assert record["stages_s"]["gen"] == lines[1]["timing_s/gen"]  # steady: the second step's
+    assert record["stages_s"]["update_actor"] == lines[1]["timing_s/update_actor"]
+    assert "step" not in record["stages_s"] and "old_log_prob" in record["stages_s"]
+    assert record["response_length_mean"] == (lines[0]["response_length/mean"] + lines[1]["response_length/mean"]) / 2
+    assert lines[0]["prompt_length/mean"] == prompt_length
