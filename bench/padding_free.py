@@ -2,7 +2,7 @@
 archer did not choose (every sequence in one row, block-diagonal attention), on a random Qwen2 model and a
 batch of left-padded prompts and long-tailed responses.
 
-    python bench/padding_free.py                                   # CPU: 4 layers, hidden 256
+    python bench/padding_free.py --threads 1                       # CPU: 4 layers, hidden 256
     python bench/padding_free.py --device cuda --shape qwen2.5-0.5b --rows 64 --max-response 1024 --budget 16384
 
 For each layout: forward + backward time (median), peak extra memory, the tokens the forward computes
@@ -105,7 +105,10 @@ def main() -> None:
     parser.add_argument("--max-response", type=int, default=400)
     parser.add_argument("--budget", type=int, default=4096, help="ppo_max_token_len_per_gpu of the dynamic layouts")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, help="CPU threads (1 gives steadier times on a shared machine)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     model = random_model(args.shape, device)
     batch = rl_batch(args.rows, args.max_prompt, args.max_response, model.config.vocab_size)
