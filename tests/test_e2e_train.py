@@ -383,6 +383,31 @@ def test_ppo_with_critic(variant: str, micro_model: Path, task_files: dict[str, 
         assert all("actor/reward_kl_penalty" not in line for line in metrics.values())
 
 
+def test_padding_free_token_budget_step_equals_the_padded_step(micro_model: Path, task_files: dict[str, Path],
+                                                                tmp_path: Path) -> None:
+    """One PPO step (critic, reference, KL loss) padded, and padding-free with token-budget micro-batches in
+    every pass: the same rollouts, so the same metrics to float rounding."""
+    free = ["actor_rollout_ref.model.use_remove_padding=true", "critic.model.use_remove_padding=true",
+            "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=80",
+            "critic.ppo_max_token_len_per_gpu=100"]
+    metrics = []
+    for name, extra in (("padded", []), ("free", free)):
+        run = tmp_path / name
+        cfg = load_config("ppo_trainer", [
+            *base_overrides(micro_model, task_files, run), "algorithm.adv_estimator=gae",
+            "actor_rollout_ref.rollout.n=2", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.entropy_coeff=0.01",
+            "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.logger=[jsonl]", "trainer.plots=False",
+            *extra])
+        PPOTrainer(cfg).fit()
+        metrics.append(read_metrics(run)[1])
+    padded, free_metrics = metrics
+    compared = [k for k in padded if k.split("/")[0] in ("actor", "critic", "response_length")]
+    assert {"actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "critic/vf_loss", "critic/values/mean"} <= set(compared)
+    for key in compared:
+        assert free_metrics[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-6), key
+
+
 # -- 3. gradient accumulation in the actor is exact -------------------------------------------------------
 def hand_built_batch(vocab_size: int) -> Batch:
     """4 rows: left-padded prompts (5 wide) and right-padded responses (6 wide) of different lengths."""

@@ -1,4 +1,5 @@
-"""Chunked log-probs and entropies: hand-computed values, the float64 reference, gradients, memory bounds."""
+"""Chunked log-probs and entropies: hand-computed values, the float64 reference, the autograd path under
+bf16 autocast, gradients, memory bounds, and the padded and padding-free layouts on a real model."""
 
 from __future__ import annotations
 
@@ -6,14 +7,16 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from archer.errors import ArcherError
 from archer.models.loading import load_causal_lm
-from archer.models.logprobs import backbone_of, logprobs_from_hidden, response_logprobs
+from archer.models.logprobs import auto_chunk_size, backbone_of, logprobs_from_hidden, response_logprobs
 
 N, H, V = 37, 16, 50
 
@@ -154,6 +157,81 @@ def test_chunk_logits_are_not_kept_for_backward():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         torch.log_softmax(head(hidden[:chunk]), dim=-1)
     assert max(saved) == chunk * vocab  # the hook does see logits when nothing is checkpointed
+
+
+def _autograd_path(hidden, weight, bias, labels, temperature):
+    """What autograd through F.linear, log_softmax and softmax computes: the previous kernel's numbers."""
+    logits = F.linear(hidden, weight, bias).float() / temperature
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    entropy = torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return log_softmax.gather(-1, labels[:, None]).squeeze(-1), entropy
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_values_and_gradients_equal_the_autograd_path(autocast):
+    """The closed-form backward against autograd, in float32 and under bf16 autocast (the GPU's setting):
+    the same bf16 logits, so the same numbers up to float32 rounding (and bf16 rounding of the gradients)."""
+    hidden, head, labels = _problem(seed=4)
+    gen = torch.Generator().manual_seed(5)
+    c_logp, c_entropy = torch.randn(N, generator=gen), torch.randn(N, generator=gen)
+    results = []
+    for fused in (True, False):
+        h = hidden.clone().requires_grad_(True)
+        head.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if fused:
+                logp, entropy = logprobs_from_hidden(h, head, labels, temperature=0.7, chunk_size=8)
+            else:
+                logp, entropy = _autograd_path(h, head.weight, head.bias, labels, 0.7)
+        ((logp * c_logp).sum() + (entropy * c_entropy).sum()).backward()
+        results.append((logp, entropy, h.grad, head.weight.grad.clone(), head.bias.grad.clone()))
+    tolerance = {"atol": 2e-2, "rtol": 2e-2} if autocast else {"atol": 1e-5, "rtol": 1e-5}
+    for got, want in zip(*results):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, **tolerance)
+    assert results[0][2].abs().max() > 1e-2
+
+
+def _peak_bytes(fn) -> int:
+    """The most bytes of CPU tensors alive at once while ``fn`` runs, above what was alive when it began."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, change in events:
+        live += change
+        peak = max(peak, live)
+    return peak
+
+
+def test_peak_memory_is_two_chunks_of_logits_whatever_the_token_count():
+    """Forward and backward hold at most two float32 [chunk, vocab] buffers beside the gradients they return;
+    the token count changes only the [tokens, hidden] terms. (The previous kernel peaked at about 6 buffers.)"""
+    hidden_size, vocab, chunk = 8, 4096, 32
+    buffer = chunk * vocab * 4
+    peaks = []
+    for rows in (256, 1024):
+        hidden = torch.randn(rows, hidden_size, requires_grad=True)
+        head = nn.Linear(hidden_size, vocab)
+        labels = torch.randint(0, vocab, (rows,))
+
+        def step(hidden=hidden, head=head, labels=labels):
+            logp, entropy = logprobs_from_hidden(hidden, head, labels, chunk_size=chunk)
+            (logp.sum() + entropy.sum()).backward()
+
+        gradients = (vocab * hidden_size + vocab + rows * hidden_size) * 4
+        peaks.append(_peak_bytes(step) - gradients)
+    assert max(peaks) <= 2 * buffer * 1.05
+    assert peaks[1] - peaks[0] <= 768 * hidden_size * 4 * 4  # a few [tokens, hidden] and [tokens] vectors
+
+
+def test_auto_chunk_size_keeps_the_float32_logits_of_a_chunk_within_256_mib():
+    assert auto_chunk_size(152064) == 441  # 256 MiB / (4 bytes x 152064)
+    assert auto_chunk_size(2**28) == 1
+    hidden, head, labels = _problem(seed=6)
+    torch.testing.assert_close(logprobs_from_hidden(hidden, head, labels)[0],
+                               logprobs_from_hidden(hidden, head, labels, chunk_size=3)[0])
 
 
 def test_empty_input():

@@ -350,6 +350,21 @@ def test_checkpointing_and_skip_step_capture_the_same_scores(tiny_model_dir: Pat
     assert not all(torch.equal(before[k], v) for k, v in plain[1].model.state_dict().items())
 
 
+@pytest.mark.parametrize("output_function", ["training_loss", "log_prob"])
+def test_padding_free_token_budget_micro_batches_capture_the_same_scores(tiny_model_dir: Path, tmp_path: Path,
+                                                                          output_function: str) -> None:
+    # sequences of 7, 7, 7, 6, 7, 7, 7 and 6 tokens: a budget of 20 puts two or three rows in a micro-batch, in
+    # another order than the padded run's micro-batches of three rows
+    common = ("trainer.influence_trace.projection_dim_factor=8", f"trainer.influence_trace.output_function={output_function}")
+    padded = run_capture(tiny_model_dir, tmp_path / "a", *common)
+    free = run_capture(tiny_model_dir, tmp_path / "b", *common, "actor_rollout_ref.model.use_remove_padding=true",
+                       "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                       "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=20")
+    want = padded[4].score(padded[5], padded[6])
+    np.testing.assert_allclose(free[4].score(free[5], free[6]), want, rtol=1e-4, atol=1e-6 * np.abs(want).max())
+    assert np.abs(want).max() > 0
+
+
 def test_finish_writes_the_influence_step(tiny_model_dir: Path, tmp_path: Path) -> None:
     _, _, batch, _, trace, sel, captured = run_capture(tiny_model_dir, tmp_path,
                                                        "trainer.influence_trace.projection_dim_factor=8",

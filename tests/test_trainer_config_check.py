@@ -38,6 +38,11 @@ def config(*overrides: str):
     ("critic.ppo_micro_batch_size_per_gpu", 0),
     ("critic.forward_micro_batch_size_per_gpu", 0),
     ("trainer.total_training_steps", 0),
+    ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", 0),  # the token budgets of use_dynamic_bsz
+    ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", -1),
+    ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", 0),
+    ("critic.forward_max_token_len_per_gpu", 0),
+    ("actor_rollout_ref.actor.logprob_chunk_size", 0),  # null: the automatic chunk
 ])
 def test_a_count_below_one_is_refused_naming_its_key(key: str, value: int) -> None:
     with pytest.raises(ArcherError) as err:

@@ -1,5 +1,6 @@
 """ActorWorker on the micro model: log-probs against a float64 forward, the PPO update (signs, masks, clip
-fallbacks, entropy bonus, epochs, warmup, skipped steps) and the checkpoint round trip."""
+fallbacks, entropy bonus, epochs, warmup, skipped steps), padding-free and token-budget micro-batches against
+the padded ones, and the checkpoint round trip."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
-from workers_support import RESPONSE_MASK, float64_logprobs, hand_batch, ppo_config, update
+from workers_support import RESPONSE_MASK, float64_logprobs, hand_batch, ppo_config, unequal_batch, update
 
+from archer.algorithms.token_selection import top_entropy_tokens
 from archer.batch import Batch
 from archer.models.loading import load_tokenizer
 from archer.models.logprobs import response_logprobs
+from archer.workers import actor as actor_module
 from archer.workers.actor import MODEL_INPUTS, ActorWorker
 
 CPU = torch.device("cpu")
@@ -235,6 +238,88 @@ def test_entropy_coeff_adds_the_entropy_loss(tiny_model_dir):
     # with zero advantages only the entropy bonus makes a gradient
     assert metrics["actor/pg_loss"] == 0.0 and metrics["actor/grad_norm"] > 0
     assert any(not torch.equal(v, before[k]) for k, v in actor.model.named_parameters())
+
+
+# -- padding-free micro-batches by token budget ------------------------------------------------------------------
+# unequal_batch's sequences are 6, 7, 6, 6, 6 and 10 tokens: a budget of 24 makes micro-batches of rows 5, 1
+# (2 x 10 tokens) and rows 0, 2, 3, 4 (4 x 6 tokens)
+PADDING_FREE = ("actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24")
+
+
+def unequal_policy_batch(actor: ActorWorker) -> Batch:
+    batch = unequal_batch(actor.model.config.vocab_size)
+    shift = 0.4 * torch.randn(6, 5, generator=torch.Generator().manual_seed(7))  # some ratios clip
+    batch["old_log_probs"] = (actor.compute_log_prob(batch)["old_log_probs"] + shift) * batch["response_mask"]
+    batch["ref_log_prob"] = batch["old_log_probs"] - 0.2 * shift
+    batch["advantages"] = torch.randn(6, 1, generator=torch.Generator().manual_seed(8)) * batch["response_mask"]
+    return batch
+
+
+def record_micro_batches(monkeypatch) -> list[tuple[int, int]]:
+    """(rows, width) of every micro-batch the actor's forward sees from now on."""
+    shapes: list[tuple[int, int]] = []
+    forward = actor_module.layout_logprobs
+
+    def recording(model, layout, **kwargs):
+        shapes.append(tuple(layout.input_ids.shape))
+        return forward(model, layout, **kwargs)
+
+    monkeypatch.setattr(actor_module, "layout_logprobs", recording)
+    return shapes
+
+
+def test_padding_free_token_budget_log_probs_equal_the_padded_ones(tiny_model_dir, monkeypatch):
+    padded = make_actor(tiny_model_dir)
+    free = make_actor(tiny_model_dir, *PADDING_FREE)  # rollout.log_prob_* follow the actor's keys, as in verl
+    batch = unequal_batch(padded.model.config.vocab_size)
+    want = padded.compute_log_prob(batch)
+    shapes = record_micro_batches(monkeypatch)
+    got = free.compute_log_prob(batch)
+    assert shapes == [(2, 10), (4, 6)]
+    for key in ("old_log_probs", "entropies"):
+        torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=0)
+    assert torch.all(want["old_log_probs"][batch["attention_mask"][:, 6:] == 0] == 0)
+
+
+@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-sum-norm"])
+def test_padding_free_token_budget_update_equals_the_padded_update(tiny_model_dir, monkeypatch, loss_agg_mode):
+    overrides = ("actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.entropy_coeff=0.01",
+                 "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.ppo_mini_batch_size=6",
+                 f"actor_rollout_ref.actor.loss_agg_mode={loss_agg_mode}")
+    padded = make_actor(tiny_model_dir, *overrides)
+    free = make_actor(tiny_model_dir, *overrides, *PADDING_FREE)
+    batch = unequal_policy_batch(padded)
+    want = update(padded, batch)
+    shapes = record_micro_batches(monkeypatch)
+    got = update(free, batch)
+    assert shapes == [(2, 10), (4, 6)] and all(rows * width <= 24 for rows, width in shapes)
+    assert want["actor/pg_clipfrac"] > 0 and want["actor/grad_norm"] > 0
+    assert got.keys() == want.keys()
+    for key in want:
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    after = padded.compute_log_prob(batch)["old_log_probs"]
+    torch.testing.assert_close(free.compute_log_prob(batch)["old_log_probs"], after, atol=1e-5, rtol=0)
+
+
+def test_top_entropy_tokens_are_counted_in_each_token_budget_micro_batch(tiny_model_dir):
+    # rows 5, 1 hold 4 + 1 learned tokens (row 5's third is tool output), rows 0, 2, 3, 4 hold 5 + 3 + 2 + 4:
+    # ceil(0.3 * 5) + ceil(0.3 * 14) = 2 + 5 tokens get policy gradient (one micro-batch: ceil(0.3 * 19) = 6)
+    overrides = ("actor_rollout_ref.actor.entropy_top_ratio=0.3", "actor_rollout_ref.actor.ppo_mini_batch_size=6")
+    actor = make_actor(tiny_model_dir, *overrides, *PADDING_FREE)
+    batch = unequal_policy_batch(actor)
+    current = actor.compute_log_prob(batch)
+    batch["old_log_probs"] = current["old_log_probs"]  # ratio 1: every selected token's loss is -A
+    mask = batch["response_mask"]
+    selected = torch.zeros_like(mask, dtype=torch.bool)
+    for rows in ([5, 1], [0, 2, 3, 4]):
+        selected[rows] = top_entropy_tokens(current["entropies"][rows], mask[rows], 0.3)
+    metrics = update(actor, batch)
+    assert metrics["actor/top_entropy_selected_tokens"] == 7.0 == float(selected.sum())
+    assert metrics["actor/top_entropy_selected_frac"] == pytest.approx(7 / 19)
+    assert metrics["actor/pg_loss"] == pytest.approx(-float(batch["advantages"][selected].sum()) / 7, rel=1e-5)
+    whole = make_actor(tiny_model_dir, *overrides)
+    assert update(whole, unequal_policy_batch(whole))["actor/top_entropy_selected_tokens"] == 6.0
 
 
 def test_entropy_aware_advantage_alone_makes_the_update_compute_entropies(tiny_model_dir):

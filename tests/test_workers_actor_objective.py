@@ -131,17 +131,24 @@ def test_needs_entropy(overrides, needed):
 
 
 # -- normalisers -----------------------------------------------------------------------------------------------
+def parts(*groups: list[int]) -> list[torch.Tensor]:
+    """The rows of each micro-batch."""
+    return [torch.tensor(group) for group in groups]
+
+
 def test_top_entropy_policy_normaliser_sums_the_ceil_of_each_micro_batch():
     mask = lengths_mask([5, 2, 1, 2])  # micro-batches of 2 rows: 7 and 3 valid tokens
     obj = objective(ACTOR + "entropy_top_ratio=0.2")
-    common, pg = obj.mini_batch_normalisers(mask, 2)
+    common, pg = obj.mini_batch_normalisers(mask, parts([0, 1], [2, 3]))
     assert common == {"num_tokens": 10.0, "num_seqs": 4.0, "max_len": 5}
     assert pg == {"num_tokens": 3.0, "num_seqs": 4.0, "max_len": 5}  # ceil(1.4) + ceil(0.6), not ceil(2.0)
-    assert obj.mini_batch_normalisers(mask, 4)[1]["num_tokens"] == 2.0  # one micro-batch: ceil(0.2 * 10)
+    assert obj.mini_batch_normalisers(mask, parts([0, 1, 2, 3]))[1]["num_tokens"] == 2.0  # ceil(0.2 * 10)
+    # rows in any order (a token-budget split): rows 0 | 3, 1, 2 hold 5 and 5 tokens -> ceil(1.0) + ceil(1.0)
+    assert obj.mini_batch_normalisers(mask, parts([0], [3, 1, 2]))[1]["num_tokens"] == 2.0
 
 
 def test_without_top_ratio_the_policy_loss_uses_the_common_normalisers():
-    common, pg = objective().mini_batch_normalisers(lengths_mask([5, 2, 1, 2]), 2)
+    common, pg = objective().mini_batch_normalisers(lengths_mask([5, 2, 1, 2]), parts([0, 1], [2, 3]))
     assert common == pg == {"num_tokens": 10.0, "num_seqs": 4.0, "max_len": 5}
 
 
@@ -153,7 +160,7 @@ def test_top_entropy_policy_loss_and_entropy_bonus_by_hand():
     log_prob = old.clone().requires_grad_(True)  # r = 1 everywhere
     entropy = torch.tensor([[0.1, 0.5, 0.2, 0.9, 0.4, 7.0]], dtype=F64)  # the padded token has the largest H
     adv = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 9.0]], dtype=F64)
-    agg, pg_agg = obj.mini_batch_normalisers(mask, 1)
+    agg, pg_agg = obj.mini_batch_normalisers(mask, list(torch.arange(len(mask)).split(1)))
     loss, metrics = obj.micro_batch_loss(log_prob=log_prob, entropy=entropy, old_log_prob=old, advantages=adv,
                                          mask=mask, ref_log_prob=None, agg_kwargs=agg, pg_agg_kwargs=pg_agg)
     # ceil(0.2 * 5) = 1 token gets policy gradient: H = 0.9 with A = 4, normalised by 1 selected token
@@ -179,7 +186,7 @@ def test_archer_split_kl_by_hand(scale):
     kl = torch.tensor([[0.1, -0.2, 0.3, 0.8, 0.0], [0.4, -0.1, 0.3, 5.0, 5.0]], dtype=F64)  # k1: logp - ref
     old = torch.full((2, 5), -2.0, dtype=F64)
     log_prob = old.clone().requires_grad_(True)
-    agg, pg_agg = obj.mini_batch_normalisers(mask, 1)
+    agg, pg_agg = obj.mini_batch_normalisers(mask, list(torch.arange(len(mask)).split(1)))
     terms, losses = [], []
     for row in range(2):
         loss, metrics = obj.micro_batch_loss(
@@ -220,7 +227,7 @@ def accumulate(obj: ActorObjective, data: dict[str, torch.Tensor], micro: int
     """(sum of the micro-batch losses, their gradient w.r.t. log_prob, the mini-batch metrics), as the actor
     accumulates them over micro-batches of `micro` rows (the last one smaller when `micro` does not divide 4)."""
     log_prob = data["log_prob"].clone().requires_grad_(True)
-    agg, pg_agg = obj.mini_batch_normalisers(data["mask"], micro)
+    agg, pg_agg = obj.mini_batch_normalisers(data["mask"], list(torch.arange(4).split(micro)))
     total = torch.zeros((), dtype=F64)
     sums = MetricSums()
     for start in range(0, 4, micro):
@@ -337,7 +344,7 @@ def test_entropy_aware_advantage_by_hand_with_a_stop_gradient_on_the_entropy():
     adv = torch.tensor([[2.0, 2.0, 2.0, 2.0], [-1.0, -1.0, -1.0, -1.0]], dtype=F64)
     old = torch.full((2, 4), -2.0, dtype=F64)
     log_prob = old.clone().requires_grad_(True)  # r = 1: the token loss is -A_tilde
-    agg, pg_agg = obj.mini_batch_normalisers(mask, 2)
+    agg, pg_agg = obj.mini_batch_normalisers(mask, parts([0, 1]))
     loss, metrics = obj.micro_batch_loss(log_prob=log_prob, entropy=entropy, old_log_prob=old, advantages=adv,
                                          mask=mask, ref_log_prob=None, agg_kwargs=agg, pg_agg_kwargs=pg_agg)
     a_tilde = [[2 * 1.2, 2 * 1.2, 2 * 1.0, 0.0], [-0.8, -0.8, 0.0, 0.0]]  # A * (1 + 0.2 * H_hat)

@@ -38,6 +38,25 @@ def hand_batch() -> Batch:
     })
 
 
+# Six rows of unequal lengths: prompts (width 6) and responses (width 5); sequences of 6, 7, 6, 6, 6 and 10 tokens.
+UNEQUAL_PROMPTS, UNEQUAL_RESPONSES = [1, 6, 3, 4, 2, 5], [5, 1, 3, 2, 4, 5]
+
+
+def unequal_batch(vocab_size: int) -> Batch:
+    """The six rows above with random tokens; row 5's third response token is tool output (attention 1,
+    response_mask 0)."""
+    gen = torch.Generator().manual_seed(3)
+    columns = torch.arange(11)
+    attention = torch.stack([(columns >= 6 - p) & (columns < 6 + r)
+                             for p, r in zip(UNEQUAL_PROMPTS, UNEQUAL_RESPONSES, strict=True)]).long()
+    input_ids = torch.randint(3, vocab_size, (6, 11), generator=gen) * attention
+    response_mask = attention[:, 6:].clone()
+    response_mask[5, 2] = 0
+    return Batch({"input_ids": input_ids, "attention_mask": attention,
+                  "position_ids": (attention.cumsum(1) - 1).clamp(min=0), "responses": input_ids[:, 6:],
+                  "response_mask": response_mask})
+
+
 def float64_logprobs(model: torch.nn.Module, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of the responses from a plain full-logits forward of a float64 copy of ``model``."""
     reference = copy.deepcopy(model).double().eval()

@@ -222,9 +222,9 @@ def _is_critic_checkpoint(config: PretrainedConfig) -> bool:
 
 
 def value_forward(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor
 ) -> torch.Tensor:
-    """Values [B, T] in float32 from a model made by ``load_value_model``."""
+    """Values [B, T] in float32 from a model made by ``load_value_model`` (no attention mask: causal only)."""
     out = model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
     )

@@ -1,30 +1,69 @@
-"""Per-token log-probabilities and entropies without a full float32 [tokens x vocab] tensor (DESIGN 7).
+"""Per-token log-probabilities and entropies without a full float32 [tokens x vocab] tensor (DESIGN 9).
 
-Logits are made ``chunk_size`` rows at a time from the last hidden states and the LM head; with gradients
-on, each chunk runs under activation checkpointing, so its logits are freed after the forward and made
-again in the backward. The same per-row formula (``token_logprob_and_entropy``) serves the rollout engine,
-so generation-time and training-time numbers agree.
+``logprobs_from_hidden`` makes the logits ``chunk_size`` tokens at a time from the last hidden states and the
+LM head, in one autograd function (``_ChunkedLogProbs``) that keeps nothing of a chunk for the backward but
+two numbers per token (the log-normaliser and the entropy): the backward makes each chunk's logits again and
+writes the gradient of the logits straight from the closed forms
+
+    d logp_y / dz = (onehot_y - p) / T,    d H / dz = -p * (log p + H) / T      (z: logits, p = softmax(z / T))
+
+so a chunk never holds more than two float32 [chunk x vocab] buffers at once, in the forward or the backward.
+By default a chunk's float32 logits take at most ``LOGITS_BYTES_PER_CHUNK`` (``chunk_size=None``). Under
+autocast the matrix products run in the autocast dtype, as ``F.linear`` would, and the softmax in float32.
+The same per-row formula (``token_logprob_and_entropy``) serves the rollout engine, so generation-time and
+training-time numbers agree.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.autograd.function import once_differentiable
 
 from archer.errors import ArcherError
+from archer.models.sequence_layout import SequenceLayout
+
+LOGITS_BYTES_PER_CHUNK = 256 * 2**20  # float32 logits of one chunk when chunk_size is None
+
+
+def auto_chunk_size(vocab_size: int) -> int:
+    """Tokens per chunk whose float32 logits take at most LOGITS_BYTES_PER_CHUNK (at least one token)."""
+    return max(1, LOGITS_BYTES_PER_CHUNK // (4 * vocab_size))
+
+
+def _log_softmax_stats(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, compute_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(log p(label), log-normaliser, entropy) of softmax(logits / temperature), all float32 [N].
+
+    ``logits`` may be in a lower precision: the shifted, scaled logits are made in float32 in one pass, and
+    at most two float32 [N, V] buffers are alive at a time.
+    """
+    scale = 1.0 / temperature
+    shift = logits.amax(dim=-1, keepdim=True).float() * scale
+    shifted = torch.add(-shift, logits, alpha=scale)  # z / T - max(z / T), float32
+    del logits  # freed here when the caller passed a temporary
+    picked = shifted.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    if compute_entropy:
+        exp = shifted.exp()
+        total = exp.sum(dim=-1)
+        mean_shifted = exp.mul_(shifted).sum(dim=-1) / total  # sum_v p_v (z_v / T - shift), in place
+        entropy = total.log() - mean_shifted
+    else:
+        total = shifted.exp_().sum(dim=-1)
+        entropy = None
+    log_total = total.log()
+    return picked - log_total, shift.squeeze(-1) + log_total, entropy
 
 
 def token_logprob_and_entropy(
     logits: torch.Tensor, labels: torch.Tensor, compute_entropy: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(label) and the full-vocabulary entropy of softmax(logits), for float32 logits [N, V]."""
-    log_norm = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - log_norm
-    if not compute_entropy:
-        return logp, None
-    entropy = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    logp, _, entropy = _log_softmax_stats(logits, labels, 1.0, compute_entropy)
     return logp, entropy
 
 
@@ -37,17 +76,86 @@ def _head_params(
     return weight, bias
 
 
-def _chunk_stats(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    temperature: float,
-    compute_entropy: bool,
-) -> tuple[torch.Tensor, ...]:
-    logits = F.linear(hidden, weight, bias).float() / temperature
-    logp, entropy = token_logprob_and_entropy(logits, labels, compute_entropy)
-    return (logp,) if entropy is None else (logp, entropy)
+def _matmul_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype F.linear would compute in here: the autocast dtype when autocast is on, else the input's."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return hidden.dtype
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """log p(labels) and entropies of softmax((hidden @ W^T + b) / T), chunk by chunk, both directions."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                labels: torch.Tensor, temperature: float, chunk_size: int, compute_entropy: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = _matmul_dtype(hidden)
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        logp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        log_norm = torch.empty_like(logp)
+        entropy = torch.empty_like(logp) if compute_entropy else logp.new_empty(0)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, hidden.shape[0], chunk_size):
+                rows = slice(start, start + chunk_size)
+                chunk_logp, chunk_norm, chunk_entropy = _log_softmax_stats(
+                    F.linear(hidden[rows].to(dtype), w, b), labels[rows], temperature, compute_entropy)
+                logp[rows], log_norm[rows] = chunk_logp, chunk_norm
+                if compute_entropy:
+                    entropy[rows] = chunk_entropy
+        ctx.save_for_backward(hidden, weight, bias, labels, log_norm, entropy)
+        ctx.settings = (temperature, chunk_size, dtype)
+        ctx.set_materialize_grads(False)  # an output the loss does not use sends None, not zeros
+        if not compute_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None
+                 ) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, labels, log_norm, entropy = ctx.saved_tensors
+        temperature, chunk_size, dtype = ctx.settings
+        scale = 1.0 / temperature
+        grad_logp = torch.zeros_like(log_norm) if grad_logp is None else grad_logp.float()
+        with_entropy = grad_entropy is not None and entropy.numel() > 0
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            h = hidden[rows].to(dtype)
+            g_logp = grad_logp[rows].unsqueeze(-1) * scale
+            log_p = torch.add(-log_norm[rows].unsqueeze(-1), F.linear(h, w, b), alpha=scale)
+            grad = log_p.exp()
+            if with_entropy:
+                # dL/dz = -p * (g_logp + g_H (log p + H)) / T + g_logp onehot / T
+                g_entropy = grad_entropy[rows].float().unsqueeze(-1) * scale
+                offset = -(g_logp + g_entropy * entropy[rows].unsqueeze(-1))
+                grad.mul_(torch.addcmul(offset, log_p, -g_entropy, out=log_p))
+            else:
+                grad.mul_(-g_logp)
+            del log_p
+            grad.scatter_add_(-1, labels[rows].unsqueeze(-1), g_logp)
+            grad = grad.to(dtype)
+            if need_hidden:
+                grad_hidden[rows] = grad @ w
+            if need_weight:
+                if dtype == torch.float32:
+                    grad_weight.addmm_(grad.t(), h)
+                else:  # a [V, H] product in the autocast dtype, added in float32 (as autograd through F.linear)
+                    grad_weight += grad.t() @ h
+            if need_bias:
+                grad_bias += grad.sum(0)
+            del grad
+        if need_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        if need_bias:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 def logprobs_from_hidden(
@@ -56,35 +164,23 @@ def logprobs_from_hidden(
     labels: torch.Tensor,
     *,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     compute_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(labels) [N] and entropies [N] (float32) of softmax(lm_head(hidden) / temperature).
 
     ``lm_head`` is an ``nn.Linear`` or a ``(weight, bias)`` pair. Gradients reach ``hidden`` and the head
-    through both outputs.
+    through both outputs. ``chunk_size``: tokens per chunk (None: ``auto_chunk_size`` of the vocabulary).
     """
-    if chunk_size <= 0:
+    if chunk_size is not None and chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     weight, bias = _head_params(lm_head)
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (hidden, weight, bias)
-    )
-    pieces = []
-    for start in range(0, hidden.shape[0], chunk_size):
-        args = (hidden[start : start + chunk_size], weight, bias, labels[start : start + chunk_size])
-        if needs_grad:
-            pieces.append(checkpoint(_chunk_stats, *args, temperature, compute_entropy, use_reentrant=False))
-        else:
-            pieces.append(_chunk_stats(*args, temperature, compute_entropy))
-    if not pieces:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, (empty if compute_entropy else None)
-    logp = torch.cat([p[0] for p in pieces])
-    entropy = torch.cat([p[1] for p in pieces]) if compute_entropy else None
-    return logp, entropy
+    chunk = chunk_size or auto_chunk_size(weight.shape[0])
+    logp, entropy = _ChunkedLogProbs.apply(hidden, weight, bias, labels, float(temperature), chunk,
+                                           compute_entropy)
+    return logp, (entropy if compute_entropy else None)
 
 
 def backbone_of(model: nn.Module) -> nn.Module:
@@ -105,6 +201,30 @@ def backbone_of(model: nn.Module) -> nn.Module:
     )
 
 
+def layout_logprobs(
+    model: nn.Module,
+    layout: SequenceLayout,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    compute_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [B, R] and entropies [B, R] of the response tokens of ``layout`` (0 where it has none).
+
+    Only the positions that score a response token go through the LM head.
+    """
+    hidden = backbone_of(model)(**layout.model_inputs(), use_cache=False).last_hidden_state
+    logp, entropy = logprobs_from_hidden(
+        layout.response_states(hidden),
+        model.get_output_embeddings(),
+        layout.response_tokens(),
+        temperature=temperature,
+        chunk_size=chunk_size,
+        compute_entropy=compute_entropy,
+    )
+    return layout.scatter(logp), (None if entropy is None else layout.scatter(entropy))
+
+
 def response_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -113,37 +233,13 @@ def response_logprobs(
     response_length: int,
     *,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     compute_entropy: bool = True,
+    remove_padding: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [B, R] and entropies [B, R] of the last ``response_length`` tokens (0 where masked).
-
-    Rows are a left-padded prompt followed by a right-padded response (length P + R); the hidden state at
-    position t predicts token t + 1, so positions [-R-1, -1) score ``input_ids[:, -R:]``. Only the
-    response positions with ``attention_mask == 1`` go through the LM head.
-    """
-    if response_length <= 0:
-        raise ValueError(f"response_length must be positive, got {response_length}")
-    head = model.get_output_embeddings()
-    hidden = backbone_of(model)(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    ).last_hidden_state
-    size = response_length
-    valid = attention_mask[:, -size:].bool()
-    logp_flat, entropy_flat = logprobs_from_hidden(
-        hidden[:, -size - 1 : -1][valid],
-        head,
-        input_ids[:, -size:][valid],
-        temperature=temperature,
-        chunk_size=chunk_size,
-        compute_entropy=compute_entropy,
-    )
-    logp = _scatter(logp_flat, valid)
-    entropy = None if entropy_flat is None else _scatter(entropy_flat, valid)
-    return logp, entropy
-
-
-def _scatter(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(valid.shape, dtype=values.dtype, device=values.device)
-    out[valid] = values
-    return out
+    """``layout_logprobs`` of rows that are a left-padded prompt followed by a right-padded response (the
+    last ``response_length`` columns), run padded or (``remove_padding``) padding-free."""
+    layout = SequenceLayout.build(input_ids, attention_mask, position_ids, response_length,
+                                  remove_padding=remove_padding)
+    return layout_logprobs(model, layout, temperature=temperature, chunk_size=chunk_size,
+                           compute_entropy=compute_entropy)

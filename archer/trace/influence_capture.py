@@ -271,17 +271,18 @@ class TokenCapture:
         return self.capture.capturing()
 
     @contextmanager
-    def micro_batch(self, rows: Sequence[int], input_length: int, response_length: int) -> Iterator[None]:
-        """Trace the selected rows among ``rows`` (batch row ids of the micro-batch) inside the block."""
+    def micro_batch(self, rows: Sequence[int], response_start: Sequence[int]) -> Iterator[None]:
+        """Trace the selected rows among ``rows`` (batch row ids of the micro-batch) inside the block;
+        ``response_start``: the input column of each row's first response token (models/sequence_layout.py)."""
         mb_rows, positions, token_ids = [], [], []
-        for i, row in enumerate(rows):
+        for i, (row, start) in enumerate(zip(rows, response_start, strict=True)):
             found = self._by_row.get(int(row))
             if found is None:
                 continue
             first, pos = found
             mb_rows.append(np.full(len(pos), i))
-            # The hidden state at input position L - R - 1 + t scores response token t.
-            positions.append(input_length - response_length - 1 + pos)
+            # The hidden state at input column start - 1 + t scores response token t.
+            positions.append(int(start) - 1 + pos)
             token_ids.append(first + np.arange(len(pos)))
         where = None
         if mb_rows:

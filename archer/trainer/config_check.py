@@ -26,18 +26,24 @@ COUNT_KEYS = (
     "data.max_response_length",
     "actor_rollout_ref.actor.ppo_mini_batch_size",
     "actor_rollout_ref.actor.ppo_epochs",
-    "actor_rollout_ref.actor.logprob_chunk_size",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
     "actor_rollout_ref.rollout.n",
     "actor_rollout_ref.rollout.val_kwargs.n",
     "actor_rollout_ref.rollout.max_batch_size",
     "critic.ppo_mini_batch_size",
     "critic.ppo_epochs",
+    "critic.ppo_max_token_len_per_gpu",
+    "critic.forward_max_token_len_per_gpu",
     "trainer.total_epochs",
 )
-# The same for keys whose null means "use another size" (the whole batch, train_batch_size, the epochs).
+# The same for keys whose null means "use another size" (the whole batch, train_batch_size, the epochs, the
+# automatic chunk size).
 NULLABLE_COUNT_KEYS = (
     "data.gen_batch_size",
     "data.val_batch_size",
+    "actor_rollout_ref.actor.logprob_chunk_size",
     "actor_rollout_ref.actor.ppo_micro_batch_size",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
     "actor_rollout_ref.ref.log_prob_micro_batch_size",

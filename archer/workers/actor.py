@@ -9,7 +9,8 @@ in step with the model and frees the engine's memory around the update (``rollou
 
 Log-probs and entropies come from the chunked kernel in models/logprobs.py (no full float32 tokens x vocab
 tensor). The update splits the batch into mini-batches (one optimiser step each) and micro-batches
-(gradient accumulation); every loss is normalised over its whole mini-batch, so accumulation is exact.
+(gradient accumulation: a number of rows, or a token budget, padded or padding-free: workers/micro_batches.py);
+every loss is normalised over its whole mini-batch, so accumulation is exact whatever the micro-batches.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from transformers import PreTrainedTokenizerBase
 from archer.algorithms.metrics import MetricSums
 from archer.batch import Batch
 from archer.models.loading import autocast_for, load_causal_lm, load_tokenizer, save_hf
-from archer.models.logprobs import response_logprobs
+from archer.models.logprobs import layout_logprobs
 from archer.rollout.factory import build_engine
 from archer.trace.influence_capture import (
     CaptureSettings,
@@ -38,6 +39,7 @@ from archer.trace.influence_capture import (
     select_modules,
 )
 from archer.workers.actor_objective import ActorObjective
+from archer.workers.micro_batches import MicroBatching
 from archer.workers.optim import (
     build_optimizer,
     build_scheduler,
@@ -51,31 +53,26 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 INFLUENCE_TOKENS = "influence_tokens"  # info key of update_actor's input: the TracedTokens to capture
 
 
-def micro_batch_size(*sizes: int | None, default: int) -> int:
-    """The first size that is set (verl's per-GPU key, then its deprecated global key), else the default."""
-    for size in sizes:
-        if size:
-            return int(size)
-    return default
-
-
-def compute_log_probs(model: torch.nn.Module, batch: Batch, *, temperature: float, micro: int, chunk_size: int,
-                      device: torch.device, compute_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def compute_log_probs(model: torch.nn.Module, batch: Batch, *, temperature: float, micro: MicroBatching,
+                      chunk_size: int | None, device: torch.device, compute_entropy: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of the batch's responses under ``model``, micro-batch by micro-batch."""
-    response_length = batch["responses"].shape[1]
-    logps, ents = [], []
+    data = batch.select([*MODEL_INPUTS, "responses"])
+    shape = data["responses"].shape
+    logp = torch.zeros(shape)
+    ent = torch.zeros(shape) if compute_entropy else None
     was_training = model.training
     model.eval()
     with torch.no_grad(), autocast_for(device):
-        for mb in batch.select(MODEL_INPUTS).split(micro):
-            logp, ent = response_logprobs(model, *(mb[k].to(device) for k in MODEL_INPUTS), response_length,
-                                          temperature=temperature, chunk_size=chunk_size,
-                                          compute_entropy=compute_entropy)
-            logps.append(logp.float().cpu())
+        for rows in micro.split(data["attention_mask"]):
+            layout = micro.layout(data.index(rows).to(device))
+            mb_logp, mb_ent = layout_logprobs(model, layout, temperature=temperature, chunk_size=chunk_size,
+                                              compute_entropy=compute_entropy)
+            logp[rows] = mb_logp.float().cpu()
             if ent is not None:
-                ents.append(ent.float().cpu())
+                ent[rows] = mb_ent.float().cpu()
     model.train(was_training)
-    return torch.cat(logps), (torch.cat(ents) if ents else None)
+    return logp, ent
 
 
 class ActorWorker:
@@ -94,7 +91,13 @@ class ActorWorker:
         self.optimizer = build_optimizer(self.model.parameters(), self.actor_cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, self.actor_cfg.optim, total_steps)
         self.temperature = float(cfg.rollout.temperature)
-        self.chunk_size = int(self.actor_cfg.logprob_chunk_size)
+        self.chunk_size = self.actor_cfg.logprob_chunk_size
+        self.update_micro = MicroBatching.from_config(
+            self.actor_cfg, size_key="ppo_micro_batch_size", dynamic_key="use_dynamic_bsz",
+            budget_key="ppo_max_token_len_per_gpu", remove_padding=bool(cfg.model.use_remove_padding))
+        self.log_prob_micro = MicroBatching.from_config(
+            cfg.rollout, size_key="log_prob_micro_batch_size", dynamic_key="log_prob_use_dynamic_bsz",
+            budget_key="log_prob_max_token_len_per_gpu", remove_padding=bool(cfg.model.use_remove_padding))
         self.objective = ActorObjective.from_config(self.actor_cfg)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path, role="model")
         self.rollout = RolloutWorker(build_engine(cfg.rollout, self.model, tokenizer, device), cfg.rollout,
@@ -123,9 +126,7 @@ class ActorWorker:
     # -- inference -------------------------------------------------------------------------------------
     def compute_log_prob(self, batch: Batch) -> Batch:
         """old_log_probs and entropies of the current policy (before the update)."""
-        micro = micro_batch_size(self.cfg.rollout.log_prob_micro_batch_size_per_gpu,
-                                 self.cfg.rollout.log_prob_micro_batch_size, default=len(batch))
-        logp, ent = compute_log_probs(self.model, batch, temperature=self.temperature, micro=micro,
+        logp, ent = compute_log_probs(self.model, batch, temperature=self.temperature, micro=self.log_prob_micro,
                                       chunk_size=self.chunk_size, device=self.device, compute_entropy=True)
         return Batch({"old_log_probs": logp, "entropies": ent})
 
@@ -172,7 +173,6 @@ class ActorWorker:
         a = self.actor_cfg
         n = int(self.cfg.rollout.n)
         mini = int(a.ppo_mini_batch_size) * n
-        micro = micro_batch_size(a.ppo_micro_batch_size_per_gpu, a.ppo_micro_batch_size, default=mini)
         keys = [*MODEL_INPUTS, "responses", "response_mask", "old_log_probs", "advantages"]
         keys += [k for k in ("ref_log_prob",) if k in batch.tensors]
         data = batch.select(keys)
@@ -186,7 +186,7 @@ class ActorWorker:
                 order = torch.randperm(len(data), generator=generator) if a.shuffle else torch.arange(len(data))
                 for mini_batch in data.index(order).split(mini):
                     tracing = influence if epoch == 0 else None
-                    for k, v in self._update_mini_batch(mini_batch, micro, tracing, step_optimizer).items():
+                    for k, v in self._update_mini_batch(mini_batch, tracing, step_optimizer).items():
                         sums[k] += v
                         counts[k] += 1
         metrics = {k: sums[k] / counts[k] for k in sums}
@@ -194,22 +194,22 @@ class ActorWorker:
         self.scheduler.step()
         return metrics
 
-    def _update_mini_batch(self, mini_batch: Batch, micro: int, influence: TokenCapture | None,
-                           step_optimizer: bool) -> dict[str, float]:
+    def _update_mini_batch(self, mini_batch: Batch, influence: TokenCapture | None, step_optimizer: bool
+                           ) -> dict[str, float]:
         objective = self.objective
-        agg_kwargs, pg_agg_kwargs = objective.mini_batch_normalisers(mini_batch["response_mask"].float(), micro)
+        parts = self.update_micro.split(mini_batch["attention_mask"])
+        agg_kwargs, pg_agg_kwargs = objective.mini_batch_normalisers(mini_batch["response_mask"].float(), parts)
         sums = MetricSums()
-        response_length = mini_batch["responses"].shape[1]
-        for mb in mini_batch.split(micro):
-            mb = mb.to(self.device)
+        for rows in parts:
+            mb = mini_batch.index(rows).to(self.device)
+            layout = self.update_micro.layout(mb)
             mask = mb["response_mask"].float()
-            tracing = (influence.micro_batch(mb["row_id"].tolist(), mb["input_ids"].shape[1], response_length)
+            tracing = (influence.micro_batch(mb["row_id"].tolist(), layout.response_start.tolist())
                        if influence is not None else nullcontext())
             with tracing:
                 with autocast_for(self.device):
-                    logp, ent = response_logprobs(self.model, *(mb[k] for k in MODEL_INPUTS), response_length,
-                                                  temperature=self.temperature, chunk_size=self.chunk_size,
-                                                  compute_entropy=objective.needs_entropy)
+                    logp, ent = layout_logprobs(self.model, layout, temperature=self.temperature,
+                                                chunk_size=self.chunk_size, compute_entropy=objective.needs_entropy)
                 loss, metrics = objective.micro_batch_loss(
                     log_prob=logp.float(), entropy=None if ent is None else ent.float(),
                     old_log_prob=mb["old_log_probs"], advantages=mb["advantages"], mask=mask,
@@ -236,19 +236,16 @@ class ActorWorker:
             return
         data = batch.select([*MODEL_INPUTS, "responses", "response_mask", "advantages"]).index(rows)
         data["row_id"] = rows
-        a = self.actor_cfg
-        micro = micro_batch_size(a.ppo_micro_batch_size_per_gpu, a.ppo_micro_batch_size, default=len(data))
-        response_length = data["responses"].shape[1]
         weights = [module.weight for module in influence.capture.modules.values()]
         self.model.train()
         with influence.hooks():
-            for mb in data.split(micro):
-                mb = mb.to(self.device)
-                with influence.micro_batch(mb["row_id"].tolist(), mb["input_ids"].shape[1], response_length):
+            for part in self.update_micro.split(data["attention_mask"]):
+                mb = data.index(part).to(self.device)
+                layout = self.update_micro.layout(mb)
+                with influence.micro_batch(mb["row_id"].tolist(), layout.response_start.tolist()):
                     with autocast_for(self.device):
-                        logp, _ = response_logprobs(self.model, *(mb[k] for k in MODEL_INPUTS), response_length,
-                                                    temperature=self.temperature, chunk_size=self.chunk_size,
-                                                    compute_entropy=False)
+                        logp, _ = layout_logprobs(self.model, layout, temperature=self.temperature,
+                                                  chunk_size=self.chunk_size, compute_entropy=False)
                     objective = logp.float() * mb["response_mask"].float()
                     if output_function == "advantage_log_prob":
                         objective = objective * mb["advantages"]

@@ -13,7 +13,7 @@ needs them, whatever entropy_coeff is.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,8 +101,9 @@ class ActorObjective:
         return (self.entropy_coeff != 0 or self.splits_by_entropy or self.entropy_top_ratio is not None
                 or self.entropy_balanced_advantage)
 
-    def mini_batch_normalisers(self, mask: torch.Tensor, micro: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Normalisers of a whole mini-batch (its loss mask, split into micro-batches of `micro` rows):
+    def mini_batch_normalisers(self, mask: torch.Tensor, parts: Sequence[torch.Tensor]
+                               ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Normalisers of a whole mini-batch (its loss mask; ``parts``: the rows of each of its micro-batches):
         (for the entropy and KL terms, for the policy loss).
 
         With entropy_top_ratio the policy loss counts only the selected tokens: ceil(ratio * N) of each
@@ -111,7 +112,7 @@ class ActorObjective:
         common = mini_batch_totals(mask)
         if self.entropy_top_ratio is None:
             return common, common
-        selected = sum(top_entropy_count(int(m.bool().sum()), self.entropy_top_ratio) for m in mask.split(micro))
+        selected = sum(top_entropy_count(int(mask[rows].bool().sum()), self.entropy_top_ratio) for rows in parts)
         return common, {**common, "num_tokens": max(float(selected), 1.0)}
 
     def micro_batch_loss(self, *, log_prob: torch.Tensor, entropy: torch.Tensor | None, old_log_prob: torch.Tensor,

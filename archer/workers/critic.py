@@ -1,4 +1,8 @@
-"""The critic worker: a value model (backbone + scalar head) for PPO with GAE, its values and its update."""
+"""The critic worker: a value model (backbone + scalar head) for PPO with GAE, its values and its update.
+
+Both passes run in micro-batches of a number of rows or of a token budget, padded or padding-free
+(workers/micro_batches.py); the value loss is normalised over its whole mini-batch, so accumulation is exact.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ from archer.algorithms.metrics import MetricSums, masked_mean_metric, total_metr
 from archer.algorithms.value_loss import compute_value_loss
 from archer.batch import Batch
 from archer.models.loading import autocast_for, load_value_model, value_forward
-from archer.workers.actor import MODEL_INPUTS, load_weights, micro_batch_size
+from archer.workers.actor import MODEL_INPUTS, load_weights
+from archer.workers.micro_batches import MicroBatching
 from archer.workers.optim import (
     build_optimizer,
     build_scheduler,
@@ -35,27 +40,33 @@ class CriticWorker:
                                       trust_remote_code=bool(cfg.model.trust_remote_code))
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, total_steps)
+        micro = {"dynamic_key": "use_dynamic_bsz", "remove_padding": bool(cfg.model.use_remove_padding)}
+        self.forward_micro = MicroBatching.from_config(cfg, size_key="forward_micro_batch_size",
+                                                       budget_key="forward_max_token_len_per_gpu", **micro)
+        self.update_micro = MicroBatching.from_config(cfg, size_key="ppo_micro_batch_size",
+                                                      budget_key="ppo_max_token_len_per_gpu", **micro)
 
-    def _values(self, mb: Batch) -> torch.Tensor:
+    def _values(self, mb: Batch, micro: MicroBatching) -> torch.Tensor:
         """Value of each response position: the head's output at the token that precedes it."""
-        response_length = mb["responses"].shape[1]
+        mb = mb.to(self.device)
+        layout = micro.layout(mb)
         with autocast_for(self.device):
-            v = value_forward(self.model, *(mb[k].to(self.device) for k in MODEL_INPUTS))
-        return v[:, -response_length - 1:-1].float() * mb["response_mask"].to(self.device).float()
+            v = value_forward(self.model, layout.input_ids, layout.attention_mask, layout.position_ids)
+        return layout.scatter(layout.response_states(v).float()) * mb["response_mask"].float()
 
     def compute_values(self, batch: Batch) -> Batch:
-        micro = micro_batch_size(self.cfg.forward_micro_batch_size_per_gpu, self.cfg.forward_micro_batch_size,
-                                 default=len(batch))
+        data = batch.select([*MODEL_INPUTS, "responses", "response_mask"])
+        values = torch.zeros(data["responses"].shape)
         self.model.eval()
         with torch.no_grad():
-            values = torch.cat([self._values(mb).cpu() for mb in batch.split(micro)])
+            for rows in self.forward_micro.split(data["attention_mask"]):
+                values[rows] = self._values(data.index(rows), self.forward_micro).cpu()
         self.model.train()
         return Batch({"values": values})
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
         c = self.cfg
         mini = int(c.ppo_mini_batch_size) * self.rollout_n
-        micro = micro_batch_size(c.ppo_micro_batch_size_per_gpu, c.ppo_micro_batch_size, default=mini)
         data = batch.select([*MODEL_INPUTS, "responses", "response_mask", "values", "returns"])
         generator = torch.Generator().manual_seed(0)
         sums: dict[str, float] = defaultdict(float)
@@ -66,8 +77,9 @@ class CriticWorker:
             for mini_batch in data.index(order).split(mini):
                 agg_kwargs = mini_batch_totals(mini_batch["response_mask"].float())
                 mini_sums = MetricSums()
-                for mb in mini_batch.split(micro):
-                    vpreds = self._values(mb)
+                for rows in self.update_micro.split(mini_batch["attention_mask"]):
+                    mb = mini_batch.index(rows)
+                    vpreds = self._values(mb, self.update_micro)
                     mask = mb["response_mask"].to(self.device).float()
                     loss, clipfrac = compute_value_loss(
                         vpreds, mb["values"].to(self.device), mb["returns"].to(self.device), mask,

@@ -7,7 +7,8 @@ from omegaconf import DictConfig
 
 from archer.batch import Batch
 from archer.models.loading import default_dtype, load_causal_lm
-from archer.workers.actor import compute_log_probs, micro_batch_size
+from archer.workers.actor import compute_log_probs
+from archer.workers.micro_batches import MicroBatching
 
 
 class ReferenceWorker:
@@ -20,11 +21,12 @@ class ReferenceWorker:
                                     trust_remote_code=bool(cfg.model.trust_remote_code))
         self.model.eval().requires_grad_(False)
         self.temperature = float(cfg.rollout.temperature)
+        self.micro = MicroBatching.from_config(
+            cfg.ref, size_key="log_prob_micro_batch_size", dynamic_key="log_prob_use_dynamic_bsz",
+            budget_key="log_prob_max_token_len_per_gpu", remove_padding=bool(cfg.model.use_remove_padding))
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        micro = micro_batch_size(self.cfg.ref.log_prob_micro_batch_size_per_gpu,
-                                 self.cfg.ref.log_prob_micro_batch_size, default=len(batch))
-        logp, _ = compute_log_probs(self.model, batch, temperature=self.temperature, micro=micro,
-                                    chunk_size=int(self.cfg.actor.logprob_chunk_size), device=self.device,
+        logp, _ = compute_log_probs(self.model, batch, temperature=self.temperature, micro=self.micro,
+                                    chunk_size=self.cfg.actor.logprob_chunk_size, device=self.device,
                                     compute_entropy=False)
         return Batch({"ref_log_prob": logp})
