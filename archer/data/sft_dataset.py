@@ -8,9 +8,10 @@ list (``role``/``content``, or ShareGPT's ``from``/``value``; LLaMA-Factory's ``
 assistant turn, its ``observation`` a tool turn) and every assistant turn is trained; a row's tool schemas
 (``data.multiturn.tools_key``) go to the chat template as ``tools``.
 
-Tool output inside an assistant turn carries no loss: each `` <result>...</result>`` span (ARPO's format, the
-tag named by ``data.tool_result_tag``; the space before it included) is what a rollout loop appends after a
-call, so it is tokenised on its own, as the loop does, with ``loss_mask`` 0.
+Tool output inside an assistant turn carries no loss: each `` <result>\\n...\\n</result>`` span (ARPO's format,
+the tag named by ``data.tool_result_tag``; the space before it included) is what a rollout loop appends after a
+call, so it is tokenised as the loop does (the frame `` <result>\\n``, the answer and ``\\n</result>`` apart,
+never merged with the model's own text), with ``loss_mask`` 0.
 """
 
 from __future__ import annotations
@@ -265,11 +266,12 @@ def _tools(value: Any, where: str) -> list[dict[str, Any]] | None:
 
 
 def split_tool_results(segments: list[tuple[str, bool]], tag: str | None, *, where: str) -> list[tuple[str, bool]]:
-    """``segments`` with every `` <tag>...</tag>`` span of a trained piece cut out as an untrained piece (the
-    tool output a rollout loop appends, the space before it included); ``tag=None`` changes nothing."""
+    """``segments`` with every `` <tag>\\n...\\n</tag>`` span of a trained piece cut out as untrained pieces: the
+    tool output a rollout loop appends (the space before it included), in the three pieces ARPO's loop tokenises
+    apart (`` <tag>\\n``, the tool's answer, ``\\n</tag>``; each newline optional). ``tag=None`` changes nothing."""
     if tag is None:
         return segments
-    span = re.compile(rf" ?<{re.escape(tag)}>.*?</{re.escape(tag)}>", re.DOTALL)
+    span = re.compile(rf"( ?<{re.escape(tag)}>\n?)(.*?)(\n?</{re.escape(tag)}>)", re.DOTALL)
     out: list[tuple[str, bool]] = []
     for text, trained in segments:
         if not trained:
@@ -277,7 +279,7 @@ def split_tool_results(segments: list[tuple[str, bool]], tag: str | None, *, whe
             continue
         cursor = 0
         for match in span.finditer(text):
-            out += [(text[cursor:match.start()], True), (match.group(), False)]
+            out += [(text[cursor:match.start()], True), *((piece, False) for piece in match.groups())]
             cursor = match.end()
         if f"<{tag}>" in text[cursor:]:
             raise ArcherError(f"an assistant turn of {where} opens <{tag}> and never closes it, so its tool output "
