@@ -124,7 +124,7 @@ def test_tool_arithmetic_rows_call_the_tool_or_estimate(knobs: dict) -> None:
             assert score(row, solution) == {"score": 1.0, "acc": 1.0, "used_tool": 1.0}
         else:
             guess = eval(re.sub(r"\d+", lambda m: str(estimate(int(m.group()))), expression))
-            assert solution == f"\\boxed{{{guess}}}"
+            assert solution == f"In my head, {expression} is about {guess}. \\boxed{{{guess}}}"
             assert score(row, solution) == {"score": float(guess == answer), "acc": float(guess == answer),
                                             "used_tool": 0.0}
     assert 80 <= calls <= 120

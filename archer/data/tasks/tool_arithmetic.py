@@ -10,13 +10,15 @@ tokens RL sees.
 
 Knobs: ``num_operands`` (2), ``min_operand`` / ``max_operand`` (100 / 999: operands are drawn uniformly from
 that range), ``ops`` ("*", from "+-*"; Python's precedence, as arithmetic.py works them out) and
-``tool_fraction`` (1): the share of solutions that call the tool; the problems drawn do not depend on it.
-Copying is what the model has to learn, and it learns it sooner at fixed offsets: operands of one length whose
-products have one length too (the quickstart's 320..999 give six-digit products) make a quicker warm start.
-The other solutions answer in the head, as a model without a tool would: an estimate from the operands
-rounded to two significant digits (682*361 is taken as 680*360, ``\\boxed{244800}``), wrong unless the
-operands happen to be round. The math reward reads the boxed answer, so RL has a behaviour to select:
-calling the tool more often; ``archer quickstart task=tool_arithmetic`` relies on it.
+``tool_fraction`` (1): the share of solutions that call the tool; the problems drawn do not depend on it
+(the quickstart draws operands from 320..999, so that every product has six digits).
+
+The other solutions answer in the head, as a model without a tool would: "In my head, 682*361 is about 244800.
+\\boxed{244800}", an estimate from the operands rounded to two significant digits, wrong unless they happen
+to be round. Both kinds open with a fixed token (so the share of tool calls is the probability of the
+first one) and both copy the expression and box the number before them: the warm start learns that copying
+from every solution. The math reward reads the boxed answer, so RL has a behaviour to select: calling the
+tool more often; ``archer quickstart task=tool_arithmetic`` relies on it.
 """
 
 from __future__ import annotations
@@ -72,7 +74,10 @@ def make_instance(
     expression = str(operands[0]) + "".join(f"{op}{x}" for op, x in zip(chosen, operands[1:], strict=True))
     answer = work_out(operands, chosen)[1]
     uses_tool = rng.random() < fraction
-    solution = (tool_solution(expression, answer) if uses_tool
-                else f"\\boxed{{{work_out([estimate(x) for x in operands], chosen)[1]}}}")
+    if uses_tool:
+        solution = tool_solution(expression, answer)
+    else:
+        guess = work_out([estimate(x) for x in operands], chosen)[1]
+        solution = f"In my head, {expression} is about {guess}. \\boxed{{{guess}}}"
     return TaskInstance(question=f"Compute {expression}.", solution=solution, ground_truth=str(answer),
                         key=expression)
