@@ -125,7 +125,7 @@ def test_the_tool_recipe_configures_the_python_tool() -> None:
                                       *TOOL_RL_OVERRIDES])
     check_config(cfg)
     tools = cfg.actor_rollout_ref.rollout.tools
-    assert tools.call_limit == 1 and cfg.data.max_response_length == 64
+    assert tools.call_limit == 1 and cfg.data.max_response_length == 64 and cfg.trainer.total_training_steps == 20
     registry = ToolRegistry.from_config(tools)
     try:
         assert list(registry.tools) == ["python"] and registry.stop_strings == ["</python>"]

@@ -105,10 +105,12 @@ TOOL_TASK = "tool_arithmetic"
 # The tool task's warm start: its solutions hold the tool's output, which is context and carries no loss.
 TOOL_SFT_OVERRIDES = replacing(SFT_OVERRIDES, "data.tool_result_tag=result")
 # Its RL stage: rollouts stop at </python>, the sandboxed Python tool runs the call and its output comes back
-# as " <result>\n...\n</result>" (context, response_mask 0); one call per response is enough.
+# as " <result>\n...\n</result>" (context, response_mask 0); one call per response is enough. Each call starts
+# a sandboxed interpreter, so steps cost more than the arithmetic ones; the tool-call rate saturates by step 10.
 TOOL_RL_OVERRIDES = replacing(
     RL_OVERRIDES,
     "data.max_response_length=64",
+    "trainer.total_training_steps=20",
     "+actor_rollout_ref.rollout.tools.tool_instances.python.class_path=python",
     "actor_rollout_ref.rollout.tools.call_limit=1",
 )
