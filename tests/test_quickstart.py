@@ -62,6 +62,22 @@ def test_quickstart_learns(tmp_path: Path) -> None:
     assert f"archer viz --trace-dir {summary['influence_trace']}" in proc.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_tool_quickstart_learns_to_call_the_tool(tmp_path: Path) -> None:
+    pytest.importorskip("archer.rollout.agentic", reason="the multi-turn tool rollout loop has not landed")
+    out = tmp_path / "qs"
+    proc = subprocess.run([sys.executable, "-m", "archer.cli", "quickstart", "task=tool_arithmetic", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["task"] == "tool_arithmetic" and summary["steps"] == 20
+    assert summary["val_acc_after_rl"] - summary["val_acc_before_rl"] >= 0.15
+    assert summary["val_tool_call_rate_after_rl"] > summary["val_tool_call_rate_before_rl"]
+    assert summary["wall_time_s"] < 480
+    assert "tool-call rate before RL" in proc.stdout
+
+
 def test_bad_overrides_leave_no_out_folder_behind(tmp_path: Path) -> None:
     out = tmp_path / "qs"
     proc = subprocess.run([sys.executable, "-m", "archer.cli", "quickstart", "--out", str(out), "bad.key=1"],
