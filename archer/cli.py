@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_sft)
 
     p = sub.add_parser("data", help="generate a built-in task's train/val/sft parquet files")
-    p.add_argument("--task", default="arithmetic", help="built-in task name (arithmetic, countdown)")
+    p.add_argument("--task", default="arithmetic", help="built-in task name (arithmetic, countdown, tool_arithmetic)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--train-size", type=int, default=2000)
     p.add_argument("--val-size", type=int, default=200)
@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("quickstart", help="tiny model, SFT warm start, GRPO, before/after accuracy (CPU, minutes)")
     p.add_argument("--out", default=None, help="run directory (default runs/quickstart)")
-    p.add_argument("overrides", nargs="*", help="e.g. seed=3, or trainer keys for the RL stage")
+    p.add_argument("overrides", nargs="*", help="e.g. seed=3, task=tool_arithmetic, or trainer keys for the RL stage")
     p.set_defaults(func=_quickstart)
 
     p = sub.add_parser("viz", help="explore an entropy or influence trace in the browser (Gradio)")

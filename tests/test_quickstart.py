@@ -1,6 +1,8 @@
 """The quickstart as a user runs it: `archer quickstart` on the CPU, checked against the issue's bar; bad
 overrides that leave no folder behind; a trainer.default_local_dir override that the summary and the printed
-commands follow (the warm start replaced by the test's micro model, so it runs in seconds)."""
+commands follow; `task=tool_arithmetic` picks the tool recipe, whose RL overrides configure the Python tool
+and whose summary reports the tool-call rate (the warm start replaced by the test's micro model, so these run
+in seconds)."""
 
 from __future__ import annotations
 
@@ -14,10 +16,20 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoModelForCausalLM
 
+from archer.config.loader import load_config
+from archer.data.tasks import write_task_files
 from archer.errors import ArcherError
+from archer.tools import ToolRegistry
 from archer.trace.format import TraceReader
 from archer.trainer import quickstart
-from archer.trainer.quickstart import run_quickstart
+from archer.trainer.config_check import check_config
+from archer.trainer.quickstart import (
+    RECIPES,
+    TOOL_RL_OVERRIDES,
+    Recipe,
+    parse_quickstart_args,
+    run_quickstart,
+)
 
 
 @pytest.mark.slow
@@ -50,6 +62,22 @@ def test_quickstart_learns(tmp_path: Path) -> None:
     assert f"archer viz --trace-dir {summary['influence_trace']}" in proc.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_tool_quickstart_learns_to_call_the_tool(tmp_path: Path) -> None:
+    pytest.importorskip("archer.rollout.agentic", reason="the multi-turn tool rollout loop has not landed")
+    out = tmp_path / "qs"
+    proc = subprocess.run([sys.executable, "-m", "archer.cli", "quickstart", "task=tool_arithmetic", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["task"] == "tool_arithmetic" and summary["steps"] == 20
+    assert summary["val_acc_after_rl"] - summary["val_acc_before_rl"] >= 0.15
+    assert summary["val_tool_call_rate_after_rl"] > summary["val_tool_call_rate_before_rl"]
+    assert summary["wall_time_s"] < 480
+    assert "tool-call rate before RL" in proc.stdout
+
+
 def test_bad_overrides_leave_no_out_folder_behind(tmp_path: Path) -> None:
     out = tmp_path / "qs"
     proc = subprocess.run([sys.executable, "-m", "archer.cli", "quickstart", "--out", str(out), "bad.key=1"],
@@ -67,7 +95,9 @@ def test_bad_overrides_leave_no_out_folder_behind(tmp_path: Path) -> None:
 def test_a_default_local_dir_override_moves_the_rl_run_and_everything_naming_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
         task_files: dict[str, Path], micro_model: Path) -> None:
-    def warm_start(run: Path, seed: int, console, sft_extra=()) -> tuple[dict[str, Path], Path]:
+    def warm_start(run: Path, seed: int, console, sft_extra=(), recipe: Recipe = RECIPES["arithmetic"]
+                   ) -> tuple[dict[str, Path], Path]:
+        assert recipe.task == "arithmetic"
         (run / "data").mkdir(parents=True)
         files = {split: Path(shutil.copy(task_files[split], run / "data" / f"{split}.parquet")) for split in ("train", "val")}
         return files, micro_model  # the conftest's task and micro model stand for steps 1-3
@@ -95,3 +125,50 @@ def test_a_default_local_dir_override_moves_the_rl_run_and_everything_naming_it(
     repeat = next(line for line in printed.splitlines() if line.startswith("  archer train "))
     assert repeat.count("trainer.default_local_dir=") == 1
     assert repeat.endswith(f" trainer.default_local_dir={tmp_path / 'elsewhere' / 'rl_run_again'}")
+
+
+def test_task_picks_the_recipe_and_an_unknown_task_is_an_error() -> None:
+    assert parse_quickstart_args(["a.b=1"]) == (1, RECIPES["arithmetic"], ["a.b=1"])
+    assert parse_quickstart_args(["task=tool_arithmetic", "seed=2", "a.b=1"]) == (2, RECIPES["tool_arithmetic"],
+                                                                                   ["a.b=1"])
+    with pytest.raises(ArcherError) as err:
+        parse_quickstart_args(["task=sudoku"])
+    assert "no task 'sudoku'" in err.value.problem and "['arithmetic', 'tool_arithmetic']" in err.value.problem
+
+
+def test_the_tool_recipe_configures_the_python_tool() -> None:
+    cfg = load_config("ppo_trainer", ["actor_rollout_ref.model.path=/m", "data.train_files=/t.parquet",
+                                      *TOOL_RL_OVERRIDES])
+    check_config(cfg)
+    tools = cfg.actor_rollout_ref.rollout.tools
+    assert tools.call_limit == 1 and cfg.data.max_response_length == 64 and cfg.trainer.total_training_steps == 20
+    registry = ToolRegistry.from_config(tools)
+    try:
+        assert list(registry.tools) == ["python"] and registry.stop_strings == ["</python>"]
+    finally:
+        registry.close()
+    recipe = RECIPES["tool_arithmetic"]
+    assert recipe.task == "tool_arithmetic" and 0 < recipe.knobs["tool_fraction"] < 0.5
+    assert "data.tool_result_tag=result" in recipe.sft_overrides
+
+
+def test_the_tool_quickstart_reports_the_tool_call_rate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture, micro_model: Path) -> None:
+    def warm_start(run: Path, seed: int, console, sft_extra=(), recipe: Recipe = RECIPES["arithmetic"]
+                   ) -> tuple[dict[str, Path], Path]:
+        assert recipe.task == "tool_arithmetic"
+        files = write_task_files(recipe.task, run / "data", n_train=4, n_val=4, n_sft=1, seed=seed, **recipe.knobs)
+        return files, micro_model  # the conftest's micro model stands for the warm start
+
+    monkeypatch.setattr(quickstart, "warm_start", warm_start)
+    summary = run_quickstart(["task=tool_arithmetic", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
+                              "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.total_training_steps=1",
+                              "trainer.device=cpu", "trainer.entropy_trace.enable=false",
+                              "trainer.influence_trace.enable=false"], out_dir=str(tmp_path / "qs"))
+    assert summary["task"] == "tool_arithmetic"
+    metrics = [json.loads(line) for line in (tmp_path / "qs" / "rl" / "metrics.jsonl").read_text().splitlines()]
+    rate = "val-aux/archer/tool_arithmetic/used_tool/mean@1"
+    assert summary["val_tool_call_rate_before_rl"] == metrics[0][rate]
+    assert summary["val_tool_call_rate_after_rl"] == metrics[-1][rate]
+    assert summary["val_acc_before_rl"] == metrics[0]["val-core/archer/tool_arithmetic/acc/mean@1"]
+    assert "tool-call rate before RL: " in capsys.readouterr().out

@@ -21,9 +21,11 @@ TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} <end> {% endfor %}"
     "{% if add_generation_prompt %}<assistant> {% endif %}"
 )
-# ids: <pad>=0 <unk>=1 <end>=2 <system>=3 <user>=4 <assistant>=5 <tool>=6 w0=7 w1=8 ... w9=16
-VOCAB = ["<pad>", "<unk>", "<end>", "<system>", "<user>", "<assistant>", "<tool>"] + [f"w{i}" for i in range(10)]
-PAD, END, SYSTEM, USER, ASSISTANT = 0, 2, 3, 4, 5
+# ids: <pad>=0 <unk>=1 <end>=2 <system>=3 <user>=4 <assistant>=5 <tool>=6 w0=7 w1=8 ... w9=16 <result>=17
+# </result>=18
+VOCAB = (["<pad>", "<unk>", "<end>", "<system>", "<user>", "<assistant>", "<tool>"] + [f"w{i}" for i in range(10)]
+         + ["<result>", "</result>"])
+PAD, END, SYSTEM, USER, ASSISTANT, TOOL, RESULT, END_RESULT = 0, 2, 3, 4, 5, 6, 17, 18
 
 
 def w(i: int) -> int:
@@ -226,3 +228,52 @@ def test_real_sharegpt_file_trains_each_assistant_turn(tok: PreTrainedTokenizerF
         runs = sum(1 for a, b in zip([0, *mask], mask, strict=False) if b and not a)
         assert runs == assistant_turns
         assert mask[0] == 0 and mask[-1] == 1
+
+
+def test_tool_results_in_a_response_get_no_loss(tok: PreTrainedTokenizerFast) -> None:
+    # "<user> w0 <end> <assistant> w1 <result> w2 w3 </result> w4 <result> w5 </result> <end> ": the model's
+    # own w1, w4 and end-of-turn are trained; each " <result> ... </result>" span (the space before it too) is not
+    response = "w1 <result> w2 w3 </result> w4 <result> w5 </result>"
+    item = SFTDataset([_single(prompt="w0", response=response)], tok, max_length=32)[0]
+    assert item["input_ids"].tolist() == [USER, w(0), END, ASSISTANT, w(1), RESULT, w(2), w(3), END_RESULT, w(4),
+                                          RESULT, w(5), END_RESULT, END]
+    assert item["loss_mask"].tolist() == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 1]
+    trained_anyway = SFTDataset([_single(prompt="w0", response=response)], tok, max_length=32, tool_result_tag=None)
+    assert trained_anyway[0]["loss_mask"].tolist() == [0, 0, 0, 0] + [1] * 10
+
+
+def test_tool_calls_and_observations_of_a_sharegpt_conversation(tok: PreTrainedTokenizerFast) -> None:
+    # LLaMA-Factory's speakers: function_call is an assistant turn (trained), observation a tool turn (not),
+    # and a result inside an assistant turn is not trained either
+    conversation = [{"from": "human", "value": "w0"}, {"from": "function_call", "value": "w1"},
+                    {"from": "observation", "value": "w2"}, {"from": "gpt", "value": "w3 <result> w4 </result> w5"}]
+    item = SFTDataset([{"conversations": conversation}], tok, max_length=32, multiturn=True,
+                      messages_key="conversations")[0]
+    assert item["input_ids"].tolist() == [USER, w(0), END, ASSISTANT, w(1), END, TOOL, w(2), END, ASSISTANT, w(3),
+                                          RESULT, w(4), END_RESULT, w(5), END]
+    assert item["loss_mask"].tolist() == [0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("tools", [[{"name": "w8"}, {"name": "w9"}], '[{"name": "w8"}, {"name": "w9"}]'])
+def test_a_rows_tools_reach_the_chat_template(tools: object) -> None:
+    lists_tools = "{% if tools %}<system> {% for t in tools %}{{ t['name'] }} {% endfor %}<end> {% endif %}" + TEMPLATE
+    rows = [{"messages": MULTI[1:3], "tools": tools}, {"messages": MULTI[1:3]}]
+    ds = SFTDataset(rows, _tokenizer(lists_tools), max_length=32, multiturn=True)
+    assert ds[0]["input_ids"].tolist() == [SYSTEM, w(8), w(9), END, USER, w(0), END, ASSISTANT, w(1), w(2), END]
+    assert ds[0]["loss_mask"].tolist() == [0] * 8 + [1, 1, 1]
+    assert ds[1]["input_ids"].tolist() == [USER, w(0), END, ASSISTANT, w(1), w(2), END]
+
+
+@pytest.mark.parametrize(("rows", "kwargs", "problem", "fix"), [
+    ([_single(response="w1 <result> w2")], {}, "opens <result> and never closes it", "data.tool_result_tag=null"),
+    ([_single()], {"tool_result_tag": "<result>"}, "data.tool_result_tag='<result>' is not a tag name", "null"),
+    ([{"messages": MULTI, "tools": "{oops"}], {"multiturn": True}, "the tools of SFT row 0 are not valid JSON",
+     "JSON list"),
+    ([{"messages": MULTI, "tools": {"name": "w8"}}], {"multiturn": True}, "are a dict, not a list", "list"),
+])
+def test_bad_tool_markup_is_an_error(tok: PreTrainedTokenizerFast, rows: list, kwargs: dict, problem: str,
+                                     fix: str) -> None:
+    with pytest.raises(ArcherError) as info:
+        SFTDataset(rows, tok, **{"max_length": 32, **kwargs})
+    assert problem in info.value.problem
+    assert fix in info.value.fix

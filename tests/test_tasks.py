@@ -9,10 +9,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from archer.data.sft_dataset import SFTDataset
 from archer.data.tasks import TASKS, generate_rows, write_task_files
 from archer.data.tasks.arithmetic import work_out
+from archer.data.tasks.tool_arithmetic import RESULT_FRAME, estimate
 from archer.errors import ArcherError
+from archer.models.tiny import train_tokenizer
 from archer.rewards.registry import default_compute_score
+from archer.tools.python_tool import PythonTool
 
 ARITHMETIC = re.compile(r"Compute (\d+(?:[-+*]\d+)+)\.")
 COUNTDOWN = re.compile(r"Use (\d+(?:, \d+)*) to make (\d+)\.")
@@ -77,6 +81,93 @@ def test_countdown_first_instance_of_seed_0() -> None:
     assert row["extra_info"]["solution"] == "14/2=7. 7*13=91. <answer>14/2*13</answer>"
 
 
+def test_estimate_rounds_to_two_significant_digits_half_up() -> None:
+    assert [estimate(x) for x in (4821, 317, 95, 7, 4850, 995, 1049)] == [4800, 320, 95, 7, 4900, 1000, 1000]
+
+
+def test_tool_arithmetic_first_instance_of_seed_0() -> None:
+    (row,) = generate_rows("tool_arithmetic", 1, seed=0)
+    assert row["prompt"] == [{"role": "user", "content": "Compute 964*494."}]
+    assert row["data_source"] == "archer/tool_arithmetic" and row["ability"] == "math"
+    assert row["reward_model"]["ground_truth"] == "476216"  # 964*494 = 476,216
+    # the default solution calls the tool; the loop's " <result>\n" + what print wrote + "\n</result>" follows
+    assert row["extra_info"]["solution"] == (
+        "<python>print(964*494)</python> <result>\n476216\n\n</result> \\boxed{476216}")
+
+
+def test_tool_solutions_hold_what_the_python_tool_answers() -> None:
+    tool = PythonTool()
+    for row in generate_rows("tool_arithmetic", 3, seed=1, num_operands=3, ops="+-*"):
+        solution = row["extra_info"]["solution"]
+        code = re.fullmatch(r"<python>(.*)</python>.*", solution, re.DOTALL).group(1)
+        assert f"</python>{RESULT_FRAME[0]}{tool.execute(code).text}{RESULT_FRAME[1]} \\boxed{{" in solution
+
+
+@pytest.mark.parametrize("knobs", [{"tool_fraction": 0.5}, {"num_operands": 3, "min_operand": 10, "max_operand": 99,
+                                                            "ops": "+*", "tool_fraction": 0.5}])
+def test_tool_arithmetic_rows_call_the_tool_or_estimate(knobs: dict) -> None:
+    rows = generate_rows("tool_arithmetic", 200, seed=4, **knobs)
+    calls = 0
+    for row in rows:
+        expression = ARITHMETIC.fullmatch(row["prompt"][0]["content"]).group(1)
+        operands = [int(x) for x in re.findall(r"\d+", expression)]
+        assert len(operands) == knobs.get("num_operands", 2)
+        assert all(knobs.get("min_operand", 100) <= x <= knobs.get("max_operand", 999) for x in operands)
+        assert set(re.findall(r"[-+*]", expression)) <= set(knobs.get("ops", "*"))
+        answer = eval(expression)  # the test's own check of a digits-and-operators string
+        assert row["reward_model"]["ground_truth"] == str(answer)
+        solution = row["extra_info"]["solution"]
+        if solution.startswith("<python>"):
+            calls += 1
+            assert solution == (f"<python>print({expression})</python> <result>\n{answer}\n\n</result> "
+                                f"\\boxed{{{answer}}}")
+            assert score(row, solution) == {"score": 1.0, "acc": 1.0, "used_tool": 1.0}
+        else:
+            guess = eval(re.sub(r"\d+", lambda m: str(estimate(int(m.group()))), expression))
+            assert solution == f"In my head, {expression} is about {guess}. \\boxed{{{guess}}}"
+            assert score(row, solution) == {"score": float(guess == answer), "acc": float(guess == answer),
+                                            "used_tool": 0.0}
+    assert 80 <= calls <= 120
+    # the share of tool calls changes the solutions, never the problems drawn
+    for fraction in (0.0, 1.0):
+        other = generate_rows("tool_arithmetic", 200, seed=4, **{**knobs, "tool_fraction": fraction})
+        assert [r["prompt"] for r in other] == [r["prompt"] for r in rows]
+        assert {r["extra_info"]["solution"].startswith("<python>") for r in other} == {bool(fraction)}
+
+
+def test_tool_solutions_train_only_the_models_own_tokens(tmp_path: Path) -> None:
+    paths = write_task_files("tool_arithmetic", tmp_path, n_train=1, n_val=1, n_sft=40, seed=0, tool_fraction=0.5)
+    rows = read(paths["sft"])
+    tokenizer = train_tokenizer([t for r in rows for t in (r["prompt"][0]["content"], r["response"])], 400)
+    dataset = SFTDataset(rows, tokenizer, max_length=128)
+    for row, item in zip(rows, dataset, strict=True):
+        ids, mask = item["input_ids"].tolist(), item["loss_mask"].tolist()
+        trained = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+        response = row["response"]
+        result = re.search(r" <result>\n(\d+\n)\n</result>", response)
+        if result is None:  # an estimate: the whole response and the end of the turn are learned
+            assert trained == response + "<|im_end|>"
+            continue
+        # the call and the answer are learned; the tool's result (space before it included) is context,
+        # tokenised as the rollout loop appends it: the frame and the answer apart (the last untrained token is
+        # the "\n" after the turn)
+        assert trained == response.replace(result.group(), "") + "<|im_end|>"
+        start = mask.index(1)
+        untrained = [t for t, m in zip(ids[start:], mask[start:], strict=True) if not m]
+        pieces = (RESULT_FRAME[0], result.group(1), RESULT_FRAME[1])
+        assert untrained[:-1] == [t for piece in pieces for t in tokenizer.encode(piece, add_special_tokens=False)]
+        assert tokenizer.decode(untrained[-1:]) == "\n"
+
+
+def test_tool_arithmetic_knob_errors() -> None:
+    with pytest.raises(ArcherError, match="max_operand=99 is below min_operand=100"):
+        generate_rows("tool_arithmetic", 1, seed=0, max_operand=99)
+    with pytest.raises(ArcherError, match=r"tool_fraction=1.5 must be a number in \[0, 1\]"):
+        generate_rows("tool_arithmetic", 1, seed=0, tool_fraction=1.5)
+    with pytest.raises(ArcherError, match="ops='/'"):
+        generate_rows("tool_arithmetic", 1, seed=0, ops="/")
+
+
 def read(path: Path) -> list[dict]:
     return pq.read_table(path).to_pylist()
 
@@ -93,7 +184,8 @@ def test_write_task_files(task: str, tmp_path: Path) -> None:
     assert [r["extra_info"]["index"] for r in train] == list(range(40))
     for row in train:
         assert set(row) == {"data_source", "prompt", "ability", "reward_model", "extra_info"}
-        assert score(row, row["extra_info"]["solution"]) in (1.0, {"score": 1.0, "acc": 1.0})
+        scored = score(row, row["extra_info"]["solution"])
+        assert (scored if isinstance(scored, float) else scored["score"]) == 1.0
     for row in sft:
         assert set(row) == {"prompt", "response"}
         assert row["prompt"][0]["role"] == "user" and len(row["prompt"]) == 1
@@ -115,7 +207,7 @@ def test_same_seed_same_bytes(tmp_path: Path) -> None:
 
 
 def test_errors(tmp_path: Path) -> None:
-    with pytest.raises(ArcherError, match=r"unknown task 'sudoku'.*\['arithmetic', 'countdown'\]"):
+    with pytest.raises(ArcherError, match=r"unknown task 'sudoku'.*\['arithmetic', 'countdown', 'tool_arithmetic'\]"):
         generate_rows("sudoku", 3, seed=0)
     with pytest.raises(ArcherError, match=r"no knob\(s\) \['num_numbers'\].*'num_operands': 3"):
         write_task_files("arithmetic", tmp_path, n_train=3, n_val=3, seed=0, num_numbers=4)

@@ -4,7 +4,14 @@ template so that only the assistant's tokens carry loss (``loss_mask`` 1), as ve
 Single-turn rows hold a prompt (a message list, its Python/JSON string, or plain text for one user message)
 and a response string; the response is trained as the template renders an assistant turn, i.e. the text
 followed by the template's end-of-turn token (``<|im_end|>`` for ChatML). Multi-turn rows hold a message
-list (``role``/``content``, or ShareGPT's ``from``/``value``) and every assistant turn is trained.
+list (``role``/``content``, or ShareGPT's ``from``/``value``; LLaMA-Factory's ``function_call`` speaker is an
+assistant turn, its ``observation`` a tool turn) and every assistant turn is trained; a row's tool schemas
+(``data.multiturn.tools_key``) go to the chat template as ``tools``.
+
+Tool output inside an assistant turn carries no loss: each `` <result>\\n...\\n</result>`` span (ARPO's format,
+the tag named by ``data.tool_result_tag``; the space before it included) is what a rollout loop appends after a
+call, so it is tokenised as the loop does (the frame `` <result>\\n``, the answer and ``\\n</result>`` apart,
+never merged with the model's own text), with ``loss_mask`` 0.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import ast
 import json
 import logging
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -162,6 +170,8 @@ class SFTDataset:
         response_key: str = "response",
         multiturn: bool = False,
         messages_key: str = "messages",
+        tools_key: str = "tools",
+        tool_result_tag: str | None = "result",
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ArcherError(f"data.truncation={truncation!r} is not a truncation mode",
@@ -174,8 +184,12 @@ class SFTDataset:
                               "start from a chat/instruct model (model.partial_pretrain) whose tokenizer has one")
         self.tokenizer = tokenizer
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if tool_result_tag is not None and not re.fullmatch(r"[\w.-]+", str(tool_result_tag)):
+            raise ArcherError(f"data.tool_result_tag={tool_result_tag!r} is not a tag name",
+                              "use a name such as result (for <result>...</result>), or null to train on tool output")
         keys = (messages_key,) if multiturn else (prompt_key, response_key)
-        segments = [_row_segments(tokenizer, row, i, keys, multiturn) for i, row in enumerate(rows)]
+        segments = [split_tool_results(_row_segments(tokenizer, row, i, keys, multiturn, tools_key), tool_result_tag,
+                                       where=f"SFT row {i}") for i, row in enumerate(rows)]
         self.num_truncated = 0
         self._items = [self._tokenise(segs, i, max_length, truncation) for i, segs in enumerate(segments)]
         no_loss = sum(1 for item in self._items if not item["loss_mask"].any())
@@ -210,7 +224,7 @@ class SFTDataset:
 
 
 def _row_segments(tokenizer: PreTrainedTokenizerBase, row: dict[str, Any], index: int,
-                  keys: tuple[str, ...], multiturn: bool) -> list[tuple[str, bool]]:
+                  keys: tuple[str, ...], multiturn: bool, tools_key: str) -> list[tuple[str, bool]]:
     missing = [k for k in keys if k not in row]
     if missing:
         key_names = "data.multiturn.messages_key" if multiturn else "data.prompt_key / data.response_key"
@@ -231,20 +245,62 @@ def _row_segments(tokenizer: PreTrainedTokenizerBase, row: dict[str, Any], index
         messages = [*to_messages(row[keys[0]], plain_text_ok=True, where=where),
                     {"role": "assistant", "content": response}]
         trained = [len(messages) - 1]
-    return assistant_segments(tokenizer, messages, trained, where=where)
+    tools = _tools(row.get(tools_key), where) if multiturn else None
+    return assistant_segments(tokenizer, messages, trained, where=where, tools=tools)
+
+
+def _tools(value: Any, where: str) -> list[dict[str, Any]] | None:
+    """A row's tool schemas (a list of dicts or its JSON text, as LLaMA-Factory stores them); None when absent."""
+    if value is None or value == "" or value == []:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ArcherError(f"the tools of {where} are not valid JSON ({exc})",
+                              "store the tool schemas as a JSON list of objects (or leave the field empty)") from exc
+    if not (isinstance(value, list) and all(isinstance(t, dict) for t in value)):
+        raise ArcherError(f"the tools of {where} are a {type(value).__name__}, not a list of tool schemas",
+                          "store the tool schemas as a list of objects (or its JSON text)")
+    return value
+
+
+def split_tool_results(segments: list[tuple[str, bool]], tag: str | None, *, where: str) -> list[tuple[str, bool]]:
+    """``segments`` with every `` <tag>\\n...\\n</tag>`` span of a trained piece cut out as untrained pieces: the
+    tool output a rollout loop appends (the space before it included), in the three pieces ARPO's loop tokenises
+    apart (`` <tag>\\n``, the tool's answer, ``\\n</tag>``; each newline optional). ``tag=None`` changes nothing."""
+    if tag is None:
+        return segments
+    span = re.compile(rf"( ?<{re.escape(tag)}>\n?)(.*?)(\n?</{re.escape(tag)}>)", re.DOTALL)
+    out: list[tuple[str, bool]] = []
+    for text, trained in segments:
+        if not trained:
+            out.append((text, False))
+            continue
+        cursor = 0
+        for match in span.finditer(text):
+            out += [(text[cursor:match.start()], True), *((piece, False) for piece in match.groups())]
+            cursor = match.end()
+        if f"<{tag}>" in text[cursor:]:
+            raise ArcherError(f"an assistant turn of {where} opens <{tag}> and never closes it, so its tool output "
+                              "cannot be told apart from the model's own text",
+                              f"close each <{tag}> with </{tag}>, or set data.tool_result_tag=null to train on it")
+        out.append((text[cursor:], True))
+    return [(text, trained) for text, trained in out if text]
 
 
 def assistant_segments(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], trained: list[int],
-                       *, where: str) -> list[tuple[str, bool]]:
+                       *, where: str, tools: list[dict[str, Any]] | None = None) -> list[tuple[str, bool]]:
     """The rendered conversation cut into ``(text, trained)`` pieces: each trained assistant turn is the
     text the template adds after the generation prompt, up to its end-of-turn token (whitespace after it
-    is not trained). Needs a template that renders every prefix of the conversation as a prefix of the whole."""
-    full = _render(tokenizer, messages, False, where)
+    is not trained). Needs a template that renders every prefix of the conversation as a prefix of the whole.
+    ``tools`` (tool schemas) go to the template with every rendering."""
+    full = _render(tokenizer, messages, False, where, tools)
     segments: list[tuple[str, bool]] = []
     cursor = 0
     for turn in trained:
-        prompt = _render(tokenizer, messages[:turn], True, where)
-        through = _render(tokenizer, messages[: turn + 1], False, where).rstrip()
+        prompt = _render(tokenizer, messages[:turn], True, where, tools)
+        through = _render(tokenizer, messages[: turn + 1], False, where, tools).rstrip()
         if not (through.startswith(prompt) and full.startswith(through) and len(prompt) >= cursor):
             raise ArcherError(
                 f"the chat template does not render the conversation of {where} turn by turn (the text up to "
@@ -259,9 +315,10 @@ def assistant_segments(tokenizer: PreTrainedTokenizerBase, messages: list[dict[s
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], add_generation_prompt: bool,
-            where: str) -> str:
+            where: str, tools: list[dict[str, Any]] | None) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
     except jinja2.TemplateError as exc:
         raise ArcherError(f"the chat template failed on the messages of {where}: {exc}",
                           "fix the messages of that row (roles the template accepts, in an order it accepts)") from exc

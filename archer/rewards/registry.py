@@ -25,6 +25,13 @@ def _math(solution_str: str, ground_truth: Any) -> Score:
     return compute_math_score(solution_str, str(ground_truth))
 
 
+def _tool_math(solution_str: str, ground_truth: Any) -> Score:
+    """The math reward, plus ``used_tool``: 1 when the response made a Python call (its tool-call rate in the
+    metrics)."""
+    correct = compute_math_score(solution_str, str(ground_truth))
+    return {"score": correct, "acc": correct, "used_tool": float("</python>" in solution_str)}
+
+
 def _dapo_math(solution_str: str, ground_truth: Any) -> Score:
     """DAPO's math reward: +1 for a correct answer, -1 otherwise."""
     correct = compute_math_score(solution_str, str(ground_truth))
@@ -41,6 +48,7 @@ _MATH_SOURCES = (
 _ROUTES: dict[str, Callable[[str, Any], Score]] = {
     **dict.fromkeys(_MATH_SOURCES, _math),
     "math_dapo": _dapo_math,
+    "archer/tool_arithmetic": _tool_math,
     "countdown": compute_countdown_score,
     "archer/countdown": compute_countdown_score,
 }

@@ -1,14 +1,19 @@
 """``archer quickstart``: the whole pipeline on a laptop CPU in a few minutes.
 
-1. generate the built-in arithmetic task (train/val/sft parquet, verl schema); the warm-start solutions
-   mix a boxed final answer with a prose one ("The answer is 7."), and the reward reads only boxed answers;
+1. generate a built-in task (train/val/sft parquet, verl schema) whose warm-start solutions leave RL a
+   behaviour to select: for ``task=arithmetic`` (the default) they mix a boxed final answer with a prose one
+   ("The answer is 7."), and the reward reads only boxed answers; for ``task=tool_arithmetic`` they mix
+   Python tool calls with in-the-head estimates of products too large for the model to compute;
 2. build the built-in tiny Qwen2-architecture model and its BPE tokenizer as an HF folder;
 3. a short supervised warm start (``archer sft``) that leaves the model clearly below the ceiling;
 4. GRPO (``archer train``; ``archer quickstart algorithm=NAME`` runs a preset of archer/config/algorithm/
-   instead) from the warm-started folder, validating before and after, with the entropy and influence traces on;
-5. ``summary.json`` with the before/after accuracy and where the RL run and its traces are (``<out>/rl``, or
-   wherever ``trainer.default_local_dir`` / the traces' ``output_dir`` put them), the command that repeats the
-   RL stage and the one that opens the trace explorer.
+   instead) from the warm-started folder, validating before and after, with the entropy and influence traces on
+   (and the Python tool in the rollouts of ``task=tool_arithmetic``);
+5. ``summary.json`` with the before/after accuracy (and tool-call rate, for the tool task) and where the RL run
+   and its traces are (``<out>/rl``, or wherever ``trainer.default_local_dir`` / the traces' ``output_dir`` put
+   them), the command that repeats the RL stage and the one that opens the trace explorer.
+
+Each task's sizes, knobs and stage overrides form a ``Recipe`` (``RECIPES``).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import shlex
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +83,51 @@ RL_OVERRIDES = [
 ]
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """One task's quickstart: the data (task, knobs, sizes), the warm start's and the RL stage's overrides,
+    and the validation metrics reported before and after RL (summary key ``val_<name>_before_rl`` -> metric)."""
+
+    task: str
+    knobs: dict[str, Any]
+    n_train: int
+    n_val: int
+    n_sft: int
+    sft_overrides: list[str]
+    rl_overrides: list[str]
+    reported: dict[str, str] = field(default_factory=dict)
+
+
+def replacing(overrides: Sequence[str], *changes: str) -> list[str]:
+    """``overrides`` with each ``key=value`` of ``changes`` in place of the same key (appended if it is new)."""
+    keys = {c.lstrip("+").partition("=")[0] for c in changes}
+    return [*(o for o in overrides if o.lstrip("+").partition("=")[0] not in keys), *changes]
+
+
+TOOL_TASK = "tool_arithmetic"
+# The tool task's warm start: its solutions hold the tool's output, which is context and carries no loss.
+TOOL_SFT_OVERRIDES = replacing(SFT_OVERRIDES, "data.tool_result_tag=result")
+# Its RL stage: rollouts stop at </python>, the sandboxed Python tool runs the call and its output comes back
+# as " <result>\n...\n</result>" (context, response_mask 0); one call per response is enough. Each call starts
+# a sandboxed interpreter, so steps cost more than the arithmetic ones; the tool-call rate saturates by step 10.
+TOOL_RL_OVERRIDES = replacing(
+    RL_OVERRIDES,
+    "data.max_response_length=64",
+    "trainer.total_training_steps=20",
+    "+actor_rollout_ref.rollout.tools.tool_instances.python.class_path=python",
+    "actor_rollout_ref.rollout.tools.call_limit=1",
+)
+
+RECIPES: dict[str, Recipe] = {
+    TASK: Recipe(TASK, TASK_KNOBS, N_TRAIN, N_VAL, N_SFT, SFT_OVERRIDES, RL_OVERRIDES, {"acc": VAL_KEY}),
+    TOOL_TASK: Recipe(
+        TOOL_TASK, {"num_operands": 2, "min_operand": 320, "max_operand": 999, "ops": "*", "tool_fraction": 0.4},
+        N_TRAIN, N_VAL, 1500, TOOL_SFT_OVERRIDES, TOOL_RL_OVERRIDES,
+        {"acc": "val-core/archer/tool_arithmetic/acc/mean@1",
+         "tool_call_rate": "val-aux/archer/tool_arithmetic/used_tool/mean@1"}),
+}
+
+
 def task_corpus(data_dir: Path) -> list[str]:
     import pyarrow.parquet as pq
 
@@ -102,32 +153,41 @@ def algorithm_overrides(rl_extra: Sequence[str]) -> list[str]:
     return [] if chosen_preset(rl_extra) is not None else list(DEFAULT_ALGORITHM_OVERRIDES)
 
 
-def warm_start(run: Path, seed: int, console: Console, sft_extra: Sequence[str] = ()) -> tuple[dict[str, Path], Path]:
+def warm_start(run: Path, seed: int, console: Console, sft_extra: Sequence[str] = (),
+               recipe: Recipe = RECIPES[TASK]) -> tuple[dict[str, Path], Path]:
     """Steps 1-3 into ``run``: task data (``run/data``), tiny model (``run/base_model``) and its supervised
     warm start (``run/sft``); returns the task files and the warm-started model folder."""
-    console.rule("[bold]1/4 task data")
-    files = write_task_files(TASK, run / "data", n_train=N_TRAIN, n_val=N_VAL, n_sft=N_SFT, seed=seed, **TASK_KNOBS)
+    console.rule(f"[bold]1/4 task data ({recipe.task})")
+    files = write_task_files(recipe.task, run / "data", n_train=recipe.n_train, n_val=recipe.n_val,
+                             n_sft=recipe.n_sft, seed=seed, **recipe.knobs)
     console.rule("[bold]2/4 tiny model")
     base = build_tiny_model(run / "base_model", task_corpus(run / "data"), seed=seed)
     console.rule("[bold]3/4 supervised warm start")
     sft_cfg = load_config("sft_trainer", [
         f"model.partial_pretrain={base}", f"data.train_files={files['sft']}", f"trainer.default_local_dir={run / 'sft'}",
-        f"trainer.seed={seed}", *SFT_OVERRIDES, *sft_extra])
+        f"trainer.seed={seed}", *recipe.sft_overrides, *sft_extra])
     return files, run_sft(sft_cfg)
 
 
-def parse_quickstart_args(args: Sequence[str]) -> tuple[int, list[str]]:
-    """``seed=N`` sets every seed of the pipeline; other ``key=value`` go to the RL stage."""
-    seed, rest = 1, []
+def parse_quickstart_args(args: Sequence[str]) -> tuple[int, Recipe, list[str]]:
+    """``seed=N`` sets every seed of the pipeline and ``task=NAME`` picks the recipe; other ``key=value`` go
+    to the RL stage."""
+    seed, recipe, rest = 1, RECIPES[TASK], []
     for arg in args:
         if arg.startswith("seed="):
             try:
                 seed = int(arg.split("=", 1)[1])
             except ValueError:
                 raise ArcherError(f"quickstart seed must be an integer, got {arg!r}", "write e.g. seed=3") from None
+        elif arg.startswith("task="):
+            name = arg.split("=", 1)[1]
+            if name not in RECIPES:
+                raise ArcherError(f"the quickstart has no task {name!r}; its tasks are {sorted(RECIPES)}",
+                                  f"write task=NAME with NAME one of {sorted(RECIPES)}")
+            recipe = RECIPES[name]
         else:
             rest.append(arg)
-    return seed, rest
+    return seed, recipe, rest
 
 
 def rl_outputs(cfg: DictConfig) -> dict[str, str | None]:
@@ -149,7 +209,7 @@ def repeat_command(rl_args: Sequence[str], rl_run_dir: Path) -> str:
 def run_quickstart(args: Sequence[str] = (), out_dir: str | None = None) -> dict[str, Any]:
     """The whole pipeline into ``out_dir``; the RL stage's run directory is ``<out_dir>/rl`` unless the
     overrides set trainer.default_local_dir, and the summary and printed commands follow it either way."""
-    seed, rl_extra = parse_quickstart_args(args)
+    seed, recipe, rl_extra = parse_quickstart_args(args)
     console = Console()
     start = time.perf_counter()
     run = Path(out_dir) if out_dir else Path("runs") / "quickstart" / time.strftime("%Y%m%d-%H%M%S")
@@ -160,13 +220,14 @@ def run_quickstart(args: Sequence[str] = (), out_dir: str | None = None) -> dict
     def rl_args(model: Path | str) -> list[str]:
         return [f"actor_rollout_ref.model.path={model}", f"data.train_files={data_dir / 'train.parquet'}",
                 f"data.val_files={data_dir / 'val.parquet'}", f"trainer.default_local_dir={run / 'rl'}",
-                f"trainer.seed={seed}", f"data.seed={seed}", *algorithm_overrides(rl_extra), *RL_OVERRIDES, *rl_extra]
+                f"trainer.seed={seed}", f"data.seed={seed}", *algorithm_overrides(rl_extra), *recipe.rl_overrides,
+                *rl_extra]
 
     # Bad RL overrides fail before the warm start, and before anything is written (no empty run folder).
     check_config(load_config("ppo_trainer", rl_args(run / "sft")))
     run.mkdir(parents=True, exist_ok=True)
 
-    files, sft_model = warm_start(run, seed, console)
+    files, sft_model = warm_start(run, seed, console, recipe=recipe)
 
     console.rule(f"[bold]4/4 RL ({algorithm_name})")
     final_args = rl_args(sft_model)
@@ -174,11 +235,13 @@ def run_quickstart(args: Sequence[str] = (), out_dir: str | None = None) -> dict
     rl_summary = PPOTrainer(rl_cfg).fit()
     outputs = rl_outputs(rl_cfg)
 
-    before = rl_summary["val_before"].get(VAL_KEY, float("nan"))
-    after = rl_summary["val_after"].get(VAL_KEY, float("nan"))
+    reported = {}
+    for name, key in recipe.reported.items():
+        reported[f"val_{name}_before_rl"] = rl_summary["val_before"].get(key, float("nan"))
+        reported[f"val_{name}_after_rl"] = rl_summary["val_after"].get(key, float("nan"))
     summary = {
-        "val_acc_before_rl": before,
-        "val_acc_after_rl": after,
+        "task": recipe.task,
+        **reported,
         "steps": rl_summary["steps"],
         "wall_time_s": time.perf_counter() - start,
         "rl_wall_time_s": rl_summary["wall_time_s"],
@@ -192,8 +255,12 @@ def run_quickstart(args: Sequence[str] = (), out_dir: str | None = None) -> dict
     write_json_atomically(run / "summary.json", summary)
     rl_dir = Path(outputs["rl_run_dir"])
     console.rule("[bold]quickstart done")
+    before, after = reported["val_acc_before_rl"], reported["val_acc_after_rl"]
     console.print(f"validation accuracy before RL: {before:.3f}   after RL: {after:.3f}   "
                   f"({(after - before) * 100:+.1f} points, {summary['steps']} {algorithm_name} steps)")
+    if "val_tool_call_rate_before_rl" in reported:
+        console.print(f"tool-call rate before RL: {reported['val_tool_call_rate_before_rl']:.3f}   "
+                      f"after RL: {reported['val_tool_call_rate_after_rl']:.3f}")
     console.print(f"run directory: {run}  (summary.json); RL run: {rl_dir}  (metrics.jsonl, plots/)")
     console.print("repeat the RL stage with:")
     print(f"  {repeat_command(final_args, rl_dir)}")

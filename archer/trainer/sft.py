@@ -117,7 +117,8 @@ def build_dataset(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, files: An
     return SFTDataset(read_sft_rows(files), tokenizer, max_length=cfg.data.max_length,
                       truncation=cfg.data.truncation, prompt_key=cfg.data.prompt_key,
                       response_key=cfg.data.response_key, multiturn=cfg.data.multiturn.enable,
-                      messages_key=cfg.data.multiturn.messages_key)
+                      messages_key=cfg.data.multiturn.messages_key, tools_key=cfg.data.multiturn.tools_key,
+                      tool_result_tag=cfg.data.tool_result_tag)
 
 
 def _train_loader(dataset: SFTDataset, cfg: DictConfig) -> DataLoader:

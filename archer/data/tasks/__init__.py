@@ -15,13 +15,14 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from archer.data.tasks import arithmetic, countdown
+from archer.data.tasks import arithmetic, countdown, tool_arithmetic
 from archer.data.tasks.base import Task, TaskInstance
 from archer.errors import ArcherError
 
 TASKS: dict[str, Task] = {
     "arithmetic": Task(arithmetic.DATA_SOURCE, arithmetic.ABILITY, arithmetic.make_instance),
     "countdown": Task(countdown.DATA_SOURCE, countdown.ABILITY, countdown.make_instance),
+    "tool_arithmetic": Task(tool_arithmetic.DATA_SOURCE, tool_arithmetic.ABILITY, tool_arithmetic.make_instance),
 }
 _ATTEMPTS_PER_INSTANCE = 20
 _MIN_ATTEMPTS = 1000

@@ -14,8 +14,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from archer.data.tasks.base import TaskInstance, check_int_knob, check_ops_knob
-from archer.errors import ArcherError
+from archer.data.tasks.base import TaskInstance, check_fraction_knob, check_int_knob, check_ops_knob
 
 DATA_SOURCE = "archer/arithmetic"
 ABILITY = "math"
@@ -48,9 +47,7 @@ def make_instance(
     unboxed_fraction: float = 0.0,
 ) -> TaskInstance:
     """One arithmetic problem with its worked solution (ending in prose with probability unboxed_fraction)."""
-    if isinstance(unboxed_fraction, bool) or not isinstance(unboxed_fraction, int | float) or not 0 <= unboxed_fraction <= 1:
-        raise ArcherError(f"task {_NAME!r}: knob unboxed_fraction={unboxed_fraction!r} must be a number in [0, 1]",
-                          "pass unboxed_fraction=<fraction of solutions without a boxed answer, e.g. 0.5>")
+    unboxed_fraction = check_fraction_knob(_NAME, "unboxed_fraction", unboxed_fraction)
     count = check_int_knob(_NAME, "num_operands", num_operands, 2)
     top = check_int_knob(_NAME, "max_operand", max_operand, 1)
     symbols = check_ops_knob(_NAME, ops, "+-*")

@@ -41,6 +41,14 @@ def check_int_knob(task: str, name: str, value: object, minimum: int) -> int:
     return value
 
 
+def check_fraction_knob(task: str, name: str, value: object) -> float:
+    """``value`` as a float in [0, 1], else an ArcherError naming the knob."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise ArcherError(f"task {task!r}: knob {name}={value!r} must be a number in [0, 1]",
+                          f"pass {name}=<a fraction of the solutions, e.g. 0.5>")
+    return float(value)
+
+
 def check_ops_knob(task: str, ops: str | Sequence[str], allowed: str) -> str:
     """The operators of ``ops`` (a string like "+-" or a list of symbols), each one of ``allowed``."""
     symbols = "".join(ops)
