@@ -65,7 +65,6 @@ def test_quickstart_learns(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_tool_quickstart_learns_to_call_the_tool(tmp_path: Path) -> None:
-    pytest.importorskip("archer.rollout.agentic", reason="the multi-turn tool rollout loop has not landed")
     out = tmp_path / "qs"
     proc = subprocess.run([sys.executable, "-m", "archer.cli", "quickstart", "task=tool_arithmetic", "--out", str(out)],
                           capture_output=True, text=True, timeout=900)
