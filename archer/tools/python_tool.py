@@ -37,7 +37,7 @@ def _describe_signal(returncode: int) -> str:
 
 class PythonTool(Tool):
     """Params (``tool_instances.python.params``): ``timeout`` (wall-clock seconds per call; the CPU-time limit
-    is the same number of seconds), ``memory_mb`` (address space), ``max_processes``, ``max_file_mb``,
+    is one second more, so only multi-threaded code meets it first), ``memory_mb`` (address space), ``max_processes``, ``max_file_mb``,
     ``max_open_files``, ``scratch_mb`` (the scratch tmpfs), ``max_output_chars``, ``require_isolation``
     (refuse to start without namespaces), ``python`` (the interpreter; null: the one running archer)."""
 

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import secrets
 import selectors
@@ -143,7 +144,7 @@ def _environment(home: str) -> dict[str, str]:
 def _prelude_config(interp: Interpreter, limits: SandboxLimits, uid: int | None) -> str:
     return json.dumps({
         "path": list(interp.path),
-        "cpu_s": max(1, int(limits.timeout_s + 0.999)),
+        "cpu_s": math.ceil(limits.timeout_s) + 1,  # a busy loop meets the wall-clock limit first
         "memory_bytes": limits.memory_mb << 20,
         "max_processes": limits.max_processes,
         "max_file_bytes": limits.max_file_mb << 20,
