@@ -36,6 +36,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +52,11 @@ from archer.models.loading import pick_device
 from archer.trainer.plots import read_series
 from archer.trainer.ppo import PPOTrainer
 from archer.trainer.quickstart import (
+    RECIPES,
     RL_OVERRIDES,
+    TASK,
     VAL_KEY,
+    Recipe,
     warm_start,
 )
 
@@ -71,10 +75,15 @@ MECHANISMS = {
 # keys of the quickstart's RL overrides that this bench sets itself (its traces are left off)
 REPLACED_KEYS = ("trainer.total_training_steps", "trainer.test_freq", "trainer.logger",
                  "trainer.entropy_trace.enable", "trainer.influence_trace.enable")
+# a look per preset (14 of them, arpo and aepo included); more presets would wrap round
 COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
-           "tab:gray", "tab:olive", "tab:cyan", "black", "gold")
+           "tab:gray", "tab:olive", "tab:cyan", "black", "gold", "teal", "maroon")
 LINE_STYLES = ("-", "--", "-.", ":")
-MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "h", "<", ">", "p")
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "h", "<", ">", "p", "d", "8")
+# the figure's panels: (curve of read_run, title, y label)
+PANELS = (("val_acc", "validation accuracy", "validation accuracy (greedy)"),
+          ("entropy", "entropy", "mean token entropy (training batch)"))
+FIGURE = "compare_algorithms.png"
 
 
 def available_presets() -> list[str]:
@@ -97,27 +106,31 @@ def parse_presets(text: str | None) -> list[str]:
     return names
 
 
-def build_base(base_dir: Path, seed: int, device: str, console: Console) -> dict[str, str]:
-    """The quickstart's task data, tiny model and supervised warm start, built fresh in ``base_dir``."""
+def build_base(base_dir: Path, seed: int, device: str, console: Console,
+               recipe: Recipe = RECIPES[TASK]) -> dict[str, str]:
+    """The quickstart's task data, tiny model and supervised warm start (of ``recipe``'s task), built fresh in
+    ``base_dir``."""
     shutil.rmtree(base_dir, ignore_errors=True)
-    files, sft_model = warm_start(base_dir, seed, console, sft_extra=[f"trainer.device={device}"])
+    files, sft_model = warm_start(base_dir, seed, console, sft_extra=[f"trainer.device={device}"], recipe=recipe)
     return {"train_file": str(files["train"]), "val_file": str(files["val"]),
             "base_model": str(base_dir / "base_model"), "sft_model": str(sft_model)}
 
 
-def shared_overrides(args: argparse.Namespace) -> list[str]:
-    """The RL overrides every preset gets: the quickstart's task budget and shapes, this bench's settings."""
-    kept = [o for o in RL_OVERRIDES if o.split("=", 1)[0] not in REPLACED_KEYS]
+def shared_overrides(args: argparse.Namespace, rl_overrides: Sequence[str] = RL_OVERRIDES) -> list[str]:
+    """The RL overrides every run gets: the quickstart's task budget and shapes (``rl_overrides``, a recipe's),
+    this bench's settings."""
+    kept = [o for o in rl_overrides if o.lstrip("+").split("=", 1)[0] not in REPLACED_KEYS]
     return [*kept, f"trainer.total_training_steps={args.steps}", f"trainer.test_freq={args.test_freq}",
             f"trainer.device={args.device}",
             f"trainer.seed={args.seed}", f"data.seed={args.seed}", "trainer.logger=[console,jsonl]",
             "trainer.resume_mode=disable"]
 
 
-def run_preset(name: str, base: dict[str, str], shared: list[str], run_dir: Path) -> None:
-    """The RL stage of one preset from the warm-started model, into a fresh ``run_dir``."""
+def run_stage(algorithm: Sequence[str], base: dict[str, str], shared: list[str], run_dir: Path) -> None:
+    """The RL stage from the warm-started model with the ``algorithm`` overrides (``algorithm=NAME`` for a
+    preset) before the shared ones, into a fresh ``run_dir``."""
     shutil.rmtree(run_dir, ignore_errors=True)
-    overrides = [f"algorithm={name}", f"actor_rollout_ref.model.path={base['sft_model']}",
+    overrides = [*algorithm, f"actor_rollout_ref.model.path={base['sft_model']}",
                  f"data.train_files={base['train_file']}", f"data.val_files={base['val_file']}",
                  f"trainer.default_local_dir={run_dir}", *shared]
     PPOTrainer(load_config("ppo_trainer", overrides)).fit()
@@ -128,27 +141,37 @@ def curve(points: dict[int, float]) -> dict[str, list]:
     return {"step": steps, "value": [points[s] for s in steps]}
 
 
+def after_rl(points: dict[int, float]) -> float | None:
+    """The value at the last step a validation curve has after step 0 (before RL), None without one."""
+    last = max(points, default=0)
+    return points[last] if last > 0 else None
+
+
+def step_means(series: dict[str, dict[int, float]], keys: Sequence[str]) -> dict[str, float]:
+    """For each of ``keys`` that the run logged: its mean over the steps where it was logged."""
+    return {key: statistics.fmean(series[key].values()) for key in keys if key in series}
+
+
 def read_run(run_dir: Path) -> dict[str, Any]:
     """A finished run's figures and curves, from its metrics.jsonl and summary.json."""
     series = read_series(run_dir / "metrics.jsonl")
     summary = json.loads((run_dir / "summary.json").read_text())
     val = series.get(VAL_KEY, {})
     entropy = series.get(ENTROPY_KEY, {})
-    last_val = max(val, default=0)
     return {
         "status": "ok",
         "val_acc_before": val.get(0),
-        "val_acc_after": val[last_val] if last_val > 0 else None,
+        "val_acc_after": after_rl(val),
         "entropy_end": entropy[max(entropy)] if entropy else None,
         "wall_time_s": summary["wall_time_s"],
         "steps": summary["steps"],
-        "mechanisms": {key: statistics.fmean(series[key].values()) for key in MECHANISMS if key in series},
+        "mechanisms": step_means(series, list(MECHANISMS)),
         "curves": {"val_acc": curve(val), "entropy": curve(entropy)},
         "run_dir": str(run_dir),
     }
 
 
-def _cell(value: float | None, spec: str) -> str:
+def cell(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
@@ -163,11 +186,16 @@ def markdown_table(results: dict[str, dict[str, Any]]) -> str:
         if r["status"] != "ok":
             cells = [name, "failed", *["-"] * (len(header) - 2)]
         else:
-            cells = [name, _cell(r["val_acc_before"], ".3f"), _cell(r["val_acc_after"], ".3f"),
-                     _cell(r["entropy_end"], ".3f"), _cell(r["wall_time_s"], ".1f"),
-                     *(_cell(r["mechanisms"].get(key), ".3g") for key in mechanisms)]
+            cells = [name, cell(r["val_acc_before"], ".3f"), cell(r["val_acc_after"], ".3f"),
+                     cell(r["entropy_end"], ".3f"), cell(r["wall_time_s"], ".1f"),
+                     *(cell(r["mechanisms"].get(key), ".3g") for key in mechanisms)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def describe(r: dict[str, Any]) -> str:
+    return (f"val acc {cell(r['val_acc_before'], '.3f')} -> {cell(r['val_acc_after'], '.3f')}, "
+            f"entropy at end {cell(r['entropy_end'], '.3f')}")
 
 
 def failures(results: dict[str, dict[str, Any]]) -> list[str]:
@@ -176,11 +204,13 @@ def failures(results: dict[str, dict[str, Any]]) -> list[str]:
             for name, r in results.items() if r["status"] != "ok"]
 
 
-def draw_curves(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
-    """Validation accuracy and mean entropy against the step, one colour, style and marker per preset;
-    hollow markers, so that presets with equal values (all of them at step 0) stay visible."""
-    fig = Figure(figsize=(13, 5), layout="constrained")
-    acc_ax, ent_ax = fig.subplots(1, 2)
+def draw_curves(results: dict[str, dict[str, Any]], path: Path, title: str,
+                panels: Sequence[tuple[str, str, str]] = PANELS) -> None:
+    """One panel per (curve, title, y label) of ``panels``, each curve against the step, one colour, style and
+    marker per preset; hollow markers, so that presets with equal values (all of them at step 0) stay
+    visible."""
+    fig = Figure(figsize=(1 + 6 * len(panels), 5), layout="constrained")
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
     order = available_presets()  # a preset keeps its look whichever presets are compared
     for name, r in results.items():
         if r["status"] != "ok":
@@ -189,37 +219,57 @@ def draw_curves(results: dict[str, dict[str, Any]], path: Path, title: str) -> N
         style = {"color": COLOURS[i % len(COLOURS)], "linestyle": LINE_STYLES[i % len(LINE_STYLES)],
                  "marker": MARKERS[i % len(MARKERS)], "markersize": 6, "markerfacecolor": "none",
                  "label": name}
-        val, entropy = r["curves"]["val_acc"], r["curves"]["entropy"]
-        acc_ax.plot(val["step"], val["value"], **style)
-        ent_ax.plot(entropy["step"], entropy["value"], markevery=max(1, len(entropy["step"]) // 8), **style)
-    labels = ((acc_ax, "validation accuracy (greedy)"), (ent_ax, "mean token entropy (training batch)"))
-    for ax, label in labels:
+        for ax, (key, _, _) in zip(axes, panels, strict=True):
+            points = r["curves"][key]
+            ax.plot(points["step"], points["value"], markevery=max(1, len(points["step"]) // 8), **style)
+    for ax, (_, panel_title, label) in zip(axes, panels, strict=True):
         ax.set_xlabel("RL step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(label)
+        ax.set_title(panel_title)
         ax.grid(alpha=0.3)
-    acc_ax.set_title("validation accuracy")
-    ent_ax.set_title("entropy")
     fig.suptitle(title)
-    handles, labels = acc_ax.get_legend_handles_labels()
+    handles, labels = axes[0].get_legend_handles_labels()
     if handles:
         fig.legend(handles, labels, loc="outside right center", fontsize="small")
     fig.savefig(path, dpi=100)
 
 
-def write_outputs(out: Path, meta: dict[str, Any], results: dict[str, dict[str, Any]]) -> str:
-    """results.json, results.md and the figure; returns the Markdown (context lines and table)."""
+def write_outputs(out: Path, meta: dict[str, Any], results: dict[str, dict[str, Any]], table: str,
+                  figure: str, title: str, panels: Sequence[tuple[str, str, str]] = PANELS) -> str:
+    """results.json, results.md (the context line, ``table`` and the failures) and the ``figure`` PNG of
+    ``panels``; returns the Markdown."""
     (out / "results.json").write_text(json.dumps({**meta, "presets": results}, indent=2))
-    text = (f"device: {meta['device']} | date: {meta['date']} | command: `{meta['command']}`\n\n"
-            f"{markdown_table(results)}\n")
+    text = f"device: {meta['device']} | date: {meta['date']} | command: `{meta['command']}`\n\n{table}\n"
     failed = failures(results)
     if failed:
         text += "\nfailed presets:\n" + "".join(f"- {line}\n" for line in failed)
     (out / "results.md").write_text(text)
-    draw_curves(results, out / "compare_algorithms.png",
-                f"archer presets on the quickstart task: seed {meta['seed']}, {meta['steps']} steps, "
-                f"{meta['device']}")
+    draw_curves(results, out / figure, title, panels)
     return text
+
+
+def attempt(name: str, run_dir: Path, run: Callable[[Path], None], read: Callable[[Path], dict[str, Any]],
+            describe: Callable[[dict[str, Any]], str], console: Console) -> dict[str, Any]:
+    """``run(run_dir)`` and then ``read(run_dir)``'s figures, or the run's failure with its error message: one
+    run's failure is a result, and the others still run. Prints the outcome (``describe`` of the figures)."""
+    started = time.perf_counter()
+    try:
+        run(run_dir)
+        result = read(run_dir)
+    except Exception as e:
+        if not isinstance(e, ArcherError):
+            console.print_exception(max_frames=5)
+        result = {"status": "failed", "error": f"{type(e).__name__}: {e}", "run_dir": str(run_dir)}
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    took = time.perf_counter() - started
+    if result["status"] == "ok":
+        console.print(f"[green]{name} done[/] in {took:.0f} s: {describe(result)}")
+    else:
+        console.print(f"[red]{name} failed[/] after {took:.0f} s: {result['error']}")
+    return result
 
 
 def device_name(device: str) -> str:
@@ -253,34 +303,19 @@ def main() -> int:
     console.rule("[bold]base: task data, tiny model, supervised warm start")
     meta["base"] = build_base(args.out / "base", args.seed, args.device, console)
     results: dict[str, dict[str, Any]] = {}
+    title = f"archer presets on the quickstart task: seed {args.seed}, {args.steps} steps, {meta['device']}"
     for i, name in enumerate(presets, 1):
         console.rule(f"[bold]{i}/{len(presets)} {name}")
-        run_dir = args.out / "runs" / name
-        started = time.perf_counter()
-        try:
-            run_preset(name, meta["base"], meta["shared_overrides"], run_dir)
-            results[name] = read_run(run_dir)
-        except Exception as e:  # one preset's failure is a result; the others still run
-            if not isinstance(e, ArcherError):
-                console.print_exception(max_frames=5)
-            results[name] = {"status": "failed", "error": f"{type(e).__name__}: {e}", "run_dir": str(run_dir)}
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        r = results[name]
-        took = time.perf_counter() - started
-        if r["status"] == "ok":
-            console.print(f"[green]{name} done[/] in {took:.0f} s: val acc "
-                          f"{_cell(r['val_acc_before'], '.3f')} -> {_cell(r['val_acc_after'], '.3f')}, "
-                          f"entropy at end {_cell(r['entropy_end'], '.3f')}")
-        else:
-            console.print(f"[red]{name} failed[/] after {took:.0f} s: {r['error']}")
-        text = write_outputs(args.out, meta, results)
+        results[name] = attempt(
+            name, args.out / "runs" / name,
+            lambda run_dir, name=name: run_stage([f"algorithm={name}"], meta["base"], meta["shared_overrides"],
+                                                 run_dir),
+            read_run, describe, console)
+        text = write_outputs(args.out, meta, results, markdown_table(results), FIGURE, title)
 
     console.rule("[bold]results")
     print(text)
-    console.print(f"written: {args.out / 'results.json'}, {args.out / 'results.md'}, "
-                  f"{args.out / 'compare_algorithms.png'}")
+    console.print(f"written: {args.out / 'results.json'}, {args.out / 'results.md'}, {args.out / FIGURE}")
     return 1 if failures(results) else 0
 
 
