@@ -31,8 +31,10 @@ from archer.rollout.factory import build_engine
 from archer.trace.influence_capture import (
     CaptureSettings,
     InfluenceCapture,
+    ModuleProjection,
     TokenCapture,
     TracedTokens,
+    module_projections,
     select_modules,
 )
 from archer.workers.actor_objective import ActorObjective
@@ -97,7 +99,8 @@ class ActorWorker:
         self.rollout = RolloutWorker(build_engine(cfg.rollout, self.model, tokenizer, device), cfg.rollout,
                                      device=device)
         self._engine_is_stale = False  # the weights changed since the engine last took them
-        self.influence: tuple[CaptureSettings, dict[str, torch.nn.Linear]] | None = None
+        # the influence trace's settings, hooked modules and their projections (setup_influence)
+        self.influence: tuple[CaptureSettings, dict[str, torch.nn.Linear], dict[str, ModuleProjection]] | None = None
 
     # -- generation --------------------------------------------------------------------------------------
     def generate_sequences(self, prompts: Batch) -> Batch:
@@ -129,21 +132,23 @@ class ActorWorker:
         """Hook the linear layers ``settings`` names during traced updates; returns their names."""
         modules = select_modules(self.model, list(settings.module_name_filter),
                                  None if settings.layers is None else list(settings.layers), settings.max_modules)
-        self.influence = (settings, modules)
+        self.influence = (settings, modules, module_projections(modules, settings.projection))
         return list(modules)
 
     def _token_capture(self, tokens: TracedTokens) -> TokenCapture:
         if self.influence is None:
             raise RuntimeError("update_actor was asked for influence tokens before setup_influence")
-        settings, modules = self.influence
+        settings, modules, projections = self.influence
         store = torch.device("cpu") if settings.offload_to_cpu else self.device
-        return TokenCapture(InfluenceCapture(modules, settings.projection, store_device=store), tokens)
+        return TokenCapture(InfluenceCapture(modules, projections, num_tokens=len(tokens.token_response),
+                                             store_device=store), tokens)
 
     # -- update ------------------------------------------------------------------------------------------
     def update_actor(self, batch: Batch) -> Batch:
         """PPO epochs over mini-batches. Returns ``info["metrics"]``: verl-named metrics averaged over optimiser
         steps; and, when ``batch.info["influence_tokens"]`` names tokens, ``info["influence"]``: their captured
-        gradient factors per module (see trace/influence_capture.py)."""
+        gradient factors per group of modules, on this device (on the CPU with grad_offload_to_cpu; see
+        trace/influence_capture.py)."""
         tokens: TracedTokens | None = batch.info.get(INFLUENCE_TOKENS)
         capture = self._token_capture(tokens) if tokens is not None else None
         metrics: dict[str, float] = {}
