@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU figures of issue 11 in one device call (about 8 minutes on an H200): archer's GRPO step against TRL's
+# The GPU figures of issue 11 in one device call (about 9 minutes on an H200): archer's GRPO step against TRL's
 # GRPOTrainer (bench/grpo_vs_trl.py, Qwen2.5-0.5B's shape), the quickstart on the GPU, and the cost of the
 # entropy and influence traces (bench/trace_cost.py). Logs and JSON go to $OUT (default ./suite_out), at most
 # 8 files there: runs write under /tmp and the suite copies their summaries.
@@ -7,20 +7,23 @@
 # Run from a folder holding archer/ and bench/ (the repo root, or a copy of both). Packages the machine lacks
 # are installed from ./whl when it exists (bench/device_wheels.sh fills it):
 #   bash bench/device_suite.sh
-# SHAPE (default qwen2.5-0.5b) and GVT_STEPS / TRL_STEPS / TC_STEPS change the workload; every stage has its
-# own time limit, so one that hangs leaves the others their time.
+# SHAPE (default qwen2.5-0.5b) and GVT_STEPS / TRL_STEPS / TC_STEPS change the workload; STAGES (default all:
+# "grpo_vs_trl quickstart influence_cost trace_cost") picks stages; every stage has its own time limit, so one
+# that hangs leaves the others their time.
 set -uo pipefail
 out=${OUT:-$PWD/suite_out}
 shape=${SHAPE:-qwen2.5-0.5b}
+stages=" ${STAGES:-grpo_vs_trl quickstart influence_cost trace_cost} "
 mkdir -p "$out"
 if [ -d whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site whl/*.whl
 fi
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 
-stage() {  # NAME SECONDS COMMAND...: runs COMMAND under a time limit and logs how it ended
+stage() {  # NAME SECONDS COMMAND...: runs COMMAND under a time limit and logs how it ended (if STAGES names it)
   local name=$1 limit=$2 start=$SECONDS
   shift 2
+  [[ $stages == *" $name "* ]] || return 0
   echo "=== $name: $*"
   timeout "$limit" "$@"
   echo "=== $name: exit $? after $((SECONDS - start)) s"
@@ -39,5 +42,10 @@ stage() {  # NAME SECONDS COMMAND...: runs COMMAND under a time limit and logs h
   stage quickstart 90 python3 -m archer.cli quickstart --out /tmp/qs
   cp /tmp/qs/summary.json "$out/quickstart_summary.json" 2>/dev/null
 
+  # the influence trace's hooks and scoring alone, at the trace_cost GPU step's shape (256 rows of 320)
+  stage influence_cost 120 python3 bench/influence_cost.py --device cuda --dtype bfloat16 --shape "$shape" \
+    --prompts 32 --micro 32
+
   stage trace_cost 150 python3 bench/trace_cost.py --out /tmp/tc --shape "$shape" --steps "${TC_STEPS:-4}"
+  cp /tmp/tc/run_influence/metrics.jsonl "$out/trace_cost_influence_metrics.jsonl" 2>/dev/null
 } 2>&1 | tee "$out/suite.log"

@@ -27,10 +27,15 @@ from archer.trace.format import TraceReader
 from archer.trace.influence import InfluenceTrace, Selection, select_responses
 from archer.trace.influence_capture import (
     CaptureSettings,
+    InfluenceCapture,
+    MicroBatchPositions,
     ProjectionSpec,
+    float32_products_supported,
+    module_projections,
     projection_matrices,
     rademacher,
     select_modules,
+    sign_products,
 )
 from archer.trace.influence_score import Scopes, ScoreOptions, module_scores, solve_damped
 from archer.workers.actor import INFLUENCE_TOKENS, ActorWorker
@@ -78,11 +83,11 @@ def test_identity_scores_by_hand() -> None:
     token_response = torch.tensor([0, 0, 1])
     options = ScoreOptions(mode="identity", response_grad_agg="sum")
     scopes = Scopes.build(torch.tensor([True, False]), torch.tensor([0, 0]), "sum")
-    scores = module_scores(token_response, u, v, scopes, options)
-    assert scores.tolist() == pytest.approx([6.0, 12.0, 9.0])
+    scores = module_scores(token_response, u[None], v[None], scopes, options)
+    assert scores[0].tolist() == pytest.approx([6.0, 12.0, 9.0])
     # Mean aggregation: G = [3, 3] so d = 0 and every score vanishes.
     mean = ScoreOptions(mode="identity", response_grad_agg="mean")
-    assert module_scores(token_response, u, v, scopes, mean).tolist() == pytest.approx([0.0, 0.0, 0.0])
+    assert module_scores(token_response, u[None], v[None], scopes, mean)[0].tolist() == pytest.approx([0.0, 0.0, 0.0])
 
 
 def test_inverse_scores_by_hand() -> None:
@@ -91,12 +96,12 @@ def test_inverse_scores_by_hand() -> None:
     v = torch.tensor([[2.0], [2.0], [1.0]])
     options = ScoreOptions(mode="inverse", response_grad_agg="sum")
     scopes = Scopes.build(torch.tensor([True, False]), torch.tensor([0, 0]), "sum")
-    scores = module_scores(torch.tensor([0, 0, 1]), u, v, scopes, options)
+    scores = module_scores(torch.tensor([0, 0, 1]), u[None], v[None], scopes, options)
     w = 3 / 49.5
-    assert scores.tolist() == pytest.approx([2 * w, 4 * w, 3 * w])
+    assert scores[0].tolist() == pytest.approx([2 * w, 4 * w, 3 * w])
     fixed = ScoreOptions(mode="inverse", response_grad_agg="sum", reg_lambda=5.0)
-    scores = module_scores(torch.tensor([0, 0, 1]), u, v, scopes, fixed)
-    assert scores.tolist() == pytest.approx([2 * 3 / 50, 4 * 3 / 50, 3 * 3 / 50])
+    scores = module_scores(torch.tensor([0, 0, 1]), u[None], v[None], scopes, fixed)
+    assert scores[0].tolist() == pytest.approx([2 * 3 / 50, 4 * 3 / 50, 3 * 3 / 50])
 
 
 def explicit_scores(token_response: torch.Tensor, g: torch.Tensor, accepted: torch.Tensor, scope_of: torch.Tensor,
@@ -139,20 +144,25 @@ def explicit_scores(token_response: torch.Tensor, g: torch.Tensor, accepted: tor
 ])
 @pytest.mark.parametrize("k", [(2, 3), (4, 5)])  # D = 6 < 7 responses (direct solve), D = 20 (Woodbury)
 def test_scores_match_explicit_formulas(options: ScoreOptions, k: tuple[int, int]) -> None:
+    """Three modules scored in one batched call: each module's scores are its own explicit ones."""
     gen = torch.Generator().manual_seed(7)
     k_in, k_out = k
     lengths = [3, 1, 4, 2, 5, 2, 3]
     token_response = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    u = torch.randn(len(token_response), k_out, generator=gen)
-    v = torch.randn(len(token_response), k_in, generator=gen)
+    u = torch.randn(3, len(token_response), k_out, generator=gen)
+    v = torch.randn(3, len(token_response), k_in, generator=gen)
+    u[2] = 0  # a module without gradient scores zero and leaves the others alone
     accepted = torch.tensor([True, False, False, True, True, False, False])
     scope_of = torch.tensor([0, 0, 0, 1, 1, 1, 1]) if options.scope == "per_prompt" else torch.zeros(7, dtype=torch.long)
     got = module_scores(token_response, u, v, Scopes.build(accepted, scope_of, options.contrastive_agg), options,
-                        chunk=5)
-    g = (u[:, :, None] * v[:, None, :]).reshape(len(u), -1)
-    want = explicit_scores(token_response, g, accepted, scope_of, options)
-    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
-    assert want.abs().max() > 1e-3
+                        budget=1)  # one module at a time
+    assert got.shape == (3, len(token_response))
+    for m in range(2):
+        g = (u[m, :, :, None] * v[m, :, None, :]).reshape(len(token_response), -1)
+        want = explicit_scores(token_response, g, accepted, scope_of, options)
+        torch.testing.assert_close(got[m].double(), want, rtol=1e-4, atol=1e-5)
+        assert want.abs().max() > 1e-3
+    assert got[2].abs().max() == 0
 
 
 def test_damped_solve_paths_agree_and_padding_changes_nothing() -> None:
@@ -171,8 +181,8 @@ def test_damped_solve_paths_agree_and_padding_changes_nothing() -> None:
 def test_scopes_layout_and_weights() -> None:
     accepted = torch.tensor([True, False, False, True, True, True, False])
     scopes = Scopes.build(accepted, torch.tensor([5, 5, 2, 5, 2, 9, 9]), "mean")
-    assert scopes.scope_index.tolist() == [1, 1, 0, 1, 0, 2, 2] and scopes.slot.tolist() == [0, 1, 0, 2, 1, 0, 1]
-    assert (scopes.num_scopes, scopes.width) == (3, 3)
+    assert scopes.grid.row.tolist() == [1, 1, 0, 1, 0, 2, 2] and scopes.grid.slot.tolist() == [0, 1, 0, 2, 1, 0, 1]
+    assert (scopes.grid.num_rows, scopes.grid.width) == (3, 3) and scopes.grid.counts.tolist() == [2, 3, 2]
     assert scopes.weights.tolist() == [[-1.0, 1.0, 0.0], [0.5, -1.0, 0.5], [1.0, -1.0, 0.0]]
     all_accepted = Scopes.build(torch.tensor([True, True]), torch.tensor([0, 0]), "sum")
     assert all_accepted.weights.tolist() == [[0.0, 0.0]]  # no rejected response: no direction
@@ -206,6 +216,93 @@ def test_module_selection(tiny_model_dir: Path) -> None:
     assert list(select_modules(model, ["self_attn.q_proj", "mlp.down_proj"], None, 1)) == ["model.layers.1.mlp.down_proj"]
     with pytest.raises(ArcherError, match="matches no linear module"):
         select_modules(model, ["mlp.nonexistent"], None, -1)
+
+
+# -- the hooks on their own ----------------------------------------------------------------------------------
+def chain() -> torch.nn.ModuleDict:
+    """a: 6 -> 9, b: 9 -> 6, c: 6 -> 9; with projection factor 3, a and c have (k_in, k_out) = (2, 3), b (3, 2)."""
+    torch.manual_seed(5)
+    return torch.nn.ModuleDict({"a": torch.nn.Linear(6, 9), "b": torch.nn.Linear(9, 6), "c": torch.nn.Linear(6, 9)})
+
+
+def run_chain(layers: torch.nn.ModuleDict, x: torch.Tensor, backward: bool = True) -> dict[str, torch.Tensor]:
+    """Forward (and backward) of c(tanh(b(a(x)))); returns each layer's input and output (outputs keep grads)."""
+    seen = {}
+    h = x
+    for name in ("a", "b", "c"):
+        seen[f"{name}.in"] = h
+        out = layers[name](h)
+        out.retain_grad()
+        seen[f"{name}.out"] = out
+        h = torch.tanh(out) if name != "c" else out
+    if backward:
+        (h.float() * torch.linspace(-1, 1, h.shape[-1])).sum().backward()
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["float32", "bfloat16", "autocast"])
+def test_hooks_store_projected_factors_of_the_traced_positions(mode: str) -> None:
+    """Two micro-batches of [3 rows, 4 positions], five traced positions with their token ids out of order:
+    each module's u_t = P_out dy_t and v_t = P_in x_t land at token t, modules of equal (k_in, k_out) stacked.
+    Under autocast (bfloat16 outputs and gradients, float32 inputs) the inputs are still projected in float32."""
+    dtype = torch.bfloat16 if mode == "bfloat16" else torch.float32
+    layers = chain().to(dtype)
+    spec = ProjectionSpec(factor=3)
+    capture = InfluenceCapture(dict(layers.items()), module_projections(dict(layers.items()), spec), num_tokens=5,
+                               store_device=torch.device("cpu"))
+    traced = [([(0, 1), (2, 3), (1, 0)], [3, 0, 4]), ([(1, 2), (0, 0)], [1, 2])]  # per micro-batch: (row, position), ids
+    want = {}
+    with capture.capturing():
+        for micro, (positions, ids) in enumerate(traced):
+            x = torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(micro)).to(dtype).requires_grad_()
+            where = MicroBatchPositions(torch.tensor([r * 4 + p for r, p in positions]), torch.tensor(ids), (3, 4))
+            with capture.micro_batch(where), torch.autocast("cpu", dtype=torch.bfloat16,
+                                                            enabled=mode == "autocast"):
+                seen = run_chain(layers, x)
+            for name in ("a", "b", "c"):
+                p_in, p_out = projection_matrices(name, layers[name], spec)
+                for (r, p), t in zip(positions, ids):
+                    want[name, t] = (p_out @ seen[f"{name}.out"].grad[r, p].float(),
+                                     p_in @ seen[f"{name}.in"][r, p].detach().float())
+    groups = capture.collect()
+    assert [g.modules for g in groups] == [["a", "c"], ["b"]]
+    assert (groups[0].u.shape, groups[0].v.shape) == ((2, 5, 3), (2, 5, 2))
+    exact, rounded = {"rtol": 1e-5, "atol": 1e-6}, {"rtol": 2e-2, "atol": 1e-3}  # float32 sums; bfloat16 results
+    for group in groups:
+        for m, name in enumerate(group.modules):
+            fp32_input = mode == "float32" or (mode == "autocast" and name == "a")  # b and c get a bfloat16 input
+            for t in range(5):
+                torch.testing.assert_close(group.u[m, t], want[name, t][0], **(exact if mode == "float32" else rounded))
+                torch.testing.assert_close(group.v[m, t], want[name, t][1], **(exact if fp32_input else rounded))
+
+
+def test_a_micro_batch_without_backward_is_reported() -> None:
+    layers = chain()
+    capture = InfluenceCapture(dict(layers.items()), module_projections(dict(layers.items()), ProjectionSpec(factor=3)),
+                               num_tokens=3, store_device=torch.device("cpu"))
+    with capture.capturing():
+        with capture.micro_batch(MicroBatchPositions(torch.tensor([0, 5]), torch.tensor([0, 1]), (2, 4))):
+            run_chain(layers, torch.randn(2, 4, 6))
+        with capture.micro_batch(MicroBatchPositions(torch.tensor([2]), torch.tensor([2]), (2, 4))):
+            run_chain(layers, torch.randn(2, 4, 6), backward=False)
+    with pytest.raises(RuntimeError, match="captured 2 factors for 3 traced tokens"):
+        capture.collect()
+
+
+def test_sign_products_read_each_dtype_and_sum_in_float32() -> None:
+    gen = torch.Generator().manual_seed(2)
+    signs = torch.randint(0, 2, (300, 4), generator=gen).float() * 2 - 1
+    values = torch.randn(50, 300, generator=gen).to(torch.bfloat16)
+    want = values.double() @ signs.double()
+    table = {torch.float32: signs, torch.bfloat16: signs.to(torch.bfloat16)}
+    got = sign_products(values, table, float32_out=False)  # the CPU's path: products rounded to bfloat16
+    assert got.dtype == torch.float32 and not float32_products_supported(torch.device("cpu"))
+    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=0.2)
+    torch.testing.assert_close(sign_products(values.float(), table, float32_out=False).double(), want)
+    if torch.cuda.is_available() and float32_products_supported(torch.device("cuda")):
+        on_gpu = sign_products(values.cuda(), {k: v.cuda() for k, v in table.items()}, float32_out=True)
+        assert on_gpu.dtype == torch.float32
+        torch.testing.assert_close(on_gpu.double().cpu(), want)  # float32 sums of exact products
 
 
 # -- capture through the real update ------------------------------------------------------------------------
@@ -318,9 +415,13 @@ def test_hook_scores_match_exact_per_token_gradients(tiny_model_dir: Path, tmp_p
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 * np.abs(want).max())
     assert np.abs(want).max() > 0
     projected = cfg.trainer.influence_trace.projection_dim_factor > 0
-    _, u, v = captured["model.layers.1.mlp.down_proj"]  # (token ids, u [T, k_out], v [T, k_in]) on the CPU
-    assert (v.shape[1], u.shape[1]) == ((8, 4) if projected else (64, 32))
-    assert u.device.type == v.device.type == "cpu"
+    # Groups of modules with equal (k_in, k_out): gate and up (32 -> 64) share one, down (64 -> 32) has its own.
+    assert sorted(g.modules for g in captured) == [["model.layers.1.mlp.down_proj"],
+                                                   ["model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj"]]
+    down = next(g for g in captured if g.modules == ["model.layers.1.mlp.down_proj"])
+    assert (down.v.shape, down.u.shape) == (((1, len(got), 8), (1, len(got), 4)) if projected
+                                            else ((1, len(got), 64), (1, len(got), 32)))
+    assert down.u.device.type == down.v.device.type == "cpu"
 
 
 def test_log_prob_output_function_uses_its_own_backward(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ One traced step goes:
              returns the captured factors as plain tensors; with output_function training_loss they ride on
              the real backward of the first PPO epoch, the other output functions (log_prob,
              advantage_log_prob) need one extra forward+backward of the traced rows
-    score    per module, then summed (influence_score.py)
+    score    per group of modules of equal projection sizes, then summed (influence_score.py)
     write    trace format v1 plus influence, selected_row_id, accepted, group_id (REFERENCE.md s.11)
 """
 
@@ -156,12 +156,12 @@ class InfluenceTrace:
                     else torch.zeros(len(sel.rows), dtype=torch.int32, device=self.score_device))
         token_response = torch.as_tensor(sel.token_response, device=self.score_device)
         scopes = Scopes.build(accepted, scope_of, self.options.contrastive_agg)
-        for name, (token_ids, u, v) in captured.items():
-            if not torch.equal(token_ids.cpu(), torch.arange(len(sel.token_response))):
-                raise RuntimeError(f"influence capture of {name} saw {len(token_ids)} of "
-                                   f"{len(sel.token_response)} traced tokens")
-            total += module_scores(token_response, u.to(self.score_device), v.to(self.score_device), scopes,
-                                   self.options)
+        for group in captured:
+            if group.u.shape[1] != len(sel.token_response):
+                raise RuntimeError(f"influence capture of {group.modules} holds {group.u.shape[1]} tokens; the "
+                                   f"selection has {len(sel.token_response)}")
+            total += module_scores(token_response, group.u.to(self.score_device), group.v.to(self.score_device),
+                                   scopes, self.options).sum(0)
         return total.cpu().numpy()
 
 

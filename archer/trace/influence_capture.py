@@ -1,29 +1,38 @@
 """Per-token gradients of linear layers, captured by hooks during a real backward pass (REFERENCE.md s.11).
 
 For a linear layer y = W x, the gradient of the loss w.r.t. W is a sum over positions of rank-1 terms
-dy_t x_t^T. A forward hook stores x_t of the traced positions, already projected (v_t = P_in x_t); a hook on
-the layer's output tensor receives dy during backward and stores u_t = P_out dy_t. The projected per-token
-gradient is u_t v_t^T (dimension D = k_in * k_out) and is never formed here. P_in and P_out are seeded
-Rademacher matrices scaled by 1/sqrt(k); with projection disabled they are identities and u, v are the raw
-vectors.
+dy_t x_t^T. A forward hook keeps x_t of the traced positions, already projected (v_t = P_in x_t); a hook on
+the layer's output tensor receives dy during backward and stores u_t = P_out dy_t with v_t. The projected
+per-token gradient is u_t v_t^T (dimension D = k_in * k_out) and is never formed here. P_in and P_out are
+seeded Rademacher matrices scaled by 1/sqrt(k); with projection disabled they are identities and u, v are the
+raw vectors.
+
+Cost: a hook projects the whole activation or gradient of its micro-batch with one matrix product by the +-1
+signs of P (reading it once, in its own dtype, and writing k numbers per position) and keeps the traced
+positions; when the micro-batch ends, the factors of all modules of equal (k_in, k_out) go into that group's
+buffers on the store device in one copy per side. No copy of the traced rows, no host synchronisation (unless
+the store device is the CPU), projections made once per run (``module_projections``), and the scoring takes
+each group of modules in one batched computation.
 
 The influence trace (trace/influence.py) chooses the tokens and sends them to the actor worker as plain arrays
 (``TracedTokens``, with the ``CaptureSettings`` given once); the worker hooks its own model (``TokenCapture``)
-and hands back plain tensors per module (``InfluenceCapture.collect``). Nothing else crosses between them.
+and hands back plain tensors per group of modules (``InfluenceCapture.collect``). Nothing else crosses
+between them.
 
 Hooks only fire for positions the caller names with ``micro_batch`` and only while ``capturing``. Under
 non-reentrant activation checkpointing the recomputed forward also registers output hooks, but the backward
-runs through the original graph, so each position is stored exactly once.
+runs through the original graph, so each position is stored exactly once (``collect`` checks the count).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -106,51 +115,117 @@ def _layer_index(name: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
+SIGN_DTYPES = (torch.float32, torch.bfloat16)  # float32, and the GPU autocast's dtype (others: via float32)
+
+
+@dataclass(frozen=True)
+class ModuleProjection:
+    """How one module's factors are made: its (k_in, k_out), and per side the +-1 signs of P, transposed
+    ([features, k]) and ready in each of ``SIGN_DTYPES``; no signs when the module is not projected. P's
+    entries are these signs times 1/sqrt(k) (``scales``)."""
+
+    dims: tuple[int, int]
+    signs_in: dict[torch.dtype, torch.Tensor] | None
+    signs_out: dict[torch.dtype, torch.Tensor] | None
+
+    @staticmethod
+    def of(name: str, module: nn.Linear, spec: ProjectionSpec) -> ModuleProjection:
+        p_in, p_out = projection_matrices(name, module, spec)
+        if p_in is None:
+            return ModuleProjection((module.in_features, module.out_features), None, None)
+        return ModuleProjection((p_in.shape[0], p_out.shape[0]),
+                                {dtype: p_in.sign().t().contiguous().to(dtype) for dtype in SIGN_DTYPES},
+                                {dtype: p_out.sign().t().contiguous().to(dtype) for dtype in SIGN_DTYPES})
+
+    @property
+    def scales(self) -> tuple[float, float]:
+        """What the sign projections are multiplied by: (1/sqrt(k_in), 1/sqrt(k_out)), or 1 unprojected."""
+        if self.signs_in is None:
+            return 1.0, 1.0
+        return 1 / math.sqrt(self.dims[0]), 1 / math.sqrt(self.dims[1])
+
+
+def module_projections(modules: dict[str, nn.Linear], spec: ProjectionSpec) -> dict[str, ModuleProjection]:
+    """The projections of the hooked modules, made once per run (every traced step reuses them)."""
+    return {name: ModuleProjection.of(name, module, spec) for name, module in modules.items()}
+
+
+@functools.cache
+def float32_products_supported(device: torch.device) -> bool:
+    """Whether ``torch.mm`` gives float32 products of bfloat16 matrices on ``device`` (CUDA, torch >= 2.8)."""
+    if device.type != "cuda":
+        return False
+    try:
+        ones = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+        return torch.mm(ones, ones, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def sign_products(values: torch.Tensor, signs: dict[torch.dtype, torch.Tensor], float32_out: bool) -> torch.Tensor:
+    """``values`` [N, features] times the signs [features, k], in float32. ``values`` is read once in its own
+    dtype: +-1 is exact in each, and the products are summed in float32 (returned as float32 where
+    ``float32_out``, else rounded to that dtype first)."""
+    if values.dtype not in signs or values.dtype == torch.float32:
+        return values.float() @ signs[torch.float32]
+    if float32_out:
+        return torch.mm(values, signs[values.dtype], out_dtype=torch.float32)
+    return (values @ signs[values.dtype]).float()
+
+
 @dataclass
-class ModuleCapture:
-    """What one hooked module collected: token ids (into the traced-token list) and their u, v vectors."""
+class FactorGroup:
+    """The factors of the hooked modules that share (k_in, k_out), stacked along a module axis: u [M, T, k_out]
+    and v [M, T, k_in] (float32), token t of the capture at index t."""
 
-    p_in: torch.Tensor | None
-    p_out: torch.Tensor | None
-    tokens: list[torch.Tensor] = field(default_factory=list)
-    u: list[torch.Tensor] = field(default_factory=list)
-    v: list[torch.Tensor] = field(default_factory=list)
+    modules: list[str]
+    u: torch.Tensor
+    v: torch.Tensor
 
-    def project(self, values: torch.Tensor, side: str) -> torch.Tensor:
-        matrix = self.p_in if side == "in" else self.p_out
-        values = values.float()
-        return values if matrix is None else values @ matrix.t()
+
+CapturedFactors = list[FactorGroup]
 
 
 @dataclass
 class MicroBatchPositions:
-    """Traced positions of one micro-batch: batch rows, sequence positions and their traced-token ids."""
+    """Traced positions of one micro-batch of ``shape`` (rows, sequence length): their indices into the
+    flattened rows x positions, and their traced-token ids."""
 
-    rows: torch.Tensor
-    positions: torch.Tensor
+    index: torch.Tensor
     token_ids: torch.Tensor
+    shape: tuple[int, int]
 
 
 class InfluenceCapture:
-    """Hooks on the selected modules that store projected per-token gradient factors."""
+    """Hooks on the selected modules that store projected per-token gradient factors of ``num_tokens`` tokens.
 
-    def __init__(self, modules: dict[str, nn.Linear], spec: ProjectionSpec, *, store_device: torch.device) -> None:
+    A hook projects the whole activation (or gradient) with one matrix product, which reads it once and
+    writes k numbers per position, and then picks the traced positions. At the end of each micro-batch the
+    factors of each group of modules with equal (k_in, k_out) go into that group's buffers on
+    ``store_device`` in one copy per side. Projections multiply by the +-1 signs of P; the 1/sqrt(k) scale is
+    applied once per buffer in ``collect``.
+    """
+
+    def __init__(self, modules: dict[str, nn.Linear], projections: dict[str, ModuleProjection], *,
+                 num_tokens: int, store_device: torch.device) -> None:
         self.modules = modules
+        self.num_tokens = num_tokens
         self.store_device = store_device
-        self.captures = {name: ModuleCapture(*projection_matrices(name, module, spec))
-                         for name, module in modules.items()}
+        self.projections = projections
+        names_by_dims: dict[tuple[int, int], list[str]] = {}
+        for name, projection in self.projections.items():
+            names_by_dims.setdefault(projection.dims, []).append(name)
+        self.groups = [FactorGroup(names, torch.zeros(len(names), num_tokens, k_out, device=store_device),
+                                   torch.zeros(len(names), num_tokens, k_in, device=store_device))
+                       for (k_in, k_out), names in names_by_dims.items()]
+        self._slot = {name: (g, m) for g, group in enumerate(self.groups) for m, name in enumerate(group.modules)}
+        # (u, v) of the current micro-batch per group and module, until the micro-batch ends
+        self._pending: list[list[tuple[torch.Tensor, torch.Tensor] | None]] = []
+        self._captured = dict.fromkeys(modules, 0)  # tokens captured per module
+        self._scaled = False
+        self._float32_out = float32_products_supported(next(iter(modules.values())).weight.device)
         self.current: MicroBatchPositions | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-
-    @property
-    def dims(self) -> dict[str, tuple[int, int]]:
-        """(k_in, k_out) of each module."""
-        out = {}
-        for name, cap in self.captures.items():
-            module = self.modules[name]
-            out[name] = (module.in_features if cap.p_in is None else cap.p_in.shape[0],
-                         module.out_features if cap.p_out is None else cap.p_out.shape[0])
-        return out
 
     @contextmanager
     def capturing(self) -> Iterator[InfluenceCapture]:
@@ -169,50 +244,73 @@ class InfluenceCapture:
     def micro_batch(self, positions: MicroBatchPositions | None) -> Iterator[None]:
         """Name the traced positions of the micro-batch whose forward and backward run inside the block."""
         self.current = None
-        if positions is not None and positions.rows.numel():
+        self._pending = [[None] * len(group.modules) for group in self.groups]
+        if positions is not None and positions.index.numel():
             device = next(iter(self.modules.values())).weight.device
-            self.current = MicroBatchPositions(positions.rows.to(device), positions.positions.to(device),
-                                               positions.token_ids.to(self.store_device))
+            self.current = MicroBatchPositions(positions.index.to(device), positions.token_ids.to(self.store_device),
+                                               positions.shape)
         try:
             yield
+            if self.current is not None:
+                self._store(self.current)
         finally:
             self.current = None
+            self._pending = []
+
+    def _store(self, where: MicroBatchPositions) -> None:
+        """Write the micro-batch's factors into the group buffers (a group missing a module is left out:
+        ``collect`` names the module)."""
+        for group, pending in zip(self.groups, self._pending):
+            if any(factors is None for factors in pending):
+                continue
+            group.u.index_copy_(1, where.token_ids, torch.stack([u for u, _ in pending]).to(self.store_device))
+            group.v.index_copy_(1, where.token_ids, torch.stack([v for _, v in pending]).to(self.store_device))
+
+    def _factors(self, values: torch.Tensor, where: MicroBatchPositions,
+                 signs: dict[torch.dtype, torch.Tensor] | None) -> torch.Tensor:
+        """[traced positions, k] float32: the sign projection of ``values`` [rows, length, features] there."""
+        if tuple(values.shape[:-1]) != where.shape:
+            raise RuntimeError(f"influence hook saw a tensor of shape {tuple(values.shape)}; the micro-batch has "
+                               f"(rows, length) = {where.shape}")
+        flat = values.detach().reshape(-1, values.shape[-1])
+        if signs is None:
+            return flat.index_select(0, where.index).float()
+        if torch.is_autocast_enabled(flat.device.type):  # the forward runs under autocast on the GPU
+            with torch.autocast(flat.device.type, enabled=False):
+                return sign_products(flat, signs, self._float32_out).index_select(0, where.index)
+        return sign_products(flat, signs, self._float32_out).index_select(0, where.index)
 
     def _forward_hook(self, name: str):
-        capture = self.captures[name]
+        projection = self.projections[name]
+        g, m = self._slot[name]
 
         def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
             where = self.current
             if where is None or not torch.is_grad_enabled() or not output.requires_grad:
                 return
-            rows, positions, token_ids = where.rows, where.positions, where.token_ids
-            v = capture.project(inputs[0].detach()[rows, positions], "in")
+            v = self._factors(inputs[0], where, projection.signs_in)
 
             def grad_hook(grad: torch.Tensor) -> None:
-                u = capture.project(grad.detach()[rows, positions], "out")
-                capture.tokens.append(token_ids)
-                capture.u.append(u.to(self.store_device))
-                capture.v.append(v.to(self.store_device))
+                self._pending[g][m] = (self._factors(grad, where, projection.signs_out), v)
+                self._captured[name] += len(where.token_ids)
 
             output.register_hook(grad_hook)
 
         return hook
 
-    def collect(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per module: (token ids [T], u [T, k_out], v [T, k_in]) sorted by token id (empty when none)."""
-        out = {}
-        for name, cap in self.captures.items():
-            if not cap.tokens:
-                k_in, k_out = self.dims[name]
-                out[name] = (torch.zeros(0, dtype=torch.long), torch.zeros(0, k_out), torch.zeros(0, k_in))
-                continue
-            tokens = torch.cat(cap.tokens)
-            order = torch.argsort(tokens)
-            out[name] = (tokens[order], torch.cat(cap.u)[order], torch.cat(cap.v)[order])
-        return out
-
-
-CapturedFactors = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # module -> (token ids, u, v) on CPU
+    def collect(self) -> CapturedFactors:
+        """The factor groups (scaled in place, once); every module must have captured every token exactly once."""
+        for name, count in self._captured.items():
+            if count != self.num_tokens:
+                raise RuntimeError(f"influence capture of {name} captured {count} factors for "
+                                   f"{self.num_tokens} traced tokens")
+        if not self._scaled:
+            for group in self.groups:
+                scale_in, scale_out = self.projections[group.modules[0]].scales
+                group.u.mul_(scale_out)
+                group.v.mul_(scale_in)
+            self._scaled = True
+        return self.groups
 
 
 @dataclass(frozen=True)
@@ -271,27 +369,26 @@ class TokenCapture:
         return self.capture.capturing()
 
     @contextmanager
-    def micro_batch(self, rows: Sequence[int], response_start: Sequence[int]) -> Iterator[None]:
+    def micro_batch(self, rows: Sequence[int], response_start: Sequence[int], width: int) -> Iterator[None]:
         """Trace the selected rows among ``rows`` (batch row ids of the micro-batch) inside the block;
-        ``response_start``: the input column of each row's first response token (models/sequence_layout.py)."""
-        mb_rows, positions, token_ids = [], [], []
+        ``response_start``: the input column of each row's first response token, ``width``: the input's columns
+        (models/sequence_layout.py)."""
+        index, token_ids = [], []
         for i, (row, start) in enumerate(zip(rows, response_start, strict=True)):
             found = self._by_row.get(int(row))
             if found is None:
                 continue
             first, pos = found
-            mb_rows.append(np.full(len(pos), i))
             # The hidden state at input column start - 1 + t scores response token t.
-            positions.append(int(start) - 1 + pos)
+            index.append(i * width + int(start) - 1 + pos)
             token_ids.append(first + np.arange(len(pos)))
         where = None
-        if mb_rows:
-            where = MicroBatchPositions(torch.as_tensor(np.concatenate(mb_rows)),
-                                        torch.as_tensor(np.concatenate(positions)),
-                                        torch.as_tensor(np.concatenate(token_ids)))
+        if index:
+            where = MicroBatchPositions(torch.as_tensor(np.concatenate(index)),
+                                        torch.as_tensor(np.concatenate(token_ids)), (len(rows), width))
         with self.capture.micro_batch(where):
             yield
 
     def collect(self) -> CapturedFactors:
-        """Per module: (token ids, u, v) on the CPU, sorted by token id."""
-        return {name: (ids.cpu(), u.cpu(), v.cpu()) for name, (ids, u, v) in self.capture.collect().items()}
+        """The captured factors, on the capture's store device."""
+        return self.capture.collect()

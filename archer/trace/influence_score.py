@@ -10,6 +10,11 @@ responses), and d = agg_{accepted} G_r - agg_{rejected} G_r the contrastive dire
 and the token's score is the sum over modules. With w = (G^T G + lambda I)^{-1} d reshaped to [k_out, k_in],
 s_t = u_t^T w v_t, so g_t is never formed. The solve uses the Woodbury identity (an n x n Cholesky system for
 n responses) when n < D, else a D x D Cholesky solve.
+
+Modules of equal (k_in, k_out) are scored together: their factors come stacked along a module axis, and
+every step is one batched computation over it (in chunks of modules, to bound memory). Tokens are laid out
+on a [responses, longest response] grid (``Grid``), so that G_r = U_r^T V_r and the scores of a response's
+tokens, rows of V_r w^T times U_r, are batched matrix products.
 """
 
 from __future__ import annotations
@@ -40,24 +45,40 @@ class ScoreOptions:
                                   f"set trainer.influence_trace.{key} to one of {', '.join(allowed)}")
 
 
-def token_chunk(dim: int, budget: int = 1 << 22) -> int:
-    """Tokens per chunk so that a [chunk, D] temporary holds about ``budget`` numbers."""
-    return max(256, budget // max(dim, 1))
+@dataclass(frozen=True)
+class Grid:
+    """Items laid out by group, padded to the largest group: item i sits at (``row[i]``, ``slot[i]``) of a
+    [num_rows, width] grid; ``counts`` [num_rows] are the items per row (slots follow the items' order)."""
 
+    row: torch.Tensor
+    slot: torch.Tensor
+    counts: torch.Tensor
+    num_rows: int
+    width: int
 
-def response_gradients(token_response: torch.Tensor, u: torch.Tensor, v: torch.Tensor, num_responses: int,
-                       agg: str, chunk: int | None = None) -> torch.Tensor:
-    """G [num_responses, k_out * k_in]: the sum (or mean) of u_t v_t^T over each response's tokens."""
-    k_out, k_in = u.shape[1], v.shape[1]
-    chunk = chunk or token_chunk(k_out * k_in)
-    grads = u.new_zeros(num_responses, k_out * k_in)
-    for start in range(0, u.shape[0], chunk):
-        outer = (u[start:start + chunk, :, None] * v[start:start + chunk, None, :]).reshape(-1, k_out * k_in)
-        grads.index_add_(0, token_response[start:start + chunk], outer)
-    if agg == "mean":
-        counts = torch.bincount(token_response, minlength=num_responses).clamp(min=1).to(grads.dtype)
-        grads = grads / counts[:, None]
-    return grads
+    @staticmethod
+    def build(row: torch.Tensor, num_rows: int) -> Grid:
+        order = torch.argsort(row, stable=True)
+        counts = torch.bincount(row, minlength=num_rows)
+        starts = torch.cumsum(counts, 0) - counts
+        slot = torch.empty_like(row)
+        slot[order] = torch.arange(len(order), device=order.device) - starts[row[order]]
+        return Grid(row, slot, counts, num_rows, int(counts.max()) if len(row) else 0)
+
+    @property
+    def cell(self) -> torch.Tensor:
+        """[items] index of each item's cell in the flattened grid."""
+        return self.row * self.width + self.slot
+
+    def spread(self, values: torch.Tensor) -> torch.Tensor:
+        """[M, items, ...] to [M, num_rows, width, ...], zeros where no item sits."""
+        out = values.new_zeros(values.shape[0], self.num_rows * self.width, *values.shape[2:])
+        return out.index_copy_(1, self.cell, values).view(values.shape[0], self.num_rows, self.width,
+                                                          *values.shape[2:])
+
+    def gather(self, grid: torch.Tensor) -> torch.Tensor:
+        """[M, num_rows, width, ...] to [M, items, ...]: the items' cells."""
+        return grid.reshape(grid.shape[0], self.num_rows * self.width, *grid.shape[3:]).index_select(1, self.cell)
 
 
 @dataclass(frozen=True)
@@ -68,26 +89,15 @@ class Scopes:
     accepted and rejected responses), so d = sum over a scope's slots of c * G_r.
     """
 
-    scope_index: torch.Tensor   # [S] scope of each response
-    slot: torch.Tensor          # [S] position of the response within its scope
+    grid: Grid                  # responses (items) by scope (rows)
     weights: torch.Tensor       # [num_scopes, width] float64
-    num_scopes: int
-    width: int
 
     @staticmethod
     def build(accepted: torch.Tensor, scope_of: torch.Tensor, contrastive_agg: str) -> Scopes:
         _, scope_index = torch.unique(scope_of, return_inverse=True)
-        num_scopes = int(scope_index.max()) + 1 if scope_index.numel() else 0
-        order = torch.argsort(scope_index, stable=True)
-        counts = torch.bincount(scope_index, minlength=num_scopes)
-        starts = torch.cumsum(counts, 0) - counts
-        slot = torch.empty_like(scope_index)
-        slot[order] = torch.arange(len(order), device=order.device) - starts[scope_index[order]]
-        width = int(counts.max()) if num_scopes else 0
-        acc = torch.zeros(num_scopes, width, dtype=torch.float64, device=accepted.device)
-        present = torch.zeros(num_scopes, width, dtype=torch.float64, device=accepted.device)
-        acc[scope_index, slot] = accepted.to(torch.float64)
-        present[scope_index, slot] = 1.0
+        grid = Grid.build(scope_index, int(scope_index.max()) + 1 if scope_index.numel() else 0)
+        acc = grid.spread(accepted.to(torch.float64)[None])[0]
+        present = grid.spread(torch.ones(1, len(accepted), dtype=torch.float64, device=accepted.device))[0]
         rej = present - acc
         n_acc, n_rej = acc.sum(1, keepdim=True), rej.sum(1, keepdim=True)
         if contrastive_agg == "mean":
@@ -95,7 +105,7 @@ class Scopes:
         else:
             weights = acc - rej
         weights = weights * ((n_acc > 0) & (n_rej > 0))
-        return Scopes(scope_index, slot, weights, num_scopes, width)
+        return Scopes(grid, weights)
 
 
 def solve_damped(grads: torch.Tensor, rhs: torch.Tensor, reg_lambda: float) -> torch.Tensor:
@@ -127,27 +137,36 @@ def solve_damped(grads: torch.Tensor, rhs: torch.Tensor, reg_lambda: float) -> t
 
 
 def module_scores(token_response: torch.Tensor, u: torch.Tensor, v: torch.Tensor, scopes: Scopes,
-                  options: ScoreOptions, chunk: int | None = None) -> torch.Tensor:
-    """Scores [T] of one module's tokens; ``token_response`` [T] maps tokens to responses 0..S-1."""
-    num_responses = scopes.scope_index.shape[0]
-    k_out, k_in = u.shape[1], v.shape[1]
+                  options: ScoreOptions, budget: int = 1 << 24) -> torch.Tensor:
+    """Scores [M, T] of the tokens in each of M modules of equal (k_in, k_out), from their factors u [M, T, k_out]
+    and v [M, T, k_in]; ``token_response`` [T] maps tokens to responses 0..S-1. Modules are taken a chunk at a
+    time, so that a [chunk, S, longest response, k] grid holds about ``budget`` numbers."""
+    tokens = Grid.build(token_response, len(scopes.grid.row))
+    per_module = tokens.num_rows * tokens.width * (2 * u.shape[2] + v.shape[2])
+    chunk = max(1, budget // max(per_module, 1))
+    return torch.cat([_chunk_scores(tokens, u[m:m + chunk].float(), v[m:m + chunk].float(), scopes, options)
+                      for m in range(0, u.shape[0], chunk)])
+
+
+def _chunk_scores(tokens: Grid, u: torch.Tensor, v: torch.Tensor, scopes: Scopes, options: ScoreOptions
+                  ) -> torch.Tensor:
+    modules, k_out, k_in = u.shape[0], u.shape[2], v.shape[2]
     dim = k_out * k_in
-    chunk = chunk or token_chunk(dim)
-    grads = response_gradients(token_response, u.float(), v.float(), num_responses, options.response_grad_agg,
-                               chunk)
-    padded = grads.new_zeros(scopes.num_scopes, scopes.width, dim, dtype=torch.float64)
-    padded[scopes.scope_index, scopes.slot] = grads.to(torch.float64)
-    d = torch.einsum("bn,bnd->bd", scopes.weights, padded)
+    u_grid, v_grid = tokens.spread(u), tokens.spread(v)                     # [M, S, L, k]
+    grads = u_grid.transpose(2, 3) @ v_grid                                 # [M, S, k_out, k_in]: G_r
+    if options.response_grad_agg == "mean":
+        grads = grads / tokens.counts.clamp(min=1).to(grads.dtype)[:, None, None]
+    padded = scopes.grid.spread(grads.reshape(modules, -1, dim).to(torch.float64))   # [M, scopes, width, D]
+    d = torch.einsum("bn,mbnd->mbd", scopes.weights, padded)
     # One direction per response slot: the scope's d, minus the response's own term when it is left out.
-    per_slot = d[:, None, :].expand(-1, scopes.width, -1)
+    per_slot = d[:, :, None, :].expand(padded.shape)
     if options.exclude_self_response:
-        per_slot = per_slot - scopes.weights[:, :, None] * padded
+        per_slot = per_slot - scopes.weights[None, :, :, None] * padded
     if options.mode == "inverse":
-        per_slot = solve_damped(padded, per_slot, options.reg_lambda)
-    directions = per_slot[scopes.scope_index, scopes.slot].float()          # [S, D]
-    scores = u.new_zeros(u.shape[0], dtype=torch.float32)
-    for start in range(0, u.shape[0], chunk):
-        w = directions[token_response[start:start + chunk]].reshape(-1, k_out, k_in)
-        scores[start:start + chunk] = torch.einsum("to,toi,ti->t", u[start:start + chunk].float(), w,
-                                                   v[start:start + chunk].float())
-    return scores
+        batch = (-1, scopes.grid.width, dim)
+        per_slot = solve_damped(padded.reshape(batch), per_slot.reshape(batch), options.reg_lambda).reshape(
+            padded.shape)
+    w = scopes.grid.gather(per_slot).float().reshape(modules, -1, k_out, k_in)   # [M, S, k_out, k_in]
+    # [M, S, L]: u_t^T w v_t, through the narrower of w v_t and u_t^T w
+    scores = ((v_grid @ w.transpose(2, 3)) * u_grid if k_out <= k_in else (u_grid @ w) * v_grid).sum(-1)
+    return tokens.gather(scores)

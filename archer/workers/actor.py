@@ -34,8 +34,10 @@ from archer.rollout.factory import build_engine
 from archer.trace.influence_capture import (
     CaptureSettings,
     InfluenceCapture,
+    ModuleProjection,
     TokenCapture,
     TracedTokens,
+    module_projections,
     select_modules,
 )
 from archer.workers.actor_objective import ActorObjective
@@ -104,7 +106,8 @@ class ActorWorker:
                                      device=device, tokenizer=tokenizer, chat_template=cfg.model.custom_chat_template,
                                      template_kwargs=chat_template_kwargs)
         self._engine_is_stale = False  # the weights changed since the engine last took them
-        self.influence: tuple[CaptureSettings, dict[str, torch.nn.Linear]] | None = None
+        # the influence trace's settings, hooked modules and their projections (setup_influence)
+        self.influence: tuple[CaptureSettings, dict[str, torch.nn.Linear], dict[str, ModuleProjection]] | None = None
 
     # -- generation --------------------------------------------------------------------------------------
     def generate_sequences(self, prompts: Batch) -> Batch:
@@ -135,21 +138,23 @@ class ActorWorker:
         """Hook the linear layers ``settings`` names during traced updates; returns their names."""
         modules = select_modules(self.model, list(settings.module_name_filter),
                                  None if settings.layers is None else list(settings.layers), settings.max_modules)
-        self.influence = (settings, modules)
+        self.influence = (settings, modules, module_projections(modules, settings.projection))
         return list(modules)
 
     def _token_capture(self, tokens: TracedTokens) -> TokenCapture:
         if self.influence is None:
             raise RuntimeError("update_actor was asked for influence tokens before setup_influence")
-        settings, modules = self.influence
+        settings, modules, projections = self.influence
         store = torch.device("cpu") if settings.offload_to_cpu else self.device
-        return TokenCapture(InfluenceCapture(modules, settings.projection, store_device=store), tokens)
+        return TokenCapture(InfluenceCapture(modules, projections, num_tokens=len(tokens.token_response),
+                                             store_device=store), tokens)
 
     # -- update ------------------------------------------------------------------------------------------
     def update_actor(self, batch: Batch) -> Batch:
         """PPO epochs over mini-batches. Returns ``info["metrics"]``: verl-named metrics averaged over optimiser
         steps; and, when ``batch.info["influence_tokens"]`` names tokens, ``info["influence"]``: their captured
-        gradient factors per module (see trace/influence_capture.py)."""
+        gradient factors per group of modules, on this device (on the CPU with grad_offload_to_cpu; see
+        trace/influence_capture.py)."""
         tokens: TracedTokens | None = batch.info.get(INFLUENCE_TOKENS)
         capture = self._token_capture(tokens) if tokens is not None else None
         metrics: dict[str, float] = {}
@@ -204,7 +209,8 @@ class ActorWorker:
             mb = mini_batch.index(rows).to(self.device)
             layout = self.update_micro.layout(mb)
             mask = mb["response_mask"].float()
-            tracing = (influence.micro_batch(mb["row_id"].tolist(), layout.response_start.tolist())
+            tracing = (influence.micro_batch(mb["row_id"].tolist(), layout.response_start.tolist(),
+                                                 layout.input_ids.shape[1])
                        if influence is not None else nullcontext())
             with tracing:
                 with autocast_for(self.device):
@@ -242,7 +248,8 @@ class ActorWorker:
             for part in self.update_micro.split(data["attention_mask"]):
                 mb = data.index(part).to(self.device)
                 layout = self.update_micro.layout(mb)
-                with influence.micro_batch(mb["row_id"].tolist(), layout.response_start.tolist()):
+                with influence.micro_batch(mb["row_id"].tolist(), layout.response_start.tolist(),
+                                                 layout.input_ids.shape[1]):
                     with autocast_for(self.device):
                         logp, _ = layout_logprobs(self.model, layout, temperature=self.temperature,
                                                   chunk_size=self.chunk_size, compute_entropy=False)
