@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from workers_support import ppo_config
 
 from archer.config.loader import load_config
@@ -18,6 +18,7 @@ from archer.errors import ArcherError
 from archer.models.loading import load_causal_lm, load_tokenizer
 from archer.rollout.base import SamplingParams
 from archer.rollout.factory import _fast_engine_runs, build_engine, check_engine_name
+from archer.rollout.fast import ops as fast_ops
 from archer.rollout.fast.engine import FastEngine
 from archer.rollout.hf_engine import HFGenerateEngine
 from archer.trainer.ppo import PPOTrainer
@@ -35,8 +36,9 @@ def test_each_name_builds_its_engine_on_the_cpu(tiny_model_dir: Path, name: str,
     assert type(build_engine(rollout, model, tokenizer, CPU)) is engine
 
 
-def test_auto_picks_the_fast_engine_on_a_gpu_only_for_what_it_runs(tiny_model_dir: Path,
-                                                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_auto_picks_the_fast_engine_on_a_gpu_only_for_what_it_runs(
+        tiny_model_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fast_ops, "kernels", None)  # the architecture alone (head sizes: the next test)
     qwen2 = load_causal_lm(tiny_model_dir, device="cpu")
     assert _fast_engine_runs(qwen2, torch.device("cuda"))
     assert not _fast_engine_runs(qwen2, CPU)
@@ -44,6 +46,21 @@ def test_auto_picks_the_fast_engine_on_a_gpu_only_for_what_it_runs(tiny_model_di
     with caplog.at_level(logging.WARNING, logger="archer.rollout"):
         assert not _fast_engine_runs(gpt2, torch.device("cuda"))
     assert "generating with the hf engine, because the fast rollout engine does not support GPT2LMHeadModel" in caplog.text
+
+
+def test_auto_falls_back_to_hf_for_a_head_size_the_gpu_kernels_do_not_run(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fast_ops, "kernels", object())  # as on a GPU machine with Triton
+    odd = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=40, num_hidden_layers=1, num_attention_heads=2,
+                                       num_key_value_heads=2, intermediate_size=64))
+    with caplog.at_level(logging.WARNING, logger="archer.rollout"):
+        assert not _fast_engine_runs(odd, torch.device("cuda"))
+    assert "head_dim=20 on a GPU" in caplog.text
+    even = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                        num_key_value_heads=2, intermediate_size=64))
+    assert _fast_engine_runs(even, torch.device("cuda"))  # head_dim 16
+    monkeypatch.setattr(fast_ops, "kernels", None)  # without Triton the torch path runs any head size
+    assert _fast_engine_runs(odd, torch.device("cuda"))
 
 
 def test_an_unknown_engine_is_refused_before_any_model_loads(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from archer.errors import ArcherError
 from archer.rollout.base import RolloutEngine
 from archer.rollout.fast.engine import FastEngine
-from archer.rollout.fast.model import model_spec
+from archer.rollout.fast.model import check_device_support, model_spec
 from archer.rollout.hf_engine import HFGenerateEngine
 
 log = logging.getLogger("archer.rollout")
@@ -45,11 +45,11 @@ def build_engine(rollout: DictConfig, model: PreTrainedModel, tokenizer: PreTrai
 
 
 def _fast_engine_runs(model: PreTrainedModel, device: torch.device) -> bool:
-    """Whether auto picks the fast engine: on a GPU, for an architecture it runs."""
+    """Whether auto picks the fast engine: on a GPU, for an architecture (and head size) it runs there."""
     if device.type != "cuda":
         return False
     try:
-        model_spec(model)
+        check_device_support(model_spec(model), device)
     except ArcherError as e:
         log.warning("rollout.name=auto: generating with the hf engine, because %s", e.problem)
         return False

@@ -87,6 +87,14 @@ def model_spec(model: nn.Module) -> ModelSpec:
     )
 
 
+def check_device_support(spec: ModelSpec, device: torch.device) -> None:
+    """An ArcherError naming ``rollout.name=hf`` where the engine's kernels on ``device`` cannot run ``spec``: on a
+    GPU with the Triton kernels, a head size that is not a power of two >= 16."""
+    head_dim = spec.head_dim
+    if device.type == "cuda" and ops.kernels is not None and (head_dim < 16 or head_dim & (head_dim - 1)):
+        raise _unsupported(f"head_dim={head_dim} on a GPU (its kernels need a power of two >= 16)")
+
+
 class _Layer:
     """One decoder layer's weights (fused q/k/v and gate/up)."""
 
@@ -132,9 +140,7 @@ class FastModel:
 
     def __init__(self, model: nn.Module, *, device: torch.device, dtype: torch.dtype, max_len: int) -> None:
         self.spec = model_spec(model)
-        head_dim = self.spec.head_dim
-        if device.type == "cuda" and ops.kernels is not None and (head_dim < 16 or head_dim & (head_dim - 1)):
-            raise _unsupported(f"head_dim={head_dim} on a GPU (its kernels need a power of two >= 16)")
+        check_device_support(self.spec, device)
         self.device, self.dtype, self.max_len = device, dtype, max_len
         kw = {"device": device, "dtype": dtype}
         spec = self.spec
