@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
-# The GPU figures of issue 11 in device calls: archer's GRPO step against TRL's GRPOTrainer (bench/grpo_vs_trl.py,
-# Qwen2.5-0.5B's shape), the quickstart on the GPU, the cost of the entropy and influence traces
-# (bench/trace_cost.py, bench/influence_cost.py), the log-prob kernel's memory (bench/logprob_memory.py), padded
-# against padding-free micro-batches (bench/padding_free.py) and the CUDA tests. Logs and JSON go to $OUT (default ./suite_out), at most
-# 8 files there: runs write under /tmp and the suite copies their summaries.
+# The GPU figures of issue 11 in device calls: archer's GRPO step against TRL's GRPOTrainer
+# (bench/grpo_vs_trl.py, Qwen2.5-0.5B's shape), the quickstart on the GPU, the cost of the entropy and influence
+# traces (bench/trace_cost.py on its own workload and on grpo_vs_trl's, bench/influence_cost.py), the log-prob
+# kernel's memory (bench/logprob_memory.py), padded against padding-free micro-batches (bench/padding_free.py)
+# and the CUDA tests. Logs and JSON go to $OUT (default ./suite_out), a few files: runs write under /tmp and
+# the suite copies their summaries.
 #
 # Run from a folder holding archer/ and bench/ (the repo root, or a copy of both). Packages the machine lacks
 # are installed from ./whl when it exists (bench/device_wheels.sh fills it):
 #   bash bench/device_suite.sh
 # SHAPE (default qwen2.5-0.5b) and GVT_STEPS / TRL_STEPS / TC_STEPS change the workload; STAGES (default all:
-# "grpo_vs_trl quickstart influence_cost trace_cost logprob_memory padding_free gpu_tests") picks stages, which
-# run in the order STAGES names them; every stage has its own time limit, so one that hangs leaves the others
-# their time.
+# "grpo_vs_trl quickstart influence_cost trace_cost trace_cost_grpo logprob_memory padding_free gpu_tests")
+# picks stages, which run in the order STAGES names them; every stage has its own time limit, so one that hangs
+# leaves the others their time.
 set -uo pipefail
 out=${OUT:-$PWD/suite_out}
 shape=${SHAPE:-qwen2.5-0.5b}
-stages=${STAGES:-grpo_vs_trl quickstart influence_cost trace_cost logprob_memory padding_free gpu_tests}
+stages=${STAGES:-grpo_vs_trl quickstart influence_cost trace_cost trace_cost_grpo logprob_memory padding_free gpu_tests}
 mkdir -p "$out"
 if [ -d whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site whl/*.whl
@@ -45,6 +46,10 @@ run_stage() {  # NAME: one stage of the suite
     trace_cost)
       stage trace_cost 150 python3 bench/trace_cost.py --out /tmp/tc --shape "$shape" --steps "${TC_STEPS:-4}"
       cp /tmp/tc/run_influence/metrics.jsonl "$out/trace_cost_influence_metrics.jsonl" 2>/dev/null ;;
+    trace_cost_grpo)  # the same on bench/grpo_vs_trl.py's workload (16 x 8 responses of 512 tokens)
+      stage trace_cost_grpo 240 python3 bench/trace_cost.py --out /tmp/tcg --shape "$shape" --grpo-workload \
+        --steps "${TC_STEPS:-4}"
+      cp /tmp/tcg/run_influence/metrics.jsonl "$out/trace_cost_grpo_influence_metrics.jsonl" 2>/dev/null ;;
     logprob_memory)  # 65536 tokens x 151936 vocabulary: the previous kernel against archer's
       stage logprob_memory 90 python3 bench/logprob_memory.py ;;
     padding_free)
@@ -54,8 +59,8 @@ run_stage() {  # NAME: one stage of the suite
       stage gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_fast_gpu.py \
         tests/test_rollout_fast_kernels.py tests/test_models_loading.py tests/test_rollout_factory.py \
         tests/test_trace_influence.py ;;
-    *) echo "=== unknown stage $1 (known: grpo_vs_trl quickstart influence_cost trace_cost logprob_memory" \
-         "padding_free gpu_tests)" ;;
+    *) echo "=== unknown stage $1 (known: grpo_vs_trl quickstart influence_cost trace_cost trace_cost_grpo" \
+         "logprob_memory padding_free gpu_tests)" ;;
   esac
 }
 

@@ -96,16 +96,40 @@ def steady(values: list[float]) -> float:
     return statistics.median(values[1:] or values)
 
 
+def workload_args(shape: str, **more: Any) -> argparse.Namespace:
+    """The workload of ``shape`` as the attributes the functions here read (``more`` adds to them)."""
+    prompts, n, prompt_length, response_length, micro_batch, vocab = WORKLOADS[shape]
+    return argparse.Namespace(shape=shape, prompts=prompts, n=n, prompt_length=prompt_length,
+                              response_length=response_length, micro_batch=micro_batch, vocab=vocab, **more)
+
+
+def prepare_workload(out: Path, args: argparse.Namespace, prompt_count: int) -> tuple[Path, list[str], Path, Path]:
+    """Under ``out``: the random model, ``prompt_count`` prompts of the exact length (their contents and the
+    parquet file) and the reward file."""
+    model_dir = build_random_model(out, args.shape, args.vocab)
+    contents = exact_prompts(load_tokenizer(model_dir), prompt_count, args.prompt_length)
+    train_file = write_prompts(out / "data" / "train.parquet", contents)
+    reward = out / "digit_reward.py"
+    reward.write_text(DIGIT_REWARD)
+    return model_dir, contents, train_file, reward
+
+
+def archer_overrides(args: argparse.Namespace, model_dir: Path, train_file: Path, reward: Path) -> list[str]:
+    """``archer train``'s overrides for the workload (the run's folder, steps and logging aside)."""
+    return [f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={train_file}",
+            f"custom_reward_function.path={reward}", "algorithm.adv_estimator=grpo",
+            f"data.train_batch_size={args.prompts}", f"actor_rollout_ref.rollout.n={args.n}",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro_batch}",
+            f"data.max_prompt_length={args.prompt_length}", f"data.max_response_length={args.response_length}",
+            "actor_rollout_ref.actor.use_kl_loss=false", "algorithm.use_kl_in_reward=false",
+            "actor_rollout_ref.actor.entropy_coeff=0"]
+
+
 def run_archer(args: argparse.Namespace, model_dir: Path, train_file: Path, reward: Path) -> dict[str, Any]:
     run = args.out / "archer_run"
-    cmd = [sys.executable, "-m", "archer.cli", "train", f"actor_rollout_ref.model.path={model_dir}",
-           f"data.train_files={train_file}", f"custom_reward_function.path={reward}",
-           "algorithm.adv_estimator=grpo", f"data.train_batch_size={args.prompts}",
-           f"actor_rollout_ref.rollout.n={args.n}", f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
-           f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro_batch}",
-           f"data.max_prompt_length={args.prompt_length}", f"data.max_response_length={args.response_length}",
-           "actor_rollout_ref.actor.use_kl_loss=false", "algorithm.use_kl_in_reward=false",
-           "actor_rollout_ref.actor.entropy_coeff=0", f"trainer.total_training_steps={args.steps}",
+    cmd = [sys.executable, "-m", "archer.cli", "train", *archer_overrides(args, model_dir, train_file, reward),
+           f"trainer.total_training_steps={args.steps}",
            "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
            f"trainer.default_local_dir={run}", "trainer.resume_mode=disable", "trainer.logger=[jsonl]",
            "trainer.plots=false", *args.archer_override]
@@ -207,23 +231,18 @@ def main() -> None:
     parser.add_argument("--peers", nargs="+", choices=("archer", "trl"), default=["archer", "trl"])
     parser.add_argument("--archer-override", nargs="*", default=[], help="more archer train overrides")
     parser.add_argument("--json", type=Path, help="write the records here")
-    args = parser.parse_args()
-    args.prompts, args.n, args.prompt_length, args.response_length, args.micro_batch, vocab = WORKLOADS[args.shape]
+    args = workload_args(**vars(parser.parse_args()))
     args.trl_steps = args.trl_steps or args.steps
     if args.prompts * args.n % args.micro_batch:
         raise SystemExit("the micro-batch must divide the batch")
     args.out.mkdir(parents=True, exist_ok=True)
-    model_dir = build_random_model(args.out, args.shape, vocab)
-    contents = exact_prompts(load_tokenizer(model_dir), args.prompts * max(args.steps, args.trl_steps),
-                             args.prompt_length)
-    train_file = write_prompts(args.out / "data" / "train.parquet", contents)
-    reward = args.out / "digit_reward.py"
-    reward.write_text(DIGIT_REWARD)
+    model_dir, contents, train_file, reward = prepare_workload(args.out, args,
+                                                               args.prompts * max(args.steps, args.trl_steps))
     common = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
               "date": datetime.date.today().isoformat(), "torch": torch.__version__,
               "transformers": transformers.__version__, "shape": args.shape, "prompts": args.prompts, "n": args.n,
               "prompt_length": args.prompt_length, "response_length": args.response_length,
-              "micro_batch": args.micro_batch, "vocab": vocab, "command": " ".join(["python", *sys.argv])}
+              "micro_batch": args.micro_batch, "vocab": args.vocab, "command": " ".join(["python", *sys.argv])}
     records = []
     for peer in args.peers:
         record = (run_archer(args, model_dir, train_file, reward) if peer == "archer"

@@ -6,11 +6,15 @@ training_loss), and prints per-variant medians over the steps after the first (w
 
     python bench/trace_cost.py --out /tmp/tc                 # CPU: the quickstart's GRPO stage, SFT'd model
     python bench/trace_cost.py --out /tmp/tc --shape qwen2.5-0.5b --batch 32 --n 8 --response-length 256
+    python bench/trace_cost.py --out /tmp/tc --shape qwen2.5-0.5b --grpo-workload   # bench/grpo_vs_trl.py's
 
 The first form runs `archer quickstart` for one RL step to get the warm-started model, then times the
 quickstart's own RL configuration. The second builds a random model of a real shape (bench/gpu_step.py) and
 rewards the share of digits in a response, so prompt groups have mixed rewards and the influence trace has
-work to do. The trace cost is read from the run's own timings (timing_s/entropy_trace, timing_s/influence_*),
+work to do (short arithmetic prompts, a KL loss, two optimiser steps per batch). With ``--grpo-workload`` it
+runs archer's half of bench/grpo_vs_trl.py instead: that script's model, prompts of exactly 256 tokens, 16 x 8
+responses of 512 tokens, one optimiser step, no KL (``--batch``, ``--n`` and ``--response-length`` do not
+apply). The trace cost is read from the run's own timings (timing_s/entropy_trace, timing_s/influence_*),
 and the hook overhead from timing_s/update_actor against the run without traces (identical work: same seed).
 """
 
@@ -51,11 +55,24 @@ def quickstart_setup(out: Path) -> list[str]:
                                                            "trainer.entropy_trace", "trainer.influence_trace"))]]
 
 
+def bench_module(name: str):
+    """Another script of bench/ as a module (imported on demand: grpo_vs_trl imports this one)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def grpo_workload_setup(out: Path, args: argparse.Namespace) -> list[str]:
+    """bench/grpo_vs_trl.py's workload of ``args.shape``, archer's overrides for it."""
+    grpo_vs_trl = bench_module("grpo_vs_trl")
+    workload = grpo_vs_trl.workload_args(args.shape)
+    model_dir, _, train_file, reward = grpo_vs_trl.prepare_workload(out, workload, workload.prompts * args.steps)
+    return grpo_vs_trl.archer_overrides(workload, model_dir, train_file, reward)
+
+
 def random_model_setup(out: Path, args: argparse.Namespace) -> list[str]:
-    spec = importlib.util.spec_from_file_location("gpu_step", Path(__file__).with_name("gpu_step.py"))
-    gpu_step = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_step)
-    model_dir = gpu_step.build_random_model(out, args.shape)
+    model_dir = bench_module("gpu_step").build_random_model(out, args.shape)
     files = write_task_files("arithmetic", out / "data", n_train=1000, n_val=16, n_sft=10, seed=0)
     reward = out / "digit_reward.py"
     reward.write_text(DIGIT_REWARD)
@@ -91,9 +108,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--response-length", type=int, default=256)
+    parser.add_argument("--grpo-workload", action="store_true",
+                        help="with --shape: bench/grpo_vs_trl.py's workload of that shape")
     args = parser.parse_args()
+    if args.grpo_workload and not args.shape:
+        parser.error("--grpo-workload needs --shape (one of bench/grpo_vs_trl.py's workloads)")
     args.out.mkdir(parents=True, exist_ok=True)
-    base = random_model_setup(args.out, args) if args.shape else quickstart_setup(args.out)
+    if args.grpo_workload:
+        base = grpo_workload_setup(args.out, args)
+    else:
+        base = random_model_setup(args.out, args) if args.shape else quickstart_setup(args.out)
     results = {name: run_variant(args.out, base, name, args.steps)[1:] for name in VARIANTS}
 
     none = results["none"]

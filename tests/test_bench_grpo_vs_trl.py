@@ -3,11 +3,11 @@ and the archer half on a tiny model."""
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from archer.models.loading import load_tokenizer
@@ -52,14 +52,11 @@ def test_report_lists_each_peer_and_the_ratio(gvt) -> None:
 
 
 def test_archer_half_reads_the_run_timings(gvt, tmp_path: Path) -> None:
-    prompts, n, prompt_length, response_length, micro_batch, vocab = gvt.WORKLOADS["tiny"]
-    args = argparse.Namespace(out=tmp_path, prompts=prompts, n=n, prompt_length=prompt_length,
-                              response_length=response_length, micro_batch=micro_batch, steps=2, archer_override=[])
-    model_dir = gvt.build_random_model(tmp_path, "tiny", vocab)
-    contents = gvt.exact_prompts(load_tokenizer(model_dir), prompts * 2, prompt_length)
-    train_file = gvt.write_prompts(tmp_path / "train.parquet", contents)
-    reward = tmp_path / "digit_reward.py"
-    reward.write_text(gvt.DIGIT_REWARD)
+    args = gvt.workload_args("tiny", out=tmp_path, steps=2, archer_override=[])
+    prompt_length = args.prompt_length
+    model_dir, contents, train_file, reward = gvt.prepare_workload(tmp_path, args, args.prompts * 2)
+    assert len(contents) == 8 and (model_dir / "config.json").is_file()
+    assert pq.read_table(train_file).num_rows == 8
     record = gvt.run_archer(args, model_dir, train_file, reward)
     lines = [json.loads(line) for line in (tmp_path / "archer_run" / "metrics.jsonl").read_text().splitlines()]
     assert record["step_s"] == [line["timing_s/step"] for line in lines]

@@ -72,9 +72,10 @@ def tool_text(batch: Batch, row: int, tokenizer) -> list[str]:
     return runs
 
 
-def test_training_rollout_with_real_tools_lays_out_tool_output_as_context(model_dir):
-    actor = make_actor(model_dir, f"{ROLLOUT}.n=4", f"{ROLLOUT}.initial_rollouts=2", f"{ROLLOUT}.beam_size=2",
-                       f"{ROLLOUT}.branch_probability=1.0", f"{ROLLOUT}.entropy_weight=0.0")
+@pytest.mark.parametrize("engine", ["hf", "fast"])  # on a GPU, auto runs the loop on the fast engine's sessions
+def test_training_rollout_with_real_tools_lays_out_tool_output_as_context(model_dir, engine):
+    actor = make_actor(model_dir, f"{ROLLOUT}.name={engine}", f"{ROLLOUT}.n=4", f"{ROLLOUT}.initial_rollouts=2",
+                       f"{ROLLOUT}.beam_size=2", f"{ROLLOUT}.branch_probability=1.0", f"{ROLLOUT}.entropy_weight=0.0")
     tokenizer = load_tokenizer(model_dir)
     prompts = arpo_prompts(model_dir)
     prompts.info.update(validate=False, seed=3)
