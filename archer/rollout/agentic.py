@@ -11,7 +11,10 @@ the HF engine (re-prefill per call) and an engine with real KV reuse run it alik
    there, with an eos appended (learned, as ARPO does) unless the segment already ends with one. The answer is
    cut (archer/rollout/tool_text.py) so that at least one token of the budget stays for the model: a response
    never ends on tool output. When not even the empty frame of the answer fits, the trajectory ends with the
-   call, unanswered. Token ids stay as generated: the model's tokens are never re-tokenised;
+   call, unanswered. A segment that ends the response inside a call (an opening tag left unclosed at eos or at
+   the budget) gets no answer and keeps its finish reason; it counts in ``tools/invalid_calls``, not in the
+   response's ``num_tool_calls`` (calls answered). Token ids stay as generated: the model's tokens are never
+   re-tokenised;
 4. right after an answer, while its prompt has free slots, the loop keeps a fork of the trajectory (a branch
    point). The next segment's first ``entropy_window`` tokens give H; the branch rule decides how many
    branches start from that point, each sampling with its own seed;
@@ -224,9 +227,9 @@ class _Run:
             answering = []
             for t, segment in zip(active, segments, strict=True):
                 self.take_segment(t, segment)
-                calls = self.loop.format.parse(
-                    self.loop.tokenizer.decode(segment.tokens, skip_special_tokens=True), segment.finish_reason)
-                if self.ends(t, segment, calls):
+                text = self.loop.tokenizer.decode(segment.tokens, skip_special_tokens=True)
+                calls = self.loop.format.parse(text, segment.finish_reason)
+                if self.ends(t, segment, text, calls):
                     continue
                 answering.append((t, calls))
             self.answer(answering)
@@ -261,9 +264,11 @@ class _Run:
             child.consecutive = t.consecutive
         self.session.release(point.seq)
 
-    def ends(self, t: Trajectory, segment: Segment, calls: list[ParsedCall]) -> bool:
+    def ends(self, t: Trajectory, segment: Segment, text: str, calls: list[ParsedCall]) -> bool:
         """Finish ``t`` when its segment calls no tool, calls beyond call_limit, or leaves no room for an answer."""
         if not calls:
+            if self.loop.format.unclosed(text):  # a call left open by eos or the budget: invalid, never answered
+                self.stats.invalid_calls += 1
             self.finish(t, segment.finish_reason)
             return True
         if t.calls + len(calls) > self.loop.settings.call_limit:

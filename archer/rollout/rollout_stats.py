@@ -11,7 +11,8 @@ merges them, and ``metrics()`` gives, over every response generated in the step:
 - ``rollout/turns_mean``: segments the model wrote per response;
 - the tool metrics of archer.tools.tool_metrics (``tools/<name>/{calls, failures, mean_latency_s}``,
   ``tools/calls_per_response``, ``tools/call_limit_reached``) and ``tools/invalid_calls`` (calls that named no
-  configured tool or could not be read; they count toward call_limit).
+  configured tool or could not be read, answered with an error and counted toward call_limit; and calls left
+  unclosed when a response ended, never answered).
 """
 
 from __future__ import annotations
