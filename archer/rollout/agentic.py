@@ -152,14 +152,18 @@ class AgenticRollout:
             raise ValueError(f"branching for n={settings.n} but sampling for n={params.n}")
         stops = tuple(dict.fromkeys((*params.stop, *self.format.stop_strings)))
         params = replace(params, n=1, stop=stops)
-        initial = [settings.initial_rollouts] * len(prompts)
+        initial, probed = [settings.initial_rollouts] * len(prompts), None
         if settings.dynamic_rollouts:
-            initial = self._probe(prompts, params, settings)
+            initial, probed = self._probe(prompts, params, settings)
         run = _Run(self, prompts, params, settings, params.seed)
+        if probed is not None:
+            run.stats.add_calls(probed)  # the probes' tool calls are the step's work; their responses are not kept
         return run.execute(initial)
 
-    def _probe(self, prompts: list[list[int]], params: SamplingParams, settings: BranchSettings) -> list[int]:
-        """AEPO's entropy pre-monitoring: one tool-using probe per prompt gives its number of global samples."""
+    def _probe(self, prompts: list[list[int]], params: SamplingParams,
+               settings: BranchSettings) -> tuple[list[int], RolloutStats]:
+        """AEPO's entropy pre-monitoring: one tool-using probe per prompt gives its number of global samples
+        (returned with the probes' stats)."""
         probe = _Run(self, prompts, params, BranchSettings(n=1, initial_rollouts=1), _seed(params.seed, _PROBE))
         probe.execute([1] * len(prompts))
         out = []
@@ -167,7 +171,7 @@ class AgenticRollout:
             h_root = t.h_init or 0.0
             h_tool = float(np.mean(t.tool_entropies)) if t.tool_entropies else h_root
             out.append(global_samples(settings.n, h_root, h_tool, settings.dynamic_rollout_beta))
-        return out
+        return out, probe.stats
 
 
 class _Run:
