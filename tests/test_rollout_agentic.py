@@ -108,7 +108,7 @@ def test_a_closing_tag_without_its_opening_tag_is_answered_with_an_error():
 def test_a_response_that_ends_inside_an_unclosed_call_counts_an_invalid_call(text, eos, budget):
     tool = Echo()
     out = run(arpo_loop(lambda s, _: Turn(text, eos=eos), tool, budget=budget))
-    assert tool.calls == [] and out.tool_mask.sum() == 0  # nothing runs, nothing is answered: the response ended
+    assert tool.calls == [] and out.tool_mask.sum() == 0  # nothing runs, nothing answers: the response ended
     assert out.finish_reasons == ["eos" if eos else "length"] and out.num_tool_calls == [0]
     assert out.stats.invalid_calls == 1 and out.stats.metrics()["tools/invalid_calls"] == 1.0
     assert out.stats.metrics()["tools/python/calls"] == 0.0 and out.stats.calls_per_response == [0]
@@ -116,7 +116,8 @@ def test_a_response_that_ends_inside_an_unclosed_call_counts_an_invalid_call(tex
 
 def test_closed_calls_and_plain_text_leave_no_unclosed_call():
     tags = ArpoTags(registry(Echo(), Echo("search", trigger_tag="search")))
-    assert tags.unclosed("<python>print(1)</python> <search>a") and tags.unclosed("<search>a</search><python>b")
+    assert tags.unclosed("<python>print(1)</python> <search>a")
+    assert tags.unclosed("<search>a</search><python>b")
     assert not tags.unclosed("<python>print(1)</python> done") and not tags.unclosed("plain text")
     assert tags.unclosed('<python>print("</search>")')  # the last opening tag's own closing tag is missing
     out = run(arpo_loop(calls_then_answer(1)))

@@ -199,7 +199,7 @@ def test_the_probes_tool_calls_count_in_the_tool_metrics_but_not_per_response():
         return Turn(call) if state.turns == 0 else Turn(" <answer>1</answer>", eos=True)
 
     n = 4
-    settings = BranchSettings(n=n, initial_rollouts=n, dynamic_rollouts=True)  # beam_size 1: no branch, refills
+    settings = BranchSettings(n=n, initial_rollouts=n, dynamic_rollouts=True)  # beam_size 1: no branches
     out = generate(make_loop(script), settings, prompts=["good", "bad"])
     assert out.num_tool_calls == [1] * 2 * n  # every response made its one call
     # n responses of each prompt plus its probe: n + 1 calls run for "good", n + 1 invalid calls for "bad"

@@ -69,7 +69,8 @@ def test_arpos_cache_answers_its_queries_read_only() -> None:
 
 def test_cache_hits_are_cut_to_top_k_pages_of_result_length_characters(tmp_path: Path) -> None:
     cache = tmp_path / "cache.json"
-    cache.write_text(json.dumps({"nile": "Page 1: Nile. A major river\nPage 2: Africa. A continent\nPage 3: x"}))
+    cache.write_text(json.dumps({"nile":
+                                 "Page 1: Nile. A major river\nPage 2: Africa. A continent\nPage 3: x"}))
     tool = SearchTool(backend="cache", cache_file=str(cache), top_k=2, result_length=8)
     assert tool.execute("nile").text == "Page 1: Nile. A \nPage 2: Africa. "  # each page's text cut to 8
     assert tool.execute("nile").text == "Page 1: Nile. A \nPage 2: Africa. "  # the in-memory cache alike

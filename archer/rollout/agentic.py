@@ -157,7 +157,7 @@ class AgenticRollout:
             initial, probed = self._probe(prompts, params, settings)
         run = _Run(self, prompts, params, settings, params.seed)
         if probed is not None:
-            run.stats.add_calls(probed)  # the probes' tool calls are the step's work; their responses are not kept
+            run.stats.add_calls(probed)  # the probes' tool calls are the step's work; their responses are not
         return run.execute(initial)
 
     def _probe(self, prompts: list[list[int]], params: SamplingParams,
@@ -271,7 +271,7 @@ class _Run:
     def ends(self, t: Trajectory, segment: Segment, text: str, calls: list[ParsedCall]) -> bool:
         """Finish ``t`` when its segment calls no tool, calls beyond call_limit, or leaves no room for an answer."""
         if not calls:
-            if self.loop.format.unclosed(text):  # a call left open by eos or the budget: invalid, never answered
+            if self.loop.format.unclosed(text):  # a call left open at eos or the budget: invalid, unanswered
                 self.stats.invalid_calls += 1
             self.finish(t, segment.finish_reason)
             return True

@@ -9,10 +9,10 @@
   next assistant turn.
 
 A format reads a finished segment into the calls it ends with (``parse``), tells whether a segment that ends
-the response stops inside a call (``unclosed``: an opening tag without its closing tag) and gives the text around
-the answers (``frame(k)``: k + 1 pieces, the answers go between them). The loop tokenises the pieces and the
-answers separately, so that it can cut an answer to the response budget in token space; the model's own
-tokens are never re-tokenised.
+the response stops inside a call (``unclosed``: an opening tag without its closing tag) and gives the text
+around the answers (``frame(k)``: k + 1 pieces, the answers go between them). The loop tokenises the pieces
+and the answers separately, so that it can cut an answer to the response budget in token space; the model's
+own tokens are never re-tokenised.
 """
 
 from __future__ import annotations

@@ -51,8 +51,8 @@ class RolloutStats:
         return out
 
     def add_calls(self, other: RolloutStats) -> None:
-        """Count the tool calls of ``other`` (AEPO's probes, whose responses are discarded) in the tool metrics;
-        the per-response figures stay those of this record's responses."""
+        """Count the tool calls of ``other`` (AEPO's probes, whose responses are discarded) in the tool
+        metrics; the per-response figures stay those of this record's responses."""
         self.records += other.records
         self.invalid_calls += other.invalid_calls
 

@@ -37,8 +37,8 @@ def format_pages(passages: list[Passage], result_length: int) -> str:
 
 
 def cut_pages(text: str, top_k: int, result_length: int) -> str:
-    """A cached result cut as ``format_pages`` cuts a fresh one: its first ``top_k`` pages, each page's text to
-    ``result_length`` characters (a text without pages, such as ``No search results found.``, as it is)."""
+    """A cached result cut as ``format_pages`` cuts a fresh one: its first ``top_k`` pages, each page's text
+    to ``result_length`` characters (a text without pages, such as ``No search results found.``, as it is)."""
     return "\n".join(_cut_page(page, result_length) for page in _PAGE_START.split(text)[:top_k])
 
 
