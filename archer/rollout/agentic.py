@@ -8,10 +8,10 @@ the HF engine (re-prefill per call) and an engine with real KV reuse run it alik
    its own budget (``response_length`` minus what it already holds);
 3. a segment that ends with a tool call (archer/rollout/call_formats.py) gets the tool's answer appended as
    context: attention 1, ``response_mask`` 0. A trajectory that asks for more than ``call_limit`` calls ends
-   there, with an eos appended (learned, as ARPO does) unless the segment already ends with one. The answer is
-   cut (archer/rollout/tool_text.py) so that at least one token of the budget stays for the model: a response
-   never ends on tool output. When not even the empty frame of the answer fits, the trajectory ends with the
-   call, unanswered. A segment that ends the response inside a call (an opening tag left unclosed at eos or at
+   there, with an eos appended (learned, as ARPO does; not sampled, so its log-prob and entropy are 0) unless
+   the segment already ends with one. The answer is cut (archer/rollout/tool_text.py) so that at least one
+   token of the budget stays for the model: a response never ends on tool output. When not even the empty
+   frame of the answer fits, the trajectory ends with the call, unanswered. A segment that ends the response inside a call (an opening tag left unclosed at eos or at
    the budget) gets no answer and keeps its finish reason; it counts in ``tools/invalid_calls``, not in the
    response's ``num_tool_calls`` (calls answered). Token ids stay as generated: the model's tokens are never
    re-tokenised;
