@@ -103,6 +103,27 @@ def test_a_closing_tag_without_its_opening_tag_is_answered_with_an_error():
     assert out.num_tool_calls == [1] and out.stats.invalid_calls == 1 and out.stats.records == []
 
 
+@pytest.mark.parametrize(("text", "eos", "budget"), [("<think>x</think> <python>print(1)", True, 200),
+                                                     ("<python>print(6 * 7) and more", False, 12)])
+def test_a_response_that_ends_inside_an_unclosed_call_counts_an_invalid_call(text, eos, budget):
+    tool = Echo()
+    out = run(arpo_loop(lambda s, _: Turn(text, eos=eos), tool, budget=budget))
+    assert tool.calls == [] and out.tool_mask.sum() == 0  # nothing runs, nothing answers: the response ended
+    assert out.finish_reasons == ["eos" if eos else "length"] and out.num_tool_calls == [0]
+    assert out.stats.invalid_calls == 1 and out.stats.metrics()["tools/invalid_calls"] == 1.0
+    assert out.stats.metrics()["tools/python/calls"] == 0.0 and out.stats.calls_per_response == [0]
+
+
+def test_closed_calls_and_plain_text_leave_no_unclosed_call():
+    tags = ArpoTags(registry(Echo(), Echo("search", trigger_tag="search")))
+    assert tags.unclosed("<python>print(1)</python> <search>a")
+    assert tags.unclosed("<search>a</search><python>b")
+    assert not tags.unclosed("<python>print(1)</python> done") and not tags.unclosed("plain text")
+    assert tags.unclosed('<python>print("</search>")')  # the last opening tag's own closing tag is missing
+    out = run(arpo_loop(calls_then_answer(1)))
+    assert out.stats.invalid_calls == 0 and out.finish_reasons == ["eos"]
+
+
 def test_a_user_stop_string_ends_the_response_without_a_call():
     tool = Echo()
     loop = arpo_loop(lambda s, _: Turn("<answer>42</answer> more"), tool)
@@ -262,6 +283,16 @@ def test_the_tool_turn_follows_the_special_token_that_closes_the_turn_whatever_t
     base.eos_token = "<|endoftext|>"  # a base model's eos; the chat template still closes turns with <|im_end|>
     for tok in (TOK, base):
         assert HermesCalls(tok).frame(1) == ["\n<|im_start|>tool\n", "<|im_end|>\n<|im_start|>assistant\n"]
+
+
+def test_a_hermes_turn_that_ends_inside_an_unclosed_tool_call_counts_an_invalid_call():
+    tool = Echo()
+    text = hermes_call(arguments={"code": "a"}) + ' <tool_call>\n{"name": "python", "arguments": {"code": "b'
+    assert HermesCalls(TOK).unclosed(text) and not HermesCalls(TOK).unclosed(hermes_call())
+    out = hermes_loop(lambda s, _: Turn('<tool_call>\n{"name": "python"', eos=True), tool).generate(
+        [enc("q")], SamplingParams(n=1, seed=0), None)
+    assert tool.calls == [] and out.tool_mask.sum() == 0 and out.finish_reasons == ["eos"]
+    assert out.num_tool_calls == [0] and out.stats.metrics()["tools/invalid_calls"] == 1.0
 
 
 def test_hermes_turn_without_a_call_ends_the_response():

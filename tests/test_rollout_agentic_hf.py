@@ -194,7 +194,7 @@ def check_tool_trace(trace: Path) -> None:
         tree = Explorer(trace).branch_tree(step, 0)[1]
         assert sorted(tree["row"].tolist()) == [0, 1, 2, 3]
         for r, p, position, entropy in zip(tree["row"], tree["parent_row"], tree["branch_position"],
-                                           tree["branch_entropy"]):
+                                           tree["branch_token_entropy"]):
             assert arrays["branch_parent"][r] == (arrays["sample_index"][p] if p >= 0 else -1)
             if p < 0:
                 continue

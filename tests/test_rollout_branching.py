@@ -193,6 +193,23 @@ def test_dynamic_rollouts_split_n_by_each_prompts_entropy_gap():
     assert [out.branch_parent[i] for i in range(expected[0])] == [-1] * expected[0]
 
 
+def test_the_probes_tool_calls_count_in_the_tool_metrics_but_not_per_response():
+    def script(state, session):  # prompt "good" calls the tool, "bad" writes a closing tag alone (invalid)
+        call = "<python>print(1)</python>" if session.text(state.prompt) == "good" else "print(1)</python>"
+        return Turn(call) if state.turns == 0 else Turn(" <answer>1</answer>", eos=True)
+
+    n = 4
+    settings = BranchSettings(n=n, initial_rollouts=n, dynamic_rollouts=True)  # beam_size 1: no branches
+    out = generate(make_loop(script), settings, prompts=["good", "bad"])
+    assert out.num_tool_calls == [1] * 2 * n  # every response made its one call
+    # n responses of each prompt plus its probe: n + 1 calls run for "good", n + 1 invalid calls for "bad"
+    assert len(out.stats.records) == n + 1 and out.stats.invalid_calls == n + 1
+    metrics = out.stats.metrics()
+    assert metrics["tools/python/calls"] == n + 1 and metrics["tools/invalid_calls"] == n + 1
+    assert out.stats.calls_per_response == [1] * 2 * n and metrics["tools/calls_per_response"] == 1.0
+    assert out.stats.limit_reached == [False] * 2 * n and out.stats.turns == [2] * 2 * n
+
+
 def test_the_consecutive_branch_penalty_skips_the_point_after_a_branch():
     def parents(penalty: float) -> list[int]:
         settings = BranchSettings(n=8, initial_rollouts=1, beam_size=2, branch_probability=1.0, entropy_weight=0.0,

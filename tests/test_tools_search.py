@@ -14,7 +14,7 @@ from archer.cli import main
 from archer.errors import ArcherError
 from archer.tools import ToolCall, ToolExecutor
 from archer.tools.bm25_index import BM25Index, Passage, build_index
-from archer.tools.search import SearchTool, first_pages, format_pages
+from archer.tools.search import SearchTool, cut_pages, format_pages
 from archer.tools.search_cache import SearchCacheFile
 
 ARPO_CACHE = Path(__file__).resolve().parents[2] / "shared" / "data" / "arpo" / "search_cache.json"
@@ -46,8 +46,10 @@ def test_format_pages_is_arpos_page_lines() -> None:
     assert format_pages(passages, 1000) == "Page 1: Nile. A river in Africa.\nPage 2: untitled text"
     assert format_pages(passages, 8) == "Page 1: Nile. A \nPage 2: untitled"
     assert format_pages([], 1000) == "No search results found."
-    assert first_pages("Page 1: a\nPage 2: b\nPage 3: c", 2) == "Page 1: a\nPage 2: b"
-    assert first_pages("Page 1: a", 2) == "Page 1: a"
+    assert cut_pages("Page 1: a\nPage 2: b\nPage 3: c", 2, 1000) == "Page 1: a\nPage 2: b"
+    assert cut_pages("Page 1: a", 2, 1000) == "Page 1: a"
+    assert cut_pages("Page 1: abcdef\nPage 2: xy\nPage 3: c", 2, 3) == "Page 1: abc\nPage 2: xy"
+    assert cut_pages("No search results found.", 5, 3) == "No search results found."
 
 
 # --- (a) ARPO's cache file ---
@@ -63,6 +65,15 @@ def test_arpos_cache_answers_its_queries_read_only() -> None:
     missing = tool.execute("a query nobody asked")
     assert not missing.ok
     assert missing.text == "Error: no cached result for this query (read-only cache search_cache.json)."
+
+
+def test_cache_hits_are_cut_to_top_k_pages_of_result_length_characters(tmp_path: Path) -> None:
+    cache = tmp_path / "cache.json"
+    cache.write_text(json.dumps({"nile":
+                                 "Page 1: Nile. A major river\nPage 2: Africa. A continent\nPage 3: x"}))
+    tool = SearchTool(backend="cache", cache_file=str(cache), top_k=2, result_length=8)
+    assert tool.execute("nile").text == "Page 1: Nile. A \nPage 2: Africa. "  # each page's text cut to 8
+    assert tool.execute("nile").text == "Page 1: Nile. A \nPage 2: Africa. "  # the in-memory cache alike
 
 
 def test_a_corrupt_cache_file_is_a_startup_error_naming_it(tmp_path: Path) -> None:

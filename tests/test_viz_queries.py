@@ -359,8 +359,8 @@ def test_branch_tree_of_a_prompt_by_hand() -> None:
     assert tree["parent"].tolist() == [-1, 0, 0, -1] and tree["parent_row"].tolist() == [-1, 0, 0, -1]
     assert tree["branch_position"].tolist() == [-1, 6, 6, -1]
     # the entropy of the branch's token at its branch point: row 1 position 6 = 13/4, row 3 position 6 = 27/4
-    assert np.isnan(tree["branch_entropy"][0]) and np.isnan(tree["branch_entropy"][3])
-    assert tree["branch_entropy"].tolist()[1:3] == [3.25, 6.75]
+    assert np.isnan(tree["branch_token_entropy"][0]) and np.isnan(tree["branch_token_entropy"][3])
+    assert tree["branch_token_entropy"].tolist()[1:3] == [3.25, 6.75]
     assert tree["depth"].tolist() == [0, 1, 1, 0] and tree["branches"].tolist() == [2, 0, 0, 0]
     assert tree["length"].tolist() == [7, 7, 7, 7] and tree["tool_tokens"].tolist() == [3, 3, 3, 2]
     assert tree["reward"].tolist() == [1.0, 0.0, 1.0, 0.5]

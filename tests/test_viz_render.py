@@ -194,7 +194,8 @@ def test_reward_colour_from_the_groups_lowest_to_highest() -> None:
 def tree_svg(selected: int | None = 1) -> ET.Element:
     tree = pd.DataFrame({"row": [0, 1, 2], "sample_index": [0, 1, 2], "parent": [-1, 0, -1],
                          "parent_row": [-1, 0, -1], "branch_position": [-1, 6, -1],
-                         "branch_entropy": [np.nan, 1.0, np.nan], "depth": [0, 1, 0], "branches": [1, 0, 0],
+                         "branch_token_entropy": [np.nan, 1.0, np.nan], "depth": [0, 1, 0],
+                         "branches": [1, 0, 0],
                          "length": [7, 14, 3], "tool_tokens": [3, 3, 0], "reward": [1.0, 0.0, 0.5],
                          "num_tool_calls": [1, 1, 0], "finish_reason": ["eos", "length", "eos"]})
     tool, call = np.zeros(14, bool), np.zeros(14, bool)
@@ -227,13 +228,14 @@ def test_branch_tree_svg_by_hand() -> None:
     texts = [[t.text for t in g.iter(f"{SVG}text")] for g in lanes]
     assert texts == [["#0 · row 0", "reward 1 · 1 call · eos"], ["#1 · row 1", "reward 0 · 1 call · length"],
                      ["#2 · row 2", "reward 0.5 · 0 calls · eos"]]
-    assert "branched from #0 (row 0) at position 6, entropy 1 there" in lanes[1].find(f"{SVG}title").text
+    title = lanes[1].find(f"{SVG}title").text
+    assert "branched from #0 (row 0) at position 6, token entropy 1 there" in title
     # the branch point: on row 0's lane at position 6, coloured by the entropy there, opening row 1
     branch = [g for g in svg.iter(f"{SVG}g") if g.find(f"{SVG}circle[@class='archer-tree-branch']") is not None]
     assert [g.get("data-row") for g in branch] == ["1"]
     dot = branch[0].find(f"{SVG}circle").attrib
     assert (dot["cx"], dot["cy"], dot["fill"], dot["data-entropy"]) == ("368.6", "55", "rgb(235,147,148)", "1")
-    assert branch[0].find(f"{SVG}text").text == "H 1"
+    assert branch[0].find(f"{SVG}text").text == "token entropy 1"
     assert lanes[1].find(f"{SVG}text").get("font-weight") == "bold"  # the selected response
     assert [r.get("fill") for r in svg.findall(f"{SVG}rect")] == ["#fff4c2"]  # its highlighted lane
     assert tree_svg(selected=None).findall(f"{SVG}rect") == []

@@ -8,10 +8,13 @@ the HF engine (re-prefill per call) and an engine with real KV reuse run it alik
    its own budget (``response_length`` minus what it already holds);
 3. a segment that ends with a tool call (archer/rollout/call_formats.py) gets the tool's answer appended as
    context: attention 1, ``response_mask`` 0. A trajectory that asks for more than ``call_limit`` calls ends
-   there, with an eos appended (learned, as ARPO does) unless the segment already ends with one. The answer is
-   cut (archer/rollout/tool_text.py) so that at least one token of the budget stays for the model: a response
-   never ends on tool output. When not even the empty frame of the answer fits, the trajectory ends with the
-   call, unanswered. Token ids stay as generated: the model's tokens are never re-tokenised;
+   there, with an eos appended (learned, as ARPO does; not sampled, so its log-prob and entropy are 0) unless
+   the segment already ends with one. The answer is cut (archer/rollout/tool_text.py) so that at least one
+   token of the budget stays for the model: a response never ends on tool output. When not even the empty
+   frame of the answer fits, the trajectory ends with the call, unanswered. A segment that ends the response inside a call (an opening tag left unclosed at eos or at
+   the budget) gets no answer and keeps its finish reason; it counts in ``tools/invalid_calls``, not in the
+   response's ``num_tool_calls`` (calls answered). Token ids stay as generated: the model's tokens are never
+   re-tokenised;
 4. right after an answer, while its prompt has free slots, the loop keeps a fork of the trajectory (a branch
    point). The next segment's first ``entropy_window`` tokens give H; the branch rule decides how many
    branches start from that point, each sampling with its own seed;
@@ -149,14 +152,18 @@ class AgenticRollout:
             raise ValueError(f"branching for n={settings.n} but sampling for n={params.n}")
         stops = tuple(dict.fromkeys((*params.stop, *self.format.stop_strings)))
         params = replace(params, n=1, stop=stops)
-        initial = [settings.initial_rollouts] * len(prompts)
+        initial, probed = [settings.initial_rollouts] * len(prompts), None
         if settings.dynamic_rollouts:
-            initial = self._probe(prompts, params, settings)
+            initial, probed = self._probe(prompts, params, settings)
         run = _Run(self, prompts, params, settings, params.seed)
+        if probed is not None:
+            run.stats.add_calls(probed)  # the probes' tool calls are the step's work; their responses are not
         return run.execute(initial)
 
-    def _probe(self, prompts: list[list[int]], params: SamplingParams, settings: BranchSettings) -> list[int]:
-        """AEPO's entropy pre-monitoring: one tool-using probe per prompt gives its number of global samples."""
+    def _probe(self, prompts: list[list[int]], params: SamplingParams,
+               settings: BranchSettings) -> tuple[list[int], RolloutStats]:
+        """AEPO's entropy pre-monitoring: one tool-using probe per prompt gives its number of global samples
+        (returned with the probes' stats)."""
         probe = _Run(self, prompts, params, BranchSettings(n=1, initial_rollouts=1), _seed(params.seed, _PROBE))
         probe.execute([1] * len(prompts))
         out = []
@@ -164,7 +171,7 @@ class AgenticRollout:
             h_root = t.h_init or 0.0
             h_tool = float(np.mean(t.tool_entropies)) if t.tool_entropies else h_root
             out.append(global_samples(settings.n, h_root, h_tool, settings.dynamic_rollout_beta))
-        return out
+        return out, probe.stats
 
 
 class _Run:
@@ -224,9 +231,9 @@ class _Run:
             answering = []
             for t, segment in zip(active, segments, strict=True):
                 self.take_segment(t, segment)
-                calls = self.loop.format.parse(
-                    self.loop.tokenizer.decode(segment.tokens, skip_special_tokens=True), segment.finish_reason)
-                if self.ends(t, segment, calls):
+                text = self.loop.tokenizer.decode(segment.tokens, skip_special_tokens=True)
+                calls = self.loop.format.parse(text, segment.finish_reason)
+                if self.ends(t, segment, text, calls):
                     continue
                 answering.append((t, calls))
             self.answer(answering)
@@ -261,9 +268,11 @@ class _Run:
             child.consecutive = t.consecutive
         self.session.release(point.seq)
 
-    def ends(self, t: Trajectory, segment: Segment, calls: list[ParsedCall]) -> bool:
+    def ends(self, t: Trajectory, segment: Segment, text: str, calls: list[ParsedCall]) -> bool:
         """Finish ``t`` when its segment calls no tool, calls beyond call_limit, or leaves no room for an answer."""
         if not calls:
+            if self.loop.format.unclosed(text):  # a call left open at eos or the budget: invalid, unanswered
+                self.stats.invalid_calls += 1
             self.finish(t, segment.finish_reason)
             return True
         if t.calls + len(calls) > self.loop.settings.call_limit:

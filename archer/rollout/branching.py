@@ -18,7 +18,7 @@ AEPO (arXiv 2510.14545), two switches:
   mean H after its tool answers); the prompt gets m = clip(int(n * sigmoid(beta * (H_root - H_tool))) + 1, 1, n)
   global samples (``dynamic_rollout_beta``, 0.5 in AEPO's code) and n - m slots for branches;
 - ``consecutive_branch_penalty`` c (0.05 in AEPO's code; 0 = off): P is multiplied by max(0, 1 - c * l), l the
-  number of consecutive branch points of the path, up to this one, that branched.
+  number of branch points right before this one on the path that branched in a row (this point not counted).
 """
 
 from __future__ import annotations

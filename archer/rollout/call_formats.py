@@ -8,10 +8,11 @@
   answers go back as ``tool`` messages rendered by the model's chat template, followed by the header of the
   next assistant turn.
 
-A format reads a finished segment into the calls it ends with (``parse``) and gives the text around the
-answers (``frame(k)``: k + 1 pieces, the answers go between them). The loop tokenises the pieces and the
-answers separately, so that it can cut an answer to the response budget in token space; the model's own
-tokens are never re-tokenised.
+A format reads a finished segment into the calls it ends with (``parse``), tells whether a segment that ends
+the response stops inside a call (``unclosed``: an opening tag without its closing tag) and gives the text
+around the answers (``frame(k)``: k + 1 pieces, the answers go between them). The loop tokenises the pieces
+and the answers separately, so that it can cut an answer to the response budget in token space; the model's
+own tokens are never re-tokenised.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class CallFormat(ABC):
     """Reads the calls out of a segment and frames their answers."""
 
     stop_strings: tuple[str, ...] = ()
+    call_tags: tuple[tuple[str, str], ...] = ()  # (opening, closing) tag of each kind of call
 
     @abstractmethod
     def parse(self, text: str, finish_reason: str) -> list[ParsedCall]:
@@ -52,6 +54,12 @@ class CallFormat(ABC):
     @abstractmethod
     def frame(self, count: int) -> list[str]:
         """``count + 1`` text pieces; the answers of ``count`` calls go between them, in call order."""
+
+    def unclosed(self, text: str) -> bool:
+        """Whether ``text`` stops inside a call: its last opening tag has no closing tag after it."""
+        start, closing = max(((text.rfind(opening), closing) for opening, closing in self.call_tags),
+                             default=(-1, ""))
+        return start >= 0 and closing not in text[start:]
 
 
 class ArpoTags(CallFormat):
@@ -62,6 +70,7 @@ class ArpoTags(CallFormat):
     def __init__(self, registry: ToolRegistry) -> None:
         self.registry = registry
         self.stop_strings = tuple(registry.stop_strings)
+        self.call_tags = tuple((f"<{tag}>", f"</{tag}>") for tag in registry.by_tag)
 
     def parse(self, text: str, finish_reason: str) -> list[ParsedCall]:
         if finish_reason != "stop":
@@ -99,6 +108,8 @@ class HermesCalls(CallFormat):
     """``<tool_call>{json}</tool_call>`` calls of an eos-ended assistant turn; answers as chat-template tool
     messages. The frame is cut out of the template's own rendering of placeholder messages, so any chat template
     that renders ``tool`` messages works (Qwen2.5/Qwen3 wrap them in ``<tool_response>`` of a user turn)."""
+
+    call_tags = (("<tool_call>", "</tool_call>"),)
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, *, chat_template: str | None = None,
                  template_kwargs: Mapping[str, Any] | None = None) -> None:

@@ -1,7 +1,8 @@
 """What the agentic loop did in one rollout call, and the step metrics it gives.
 
 The loop fills a ``RolloutStats`` per call; a training step that generates several batches (dynamic sampling)
-merges them, and ``metrics()`` gives, over every response generated in the step:
+merges them, and ``metrics()`` gives, over every response generated in the step (the tool-call counts also
+count the calls of AEPO's probes, ``add_calls``, whose responses are discarded and count nowhere else):
 
 - ``rollout/initial_rollouts``: global samples per prompt (mean; ARPO's ``initial_rollouts``, AEPO's m);
 - ``rollout/branches``: branches made (total), ``rollout/refills``: fresh samples added after the initial ones;
@@ -11,7 +12,8 @@ merges them, and ``metrics()`` gives, over every response generated in the step:
 - ``rollout/turns_mean``: segments the model wrote per response;
 - the tool metrics of archer.tools.tool_metrics (``tools/<name>/{calls, failures, mean_latency_s}``,
   ``tools/calls_per_response``, ``tools/call_limit_reached``) and ``tools/invalid_calls`` (calls that named no
-  configured tool or could not be read; they count toward call_limit).
+  configured tool or could not be read, answered with an error and counted toward call_limit; and calls left
+  unclosed when a response ended, never answered).
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ class RolloutStats:
                 if f.name != "tools":
                     setattr(out, f.name, getattr(out, f.name) + getattr(part, f.name))
         return out
+
+    def add_calls(self, other: RolloutStats) -> None:
+        """Count the tool calls of ``other`` (AEPO's probes, whose responses are discarded) in the tool
+        metrics; the per-response figures stay those of this record's responses."""
+        self.records += other.records
+        self.invalid_calls += other.invalid_calls
 
     def metrics(self) -> dict[str, float]:
         out = tool_metrics(self.records, tools=self.tools, calls_per_response=self.calls_per_response,

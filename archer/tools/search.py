@@ -5,14 +5,15 @@
 - ``backend: http``: a retriever server with Search-R1's API: ``POST url`` with ``{"queries": [q], "topk": k,
   "return_scores": true}`` answered by ``{"result": [[{"document": {"contents": "\\"Title\\"\\ntext"}, ...}]]}``.
 
-Results read ``Page 1: ...\\nPage 2: ...`` (``top_k`` pages, each cut to ``result_length`` characters), or
-``No search results found.``. An in-memory LRU (``memory_cache_size``) answers repeated queries; with
-``cache_file`` set, the cache file is consulted before the bm25/http back end and, when
+Results read ``Page 1: ...\\nPage 2: ...`` (``top_k`` pages, each cut to ``result_length`` characters, cached
+results alike), or ``No search results found.``. An in-memory LRU (``memory_cache_size``) answers repeated
+queries; with ``cache_file`` set, the cache file is consulted before the bm25/http back end and, when
 ``cache_writable``, receives each new result (write-through).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from archer.errors import ArcherError
@@ -22,6 +23,8 @@ from archer.tools.search_cache import MemoryCache, SearchCacheFile
 
 BACKENDS = ("cache", "bm25", "http")
 NO_RESULTS = "No search results found."
+_PAGE_START = re.compile(r"\n(?=Page \d+: )")
+_PAGE = re.compile(r"(Page \d+: )(.*)", re.DOTALL)
 
 
 def format_pages(passages: list[Passage], result_length: int) -> str:
@@ -33,10 +36,15 @@ def format_pages(passages: list[Passage], result_length: int) -> str:
     return "\n".join(pages) if pages else NO_RESULTS
 
 
-def first_pages(text: str, top_k: int) -> str:
-    """A cached result cut to its first ``top_k`` pages."""
-    cut = text.find(f"\nPage {top_k + 1}: ")
-    return text if cut < 0 else text[:cut]
+def cut_pages(text: str, top_k: int, result_length: int) -> str:
+    """A cached result cut as ``format_pages`` cuts a fresh one: its first ``top_k`` pages, each page's text
+    to ``result_length`` characters (a text without pages, such as ``No search results found.``, as it is)."""
+    return "\n".join(_cut_page(page, result_length) for page in _PAGE_START.split(text)[:top_k])
+
+
+def _cut_page(page: str, result_length: int) -> str:
+    match = _PAGE.fullmatch(page)
+    return page if match is None else match[1] + match[2][:result_length]
 
 
 def _passage_of(document: dict[str, Any]) -> Passage:
@@ -103,7 +111,7 @@ class SearchTool(Tool):
             if self.cache is not None and self.cache.writable:
                 self.cache.put(query, hit)
         self.memory.put(query, hit)
-        return ToolResult(first_pages(hit, self.top_k))
+        return ToolResult(cut_pages(hit, self.top_k, self.result_length))
 
     def close(self) -> None:
         if isinstance(self.retriever, HTTPRetriever):

@@ -308,8 +308,9 @@ def branch_tree(arrays: Arrays, uid: str) -> pd.DataFrame:
     response right after the one it branched from, its branches by branch position):
 
     row, sample_index, parent (the sample_index it branched from, -1 for a root), parent_row, branch_position
-    (its first token of its own, -1 for a root), branch_entropy (the entropy at that token: the distribution it
-    and its parent both sampled from there), depth, branches (responses that branched from it), length (its
+    (its first token of its own, -1 for a root), branch_token_entropy (the traced entropy of that one token,
+    in nats: the distribution it and its parent both sampled from there; not the windowed, normalised H the
+    branching rule compares), depth, branches (responses that branched from it), length (its
     tokens, tool output included), tool_tokens, reward, num_tool_calls, finish_reason (the last three when the
     trace has them). Without ``branch_parent`` (a run without tools), or when a parent is not an earlier response
     of the group, a response is a root.
@@ -342,7 +343,7 @@ def branch_tree(arrays: Arrays, uid: str) -> pd.DataFrame:
         "parent": [sample[parent_row[r]] if parent_row[r] >= 0 else -1 for r in ordered],
         "parent_row": [parent_row[r] for r in ordered],
         "branch_position": [position[r] for r in ordered],
-        "branch_entropy": [float(arrays["entropies"][r, position[r]]) if position[r] >= 0 else np.nan
+        "branch_token_entropy": [float(arrays["entropies"][r, position[r]]) if position[r] >= 0 else np.nan
                            for r in ordered],
         "depth": [d for _, d in order],
         "branches": [len(children.get(r, [])) for r in ordered],

@@ -201,9 +201,10 @@ def branch_tree_svg(tree: pd.DataFrame, marks: dict[int, tuple[np.ndarray, np.nd
     """One prompt's responses (``queries.branch_tree``) as an SVG tree: a lane per response along token
     positions, from its branch point (a root from 0) to its end; tool output grey and tool calls purple on it
     (``marks``: row -> (tool, tool_call) per position); at each branch point a dot on the parent's lane coloured
-    by the entropy there (``vmax`` as in the heatmaps) and labelled with it; at each end a dot coloured by the
-    reward (``reward_colour``) and the reward, tool calls and finish reason. Every mark of a response is in a
-    ``<g class="archer-tree-node" data-row=ROW>``; ``selected`` is highlighted."""
+    by the token entropy there (``branch_token_entropy``; ``vmax`` as in the heatmaps) and labelled with
+    it; at each end a dot coloured by the reward (``reward_colour``) and the reward, tool calls and finish
+    reason. Every mark of a response is in a ``<g class="archer-tree-node" data-row=ROW>``; ``selected`` is
+    highlighted."""
     n = len(tree)
     longest = max(int(tree["length"].max()) if n else 0, 1)
     span = TREE_WIDTH - TREE_LEFT - TREE_RIGHT
@@ -233,8 +234,9 @@ def branch_tree_svg(tree: pd.DataFrame, marks: dict[int, tuple[np.ndarray, np.nd
         start, end = max(int(record["branch_position"]), 0), int(record["length"])
         tool, call = marks.get(row, (np.zeros(0, bool), np.zeros(0, bool)))
         summary = _lane_summary(record, reward)
-        origin = (f"branched from #{record['parent']} (row {record['parent_row']}) at position {start}, entropy "
-                  f"{_number(record['branch_entropy'])} there" if record["parent_row"] >= 0 else "a global sample")
+        origin = (f"branched from #{record['parent']} (row {record['parent_row']}) at position {start}, "
+                  f"token entropy {_number(record['branch_token_entropy'])} there"
+                  if record["parent_row"] >= 0 else "a global sample")
         title = html.escape(f"#{record['sample_index']} · row {row} · {origin} · {end} tokens "
                             f"({record['tool_tokens']} of tool output) · {summary}")
         top = y - TREE_LANE // 2
@@ -253,19 +255,22 @@ def branch_tree_svg(tree: pd.DataFrame, marks: dict[int, tuple[np.ndarray, np.nd
             f'<text x="{TREE_WIDTH - TREE_RIGHT + 14}" y="{y + 4}">{html.escape(summary)}</text></g>')
         if record["parent_row"] >= 0:
             joint = lane[int(record["parent_row"])]
-            entropy = float(record["branch_entropy"])
+            entropy = float(record["branch_token_entropy"])
             branch_marks.append(
                 f'<g class="archer-tree-node" data-row="{row}"><title>{title}</title>'
                 f'<line x1="{x(start)}" y1="{joint}" x2="{x(start)}" y2="{y}" stroke="#888" stroke-dasharray="3 2"/>'
                 f'<circle class="archer-tree-branch" cx="{x(start)}" cy="{joint}" r="5" stroke="#000" '
                 f'fill="{entropy_colour(entropy, vmax)}" data-entropy="{_number(entropy)}"/>'
-                f'<text x="{x(start) + 6}" y="{joint - 7}" font-size="10">H {entropy:.3g}</text></g>')
+                f'<text x="{x(start) + 6}" y="{joint - 7}" font-size="10">token entropy {entropy:.3g}</text>'
+                '</g>')
     parts += branch_marks  # drawn last: on top of the lanes they join
     parts.append("</svg>")
-    legend = ("Each line is one response along its token positions, from where it branched off (dashed, from the "
-              "dot on its parent's line, coloured and labelled by the entropy there in nats) to its end (the dot "
-              "coloured by its reward: red the group's lowest, amber half way or all equal, green its highest). "
-              "Grey: tool output; purple: tool calls. Click a response to open it.")
+    legend = ("Each line is one response along its token positions, from where it branched off (dashed, "
+              "from the dot on its parent's line, coloured and labelled by the token entropy at the branch "
+              "point: that of the branch's first token, in nats, not the windowed, normalised H the "
+              "branching rule uses) to its end (the dot coloured by its reward: red the group's lowest, "
+              "amber half way or all equal, green its highest). Grey: tool output; purple: tool calls. "
+              "Click a response to open it.")
     return f'{TREE_CSS}<div class="archer-tree"><div class="archer-legend">{legend}</div>{"".join(parts)}</div>'
 
 
