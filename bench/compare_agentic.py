@@ -45,11 +45,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -61,16 +59,13 @@ from compare_algorithms import (
     build_base,
     cell,
     curve,
-    device_name,
     failures,
     run_stage,
-    shared_overrides,
+    start_comparison,
     step_means,
     write_outputs,
 )
-from rich.console import Console
 
-from archer.cli import quiet_libraries
 from archer.errors import ArcherError
 from archer.trainer.plots import read_series
 from archer.trainer.quickstart import DEFAULT_ALGORITHM_OVERRIDES, RECIPES, TOOL_TASK
@@ -241,18 +236,7 @@ def main() -> int:
     parser.add_argument("--test-freq", type=int, default=2, help="validate every N steps (and at the last)")
     args = parser.parse_args()
     methods = parse_methods(args.methods)
-    if args.steps < 1 or args.test_freq < 1:
-        raise ArcherError(f"--steps {args.steps} and --test-freq {args.test_freq} must be at least 1",
-                          "pass positive integers, e.g. --steps 20 --test-freq 2")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    quiet_libraries()
-    console = Console()
-    meta: dict[str, Any] = {
-        "device": device_name(args.device), "date": time.strftime("%Y-%m-%d"),
-        "command": "python " + shlex.join(sys.argv), "seed": args.seed, "steps": args.steps,
-        "test_freq": args.test_freq, "methods": {name: METHODS[name] for name in methods},
-        "shared_overrides": shared_overrides(args, RECIPE.rl_overrides)}
-    args.out.mkdir(parents=True, exist_ok=True)
+    console, meta = start_comparison(args, RECIPE.rl_overrides, methods={name: METHODS[name] for name in methods})
 
     console.rule(f"[bold]base: {RECIPE.task} data, tiny model, supervised warm start")
     with sampled_load() as load:

@@ -277,6 +277,23 @@ def device_name(device: str) -> str:
     return torch.cuda.get_device_name(resolved) if resolved.type == "cuda" else "CPU"
 
 
+def start_comparison(args: argparse.Namespace, rl_overrides: Sequence[str] = RL_OVERRIDES,
+                     **more: Any) -> tuple[Console, dict[str, Any]]:
+    """Checks --steps / --test-freq, quiets the libraries, makes --out; the console and the run's record (device,
+    date, command, seed, steps, the overrides every run shares, and ``more``)."""
+    if args.steps < 1 or args.test_freq < 1:
+        raise ArcherError(f"--steps {args.steps} and --test-freq {args.test_freq} must be at least 1",
+                          "pass positive integers, e.g. --steps 20 --test-freq 2")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    quiet_libraries()
+    meta: dict[str, Any] = {
+        "device": device_name(args.device), "date": time.strftime("%Y-%m-%d"),
+        "command": "python " + shlex.join(sys.argv), "seed": args.seed, "steps": args.steps,
+        "test_freq": args.test_freq, **more, "shared_overrides": shared_overrides(args, rl_overrides)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    return Console(), meta
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -288,17 +305,7 @@ def main() -> int:
     parser.add_argument("--test-freq", type=int, default=5, help="validate every N steps (and at the last)")
     args = parser.parse_args()
     presets = parse_presets(args.presets)
-    if args.steps < 1 or args.test_freq < 1:
-        raise ArcherError(f"--steps {args.steps} and --test-freq {args.test_freq} must be at least 1",
-                          "pass positive integers, e.g. --steps 40 --test-freq 5")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    quiet_libraries()
-    console = Console()
-    meta: dict[str, Any] = {
-        "device": device_name(args.device), "date": time.strftime("%Y-%m-%d"),
-        "command": "python " + shlex.join(sys.argv), "seed": args.seed, "steps": args.steps,
-        "test_freq": args.test_freq, "shared_overrides": shared_overrides(args)}
-    args.out.mkdir(parents=True, exist_ok=True)
+    console, meta = start_comparison(args)
 
     console.rule("[bold]base: task data, tiny model, supervised warm start")
     meta["base"] = build_base(args.out / "base", args.seed, args.device, console)

@@ -27,8 +27,9 @@ def cag():
 
 def method_config(cag, name: str):
     args = argparse.Namespace(steps=3, test_freq=1, device="cpu", seed=5)
+    shared_overrides = importlib.import_module("compare_algorithms").shared_overrides  # beside compare_agentic
     return load_config("ppo_trainer", [*cag.METHODS[name], "actor_rollout_ref.model.path=m", "data.train_files=t",
-                                       *cag.shared_overrides(args, cag.RECIPE.rl_overrides)])
+                                       *shared_overrides(args, cag.RECIPE.rl_overrides)])
 
 
 def test_every_method_has_the_task_budget_and_only_arpo_aepo_branch(cag) -> None:
