@@ -43,6 +43,12 @@ def config(*overrides: str):
     ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", 0),
     ("critic.forward_max_token_len_per_gpu", 0),
     ("actor_rollout_ref.actor.logprob_chunk_size", 0),  # null: the automatic chunk
+    ("actor_rollout_ref.rollout.response_length", 0),  # was "max_new_tokens=0", after the model loaded
+    ("actor_rollout_ref.rollout.prompt_length", 0),
+    ("actor_rollout_ref.rollout.max_num_seqs", 0),  # the fast engine refused these only after the model loaded
+    ("actor_rollout_ref.rollout.max_num_batched_tokens", -1),
+    ("actor_rollout_ref.rollout.max_model_len", 0),  # was read as null (prompt_length + response_length)
+    ("actor_rollout_ref.rollout.max_model_len", -4),  # null: prompt_length + response_length
 ])
 def test_a_count_below_one_is_refused_naming_its_key(key: str, value: int) -> None:
     with pytest.raises(ArcherError) as err:
@@ -61,7 +67,8 @@ def test_a_nullable_count_must_still_be_an_integer() -> None:
 def test_defaults_and_set_counts_pass() -> None:
     check_config(config())
     check_config(config("data.val_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-                        "actor_rollout_ref.rollout.n=1", "trainer.total_training_steps=1"))
+                        "actor_rollout_ref.rollout.n=1", "trainer.total_training_steps=1",
+                        "actor_rollout_ref.rollout.max_model_len=1024"))
     cfg = config()
     assert all(OmegaConf.select(cfg, key) is None for key in NULLABLE_COUNT_KEYS)
     assert all(OmegaConf.select(cfg, key) >= 1 for key in COUNT_KEYS)

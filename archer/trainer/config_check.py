@@ -32,6 +32,10 @@ COUNT_KEYS = (
     "actor_rollout_ref.rollout.n",
     "actor_rollout_ref.rollout.val_kwargs.n",
     "actor_rollout_ref.rollout.max_batch_size",
+    "actor_rollout_ref.rollout.prompt_length",  # the engine-facing lengths and sizes
+    "actor_rollout_ref.rollout.response_length",
+    "actor_rollout_ref.rollout.max_num_seqs",
+    "actor_rollout_ref.rollout.max_num_batched_tokens",
     "critic.ppo_mini_batch_size",
     "critic.ppo_epochs",
     "critic.ppo_max_token_len_per_gpu",
@@ -39,7 +43,7 @@ COUNT_KEYS = (
     "trainer.total_epochs",
 )
 # The same for keys whose null means "use another size" (the whole batch, train_batch_size, the epochs, the
-# automatic chunk size).
+# automatic chunk size, prompt_length + response_length).
 NULLABLE_COUNT_KEYS = (
     "data.gen_batch_size",
     "data.val_batch_size",
@@ -50,6 +54,7 @@ NULLABLE_COUNT_KEYS = (
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+    "actor_rollout_ref.rollout.max_model_len",
     "critic.ppo_micro_batch_size",
     "critic.ppo_micro_batch_size_per_gpu",
     "critic.forward_micro_batch_size",
