@@ -3,7 +3,9 @@
 A reader (or a run killed at any moment) sees the old file or the new one, never a mix. With ``fsync`` the
 data and the directory entry are on disk before the function returns. Temporary files start with ``.tmp-``
 so that their owners can clean up what a crash left. A replaced file gets the permissions of a file made with
-open() (0666 less the umask), like every other file of a run, not mkstemp's private 0600.
+open() (0666 less the umask), like every other file of a run, not mkstemp's private 0600; a staging folder
+(built whole, then renamed into place) those of a folder made with mkdir (0777 less the umask), not mkdtemp's
+0700.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ def _read_umask() -> int:
     return mask
 
 
-FILE_MODE = 0o666 & ~_read_umask()  # read once at import: os.umask cannot be read without setting it
+_UMASK = _read_umask()  # read once at import: os.umask cannot be read without setting it
+FILE_MODE = 0o666 & ~_UMASK
+DIR_MODE = 0o777 & ~_UMASK
 
 
 def fsync_dir(path: Path) -> None:
@@ -52,6 +56,15 @@ def replace_atomically(path: Path, write: Callable[[BinaryIO], object], *, fsync
         raise
     if fsync:
         fsync_dir(path.parent)
+
+
+def make_staging_dir(target: Path) -> Path:
+    """A new empty folder beside ``target`` (``.tmp-<name>-XXXX``) with the mode of an ordinary folder, to be
+    filled and then renamed to ``target``."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{target.name}-", dir=target.parent))
+    os.chmod(staging, DIR_MODE)
+    return staging
 
 
 def write_text_atomically(path: Path, text: str, *, fsync: bool = True) -> None:

@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from archer.atomic_files import TMP_PREFIX, replace_atomically, write_json_atomically, write_text_atomically
+from archer.atomic_files import (
+    TMP_PREFIX,
+    make_staging_dir,
+    replace_atomically,
+    write_json_atomically,
+    write_text_atomically,
+)
 
 
 def mode_of(path: Path) -> int:
@@ -27,6 +33,19 @@ def test_replaced_files_get_the_mode_of_an_ordinary_file(tmp_path: Path) -> None
     os.umask(umask)
     if not umask & 0o044:  # others may read a run's files: so may they read the replaced ones (not mkstemp's 0600)
         assert mode_of(atomic) & 0o044 == 0o044
+
+
+def test_a_staging_folder_gets_the_mode_of_an_ordinary_folder(tmp_path: Path) -> None:
+    ordinary = tmp_path / "ordinary"
+    ordinary.mkdir()
+    staging = make_staging_dir(tmp_path / "sub" / "index")
+    assert staging.parent == tmp_path / "sub" and staging.name.startswith(f"{TMP_PREFIX}index-")
+    assert list(staging.iterdir()) == []
+    assert mode_of(staging) == mode_of(ordinary)
+    umask = os.umask(0)
+    os.umask(umask)
+    if not umask & 0o055:  # others may list an ordinary folder: so may they list a staged one (not mkdtemp's 0700)
+        assert mode_of(staging) & 0o055 == 0o055
 
 
 def test_json_is_written_whole_and_tmp_files_are_gone(tmp_path: Path) -> None:

@@ -126,6 +126,8 @@ def test_build_index_reads_parquet_and_replaces_an_old_index(tmp_path: Path) -> 
     assert build_index(corpus, out, show_progress=False) == 3
     assert BM25Index(out).search("Nile river", 5) == [Passage("Nile", CORPUS[4]["text"])]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.parquet", "index"]  # no staging leftovers
+    (tmp_path / "ordinary").mkdir()
+    assert out.stat().st_mode == (tmp_path / "ordinary").stat().st_mode  # not mkdtemp's 0700
 
 
 def test_build_index_cli_prints_the_result_and_rejects_a_corpus_without_text(tmp_path: Path, capsys) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +43,13 @@ def test_save_commits_directory_marker_and_latest(tmp_path: Path) -> None:
     assert _visible(tmp_path / "ckpt") == ["global_step_3", "latest"]
     assert manager.latest_step() == 3
     assert manager.load_dir(3) == path
+
+
+def test_a_checkpoint_folder_gets_the_mode_of_an_ordinary_folder(tmp_path: Path) -> None:
+    ordinary = tmp_path / "ordinary"
+    ordinary.mkdir()
+    path = CheckpointManager(tmp_path / "ckpt").save(1, _writer("one"))  # was 0700 (mkdtemp's), its files 0644
+    assert stat.S_IMODE(path.stat().st_mode) == stat.S_IMODE(ordinary.stat().st_mode)
 
 
 def test_keep_all_when_max_to_keep_is_none_or_not_positive(tmp_path: Path) -> None:

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from archer.atomic_files import write_json_atomically
+from archer.atomic_files import TMP_PREFIX, make_staging_dir, write_json_atomically
 from archer.errors import ArcherError
 
 STOPWORDS = "en"
@@ -71,14 +70,13 @@ def build_index(corpus: Path, out: Path, *, show_progress: bool = True) -> int:
     tokens = bm25s.tokenize([_document(r) for r in records], stopwords=STOPWORDS, show_progress=show_progress)
     retriever = bm25s.BM25()
     retriever.index(tokens, show_progress=show_progress)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    staging = make_staging_dir(out)
     try:
         retriever.save(staging, corpus=records, show_progress=show_progress)
         write_json_atomically(staging / META_FILE, {"format": 1, "passages": len(records),
                                                     "corpus": str(corpus.resolve()), "stopwords": STOPWORDS})
         if out.exists():
-            old = out.with_name(f".tmp-{out.name}-old")
+            old = out.with_name(f"{TMP_PREFIX}{out.name}-old")
             out.rename(old)
             staging.rename(out)
             shutil.rmtree(old)

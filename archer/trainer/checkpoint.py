@@ -18,7 +18,6 @@ import os
 import random
 import re
 import shutil
-import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from archer.atomic_files import TMP_PREFIX, fsync_dir, write_text_atomically
+from archer.atomic_files import TMP_PREFIX, fsync_dir, make_staging_dir, write_text_atomically
 from archer.errors import ArcherError
 
 COMPLETE_MARKER = "COMPLETE"
@@ -107,7 +106,7 @@ class CheckpointManager:
             raise ValueError(f"checkpoint step must be >= 0, got {step}")
         self.root.mkdir(parents=True, exist_ok=True)
         self._recover_leftovers()
-        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}global_step_{step}-", dir=self.root))
+        tmp = make_staging_dir(self.step_dir(step))
         try:
             write(tmp)
             _fsync_tree(tmp)
