@@ -1,9 +1,13 @@
 """The RL trainer's data, built from its ``data`` config: tokenizer, train and validation sets, prompt loader.
 
-Every ``data.*`` key that decides what the trainer reads is consumed here and nowhere else: ``tokenizer``,
-``train_files``, ``val_files``, ``prompt_key``, ``reward_fn_key``, ``require_ground_truth``,
-``max_prompt_length``, ``truncation``, ``filter_overlong_prompts``, ``apply_chat_template_kwargs``,
-``train_batch_size`` / ``gen_batch_size`` (prompts per loader batch), ``shuffle`` and ``seed``.
+The tokenizer, the datasets and the loader are built here, from ``tokenizer``, ``train_files``, ``val_files``,
+``prompt_key``, ``reward_fn_key``, ``require_ground_truth``, ``max_prompt_length``, ``truncation``,
+``filter_overlong_prompts``, ``apply_chat_template_kwargs``, ``train_batch_size`` / ``gen_batch_size`` (prompts
+per loader batch), ``shuffle`` and ``seed``. The trainer (archer.trainer.ppo) reads ``data.*`` keys for its
+own jobs too: ``train_batch_size`` (the prompts dynamic sampling collects), ``val_batch_size`` (prompts per
+validation batch), ``reward_fn_key`` (the reward manager's routing), ``max_response_length`` (the overlong
+buffer, the clip-ratio metric) and the file lists (the run summary); it hands ``apply_chat_template_kwargs`` to
+the ActorWorker, whose rollout renders the tool messages of multi_turn.format=hermes with them.
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ _SUMMARY_FIELDS = ("format_version", "kind", "created_at", "updated_at", "latest
 # Fields of a step file: name -> (dtype, shape description). Both kinds share the first block.
 RESPONSE_FIELDS = {
     "entropies": ("float16", "[num_responses, response_len] entropy of each response token (old policy)"),
-    "response_mask": ("bool", "[num_responses, response_len] True where a real response token is"),
+    "response_mask": ("bool", "[num_responses, response_len] True on the tokens the policy wrote and learns "
+                      "from (and an eos appended at call_limit); False on padding and tool output"),
     "responses": ("int32", "[num_responses, response_len] response token ids"),
     "response_index": ("int32", "[num_responses] row of the response in the step's batch"),
     "prompt_length": ("int32", "[num_responses] number of real prompt tokens"),
