@@ -2,7 +2,7 @@
 
 Every command turns an ArcherError into one clear message and exit status 2, without a traceback.
 ``archer train --help`` and ``archer sft --help`` list the main config keys with their defaults (read
-from the YAML); ``--cfg job`` prints the resolved config and exits without running, as in Hydra.
+from the YAML); ``--cfg job`` checks the resolved config, prints it and exits without running, as in Hydra.
 """
 
 from __future__ import annotations
@@ -104,6 +104,9 @@ def _sft(args: argparse.Namespace) -> None:
 
     cfg = load_config("sft_trainer", args.overrides)
     if args.cfg:
+        from archer.trainer.sft import check_sft_config
+
+        check_sft_config(cfg)
         _print_config(cfg)
         return
     from archer.trainer.sft import run_sft
@@ -174,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=config_help("sft_trainer", SFT_HELP_KEYS),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="key=value, e.g. model.partial_pretrain=DIR data.train_files=F")
-    p.add_argument("--cfg", choices=["job"], help="print the resolved config (as YAML) and exit")
+    p.add_argument("--cfg", choices=["job"], help="print the resolved config (checked, as YAML) and exit")
     p.set_defaults(func=_sft)
 
     p = sub.add_parser("data", help="generate a built-in task's train/val/sft parquet files")

@@ -129,6 +129,14 @@ def test_cfg_job_prints_the_resolved_config_and_runs_nothing(tmp_path: Path) -> 
     assert sft.returncode == 0 and OmegaConf.create(sft.stdout).model.partial_pretrain == "/no/model"
 
 
+def test_sft_cfg_job_checks_the_config_before_printing_it() -> None:
+    """As `archer train --cfg job`: a value sft cannot train with is refused, nothing printed (it printed it)."""
+    bad = run_archer("sft", "--cfg", "job", "data.train_files=s.parquet", "model.partial_pretrain=/no/model",
+                     "data.micro_batch_size_per_gpu=0")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.startswith("archer: error: data.micro_batch_size_per_gpu must be positive")
+
+
 def test_train_reads_a_non_default_prompt_key_and_reward_fn_key(micro_model: Path, task_files: dict[str, Path],
                                                                 tmp_path: Path) -> None:
     """A verl script's data.prompt_key=question (and data.reward_fn_key) end to end through `archer train`."""

@@ -47,7 +47,7 @@ PLOT_GROUPS = {"loss": ["train/loss", "val/loss"], "token_acc": ["val/token_acc"
 
 def run_sft(cfg: DictConfig) -> Path:
     """Train as ``cfg`` (archer/config/sft_trainer.yaml) says; return ``<default_local_dir>/hf_model``."""
-    _check_config(cfg)
+    check_sft_config(cfg)
     started = time.perf_counter()
     set_seed(cfg.trainer.seed)
     device = pick_device(cfg.trainer.device)
@@ -91,7 +91,8 @@ def _train(model: PreTrainedModel, loader: DataLoader, val_set: SFTDataset | Non
     return last
 
 
-def _check_config(cfg: DictConfig) -> None:
+def check_sft_config(cfg: DictConfig) -> None:
+    """Values of an SFT config that cannot train, reported before any data or model loads."""
     checks = [
         (cfg.data.train_batch_size > 0, "data.train_batch_size must be positive", "e.g. data.train_batch_size=32"),
         (cfg.data.micro_batch_size_per_gpu > 0, "data.micro_batch_size_per_gpu must be positive",
