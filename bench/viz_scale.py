@@ -170,7 +170,7 @@ def main() -> None:
                                                     download))
     from archer.viz import queries, render
 
-    tokens = queries.token_table(explorer.step_data(step).arrays, row, explorer.decode)
+    tokens = queries.token_table(explorer.step_data(step).arrays, row, explorer.decode, tags=explorer.call_tags)
     record("  of which: entropy heatmap HTML alone", lambda: render.heatmap_html(tokens, vmax=1.0))
     record("  of which: CSV text alone", lambda: queries.view_csv(tokens, step, row))
     record("top-K tokens (K=20, highest and lowest)",

@@ -295,6 +295,36 @@ def test_a_hermes_turn_that_ends_inside_an_unclosed_tool_call_counts_an_invalid_
     assert out.num_tool_calls == [0] and out.stats.metrics()["tools/invalid_calls"] == 1.0
 
 
+def test_an_unclosed_tool_call_after_a_hermes_turns_closed_calls_counts_an_invalid_call():
+    tool = Echo()
+    closed = hermes_call(arguments={"code": "ab"}) + " " + hermes_call(arguments={"code": "cd"})
+
+    def answers(turn: str):
+        def script(state, session):
+            return Turn(turn, eos=True) if state.turns == 0 else Turn("done", eos=True)
+        out = hermes_loop(script, tool, chat_template=GROUPING_TEMPLATE, budget=600).generate(
+            [enc("q")], SamplingParams(n=1, seed=0), None)
+        text = TOK.decode(present(out, 0))
+        return out, text[text.index("<|im_end|>"):]
+
+    out, tail = answers(closed + ' <tool_call>\n{"name": "python", "arguments": {"code": "ef')
+    assert tool.calls == ["ab", "cd"]  # the closed calls run and are answered, the unclosed one is not
+    assert tail == ("<|im_end|>\n<|im_start|>user\n<tool_response>\nba\n</tool_response>\n<tool_response>\ndc\n"
+                    "</tool_response><|im_end|>\n<|im_start|>assistant\ndone<|im_end|>")
+    assert out.num_tool_calls == [2] and out.num_turns == [2] and out.finish_reasons == ["eos"]
+    metrics = out.stats.metrics()
+    assert metrics["tools/invalid_calls"] == 1.0 and metrics["tools/python/calls"] == 2.0
+    out, same_tail = answers(closed)  # the closed calls alone: answered alike, nothing invalid
+    assert same_tail == tail and out.stats.invalid_calls == 0 and tool.calls == ["ab", "cd"] * 2
+
+
+def test_an_arpo_call_whose_code_holds_another_tools_opening_tag_is_valid():
+    tool = Echo(answer="ok")
+    out = run(arpo_loop(calls_then_answer(1, '<python>print("<search>")</python>'), tool,
+                        Echo("search", trigger_tag="search")))
+    assert tool.calls == ['print("<search>")'] and out.num_tool_calls == [1] and out.stats.invalid_calls == 0
+
+
 def test_hermes_turn_without_a_call_ends_the_response():
     out = hermes_loop(lambda s, _: Turn("no tools", eos=True)).generate([enc("q")], SamplingParams(n=2, seed=0), None)
     assert out.finish_reasons == ["eos", "eos"] and out.tool_mask.sum() == 0 and out.num_tool_calls == [0, 0]

@@ -185,6 +185,7 @@ def check_tool_trace(trace: Path) -> None:
     from archer.viz.explorer import Explorer
 
     reader = TraceReader(trace)
+    assert reader.summary["call_tags"] == [["<python>", "</python>"], ["<search>", "</search>"]]  # the run's tools
     branches = 0
     for step in reader.steps():
         arrays = reader.load_step(step)

@@ -18,6 +18,7 @@ from archer.models.loading import load_tokenizer
 from archer.rewards.extras import REWARD_EXTRAS
 from archer.trace.entropy import EntropyTrace, response_arrays, step_stats
 from archer.trace.format import TraceReader, check_step_arrays
+from archer.viz import queries
 
 # Entropies of the three rows (response width 3). Valid tokens (RESPONSE_MASK [[1,1,0],[1,1,1],[1,0,0]]):
 # 1.0, 2.0 | 0.5, 0.25, 4.0 | 3.0, all exact in float16; 0.1 and 1/3 sit on padding and get rounded.
@@ -201,6 +202,7 @@ def test_entropy_trace_writes_under_the_run_with_the_tokenizer(tmp_path: Path, t
     assert summary["model_path"] == str(tiny_model_dir) and summary["run_dir"] == str(run_dir)
     assert summary["algorithm"] == "gae" and summary["loss_mode"] == "vanilla" and summary["rollout_n"] == 1
     assert summary["write_every"] == 1 and summary["tokenizer"] == "tokenizer"
+    assert "call_tags" not in summary  # a run without tools
     saved = load_tokenizer(trace_dir / "tokenizer")
     text = "Question: what is 3 + 5? Answer: 8."
     assert saved(text)["input_ids"] == tokenizer(text)["input_ids"]
@@ -225,6 +227,14 @@ def test_entropy_trace_writes_under_the_run_with_the_tokenizer(tmp_path: Path, t
     for name, value in step_stats(expected).items():
         assert entry[name] == pytest.approx(value, abs=1e-12), name
     assert (trace_dir / "latest_step.txt").read_text() == "1\n"
+
+
+def test_entropy_trace_records_the_tags_of_the_runs_tool_calls(tmp_path: Path, tiny_model_dir: Path) -> None:
+    run_dir = tmp_path / "run"
+    EntropyTrace(trace_config(tiny_model_dir, run_dir), run_dir, None, (("<calc>", "</calc>"), ("<py>", "</py>")))
+    summary = TraceReader(run_dir / "entropy_trace").summary
+    assert summary["call_tags"] == [["<calc>", "</calc>"], ["<py>", "</py>"]]
+    assert queries.call_tags(summary) == (("<calc>", "</calc>"), ("<py>", "</py>"))  # what the explorer marks
 
 
 def test_entropy_trace_honours_output_dir_and_write_every(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -186,6 +186,33 @@ def test_a_tool_run_shows_its_tool_output_greyed_and_its_calls(tool_explorer, to
     assert body.count('class="archer-tok archer-tok--tool"') == int(arrays["tool_mask"][:4].sum())
 
 
+def test_the_calls_marked_are_those_of_the_tags_the_trace_records(tmp_path, tokenizer) -> None:
+    # a custom tool whose trigger tag is calc; the <python> block after its answer is plain text in this run
+    ids, tool = [], []
+    for text, is_tool in (("<calc>1+1</calc>", False), (" <result>\n2\n</result>", True),
+                          (" <python>x</python>", False), (" The answer is 2.", False)):
+        piece = tokenizer.encode(text, add_special_tokens=False)
+        ids, tool = ids + piece, tool + [is_tool] * len(piece)
+    tool_mask = np.array([tool])
+    arrays = {"entropies": np.ones(tool_mask.shape, np.float16), "response_mask": ~tool_mask,
+              "responses": np.array([ids], np.int32), "response_index": np.zeros(1, np.int32), "tool_mask": tool_mask}
+
+    def calls(metadata: dict) -> str:
+        trace = tmp_path / f"trace{len(metadata)}"
+        TraceWriter(trace, kind="entropy", metadata=metadata, tokenizer=tokenizer).write_step(
+            1, arrays, trace_support.manifest_stats(arrays))
+        result = Explorer(trace).response(1, 0)
+        assert result.entropy_html.count("archer-tok archer-tok--call") == result.view["tool_call"].sum()
+        return "".join(result.view["token"][result.view["tool_call"]])
+
+    assert calls({"call_tags": [["<calc>", "</calc>"]]}) == "<calc>1+1</calc>"
+    assert calls({}) == "<python>x</python>"  # a trace that records no tags: the built-in tools' calls
+    bad = tmp_path / "bad"
+    TraceWriter(bad, kind="entropy", metadata={"call_tags": ["calc"]})
+    with pytest.raises(ArcherError, match="call_tags"):
+        Explorer(bad)
+
+
 def test_the_branch_tree_of_a_prompt(tool_explorer, tokenizer) -> None:
     arrays = trace_support.tool_step_arrays(tokenizer, 2)
     assert tool_explorer.prompt_choices(2) == [("t2-g0 · 4 responses, 2 branches", "t2-g0"),

@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from archer.errors import ArcherError
 from archer.viz import queries
 
 VOCAB = {0: "<pad>", 10: " the", 11: "cat", 12: "\n", 13: "The", 14: "a", 15: "\t", 16: "THE end", 20: "<python>",
@@ -313,6 +314,31 @@ def test_call_tokens_are_the_tagged_blocks_the_model_wrote() -> None:
     assert queries.call_tokens([], np.zeros(0, bool)).tolist() == []
 
 
+def test_call_tokens_are_the_calls_of_the_runs_own_tags() -> None:
+    # a custom tool (trigger tag calc): its call, the tool output, then a <python> block that is no call in this run
+    texts = ["<calc>", "1+1", "</calc>", " <result>", "2", "</result>", " <python>", "x", "</python>"]
+    written = np.array([1, 1, 1, 0, 0, 0, 1, 1, 1], bool)
+    calls = queries.call_tokens(texts, written, (("<calc>", "</calc>"),))
+    assert calls.tolist() == [True, True, True] + [False] * 6
+    both = (("<calc>", "</calc>"), ("<python>", "</python>"))
+    assert queries.call_tokens(texts, written, both).tolist() == [True] * 3 + [False] * 3 + [True] * 3
+    # tags with regex characters are matched as text; no tags: no calls
+    texts = ["<a.b>", "q", "</a.b>", "<axb>", "q", "</axb>"]
+    assert queries.call_tokens(texts, np.ones(6, bool), (("<a.b>", "</a.b>"),)).tolist() == [True] * 3 + [False] * 3
+    assert queries.call_tokens(texts, np.ones(6, bool), ()).tolist() == [False] * 6
+
+
+def test_call_tags_are_what_the_trace_records() -> None:
+    assert queries.call_tags({"kind": "entropy"}) == queries.DEFAULT_CALL_TAGS  # a trace that records none
+    assert queries.DEFAULT_CALL_TAGS == (("<python>", "</python>"), ("<search>", "</search>"),
+                                         ("<tool_call>", "</tool_call>"))
+    assert queries.call_tags({"call_tags": [["<calc>", "</calc>"]]}) == (("<calc>", "</calc>"),)
+    assert queries.call_tags({"call_tags": []}) == ()
+    for bad in ("<calc>", [["<calc>"]], [["<calc>", ""]], [["<calc>", 3]]):
+        with pytest.raises(ArcherError, match="call_tags"):
+            queries.call_tags({"call_tags": bad})
+
+
 def test_token_table_of_a_tool_run_marks_tool_output_and_calls() -> None:
     table = queries.token_table(tool_step(), 2, decode)
     assert list(table.columns)[-3:] == ["valid", "tool", "tool_call"]
@@ -321,6 +347,12 @@ def test_token_table_of_a_tool_run_marks_tool_output_and_calls() -> None:
     assert table["tool_call"].tolist() == [False, True, True, True, False, False, False]
     assert queries.in_response(table).tolist() == [True] * 7
     assert "tool" not in queries.token_table(entropy_step(), 0, decode)  # a run without tools
+    # a run whose only tool is search: the python block of row 0 is no call there
+    assert queries.token_table(tool_step(), 0, decode)["tool_call"].tolist() == [True] * 3 + [False] * 4
+    searching = queries.token_table(tool_step(), 0, decode, tags=(("<search>", "</search>"),))
+    assert searching["tool_call"].tolist() == [False] * 7
+    assert queries.token_table(tool_step(), 2, decode, tags=(("<search>", "</search>"),))["tool_call"].tolist() == (
+        table["tool_call"].tolist())
 
 
 def test_the_response_of_a_tool_run_holds_its_tool_output() -> None:

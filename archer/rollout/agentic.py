@@ -11,10 +11,11 @@ the HF engine (re-prefill per call) and an engine with real KV reuse run it alik
    there, with an eos appended (learned, as ARPO does; not sampled, so its log-prob and entropy are 0) unless
    the segment already ends with one. The answer is cut (archer/rollout/tool_text.py) so that at least one
    token of the budget stays for the model: a response never ends on tool output. When not even the empty
-   frame of the answer fits, the trajectory ends with the call, unanswered. A segment that ends the response inside a call (an opening tag left unclosed at eos or at
-   the budget) gets no answer and keeps its finish reason; it counts in ``tools/invalid_calls``, not in the
-   response's ``num_tool_calls`` (calls answered). Token ids stay as generated: the model's tokens are never
-   re-tokenised;
+   frame of the answer fits, the trajectory ends with the call, unanswered. A segment that ends inside a call
+   (an opening tag left unclosed at eos or at the budget) gets no answer for it: the call counts in
+   ``tools/invalid_calls``, not in the response's ``num_tool_calls`` (calls answered). Without other calls the
+   response ends there with its finish reason; the closed calls of a Hermes turn before it still run. Token
+   ids stay as generated: the model's tokens are never re-tokenised;
 4. right after an answer, while its prompt has free slots, the loop keeps a fork of the trajectory (a branch
    point). The next segment's first ``entropy_window`` tokens give H; the branch rule decides how many
    branches start from that point, each sampling with its own seed;
@@ -270,9 +271,10 @@ class _Run:
 
     def ends(self, t: Trajectory, segment: Segment, text: str, calls: list[ParsedCall]) -> bool:
         """Finish ``t`` when its segment calls no tool, calls beyond call_limit, or leaves no room for an answer."""
+        stopped_at_call = bool(calls) and segment.finish_reason == "stop"  # ARPO: at the call's closing tag
+        if not stopped_at_call and self.loop.format.unclosed(text):
+            self.stats.invalid_calls += 1  # a call left open at eos or the budget: never answered
         if not calls:
-            if self.loop.format.unclosed(text):  # a call left open at eos or the budget: invalid, unanswered
-                self.stats.invalid_calls += 1
             self.finish(t, segment.finish_reason)
             return True
         if t.calls + len(calls) > self.loop.settings.call_limit:

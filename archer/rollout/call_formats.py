@@ -8,11 +8,11 @@
   answers go back as ``tool`` messages rendered by the model's chat template, followed by the header of the
   next assistant turn.
 
-A format reads a finished segment into the calls it ends with (``parse``), tells whether a segment that ends
-the response stops inside a call (``unclosed``: an opening tag without its closing tag) and gives the text
-around the answers (``frame(k)``: k + 1 pieces, the answers go between them). The loop tokenises the pieces
-and the answers separately, so that it can cut an answer to the response budget in token space; the model's
-own tokens are never re-tokenised.
+A format reads a finished segment into the calls it ends with (``parse``), tells whether a segment stops
+inside a call (``unclosed``: an opening tag without its closing tag; the loop counts it as invalid) and gives
+the text around the answers (``frame(k)``: k + 1 pieces, the answers go between them). The loop tokenises the
+pieces and the answers separately, so that it can cut an answer to the response budget in token space; the
+model's own tokens are never re-tokenised.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ count the calls of AEPO's probes, ``add_calls``, whose responses are discarded a
 - the tool metrics of archer.tools.tool_metrics (``tools/<name>/{calls, failures, mean_latency_s}``,
   ``tools/calls_per_response``, ``tools/call_limit_reached``) and ``tools/invalid_calls`` (calls that named no
   configured tool or could not be read, answered with an error and counted toward call_limit; and calls left
-  unclosed when a response ended, never answered).
+  unclosed where a segment ended at eos or the budget, never answered, also after a Hermes turn's closed calls).
 """
 
 from __future__ import annotations

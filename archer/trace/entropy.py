@@ -10,6 +10,7 @@ num_turns, branch_parent, branch_position). Both trace kinds take their per-resp
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,14 +71,18 @@ def step_stats(arrays: dict[str, np.ndarray]) -> dict[str, float]:
     return stats
 
 
-def trace_metadata(cfg: DictConfig) -> dict[str, Any]:
-    """Run metadata recorded in a trace's summary.json."""
+def trace_metadata(cfg: DictConfig, call_tags: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
+    """Run metadata recorded in a trace's summary.json; with tools, the (opening, closing) tags of the calls the
+    model writes (``call_tags``: what the explorer highlights)."""
     trainer = cfg.trainer
-    return {"project_name": trainer.project_name, "experiment_name": trainer.experiment_name,
-            "model_path": str(cfg.actor_rollout_ref.model.path), "run_dir": str(trainer.default_local_dir),
-            "algorithm": str(cfg.algorithm.adv_estimator),
-            "loss_mode": str(cfg.actor_rollout_ref.actor.policy_loss.loss_mode),
-            "rollout_n": int(cfg.actor_rollout_ref.rollout.n)}
+    metadata = {"project_name": trainer.project_name, "experiment_name": trainer.experiment_name,
+                "model_path": str(cfg.actor_rollout_ref.model.path), "run_dir": str(trainer.default_local_dir),
+                "algorithm": str(cfg.algorithm.adv_estimator),
+                "loss_mode": str(cfg.actor_rollout_ref.actor.policy_loss.loss_mode),
+                "rollout_n": int(cfg.actor_rollout_ref.rollout.n)}
+    if call_tags:
+        metadata["call_tags"] = [[opening, closing] for opening, closing in call_tags]
+    return metadata
 
 
 def trace_dir(trace_cfg: DictConfig, run_dir: Path, default_name: str) -> Path:
@@ -85,13 +90,15 @@ def trace_dir(trace_cfg: DictConfig, run_dir: Path, default_name: str) -> Path:
 
 
 class EntropyTrace:
-    """Writes the entropy trace of a run (enabled by trainer.entropy_trace.enable)."""
+    """Writes the entropy trace of a run (enabled by trainer.entropy_trace.enable); ``call_tags``: the rollout's
+    (RolloutWorker.call_tags)."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, tokenizer: Any) -> None:
+    def __init__(self, cfg: DictConfig, run_dir: Path, tokenizer: Any,
+                 call_tags: Sequence[tuple[str, str]] = ()) -> None:
         trace_cfg = cfg.trainer.entropy_trace
         self.writer = TraceWriter(trace_dir(trace_cfg, run_dir, "entropy_trace"), kind="entropy",
                                   write_every=int(trace_cfg.write_every), fsync=bool(trace_cfg.fsync),
-                                  metadata=trace_metadata(cfg), tokenizer=tokenizer)
+                                  metadata=trace_metadata(cfg, call_tags), tokenizer=tokenizer)
 
     def record(self, step: int, batch: Batch) -> bool:
         """Write ``step`` if it is due (on the writer's thread); True when it is."""

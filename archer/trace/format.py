@@ -3,7 +3,8 @@
 A trace directory holds
 
     summary.json        run metadata: format_version, kind, project/experiment, created_at, updated_at,
-                        latest_step, num_steps_written, write_every, step_file_pattern, tokenizer
+                        latest_step, num_steps_written, write_every, step_file_pattern, tokenizer; a run
+                        with tools adds call_tags ([opening, closing] tags of the model's tool calls)
     manifest.jsonl      one JSON line per written step: step, created_at, file, num_responses,
                         response_len, num_valid_tokens and statistics of the step
     latest_step.txt     the newest written step

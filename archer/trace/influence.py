@@ -14,6 +14,7 @@ One traced step goes:
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,9 +98,11 @@ class InfluenceTrace:
 
     ``modules`` are the names of the linear layers the actor worker hooks (what its ``setup_influence``
     returned for ``capture_settings``); scores are computed on ``device`` (force_gpu_compute) or the CPU.
+    ``call_tags``: the rollout's (RolloutWorker.call_tags), recorded as the entropy trace records them.
     """
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, tokenizer: Any, modules: list[str], device: torch.device) -> None:
+    def __init__(self, cfg: DictConfig, run_dir: Path, tokenizer: Any, modules: list[str], device: torch.device,
+                 call_tags: Sequence[tuple[str, str]] = ()) -> None:
         t = cfg.trainer.influence_trace
         self.cfg = t
         check_settings(t)
@@ -112,7 +115,7 @@ class InfluenceTrace:
         self.score_device = device if t.force_gpu_compute else torch.device("cpu")
         self.writer = TraceWriter(trace_dir(t, run_dir, "influence_trace"), kind="influence",
                                   write_every=int(t.write_every), fsync=bool(t.fsync),
-                                  metadata={**trace_metadata(cfg), "modules": self.modules,
+                                  metadata={**trace_metadata(cfg, call_tags), "modules": self.modules,
                                             "options": {**vars(self.options), "output_function": t.output_function,
                                                         "projection": vars(self.capture_settings.projection)}},
                                   tokenizer=tokenizer)

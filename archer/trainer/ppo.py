@@ -375,12 +375,14 @@ class PPOTrainer:
     def open_traces(self, start: int) -> None:
         """Trace writers of the enabled traces; steps after the resumed checkpoint are dropped (redone)."""
         cfg = self.cfg.trainer
+        call_tags = self.actor.rollout.call_tags  # what the explorer highlights as tool calls
         if cfg.entropy_trace.enable:
-            self.entropy_trace = EntropyTrace(self.cfg, self.run_dir, self.tokenizer)
+            self.entropy_trace = EntropyTrace(self.cfg, self.run_dir, self.tokenizer, call_tags)
             self.entropy_trace.writer.truncate_after(start)
         if cfg.influence_trace.enable:
             modules = self.actor.setup_influence(CaptureSettings.from_config(cfg.influence_trace))
-            self.influence_trace = InfluenceTrace(self.cfg, self.run_dir, self.tokenizer, modules, self.device)
+            self.influence_trace = InfluenceTrace(self.cfg, self.run_dir, self.tokenizer, modules, self.device,
+                                                  call_tags)
             self.influence_trace.writer.truncate_after(start)
 
     def flush_traces(self) -> None:

@@ -122,6 +122,7 @@ class Explorer:
         self.reader = TraceReader(existing_trace_dir(trace_dir))
         self.tokenizer, self.tokenizer_note = load_trace_tokenizer(self.reader, model_path)
         self.decode = TokenDecoder(self.tokenizer)
+        self.call_tags = queries.call_tags(self.reader.summary)  # what the heatmaps mark as tool calls
         self._lock = threading.RLock()
         self._steps: OrderedDict[int, StepData] = OrderedDict()
         self._tmp = tempfile.TemporaryDirectory(prefix="archer-viz-")
@@ -186,7 +187,7 @@ class Explorer:
         data = self.step_data(step)
         arrays = data.arrays
         row = queries.check_row(arrays, row)
-        tokens = queries.token_table(arrays, row, self.decode)
+        tokens = queries.token_table(arrays, row, self.decode, tags=self.call_tags)
         view = queries.token_view(tokens, entropy_range=entropy_range, search=search, show_padding=show_padding,
                                   sort=sort)
         in_view = queries.view_mask(tokens, entropy_range=entropy_range, search=search)
@@ -241,7 +242,7 @@ class Explorer:
         overview = data.overview
         panels = []
         for row in rows:
-            tokens = queries.token_table(data.arrays, int(row), self.decode)
+            tokens = queries.token_table(data.arrays, int(row), self.decode, tags=self.call_tags)
             tokens = tokens[queries.in_response(tokens)]
             record = overview.iloc[int(row)]
             title = f"step {data.step} · row {int(row)}" + "".join(
@@ -290,7 +291,7 @@ class Explorer:
         tree = queries.branch_tree(arrays, uid)
         marks = {}
         for r in tree["row"] if "tool_mask" in arrays else []:  # the tool output and calls on each lane
-            tokens = queries.token_table(arrays, int(r), self.decode)
+            tokens = queries.token_table(arrays, int(r), self.decode, tags=self.call_tags)
             marks[int(r)] = (tokens["tool"].to_numpy(), tokens["tool_call"].to_numpy())
         note = "" if "branch_parent" in arrays else (
             "<p>this trace records no branch parents (a run without tools): every response is a root</p>")

@@ -4,29 +4,33 @@ A step is the dict of arrays ``TraceReader.load_step`` returns (fields in trace/
 from a ``decode`` callable (token ids -> one string per id) so nothing here needs a tokenizer. Entropy
 statistics use the valid tokens (``response_mask``); influence statistics use the valid tokens whose
 influence is not NaN. A response's text is its valid tokens and, in a run with tools, the tool output between
-them (``tool_mask``): shown, never counted as the policy's. ``branch_tree`` lays out one prompt's responses
-as the tree the agentic loop grew (``branch_parent``, ``branch_position``).
+them (``tool_mask``): shown, never counted as the policy's; its tool calls are the spans between the call tags
+the trace's summary records (``call_tags``). ``branch_tree`` lays out one prompt's responses as the tree the
+agentic loop grew (``branch_parent``, ``branch_position``).
 """
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from archer.algorithms import grouping
+from archer.errors import ArcherError
 from archer.trace.format import REWARD_EXTRA_PREFIX, value_stats
 
 Arrays = dict[str, np.ndarray]
 Decode = Callable[[np.ndarray], list[str]]
+CallTags = tuple[tuple[str, str], ...]  # (opening, closing) tag of each kind of tool call
 
 SORTS = ("position", "entropy_asc", "entropy_desc")
-# The tags of a tool call the model writes: ARPO's built-in tools and Hermes' tool_call.
-CALL_TAGS = ("python", "search", "tool_call")
-_CALL = re.compile(r"<({})>.*?</\1>".format("|".join(CALL_TAGS)), re.DOTALL)
+# The calls of a trace whose summary records no call_tags (one written before archer recorded them): ARPO's
+# built-in tools and Hermes' tool_call.
+DEFAULT_CALL_TAGS: CallTags = (("<python>", "</python>"), ("<search>", "</search>"), ("<tool_call>", "</tool_call>"))
 # Manifest keys that are bookkeeping, not curves.
 _NOT_CURVES = {"step", "created_at", "file", "num_responses", "response_len"}
 _STEP_STATS = ("mean", "std", "p50", "p90", "p99")
@@ -126,17 +130,40 @@ def response_ids(arrays: Arrays, row: int) -> np.ndarray:
     return arrays["responses"][row][content_mask(arrays)[row]]
 
 
-def call_tokens(texts: Sequence[str], written: np.ndarray) -> np.ndarray:
-    """bool per token: inside a tool call (``<python>...</python>``, ``<search>...</search>``,
-    ``<tool_call>...</tool_call>``) within one run of tokens the model ``written``; a token the call's text only
-    touches (a tag fused with other text) counts."""
+def call_tags(summary: Mapping[str, Any]) -> CallTags:
+    """The run's call tags as its trace summary records them (``call_tags``: [opening, closing] pairs, the tool
+    tags of multi_turn.format=arpo or Hermes' tool_call); DEFAULT_CALL_TAGS when it records none."""
+    recorded = summary.get("call_tags")
+    if recorded is None:
+        return DEFAULT_CALL_TAGS
+    if not isinstance(recorded, list) or not all(
+            isinstance(pair, list) and len(pair) == 2 and all(isinstance(t, str) and t for t in pair)
+            for pair in recorded):
+        raise ArcherError(f"the trace's summary.json has call_tags {recorded!r}, not a list of [opening, closing] "
+                          "tag pairs", "the trace directory is damaged; restore its summary.json or delete its "
+                          "call_tags key (the explorer then highlights the built-in tools' calls)")
+    return tuple((opening, closing) for opening, closing in recorded)
+
+
+@functools.lru_cache(maxsize=8)
+def _call_pattern(tags: CallTags) -> re.Pattern[str]:
+    return re.compile("|".join(f"{re.escape(opening)}.*?{re.escape(closing)}" for opening, closing in tags),
+                      re.DOTALL)
+
+
+def call_tokens(texts: Sequence[str], written: np.ndarray, tags: CallTags = DEFAULT_CALL_TAGS) -> np.ndarray:
+    """bool per token: inside a tool call (an opening tag of ``tags``, then its closing tag) within one run of
+    tokens the model ``written``; a token the call's text only touches (a tag fused with other text) counts."""
     out = np.zeros(len(texts), dtype=bool)
+    if not tags:
+        return out
+    pattern = _call_pattern(tuple(tags))
     ends = np.cumsum([len(t) for t in texts])
     starts = ends - np.array([len(t) for t in texts], dtype=ends.dtype)
     edges = np.flatnonzero(np.diff(np.concatenate([[0], written.astype(np.int8), [0]])))
     for first, last in zip(edges[::2], edges[1::2]):  # each run of written tokens [first, last)
         offset = starts[first]
-        for match in _CALL.finditer("".join(texts[first:last])):
+        for match in pattern.finditer("".join(texts[first:last])):
             a, b = match.start() + offset, match.end() + offset
             out[first:last] |= (starts[first:last] < b) & (ends[first:last] > a)
     return out
@@ -149,9 +176,10 @@ def check_row(arrays: Arrays, row: int) -> int:
     return int(row)
 
 
-def token_table(arrays: Arrays, row: int, decode: Decode) -> pd.DataFrame:
+def token_table(arrays: Arrays, row: int, decode: Decode, *, tags: CallTags = DEFAULT_CALL_TAGS) -> pd.DataFrame:
     """Every position of one response: position, token, token_id, entropy, log_prob, prob, influence, valid and,
-    in a run with tools, tool (tool output) and tool_call (the model's tokens of a call)."""
+    in a run with tools, tool (tool output) and tool_call (the model's tokens of a call: ``tags``, the run's
+    ``call_tags``)."""
     row = check_row(arrays, row)
     ids = arrays["responses"][row]
     texts = decode(ids)
@@ -166,7 +194,7 @@ def token_table(arrays: Arrays, row: int, decode: Decode) -> pd.DataFrame:
     table["valid"] = arrays["response_mask"][row]
     if "tool_mask" in arrays:
         table["tool"] = arrays["tool_mask"][row]
-        table["tool_call"] = call_tokens(texts, arrays["response_mask"][row])
+        table["tool_call"] = call_tokens(texts, arrays["response_mask"][row], tags)
     return pd.DataFrame(table)
 
 

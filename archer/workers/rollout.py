@@ -86,6 +86,11 @@ class RolloutWorker:
             self.agentic = build_agentic_rollout(engine, tokenizer, cfg, chat_template=chat_template,
                                                  template_kwargs=template_kwargs)
 
+    @property
+    def call_tags(self) -> tuple[tuple[str, str], ...]:
+        """The (opening, closing) tags of the tool calls the model writes (multi_turn.format); () without tools."""
+        return self.agentic.format.call_tags if self.agentic is not None else ()
+
     def generate_sequences(self, prompts: Batch, params: SamplingParams, *, validate: bool = False) -> Batch:
         ids, mask = prompts["input_ids"], prompts["attention_mask"]
         prompt_lists = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
