@@ -46,7 +46,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -59,7 +58,8 @@ from compare_algorithms import (
     build_base,
     cell,
     curve,
-    failures,
+    finish_comparison,
+    run_comparison,
     run_stage,
     start_comparison,
     step_means,
@@ -255,15 +255,8 @@ def main() -> int:
         results[name]["load_mean"] = statistics.fmean(load)
         text = write_outputs(args.out, meta, results, tables(results), FIGURE, title, PANELS)
 
-    console.rule("[bold]results")
-    print(text)
-    console.print(f"written: {args.out / 'results.json'}, {args.out / 'results.md'}, {args.out / FIGURE}")
-    return 1 if failures(results) else 0
+    return finish_comparison(console, text, args.out, FIGURE, results)
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ArcherError as err:
-        print(f"compare_agentic: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_comparison(main, "compare_agentic")

@@ -294,6 +294,23 @@ def start_comparison(args: argparse.Namespace, rl_overrides: Sequence[str] = RL_
     return Console(), meta
 
 
+def finish_comparison(console: Console, text: str, out: Path, figure: str, results: dict[str, dict[str, Any]]) -> int:
+    """Prints the tables and what was written; the exit code (1 when a run failed)."""
+    console.rule("[bold]results")
+    print(text)
+    console.print(f"written: {out / 'results.json'}, {out / 'results.md'}, {out / figure}")
+    return 1 if failures(results) else 0
+
+
+def run_comparison(main: Callable[[], int], prog: str) -> None:
+    """Exits with ``main``'s code, or 2 with one line for an ArcherError (bad arguments)."""
+    try:
+        sys.exit(main())
+    except ArcherError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -320,15 +337,8 @@ def main() -> int:
             read_run, describe, console)
         text = write_outputs(args.out, meta, results, markdown_table(results), FIGURE, title)
 
-    console.rule("[bold]results")
-    print(text)
-    console.print(f"written: {args.out / 'results.json'}, {args.out / 'results.md'}, {args.out / FIGURE}")
-    return 1 if failures(results) else 0
+    return finish_comparison(console, text, args.out, FIGURE, results)
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ArcherError as err:
-        print(f"compare_algorithms: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_comparison(main, "compare_algorithms")
