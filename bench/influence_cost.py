@@ -15,7 +15,6 @@ without them is the hooks' own cost. Then collects the factors and scores them a
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import tempfile
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gpu_step import SHAPES
 from torch import nn
 
 from archer.config.loader import load_config
@@ -38,13 +38,6 @@ from archer.trace.influence_capture import (
 
 MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
-
-
-def shape_of(name: str) -> tuple[int, int, int, int, int]:
-    spec = importlib.util.spec_from_file_location("gpu_step", Path(__file__).with_name("gpu_step.py"))
-    gpu_step = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_step)
-    return gpu_step.SHAPES[name]
 
 
 class StubLinear(nn.Linear):
@@ -113,7 +106,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)  # steadier figures on a CPU that other work shares
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    shape = shape_of(args.shape)
+    shape = SHAPES[args.shape]
     model = StubDecoder(shape, device, dtype)
     gen = torch.Generator().manual_seed(0)
     rows, length = args.prompts * args.n, args.prompt_length + args.response_length

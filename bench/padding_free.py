@@ -13,13 +13,12 @@ from the padded batch in one micro-batch.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
+from logprob_memory import cpu_peak_bytes
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from archer.batch import Batch
@@ -31,13 +30,6 @@ SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocabulary
     "cpu-small": (256, 4, 4, 2, 512, 4096),
     "qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936),
 }
-
-
-def _sibling(name: str):
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def random_model(shape: str, device: torch.device) -> Qwen2ForCausalLM:
@@ -112,7 +104,6 @@ def main() -> None:
     device = torch.device(args.device)
     model = random_model(args.shape, device)
     batch = rl_batch(args.rows, args.max_prompt, args.max_response, model.config.vocab_size)
-    cpu_peak_bytes = _sibling("logprob_memory").cpu_peak_bytes
     layouts = {
         "padded, one micro-batch": micro_batched(MicroBatching(None, None, remove_padding=False)),
         f"padded, budget {args.budget}": micro_batched(MicroBatching(None, args.budget, remove_padding=False)),

@@ -21,13 +21,14 @@ and the hook overhead from timing_s/update_actor against the run without traces 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import shutil
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from gpu_step import build_random_model
 
 from archer.data.tasks import write_task_files
 from archer.trainer.quickstart import RL_OVERRIDES
@@ -55,24 +56,17 @@ def quickstart_setup(out: Path) -> list[str]:
                                                            "trainer.entropy_trace", "trainer.influence_trace"))]]
 
 
-def bench_module(name: str):
-    """Another script of bench/ as a module (imported on demand: grpo_vs_trl imports this one)."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def grpo_workload_setup(out: Path, args: argparse.Namespace) -> list[str]:
     """bench/grpo_vs_trl.py's workload of ``args.shape``, archer's overrides for it."""
-    grpo_vs_trl = bench_module("grpo_vs_trl")
+    import grpo_vs_trl  # here, not at the top: grpo_vs_trl imports this module
+
     workload = grpo_vs_trl.workload_args(args.shape)
     model_dir, _, train_file, reward = grpo_vs_trl.prepare_workload(out, workload, workload.prompts * args.steps)
     return grpo_vs_trl.archer_overrides(workload, model_dir, train_file, reward)
 
 
 def random_model_setup(out: Path, args: argparse.Namespace) -> list[str]:
-    model_dir = bench_module("gpu_step").build_random_model(out, args.shape)
+    model_dir = build_random_model(out, args.shape)
     files = write_task_files("arithmetic", out / "data", n_train=1000, n_val=16, n_sft=10, seed=0)
     reward = out / "digit_reward.py"
     reward.write_text(DIGIT_REWARD)

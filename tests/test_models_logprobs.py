@@ -3,13 +3,14 @@ bf16 autocast, gradients, memory bounds, and the padded and padding-free layouts
 
 from __future__ import annotations
 
+import importlib
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -192,20 +193,15 @@ def test_values_and_gradients_equal_the_autograd_path(autocast):
     assert results[0][2].abs().max() > 1e-2
 
 
-def _peak_bytes(fn) -> int:
-    """The most bytes of CPU tensors alive at once while ``fn`` runs, above what was alive when it began."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, change in events:
-        live += change
-        peak = max(peak, live)
-    return peak
+@pytest.fixture(scope="module")
+def cpu_peak_bytes():
+    """bench/logprob_memory.py's measure: the most bytes of CPU tensors alive at once while a function runs."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+        yield importlib.import_module("logprob_memory").cpu_peak_bytes
 
 
-def test_peak_memory_is_two_chunks_of_logits_whatever_the_token_count():
+def test_peak_memory_is_two_chunks_of_logits_whatever_the_token_count(cpu_peak_bytes):
     """Forward and backward hold at most two float32 [chunk, vocab] buffers beside the gradients they return;
     the token count changes only the [tokens, hidden] terms. (The previous kernel peaked at about 6 buffers.)"""
     hidden_size, vocab, chunk = 8, 4096, 32
@@ -221,7 +217,7 @@ def test_peak_memory_is_two_chunks_of_logits_whatever_the_token_count():
             (logp.sum() + entropy.sum()).backward()
 
         gradients = (vocab * hidden_size + vocab + rows * hidden_size) * 4
-        peaks.append(_peak_bytes(step) - gradients)
+        peaks.append(cpu_peak_bytes(step) - gradients)
     assert max(peaks) <= 2 * buffer * 1.05
     assert peaks[1] - peaks[0] <= 768 * hidden_size * 4 * 4  # a few [tokens, hidden] and [tokens] vectors
 
