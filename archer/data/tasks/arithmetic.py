@@ -38,6 +38,14 @@ def work_out(operands: Sequence[int], ops: Sequence[str]) -> tuple[list[str], in
     return steps, values[0]
 
 
+def draw_expression(rng: random.Random, count: int, low: int, high: int, symbols: Sequence[str]
+                    ) -> tuple[list[int], list[str], str]:
+    """``count`` operands in low..high and ``count - 1`` operators drawn from ``symbols``, and their text."""
+    operands = [rng.randint(low, high) for _ in range(count)]
+    chosen = [rng.choice(symbols) for _ in range(count - 1)]
+    return operands, chosen, str(operands[0]) + "".join(f"{op}{x}" for op, x in zip(chosen, operands[1:], strict=True))
+
+
 def make_instance(
     rng: random.Random,
     *,
@@ -51,9 +59,7 @@ def make_instance(
     count = check_int_knob(_NAME, "num_operands", num_operands, 2)
     top = check_int_knob(_NAME, "max_operand", max_operand, 1)
     symbols = check_ops_knob(_NAME, ops, "+-*")
-    operands = [rng.randint(1, top) for _ in range(count)]
-    chosen = [rng.choice(symbols) for _ in range(count - 1)]
-    expression = str(operands[0]) + "".join(f"{op}{x}" for op, x in zip(chosen, operands[1:], strict=True))
+    operands, chosen, expression = draw_expression(rng, count, 1, top, symbols)
     steps, answer = work_out(operands, chosen)
     unboxed = unboxed_fraction > 0 and rng.random() < unboxed_fraction
     final = f"The answer is {answer}." if unboxed else f"\\boxed{{{answer}}}"

@@ -26,7 +26,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from archer.data.tasks.arithmetic import work_out
+from archer.data.tasks.arithmetic import draw_expression, work_out
 from archer.data.tasks.base import TaskInstance, check_fraction_knob, check_int_knob, check_ops_knob
 from archer.errors import ArcherError
 
@@ -69,9 +69,7 @@ def make_instance(
         raise ArcherError(f"task {_NAME!r}: knob max_operand={high} is below min_operand={low}",
                           "pass max_operand >= min_operand")
     symbols = check_ops_knob(_NAME, ops, "+-*")
-    operands = [rng.randint(low, high) for _ in range(count)]
-    chosen = [rng.choice(symbols) for _ in range(count - 1)]
-    expression = str(operands[0]) + "".join(f"{op}{x}" for op, x in zip(chosen, operands[1:], strict=True))
+    operands, chosen, expression = draw_expression(rng, count, low, high, symbols)
     answer = work_out(operands, chosen)[1]
     uses_tool = rng.random() < fraction
     if uses_tool:
