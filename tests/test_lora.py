@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
+from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 from test_sft_trainer import _cfg as sft_cfg
 from test_sft_trainer import _row
 from test_workers_actor import make_actor, policy_batch, random_advantages
 from transformers import AutoModelForCausalLM
-from workers_support import hand_batch, ppo_config, update
+from workers_support import float64_logprobs, hand_batch, ppo_config, update
 
 from archer.config.loader import load_config
 from archer.data.sft_dataset import SFTDataset
@@ -198,6 +199,17 @@ def test_checkpoint_holds_adapters_and_an_ordinary_merged_model(tiny_model_dir, 
         theirs = reloaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                           position_ids=batch["position_ids"]).logits
     torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+    # the chunked log-prob / entropy kernel on the LoRA module gives the merged model's numbers
+    logp, ent = float64_logprobs(reloaded, batch, temperature=1.0)
+    out = actor.compute_log_prob(batch)
+    torch.testing.assert_close(out["old_log_probs"].double(), logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out["entropies"].double(), ent, atol=1e-5, rtol=0)
+    # the adapters load with peft's own API onto the base
+    with_peft = PeftModel.from_pretrained(load_causal_lm(tiny_model_dir, device=CPU), folder / ADAPTER_DIR)
+    with torch.no_grad():
+        peft_logits = with_peft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                position_ids=batch["position_ids"]).logits
+    torch.testing.assert_close(mine, peft_logits, atol=1e-6, rtol=0)
 
 
 def test_save_load_round_trip_resumes_exactly(tiny_model_dir, tmp_path):
