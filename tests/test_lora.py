@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -32,9 +33,11 @@ from archer.rollout.base import SamplingParams
 from archer.rollout.fast.engine import FastEngine
 from archer.rollout.hf_engine import HFGenerateEngine
 from archer.trace.format import TraceReader
-from archer.trace.influence_capture import select_modules
+from archer.trace.influence_capture import CaptureSettings, TracedTokens, select_modules
 from archer.trainer.ppo import PPOTrainer
 from archer.trainer.sft import response_logprobs, run_sft
+from archer.workers import actor as actor_module
+from archer.workers.actor import INFLUENCE_TOKENS
 from archer.workers.reference import ReferenceWorker
 
 CPU = torch.device("cpu")
@@ -106,6 +109,23 @@ def test_a_lora_step_changes_only_the_adapters(tiny_model_dir):
             assert torch.equal(after[name], value), name  # the base, bit for bit
     assert any(not torch.equal(after[k], before[k]) for k in trainable if ".lora_A." in k)
     assert not torch.allclose(actor.compute_log_prob(hand_batch())["old_log_probs"], start, atol=1e-4)
+
+
+def test_gpu_dtype_policy_bf16_base_and_float32_adapters(tiny_model_dir, monkeypatch):
+    """On a GPU the base is loaded in bf16 (default_dtype), the adapters stay float32; here on the CPU with the
+    GPU's dtype forced: the update runs, moves only the adapters, and the engine takes the merged weights."""
+    monkeypatch.setattr(actor_module, "default_dtype", lambda device: torch.bfloat16)
+    actor = lora_actor(tiny_model_dir)
+    dtypes = {is_adapter(k): v.dtype for k, v in actor.model.named_parameters()}
+    assert dtypes == {True: torch.float32, False: torch.bfloat16}
+    before = {k: v.detach().clone() for k, v in actor.model.named_parameters() if not is_adapter(k)}
+    for seed in range(2):
+        update(actor, policy_batch(actor, random_advantages(seed)))
+    assert all(torch.equal(v, before[k]) for k, v in actor.model.named_parameters() if not is_adapter(k))
+    merged = dict(policy_weights(actor.model))
+    assert merged["model.layers.0.mlp.up_proj.weight"].dtype == torch.bfloat16
+    assert not torch.equal(merged["model.layers.0.mlp.up_proj.weight"],
+                           before["model.layers.0.mlp.up_proj.base_layer.weight"])
 
 
 def test_reference_is_the_base_model_with_the_adapters_off(tiny_model_dir):
@@ -257,6 +277,32 @@ def test_influence_hooks_sit_on_the_lora_layers(tiny_model_dir):
     hooked = select_modules(actor.model, names, None, -1)
     assert list(hooked) == list(select_modules(plain, names, None, -1))
     assert all(isinstance(m, LoraLayer) for m in hooked.values())
+
+
+@pytest.mark.parametrize("output_function", ["training_loss", "log_prob"])
+def test_influence_factors_equal_the_merged_models(output_function, tiny_model_dir, tmp_path):
+    """The captured per-token gradient factors of the LoRA policy are those of a plain model holding its merged
+    weights, in the training backward and in the extra pass alike."""
+    lora = trained_lora_actor(tiny_model_dir)
+    lora.save(tmp_path / "merged", load_tokenizer(tiny_model_dir))
+    plain = make_actor(tmp_path / "merged", *LORA[2:])
+    trace = ppo_config(tiny_model_dir, f"trainer.influence_trace.output_function={output_function}",
+                       "trainer.influence_trace.projection_dim_factor=0").trainer.influence_trace
+    settings = CaptureSettings.from_config(trace)
+    assert lora.setup_influence(settings) == plain.setup_influence(settings)
+    tokens = TracedTokens(rows=np.array([0, 1, 2]), token_response=np.array([0, 0, 1, 1, 1, 2]),
+                          token_position=np.array([0, 1, 0, 1, 2, 0]))
+    batch = policy_batch(lora, random_advantages(7))
+    batch.info[INFLUENCE_TOKENS] = tokens
+    groups = {name: out for name, out in
+              (("lora", lora.update_actor(batch).info["influence"]),
+               ("plain", plain.update_actor(batch).info["influence"]))}
+    assert sum(len(group.modules) for group in groups["lora"]) == 14  # 7 linear layers x 2 decoder layers
+    for mine, theirs in zip(groups["lora"], groups["plain"], strict=True):
+        assert mine.modules == theirs.modules
+        assert mine.u.abs().sum() > 0 and mine.v.abs().sum() > 0
+        torch.testing.assert_close(mine.u, theirs.u, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(mine.v, theirs.v, atol=1e-5, rtol=1e-4)
 
 
 # -- end to end --------------------------------------------------------------------------------------------------
