@@ -199,6 +199,21 @@ def test_policy_weights_are_the_merged_weights_under_plain_names(tiny_model_dir)
     assert torch.equal(weights["model.norm.weight"], plain.model.norm.weight)
 
 
+def test_fast_engine_refuses_a_weight_stream_that_does_not_fit(tiny_model_dir):
+    model = load_causal_lm(tiny_model_dir, device=CPU)
+    engine = FastEngine(model, load_tokenizer(tiny_model_dir), max_num_seqs=4, page_size=16)
+    weights = list(policy_weights(model))
+    with pytest.raises(ArcherError, match="lack 1 tensors"):
+        engine.model.load(weights[1:])
+    with pytest.raises(ArcherError, match="no place for the weight 'extra.weight'"):
+        engine.model.load([*weights, ("extra.weight", torch.zeros(2))])
+    with pytest.raises(ArcherError, match="given twice"):
+        engine.model.load([*weights, weights[0]])
+    name, tensor = weights[-1]
+    with pytest.raises(ArcherError, match="the weight given is"):
+        engine.model.load([*weights[:-1], (name, tensor[:1])])
+
+
 # -- checkpoints -------------------------------------------------------------------------------------------------
 def test_checkpoint_holds_adapters_and_an_ordinary_merged_model(tiny_model_dir, tmp_path):
     actor = trained_lora_actor(tiny_model_dir)
