@@ -406,6 +406,24 @@ def test_sft_with_lora_trains_the_adapters_and_exports_a_merged_model(tmp_path, 
     assert saved.model.lora_rank == 8
 
 
+def test_rl_starts_from_the_sft_adapters(tmp_path, tiny_model_dir, caplog):
+    """model.lora_adapter_path: the SFT run's adapters (rank, alpha, targets and weights) start the RL policy."""
+    cfg = sft_cfg(tmp_path, tiny_model_dir, **{"model.lora_rank": 4, "model.lora_alpha": 8,
+                                                "model.target_modules": "[q_proj,v_proj]", "trainer.total_epochs": 1,
+                                                "model.enable_gradient_checkpointing": False})
+    hf_model = run_sft(cfg)
+    actor = make_actor(tiny_model_dir, f"actor_rollout_ref.model.lora_adapter_path={hf_model}",
+                       "actor_rollout_ref.model.lora_rank=16")  # the adapters' own rank wins, with a warning
+    assert "have rank 4 and alpha 8" in caplog.text
+    trainable = {k for k, v in actor.model.named_parameters() if v.requires_grad}
+    assert {k.split(".")[-4] for k in trainable} == {"q_proj", "v_proj"}
+    merged = AutoModelForCausalLM.from_pretrained(hf_model)
+    for name, value in policy_weights(actor.model):  # the policy is SFT's merged model
+        torch.testing.assert_close(value, dict(merged.named_parameters())[name], atol=1e-6, rtol=0)
+    with pytest.raises(ArcherError, match="lora_adapter_path: .* holds no LoRA adapters"):
+        make_actor(tiny_model_dir, f"actor_rollout_ref.model.lora_adapter_path={tiny_model_dir}")
+
+
 def test_sft_refuses_bad_lora_settings(tmp_path, tiny_model_dir):
     with pytest.raises(ArcherError, match=r"model.lora_alpha=-1"):
         run_sft(sft_cfg(tmp_path, tiny_model_dir, **{"model.lora_rank": 4, "model.lora_alpha": -1}))

@@ -15,12 +15,14 @@ here:
   (no merge / unmerge round trip, which would change the base's bits);
 - ``save_adapter`` / ``load_adapter``: the adapters in peft's format (``adapter_config.json`` and
   ``adapter_model.safetensors``, float32) in a ``lora_adapter/`` folder beside the merged HF export; loading
-  them into a freshly built policy resumes exactly.
+  them into a freshly built policy resumes exactly, and ``model.lora_adapter_path`` starts a run from them
+  (e.g. an SFT run's adapters).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,27 +37,33 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from archer.errors import ArcherError
 
+log = logging.getLogger("archer.models")
+
 ADAPTER_DIR = "lora_adapter"  # the adapters' folder inside a saved model folder (from_pretrained ignores it)
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 @dataclass(frozen=True)
 class LoraSettings:
-    """verl's ``model.lora_rank`` / ``lora_alpha`` / ``target_modules`` (rank 0: LoRA off)."""
+    """verl's ``model.lora_rank`` / ``lora_alpha`` / ``target_modules`` (rank 0: LoRA off), or the adapters of
+    ``model.lora_adapter_path`` to start from (their rank, alpha and target modules, and their weights)."""
 
     rank: int
     alpha: float
     target_modules: str | tuple[str, ...]
+    adapter_path: Path | None = None
 
     @classmethod
     def from_config(cls, model_cfg: DictConfig, prefix: str = "actor_rollout_ref.model") -> LoraSettings | None:
-        """The settings of a ``model`` config block, None when ``lora_rank`` is 0; an ArcherError naming the
-        key for a value LoRA cannot take."""
+        """The settings of a ``model`` config block, None when ``lora_rank`` is 0 and no ``lora_adapter_path``
+        is set; an ArcherError naming the key for a value LoRA cannot take."""
         rank, alpha, targets = model_cfg.get("lora_rank", 0), model_cfg.get("lora_alpha", 16), \
             model_cfg.get("target_modules", "all-linear")
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise ArcherError(f"{prefix}.lora_rank={rank!r} must be an integer >= 0",
                               f"set {prefix}.lora_rank=0 (full fine-tuning) or a LoRA rank such as 8, 32 or 64")
+        if model_cfg.get("lora_adapter_path"):
+            return cls.from_adapter(model_cfg.lora_adapter_path, f"{prefix}.lora_adapter_path", rank, alpha)
         if rank == 0:
             return None
         if isinstance(alpha, bool) or not isinstance(alpha, int | float) or alpha <= 0:
@@ -69,6 +77,23 @@ class LoraSettings:
         raise ArcherError(f"{prefix}.target_modules={targets!r} names no module",
                           f"set {prefix}.target_modules=all-linear (every linear layer but the LM head) or a "
                           "list of module name suffixes, e.g. [q_proj,k_proj,v_proj,o_proj]")
+
+    @classmethod
+    def from_adapter(cls, path: str | Path, key: str, rank: int, alpha: float) -> LoraSettings:
+        """The settings saved with the adapters at ``path`` (a peft adapter folder, or a folder holding one in
+        ``lora_adapter/``, as archer's checkpoints and SFT output do). A lora_rank / lora_alpha that disagrees
+        with them is named in a warning: the saved ones are used, as verl does."""
+        folder = adapter_folder(path, key)
+        saved = LoraConfig.from_pretrained(str(folder))
+        targets = saved.target_modules
+        targets = targets if isinstance(targets, str) else tuple(sorted(targets))
+        settings = cls(int(saved.r), float(saved.lora_alpha), targets, folder)
+        prefix = key.rsplit(".", 1)[0]
+        if rank and (rank, float(alpha)) != (settings.rank, settings.alpha):
+            log.warning("%s: the adapters in %s have rank %d and alpha %g; they are used, not %s.lora_rank=%d "
+                        "and %s.lora_alpha=%g", key, folder, settings.rank, settings.alpha, prefix, rank, prefix,
+                        alpha)
+        return settings
 
     def peft_config(self) -> LoraConfig:
         targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
@@ -85,6 +110,8 @@ def add_lora(model: PreTrainedModel, settings: LoraSettings) -> PeftModel:
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
         raise ArcherError(f"LoRA target_modules={settings.target_modules!r} cannot be applied ({err})",
                           f"use all-linear or suffixes of the model's linear layers: {', '.join(linear)}") from err
+    if settings.adapter_path is not None:
+        load_adapter(peft_model, settings.adapter_path)
     return peft_model
 
 
@@ -141,30 +168,41 @@ def save_adapter(peft_model: PeftModel, folder: str | Path) -> Path:
     return target
 
 
+def adapter_folder(path: str | Path, key: str = "the adapter folder") -> Path:
+    """The peft adapter folder at ``path``: ``path`` itself when it holds adapter_config.json, else its
+    ``lora_adapter/``; an ArcherError naming ``key`` when neither does."""
+    path = Path(path).expanduser()
+    for folder in (path, path / ADAPTER_DIR):
+        if (folder / "adapter_config.json").is_file() and (folder / ADAPTER_WEIGHTS).is_file():
+            return folder
+    raise ArcherError(f"{key}: {path} holds no LoRA adapters (adapter_config.json and {ADAPTER_WEIGHTS}, "
+                      f"in it or in its {ADAPTER_DIR}/)",
+                      "point it at a peft adapter folder, or at a checkpoint's actor/ or an SFT run's hf_model "
+                      "written with LoRA on")
+
+
 def has_adapter(folder: str | Path) -> bool:
     return (Path(folder) / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file()
 
 
 def load_adapter(peft_model: PeftModel, folder: str | Path) -> None:
-    """Load ``folder/lora_adapter`` into ``peft_model``'s adapters, exactly; an ArcherError when the saved
-    adapters do not fit (another rank or other target modules)."""
-    path = Path(folder) / ADAPTER_DIR / ADAPTER_WEIGHTS
-    if not path.is_file():
-        raise ArcherError(f"{folder} holds no LoRA adapters ({ADAPTER_DIR}/{ADAPTER_WEIGHTS} is missing)",
-                          "resume a checkpoint written with LoRA on, or set actor_rollout_ref.model.lora_rank=0 "
-                          "to resume a full fine-tuning checkpoint")
+    """Load the adapters at ``folder`` (see ``adapter_folder``) into ``peft_model``'s, exactly; an ArcherError
+    when they do not fit (another rank or other target modules)."""
+    try:
+        found = adapter_folder(folder)
+    except ArcherError as err:
+        raise ArcherError(err.problem, "resume a checkpoint written with LoRA on, or set "
+                          "actor_rollout_ref.model.lora_rank=0 to resume a full fine-tuning checkpoint") from err
     device = next(p for n, p in peft_model.named_parameters() if "lora_" in n).device
-    state = load_file(str(path), device=str(device))
+    state = load_file(str(found / ADAPTER_WEIGHTS), device=str(device))
     own = {k for k in peft_model.state_dict() if "lora_" in k}
+    fix = ("use the lora_rank and target_modules the adapters were written with "
+           f"(see {found}/adapter_config.json)")
     try:
         result = set_peft_model_state_dict(peft_model, state)
     except RuntimeError as err:  # a shape mismatch: another rank
-        raise ArcherError(f"the LoRA adapters in {path.parent} do not fit this model ({err})",
-                          "resume with the lora_rank and target_modules the checkpoint was written with "
-                          f"(see {path.parent}/adapter_config.json)") from err
+        raise ArcherError(f"the LoRA adapters in {found} do not fit this model ({err})", fix) from err
     missing = sorted(k for k in result.missing_keys if k in own)
     if missing or result.unexpected_keys:
-        raise ArcherError(f"the LoRA adapters in {path.parent} do not match this model's (missing "
-                          f"{missing[:3]}, unexpected {list(result.unexpected_keys)[:3]})",
-                          "resume with the lora_rank and target_modules the checkpoint was written with "
-                          f"(see {path.parent}/adapter_config.json)")
+        raise ArcherError(f"the LoRA adapters in {found} do not match this model's (missing "
+                          f"{missing[:3]}, unexpected {list(result.unexpected_keys)[:3]})", fix)
