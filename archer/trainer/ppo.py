@@ -81,7 +81,10 @@ def build_reward_manager(cfg: DictConfig, tokenizer) -> RewardManager:
     overlong = (OverlongBuffer(int(cfg.data.max_response_length), int(buffer.len), float(buffer.penalty_factor))
                 if buffer.enable else None)
     return RewardManager(tokenizer, compute_score=fn, reward_fn_key=cfg.data.reward_fn_key, overlong=overlong,
-                         wrong_answer_score=float(cfg.reward_model.wrong_answer_score))
+                         wrong_answer_score=float(cfg.reward_model.wrong_answer_score),
+                         manager=str(cfg.reward_model.reward_manager),
+                         manager_kwargs=OmegaConf.to_container(cfg.reward_model.reward_kwargs, resolve=True),
+                         max_response_length=int(cfg.data.max_response_length))
 
 
 def write_generations(path: Path, batch: Batch, texts: list[str], scores: np.ndarray, step: int) -> None:
