@@ -27,11 +27,13 @@ from archer.batch import Batch
 from archer.config.loader import as_list, save_config
 from archer.data.loader import collate_prompts
 from archer.data.rl_data import build_rl_data
+from archer.data.rl_dataset import RLDataset
 from archer.errors import ArcherError
 from archer.models.loading import pick_device
 from archer.rewards.custom import load_custom_reward_fn
 from archer.rewards.extras import REWARD_EXTRAS, numeric_columns
 from archer.rewards.manager import RewardManager
+from archer.rewards.registry import check_routes
 from archer.rewards.shaping import OverlongBuffer
 from archer.rollout.rollout_stats import RolloutStats
 from archer.trace.entropy import EntropyTrace
@@ -87,6 +89,17 @@ def build_reward_manager(cfg: DictConfig, tokenizer) -> RewardManager:
                          max_response_length=int(cfg.data.max_response_length))
 
 
+def check_reward_routes(cfg: DictConfig, datasets: dict[str, RLDataset | None]) -> None:
+    """Without custom_reward_function, every data_source of the data has a built-in reward: checked when the data
+    loads, so a source without one stops the run before training (naming it and the routes there are)."""
+    if cfg.custom_reward_function.path:
+        return
+    key = cfg.data.reward_fn_key
+    for where, dataset in datasets.items():
+        if dataset is not None:
+            check_routes(((dataset[i][key], dataset[i]["ability"]) for i in range(len(dataset))), where)
+
+
 def write_generations(path: Path, batch: Batch, texts: list[str], scores: np.ndarray, step: int) -> None:
     """One JSON line per response (verl's rollout dump): input, output, gts, score, step, then data_source, acc
     and the reward's extras (an extra named like one of these fields is written as ``reward_extra/<name>``)."""
@@ -118,6 +131,7 @@ class PPOTrainer:
         ref_cfg = cfg.actor_rollout_ref
         data = build_rl_data(cfg.data, model_path=ref_cfg.model.path, chat_template=ref_cfg.model.custom_chat_template)
         self.tokenizer, self.train_set, self.val_set, self.loader = data.tokenizer, data.train, data.val, data.loader
+        check_reward_routes(cfg, {"data.train_files": self.train_set, "data.val_files": self.val_set})
         steps = cfg.trainer.total_training_steps
         self.total_steps = int(steps) if steps else self.loader.steps_per_epoch * int(cfg.trainer.total_epochs)
 
