@@ -35,6 +35,7 @@ from archer.rewards.extras import REWARD_EXTRAS, numeric_columns
 from archer.rewards.manager import RewardManager
 from archer.rewards.registry import check_routes
 from archer.rewards.shaping import OverlongBuffer
+from archer.rollout.agentic_config import check_row_tools
 from archer.rollout.rollout_stats import RolloutStats
 from archer.trace.entropy import EntropyTrace
 from archer.trace.influence import InfluenceTrace
@@ -89,15 +90,16 @@ def build_reward_manager(cfg: DictConfig, tokenizer) -> RewardManager:
                          max_response_length=int(cfg.data.max_response_length))
 
 
-def check_reward_routes(cfg: DictConfig, datasets: dict[str, RLDataset | None]) -> None:
-    """Without custom_reward_function, every data_source of the data has a built-in reward: checked when the data
-    loads, so a source without one stops the run before training (naming it and the routes there are)."""
-    if cfg.custom_reward_function.path:
+def check_data_against_config(cfg: DictConfig, dataset: RLDataset | None, where: str) -> None:
+    """When the data loads, before training: without custom_reward_function every data_source has a built-in
+    reward (naming the ones without and the routes there are), and the rows' tools name configured tools."""
+    if dataset is None:
         return
-    key = cfg.data.reward_fn_key
-    for where, dataset in datasets.items():
-        if dataset is not None:
-            check_routes(((dataset[i][key], dataset[i]["ability"]) for i in range(len(dataset))), where)
+    items = [dataset[i] for i in range(len(dataset))]
+    if not cfg.custom_reward_function.path:
+        key = cfg.data.reward_fn_key
+        check_routes(((item[key], item["ability"]) for item in items), where)
+    check_row_tools((item["tools"] for item in items), cfg.actor_rollout_ref.rollout, where)
 
 
 def write_generations(path: Path, batch: Batch, texts: list[str], scores: np.ndarray, step: int) -> None:
@@ -131,7 +133,8 @@ class PPOTrainer:
         ref_cfg = cfg.actor_rollout_ref
         data = build_rl_data(cfg.data, model_path=ref_cfg.model.path, chat_template=ref_cfg.model.custom_chat_template)
         self.tokenizer, self.train_set, self.val_set, self.loader = data.tokenizer, data.train, data.val, data.loader
-        check_reward_routes(cfg, {"data.train_files": self.train_set, "data.val_files": self.val_set})
+        for where, dataset in (("data.train_files", self.train_set), ("data.val_files", self.val_set)):
+            check_data_against_config(cfg, dataset, where)
         steps = cfg.trainer.total_training_steps
         self.total_steps = int(steps) if steps else self.loader.steps_per_epoch * int(cfg.trainer.total_epochs)
 
