@@ -185,3 +185,8 @@ def test_the_config_is_checked_before_any_model_loads() -> None:
     verl_dapo = ["reward_model.reward_manager=dapo", "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
                  "+reward_model.reward_kwargs.overlong_buffer_cfg.len=4", "+reward_model.reward_kwargs.max_resp_len=16"]
     check_config(load_config("ppo_trainer", [*base, *verl_dapo]))  # verl's DAPO overrides load as written
+
+
+def test_prime_refuses_a_function_that_cannot_reach_a_worker_process(tokenizer: PreTrainedTokenizerFast) -> None:
+    with pytest.raises(ArcherError, match="reward_manager=prime runs the reward function in worker processes"):
+        RewardManager(tokenizer, compute_score=lambda *args: 1.0, manager="prime")

@@ -25,6 +25,7 @@ import inspect
 import logging
 import multiprocessing
 import os
+import pickle
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -183,6 +184,13 @@ class PrimeScorer(RowScorer):
             raise ArcherError(f"reward_model.reward_kwargs timeout={timeout} / num_processes={num_processes} of "
                               "reward_manager=prime must be positive", "set timeout (seconds) > 0 and "
                               "num_processes >= 1")
+        try:
+            pickle.dumps(compute_score)
+        except Exception as exc:  # a lambda or a nested function cannot reach a worker process
+            raise ArcherError(f"reward_manager=prime runs the reward function in worker processes, and "
+                              f"{compute_score!r} cannot be sent to one ({type(exc).__name__}: {exc})",
+                              "define the reward function with def at the top level of its file, or use "
+                              "reward_manager=naive") from None
         self.timeout = float(timeout)
         self.num_processes = int(num_processes)
 
