@@ -57,8 +57,9 @@ class LoraSettings:
     def from_config(cls, model_cfg: DictConfig, prefix: str = "actor_rollout_ref.model") -> LoraSettings | None:
         """The settings of a ``model`` config block, None when ``lora_rank`` is 0 and no ``lora_adapter_path``
         is set; an ArcherError naming the key for a value LoRA cannot take."""
-        rank, alpha, targets = model_cfg.get("lora_rank", 0), model_cfg.get("lora_alpha", 16), \
-            model_cfg.get("target_modules", "all-linear")
+        rank = model_cfg.get("lora_rank", 0)
+        alpha = model_cfg.get("lora_alpha", 16)
+        targets = model_cfg.get("target_modules", "all-linear")
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise ArcherError(f"{prefix}.lora_rank={rank!r} must be an integer >= 0",
                               f"set {prefix}.lora_rank=0 (full fine-tuning) or a LoRA rank such as 8, 32 or 64")
@@ -102,8 +103,9 @@ class LoraSettings:
 
 
 def add_lora(model: PreTrainedModel, settings: LoraSettings) -> PeftModel:
-    """Inject LoRA layers into ``model`` in place (its other weights frozen; adapters in float32 whatever the
-    base's dtype (peft's autocast_adapter_dtype), B = 0, so the policy starts as the base). Returns peft's wrapper; ``wrapper.get_base_model()`` is ``model``."""
+    """Inject LoRA layers into ``model`` in place: its other weights frozen, the adapters in float32 whatever
+    the base's dtype (peft's autocast_adapter_dtype), fresh (B = 0: the policy starts as the base) or loaded
+    from ``settings.adapter_path``. Returns peft's wrapper, whose ``get_base_model()`` is ``model``."""
     try:
         peft_model = get_peft_model(model, settings.peft_config(), autocast_adapter_dtype=True)
     except ValueError as err:  # peft: target modules not found in the base model
