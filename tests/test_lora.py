@@ -18,12 +18,14 @@ import torch
 from omegaconf import OmegaConf
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
+from safetensors.torch import load_file
 from test_sft_trainer import _cfg as sft_cfg
 from test_sft_trainer import _row
 from test_workers_actor import make_actor, policy_batch, random_advantages
 from transformers import AutoModelForCausalLM
 from workers_support import float64_logprobs, hand_batch, ppo_config, update
 
+from archer.batch import Batch
 from archer.config.loader import load_config
 from archer.data.sft_dataset import SFTDataset
 from archer.errors import ArcherError
@@ -163,7 +165,7 @@ def test_engine_generates_what_the_merged_model_generates(engine_kind, tiny_mode
             if is_adapter(name):
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
     actor._engine_is_stale = True
-    out = actor.generate_sequences(_prompt_batch(actor, tokenizer))  # syncs the engine as a step does
+    out = actor.generate_sequences(_prompt_batch(tokenizer))  # syncs the engine as a step does
     assert out["responses"].shape[0] == len(PROMPTS)
     lora_out = engine.generate(PROMPTS, params)
     merged = merged_model(actor, tmp_path / "merged")
@@ -177,9 +179,7 @@ def test_engine_generates_what_the_merged_model_generates(engine_kind, tiny_mode
         assert [engine.model.layers[0].qkv_w.data_ptr()] == pointers  # synced in place
 
 
-def _prompt_batch(actor, tokenizer):
-    from archer.batch import Batch
-
+def _prompt_batch(tokenizer) -> Batch:
     width = max(map(len, PROMPTS))
     ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in PROMPTS])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
@@ -375,8 +375,6 @@ def test_lora_run_resumed_from_a_checkpoint_equals_the_uninterrupted_run(micro_m
         return {k: v for k, v in lines[-1].items() if not k.startswith(("timing_s/", "perf/"))}
 
     assert step3(tmp_path / "whole") == step3(tmp_path / "parts")
-    from safetensors.torch import load_file
-
     adapter = Path("checkpoints/global_step_3/actor") / ADAPTER_DIR / "adapter_model.safetensors"
     whole, parts = load_file(tmp_path / "whole" / adapter), load_file(tmp_path / "parts" / adapter)
     assert whole.keys() == parts.keys() and all(torch.equal(whole[k], parts[k]) for k in whole)
