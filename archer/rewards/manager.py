@@ -3,7 +3,8 @@
 Each row is scored by ``compute_score`` (a custom function, used for every row as in verl) or by the
 built-in routing of archer.rewards.registry on the text of the whole response (tool output included). The
 row's score lands on its last learned token (``response_mask``) of ``token_level_scores``; a row with no such
-token keeps an all-zero row (its score is still in ``scores``). Rows are scored in order, so the output is deterministic. Shaping (rewards/shaping.py) comes
+token keeps an all-zero row (its score is still in ``scores``). The output is deterministic: rows are scored in
+order, or with ``score_workers`` > 1 (built-in rewards only) in parallel threads whose results keep row order. Shaping (rewards/shaping.py) comes
 after scoring: a built-in rule reward's wrong answers get ``wrong_answer_score``, and the overlong buffer
 adds its penalty (``overlong_penalty``); accuracy is that of the unshaped answer.
 
@@ -15,6 +16,7 @@ and its response: a non-finite reward would turn every later update into a silen
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +26,7 @@ import torch
 from archer.batch import Batch, response_attention
 from archer.errors import ArcherError
 from archer.rewards.extras import REWARD_EXTRAS, as_number
+from archer.rewards.math import set_verify_workers
 from archer.rewards.registry import default_compute_score
 from archer.rewards.shaping import OverlongBuffer, apply_wrong_answer_score
 
@@ -67,8 +70,10 @@ class RewardManager:
         reward_fn_key: str = "data_source",
         overlong: OverlongBuffer | None = None,
         wrong_answer_score: float = 0.0,
+        score_workers: int = 1,
     ) -> None:
         self.tokenizer = tokenizer
+        self.score_workers = score_workers
         self.compute_score = compute_score
         self.reward_fn_key = reward_fn_key
         self.overlong = overlong
@@ -109,12 +114,22 @@ class RewardManager:
             ) from exc
         return _row_score(result, f"row {i} (data_source {data_source!r}, response {_excerpt(text)})")
 
+    def _score_rows(self, batch: Batch, texts: list[str]) -> list[tuple[float, float, dict[str, Any]]]:
+        """Every row's (score, acc, extras), in row order. The built-in rewards score ``score_workers`` rows at once
+        (threads over as many math-verify processes); a custom function is called one row at a time, as it may
+        not be thread-safe."""
+        if self.score_workers <= 1 or self.compute_score is not None or len(texts) < 2:
+            return [self._score_row(batch, i, text) for i, text in enumerate(texts)]
+        set_verify_workers(self.score_workers)
+        with ThreadPoolExecutor(self.score_workers) as pool:
+            return list(pool.map(lambda i: self._score_row(batch, i, texts[i]), range(len(texts))))
+
     def __call__(self, batch: Batch) -> RewardOutput:
         self._check_fields(batch)
         responses, mask = batch["responses"], batch["response_mask"]
         present = response_attention(batch)  # the reward reads the whole response, tool output included
         texts = self._decode(responses, present)
-        results = [self._score_row(batch, i, text) for i, text in enumerate(texts)]
+        results = self._score_rows(batch, texts)
         scores = np.array([score for score, _, _ in results], dtype=np.float64)
         acc = np.array([a for _, a, _ in results], dtype=np.float64)
         extras = np.empty(len(results), dtype=object)
