@@ -213,3 +213,31 @@ def test_archer_eval_end_to_end_and_resume(tiny_model_dir: Path, tmp_path: Path,
     # other sampling settings in the same folder are refused
     assert cli.main([*args, "temperature=0.5"]) == 2
     assert "holds an evaluation with other settings" in capsys.readouterr().err
+
+
+def test_training_validation_and_archer_eval_agree(micro_model: Path, task_files: dict[str, Path],
+                                                   tmp_path: Path) -> None:
+    """trainer.val_only (no train files, no optimiser, reference or critic) and archer eval on the same prompts,
+    model, seed and sampling give the same val-core figures: one Evaluator serves both."""
+    from archer.config.loader import load_config
+    from archer.trainer.ppo import PPOTrainer
+
+    sampling = ["actor_rollout_ref.rollout.val_kwargs.n=4", "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+                "actor_rollout_ref.rollout.val_kwargs.do_sample=true", "data.max_response_length=8",
+                "data.max_prompt_length=64", "trainer.device=cpu", "trainer.seed=3"]
+    cfg = load_config("ppo_trainer", [f"actor_rollout_ref.model.path={micro_model}", f"data.val_files={task_files['val']}",
+                                      "trainer.val_only=true", f"trainer.default_local_dir={tmp_path / 'run'}",
+                                      "eval.k=[1,2,4]", *sampling])
+    trainer = PPOTrainer(cfg)
+    assert trainer.actor is None and trainer.ref is None and trainer.critic is None and trainer.train_set is None
+    train_metrics = trainer.fit()["val_after"]
+    spec = tmp_path / "arith.yaml"
+    spec.write_text(f"file: {task_files['val']}\nformat: verl\ndata_source: archer/arithmetic\n", encoding="utf-8")
+    out = tmp_path / "eval"
+    assert cli.main(["eval", f"model={micro_model}", f"benchmark=[{spec}]", "k=[1,2,4]", f"output_dir={out}",
+                     *sampling]) == 0
+    eval_metrics = json.loads((out / "results.json").read_text())["metrics"]
+    core = {k: v for k, v in train_metrics.items() if k.startswith("val-core/all/")}
+    assert {f"val-core/all/acc/{m}" for m in ("mean@4", "pass@4", "best@4/mean", "maj@4/mean")} <= set(core)
+    assert core == {k: v for k, v in eval_metrics.items() if k.startswith("val-core/all/")}
+    assert train_metrics["val-core/archer/arithmetic/acc/mean@4"] == eval_metrics["val-core/arith/acc/mean@4"]
