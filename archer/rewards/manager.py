@@ -2,8 +2,11 @@
 
 Rows are scored by a reward manager (archer.rewards.managers: naive, batch, dapo, prime) that calls
 ``compute_score`` (a custom function, used for every row as in verl) or the built-in routing of
-archer.rewards.registry on the text of the whole response (tool output included). The row's score lands on its last learned token (``response_mask``) of ``token_level_scores``; a row with no such
-token keeps an all-zero row (its score is still in ``scores``). Rows are scored in order, so the output is deterministic. Shaping (rewards/shaping.py) comes
+archer.rewards.registry on the text of the whole response (tool output included). The row's score lands on its
+last learned token (``response_mask``) of ``token_level_scores``; a row with no such token keeps an all-zero row
+(its score is still in ``scores``). The output is deterministic: rows are scored in order, or with
+``score_workers`` > 1 (the naive manager's built-in rewards only) in parallel threads whose results keep row
+order. Shaping (rewards/shaping.py) comes
 after scoring: a built-in rule reward's wrong answers get ``wrong_answer_score``, and the overlong buffer
 adds its penalty (``overlong_penalty``); accuracy is that of the unshaped answer.
 
@@ -71,12 +74,13 @@ class RewardManager:
         manager: str = "naive",
         manager_kwargs: Mapping[str, Any] | None = None,
         max_response_length: int = 0,
+        score_workers: int = 1,
     ) -> None:
         self.tokenizer = tokenizer
         self.compute_score = compute_score
         self.reward_fn_key = reward_fn_key
         self.scorer: RowScorer = build_row_scorer(manager, compute_score, manager_kwargs or {},
-                                                  ManagerContext(tokenizer, max_response_length))
+                                                  ManagerContext(tokenizer, max_response_length, score_workers))
         if overlong is not None and self.scorer.overlong is not None:
             raise ArcherError(
                 "two overlong buffers are set: reward_model.overlong_buffer and "

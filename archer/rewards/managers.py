@@ -28,11 +28,13 @@ import os
 import pickle
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from archer.algorithms.registry import Registry
 from archer.errors import ArcherError
+from archer.rewards.math import set_verify_workers
 from archer.rewards.registry import default_compute_score
 from archer.rewards.shaping import OverlongBuffer
 
@@ -58,10 +60,12 @@ class ScoreRows:
 
 @dataclass(frozen=True)
 class ManagerContext:
-    """What a manager may need besides its kwargs: the tokenizer and data.max_response_length."""
+    """What a manager may need besides its kwargs: the tokenizer, data.max_response_length, and how many rows the
+    built-in rewards may score at once (``eval.score_workers``)."""
 
     tokenizer: Any
     max_response_length: int
+    score_workers: int = 1
 
 
 class RowScorer:
@@ -95,10 +99,17 @@ class RowScorer:
 
 @REWARD_MANAGERS.register("naive")
 class NaiveScorer(RowScorer):
-    """verl's naive manager: one keyword call per row, in order."""
+    """verl's naive manager: one keyword call per row, in order. The built-in rewards score
+    ``context.score_workers`` rows at once (threads over as many math-verify processes), results in row order;
+    a custom function is called one row at a time, as it may not be thread-safe."""
 
     def score(self, rows: ScoreRows) -> list[Any]:
-        return [self._one(rows, i, text) for i, text in enumerate(rows.texts)]
+        workers = self.context.score_workers
+        if workers <= 1 or self.compute_score is not None or len(rows.texts) < 2:
+            return [self._one(rows, i, text) for i, text in enumerate(rows.texts)]
+        set_verify_workers(workers)
+        with ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(lambda i: self._one(rows, i, rows.texts[i]), range(len(rows.texts))))
 
 
 @REWARD_MANAGERS.register("dapo")
