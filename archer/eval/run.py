@@ -51,16 +51,22 @@ EVAL_ALIASES = {
     "max_response_length": "data.max_response_length", "seed": "trainer.seed", "device": "trainer.device",
     **{k: f"eval.{k}" for k in ("benchmark", "k", "data_dir", "output_dir", "limit", "batch_size", "score_workers")},
 }
+TOOLS_KEY = "actor_rollout_ref.rollout.tools.tool_instances"
 SAMPLING_TEMPERATURE = 1.0  # n > 1 without a temperature: sample (n greedy answers would be n copies of one)
 SAMPLES, STATE, JUDGE_CACHE = "samples.jsonl", "eval_state.json", "judge_cache.jsonl"
 
 
 def eval_config(overrides: Sequence[str]) -> DictConfig:
     """The RL config with the short keys mapped (``model=M`` is ``actor_rollout_ref.model.path=M``, ``judge.url``
-    is ``eval.judge.url``); n > 1 without a temperature samples at temperature 1.0; temperature > 0 samples."""
+    is ``eval.judge.url``, ``tools=[python]`` configures the built-in python tool); n > 1 without a temperature
+    samples at temperature 1.0; temperature > 0 samples."""
     mapped, given = [], set()
     for raw in overrides:
         key, sep, value = raw.lstrip("+").partition("=")
+        if key == "tools":  # tools=[python,search]: the built-in tools by name (their params as full keys)
+            names = [t.strip() for t in value.strip("[]").split(",") if t.strip()]
+            mapped += [f"{TOOLS_KEY}.{t}.class_path={t}" for t in names]
+            continue
         full = EVAL_ALIASES.get(key) or (f"eval.{key}" if key.startswith("judge.") else key)
         given.add(full)
         mapped.append(f"{full}{sep}{value}")
