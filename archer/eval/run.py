@@ -91,15 +91,22 @@ def _fingerprint(cfg: DictConfig, model: Path, specs: Sequence[BenchmarkSpec]) -
 
 
 def _read_samples(path: Path) -> list[ProblemRecord]:
-    """The records of earlier runs; a line cut by an interrupted write is dropped (its batch is redone)."""
+    """The records of earlier runs with their rule scores (a judge's verdicts are applied again, from its cache);
+    a line cut by an interrupted write is dropped (its batch is redone)."""
     if not path.is_file():
         return []
     records = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        for sample in record["samples"]:
+            if "rule_acc" in sample:
+                sample["acc"] = sample.pop("rule_acc")
+                sample.pop("judge", None)
+                sample["extras"].pop("rule_acc", None)
+        records.append(record)
     return records
 
 
