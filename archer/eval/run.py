@@ -37,7 +37,8 @@ from archer.eval.judge import Judge, fill_prompt
 from archer.eval.metrics import check_ks, default_ks
 from archer.eval.report import plot_results, results_table
 from archer.models.loading import load_tokenizer, pick_device
-from archer.rewards.manager import RewardManager
+from archer.rewards.manager import build_reward_manager
+from archer.rewards.registry import check_routes
 from archer.rollout.agentic_config import check_agentic_config
 from archer.rollout.factory import check_engine_name
 from archer.workers.generator import GenerationWorker, resolve_model_folder
@@ -145,6 +146,8 @@ class EvalRun:
         data = self.cfg.data
         limit = self.cfg.eval.limit
         rows = load_rows(spec, self.cfg.eval.data_dir, None if limit is None else int(limit))
+        if not self.cfg.custom_reward_function.path:  # every row has a built-in reward, known before generating
+            check_routes(((r["data_source"], r.get("ability")) for r in rows), f"benchmark {spec.name!r}")
         return RLDataset(rows, self.tokenizer, max_prompt_length=int(data.max_prompt_length), truncation=data.truncation,
                          filter_overlong_prompts=False, chat_template=self.cfg.actor_rollout_ref.model.custom_chat_template,
                          apply_chat_template_kwargs=OmegaConf.to_container(data.apply_chat_template_kwargs))
@@ -184,7 +187,7 @@ class EvalRun:
         generator = GenerationWorker(cfg.actor_rollout_ref, self.model, device=pick_device(cfg.trainer.device),
                                      tokenizer=self.tokenizer,
                                      chat_template_kwargs=OmegaConf.to_container(cfg.data.apply_chat_template_kwargs))
-        reward = RewardManager(self.tokenizer, reward_fn_key="data_source", score_workers=int(cfg.eval.score_workers))
+        reward = build_reward_manager(cfg, self.tokenizer)
         evaluator = Evaluator(generator.generate_sequences, reward, self.tokenizer.pad_token_id, n=self.n,
                               seed=int(cfg.trainer.seed))
         new: list[ProblemRecord] = []
