@@ -116,6 +116,16 @@ def test_bad_input_gets_one_clear_error(tmp_path: Path) -> None:
         resolve_model_folder(tmp_path / "not_a_model")
 
 
+def test_archer_eval_refuses_bad_input_with_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "not_a_model").mkdir()
+    assert cli.main(["eval", f"model={tmp_path / 'not_a_model'}", "benchmark=[gsm8k]"]) == 2
+    assert "is not a model: it has no config.json" in capsys.readouterr().err
+    assert cli.main(["eval", f"model={tmp_path}", "benchmark=[]"]) == 2
+    assert "no benchmark given" in capsys.readouterr().err
+    assert cli.main(["eval", f"model={tmp_path}", "benchmark=[gsm8k]", "n=2", "k=[1,4]"]) == 2
+    assert "k=[1, 4] holds [4], outside 1..n=2" in capsys.readouterr().err
+
+
 # -- the judge -----------------------------------------------------------------------------------------------
 class _JudgeServer(BaseHTTPRequestHandler):
     """Says Correct when the judged answer is "Paris"; fails the first request of each prompt with HTTP 500."""
@@ -174,7 +184,9 @@ def _tiny_benchmarks(tmp_path: Path) -> list[str]:
     (tmp_path / "sums.yaml").write_text("file: sums.jsonl\ndata_source: archer/arithmetic\nprompt: '{question}'\n",
                                         encoding="utf-8")
     (tmp_path / "caps.yaml").write_text("file: caps.jsonl\ndata_source: DR_caps\nanswer_type: qa\n"
-                                        "prompt: 'Question: {question}'\n", encoding="utf-8")
+                                        "prompt: 'Question: {question}'\n"
+                                        "judge_prompt: 'Q: {question} Reference: {reference} Answer to judge: {answer}'\n",
+                                        encoding="utf-8")
     return [str(tmp_path / "sums.yaml"), str(tmp_path / "caps.yaml")]
 
 
@@ -213,6 +225,41 @@ def test_archer_eval_end_to_end_and_resume(tiny_model_dir: Path, tmp_path: Path,
     # other sampling settings in the same folder are refused
     assert cli.main([*args, "temperature=0.5"]) == 2
     assert "holds an evaluation with other settings" in capsys.readouterr().err
+
+    # a judge on the finished eval (nothing is generated again): the sample that answered "Paris" is judged right
+    records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    caps0 = next(r for r in records if r["benchmark"] == "caps" and r["index"] == 0)
+    caps0["samples"][0]["answer"] = "Paris"
+    (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _JudgeServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        judged = [*args, f"judge.url=http://127.0.0.1:{server.server_port}/v1", "judge.model=m", "judge.max_retries=1"]
+        assert cli.main(judged) == 0
+    finally:
+        server.shutdown()
+    results = json.loads((out / "results.json").read_text())
+    assert results["benchmarks"]["caps"]["scored_by"] == "judge (m)"
+    assert results["benchmarks"]["sums"]["scored_by"] == "rule: math-verify"
+    assert results["metrics"]["val-core/caps/acc/best@1/mean"] == 0.5  # caps 0: its first sample judged right
+    assert results["metrics"]["val-aux/caps/rule_acc/mean@4"] == 0.0
+    judged_caps0 = next(r for r in map(json.loads, (out / "samples.jsonl").read_text().splitlines())
+                        if (r["benchmark"], r["index"]) == ("caps", 0))
+    assert judged_caps0["samples"][0]["judge"] is True and judged_caps0["samples"][0]["rule_acc"] == 0.0
+    assert cli.main(args) == 0  # without the judge again: the rule scores, as at first
+    assert json.loads((out / "results.json").read_text())["metrics"] == again["metrics"]
+
+
+def test_archer_eval_greedy(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "greedy"
+    sums = _tiny_benchmarks(tmp_path)[0]
+    assert cli.main(["eval", f"model={tiny_model_dir}", f"benchmark=[{sums}]", "max_response_length=4",
+                     "max_prompt_length=64", f"output_dir={out}", "device=cpu"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["n"] == 1 and results["k"] == [1]
+    assert results["config"]["actor_rollout_ref"]["rollout"]["val_kwargs"]["do_sample"] is False
+    assert {k for k in results["metrics"] if k.startswith("val-core/")} == {"val-core/sums/acc/mean@1",
+                                                                          "val-core/all/acc/mean@1"}
 
 
 def test_training_validation_and_archer_eval_agree(micro_model: Path, task_files: dict[str, Path],

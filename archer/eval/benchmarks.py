@@ -135,6 +135,7 @@ def load_rows(spec: BenchmarkSpec, data_dir: str | None, limit: int | None = Non
         rows = read_rl_parquet(path, require_ground_truth=True)
         for row in rows:
             row["data_source"] = spec.data_source
+            row["ability"] = row.get("ability") or spec.answer_type
         return rows[:limit]
     records = _read_records(path)
     if not records:

@@ -25,7 +25,8 @@ from archer.rewards.manager import RewardManager
 
 ProblemRecord = dict[str, Any]
 BATCH_SEED_STRIDE = 1_000_003  # sampling seed of batch b: seed + b * stride (fixed per batch, so resumes agree)
-_SAMPLE_ROWS = ("finish_reason", "num_tool_calls", "num_turns")  # generation facts kept per sample when present
+_SAMPLE_COUNTS = ("num_tool_calls", "num_turns")  # generation counts kept per sample (with tools) and averaged
+_SAMPLE_ROWS = ("finish_reason", *_SAMPLE_COUNTS)
 
 
 def answer_type_of(item: dict[str, Any]) -> str:
@@ -79,12 +80,16 @@ def _plain(value: Any) -> Any:
 def records_metrics(records: Sequence[ProblemRecord], n: int, ks: Sequence[int] | None,
                     source_key: str = "data_source") -> dict[str, float]:
     """validation_metrics of the records: ``val-core/<source>/acc/...`` (mean@n, and with n > 1 best@k, maj@k,
-    pass@k) and ``val-aux/<source>/<score or extra>/mean@n``, the source being each record's ``source_key``."""
+    pass@k) and ``val-aux/<source>/<name>/mean@n`` of the score, each numeric reward extra and, with tools, the
+    tool calls and turns per sample; the source is each record's ``source_key``."""
     rows = [(r, s) for r in records for s in r["samples"]]
     if not rows:
         return {}
     extra_keys = sorted({k for _, s in rows for k, v in s["extras"].items() if as_number(v) is not None})
     extras = {k: np.array([_number(s["extras"].get(k)) for _, s in rows]) for k in extra_keys}
+    for key in _SAMPLE_COUNTS:  # with tools: calls and turns per sample
+        if any(key in s for _, s in rows):
+            extras[key] = np.array([_number(s.get(key)) for _, s in rows])
     return validation_metrics([r[source_key] for r, _ in rows], [r["index"] for r, _ in rows],
                               np.array([s["acc"] for _, s in rows]), np.array([s["score"] for _, s in rows]), n,
                               extras={k: v for k, v in extras.items() if not np.all(np.isnan(v))},

@@ -1,8 +1,8 @@
 """The report of an ``archer eval``: a markdown table and a bar chart, drawn from results.json's figures.
 
 One table row per benchmark and one "overall" row (every problem pooled): problems, what scored it (the rule
-reward or the judge), mean@n (pass@1 as avg@n), pass@k and maj@k for each k, and for QA sets the token F1 and
-exact match (EM) the QA reward reports. The chart draws mean@n, pass@k and maj@k of the largest k per benchmark
+reward or the judge), mean@n (pass@1 as avg@n), pass@k and maj@k for each k, for QA sets the token F1 and
+exact match (EM) the QA reward reports, and with tools the mean tool calls per sample. The chart draws mean@n, pass@k and maj@k of the largest k per benchmark
 (matplotlib's Agg canvas, no pyplot).
 """
 
@@ -37,7 +37,9 @@ def results_table(results: dict[str, Any]) -> str:
     """The markdown table of results.json (accuracies in percent)."""
     metrics, n, ks = results["metrics"], int(results["n"]), list(results["k"])
     columns = _columns(n, ks)
-    header = ["benchmark", "problems", "scored by", *(c for c, _ in columns), "F1", "EM"]
+    tools = any(f"/num_tool_calls/mean@{n}" in key for key in metrics)
+    header = ["benchmark", "problems", "scored by", *(c for c, _ in columns), "F1", "EM",
+              *(["tool calls"] if tools else [])]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     rows = [(name, info["problems"], info["scored_by"]) for name, info in results["benchmarks"].items()]
     rows.append((OVERALL, sum(info["problems"] for info in results["benchmarks"].values()), "-"))
@@ -46,9 +48,13 @@ def results_table(results: dict[str, Any]) -> str:
         f1 = metrics.get(f"val-aux/{source}/f1/mean@{n}")
         em = metrics.get(f"val-aux/{source}/rule_acc/mean@{n}", _figure(metrics, source, f"mean@{n}"))
         em = em if f1 is not None else None  # the QA reward's exact match (the rule's acc when a judge scored)
-        lines.append("| " + " | ".join([source, str(problems), scored_by, *cells, _cell(f1), _cell(em)]) + " |")
+        calls = metrics.get(f"val-aux/{source}/num_tool_calls/mean@{n}")
+        tool_cell = ([] if not tools else ["-" if calls is None else f"{calls:.2f}"])
+        lines.append("| " + " | ".join([source, str(problems), scored_by, *cells, _cell(f1), _cell(em), *tool_cell])
+                     + " |")
     note = (f"\nAccuracy in %, {n} sample(s) per problem; mean@{n} is pass@1 as avg@{n}; pass@k is the unbiased "
-            "estimator; maj@k votes over normalised answers (ties: the answer seen first). F1/EM: QA sets only.\n")
+            "estimator; maj@k votes over normalised answers (ties: the answer seen first). F1/EM: QA sets only"
+            + ("; tool calls: mean per sample" if tools else "") + ".\n")
     return "\n".join(lines) + "\n" + note
 
 

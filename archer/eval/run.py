@@ -37,7 +37,8 @@ from archer.eval.judge import Judge, fill_prompt
 from archer.eval.metrics import check_ks, default_ks
 from archer.eval.report import plot_results, results_table
 from archer.models.loading import load_tokenizer, pick_device
-from archer.rewards.manager import RewardManager
+from archer.rewards.manager import build_reward_manager
+from archer.rewards.registry import check_routes
 from archer.rollout.agentic_config import check_agentic_config
 from archer.rollout.factory import check_engine_name
 from archer.workers.generator import GenerationWorker, resolve_model_folder
@@ -51,16 +52,22 @@ EVAL_ALIASES = {
     "max_response_length": "data.max_response_length", "seed": "trainer.seed", "device": "trainer.device",
     **{k: f"eval.{k}" for k in ("benchmark", "k", "data_dir", "output_dir", "limit", "batch_size", "score_workers")},
 }
+TOOLS_KEY = "actor_rollout_ref.rollout.tools.tool_instances"
 SAMPLING_TEMPERATURE = 1.0  # n > 1 without a temperature: sample (n greedy answers would be n copies of one)
 SAMPLES, STATE, JUDGE_CACHE = "samples.jsonl", "eval_state.json", "judge_cache.jsonl"
 
 
 def eval_config(overrides: Sequence[str]) -> DictConfig:
     """The RL config with the short keys mapped (``model=M`` is ``actor_rollout_ref.model.path=M``, ``judge.url``
-    is ``eval.judge.url``); n > 1 without a temperature samples at temperature 1.0; temperature > 0 samples."""
+    is ``eval.judge.url``, ``tools=[python]`` configures the built-in python tool); n > 1 without a temperature
+    samples at temperature 1.0; temperature > 0 samples."""
     mapped, given = [], set()
     for raw in overrides:
         key, sep, value = raw.lstrip("+").partition("=")
+        if key == "tools":  # tools=[python,search]: the built-in tools by name (their params as full keys)
+            names = [t.strip() for t in value.strip("[]").split(",") if t.strip()]
+            mapped += [f"{TOOLS_KEY}.{t}.class_path={t}" for t in names]
+            continue
         full = EVAL_ALIASES.get(key) or (f"eval.{key}" if key.startswith("judge.") else key)
         given.add(full)
         mapped.append(f"{full}{sep}{value}")
@@ -85,15 +92,22 @@ def _fingerprint(cfg: DictConfig, model: Path, specs: Sequence[BenchmarkSpec]) -
 
 
 def _read_samples(path: Path) -> list[ProblemRecord]:
-    """The records of earlier runs; a line cut by an interrupted write is dropped (its batch is redone)."""
+    """The records of earlier runs with their rule scores (a judge's verdicts are applied again, from its cache);
+    a line cut by an interrupted write is dropped (its batch is redone)."""
     if not path.is_file():
         return []
     records = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        for sample in record["samples"]:
+            if "rule_acc" in sample:
+                sample["acc"] = sample.pop("rule_acc")
+                sample.pop("judge", None)
+                sample["extras"].pop("rule_acc", None)
+        records.append(record)
     return records
 
 
@@ -132,6 +146,8 @@ class EvalRun:
         data = self.cfg.data
         limit = self.cfg.eval.limit
         rows = load_rows(spec, self.cfg.eval.data_dir, None if limit is None else int(limit))
+        if not self.cfg.custom_reward_function.path:  # every row has a built-in reward, known before generating
+            check_routes(((r["data_source"], r.get("ability")) for r in rows), f"benchmark {spec.name!r}")
         return RLDataset(rows, self.tokenizer, max_prompt_length=int(data.max_prompt_length), truncation=data.truncation,
                          filter_overlong_prompts=False, chat_template=self.cfg.actor_rollout_ref.model.custom_chat_template,
                          apply_chat_template_kwargs=OmegaConf.to_container(data.apply_chat_template_kwargs))
@@ -171,7 +187,7 @@ class EvalRun:
         generator = GenerationWorker(cfg.actor_rollout_ref, self.model, device=pick_device(cfg.trainer.device),
                                      tokenizer=self.tokenizer,
                                      chat_template_kwargs=OmegaConf.to_container(cfg.data.apply_chat_template_kwargs))
-        reward = RewardManager(self.tokenizer, reward_fn_key="data_source", score_workers=int(cfg.eval.score_workers))
+        reward = build_reward_manager(cfg, self.tokenizer)
         evaluator = Evaluator(generator.generate_sequences, reward, self.tokenizer.pad_token_id, n=self.n,
                               seed=int(cfg.trainer.seed))
         new: list[ProblemRecord] = []

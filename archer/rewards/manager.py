@@ -2,11 +2,8 @@
 
 Rows are scored by a reward manager (archer.rewards.managers: naive, batch, dapo, prime) that calls
 ``compute_score`` (a custom function, used for every row as in verl) or the built-in routing of
-archer.rewards.registry on the text of the whole response (tool output included). The row's score lands on its
-last learned token (``response_mask``) of ``token_level_scores``; a row with no such token keeps an all-zero row
-(its score is still in ``scores``). The output is deterministic: rows are scored in order, or with
-``score_workers`` > 1 (the naive manager's built-in rewards only) in parallel threads whose results keep row
-order. Shaping (rewards/shaping.py) comes
+archer.rewards.registry on the text of the whole response (tool output included). The row's score lands on its last learned token (``response_mask``) of ``token_level_scores``; a row with no such
+token keeps an all-zero row (its score is still in ``scores``). Rows are scored in order, so the output is deterministic. Shaping (rewards/shaping.py) comes
 after scoring: a built-in rule reward's wrong answers get ``wrong_answer_score``, and the overlong buffer
 adds its penalty (``overlong_penalty``); accuracy is that of the unshaped answer.
 
@@ -23,9 +20,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import DictConfig, OmegaConf
 
 from archer.batch import Batch, response_attention
 from archer.errors import ArcherError
+from archer.rewards.custom import load_custom_reward_fn
 from archer.rewards.extras import REWARD_EXTRAS, as_number
 from archer.rewards.managers import ManagerContext, RowScorer, ScoreRows, build_row_scorer
 from archer.rewards.shaping import OverlongBuffer, apply_wrong_answer_score
@@ -182,3 +181,21 @@ def _row_score(result: Any, where: str) -> tuple[float, float, dict[str, Any]]:
         )
     score = _finite(result, "score", result, where)
     return score, float(score > 0), {}
+
+
+def build_reward_manager(cfg: DictConfig, tokenizer: Any) -> RewardManager:
+    """The reward stage an RL config describes (custom_reward_function, reward_model.*, eval.score_workers): the
+    same for training, its validation and ``archer eval``."""
+    custom = cfg.custom_reward_function
+    fn = None
+    if custom.path:
+        fn = load_custom_reward_fn(custom.path, custom.name, **dict(custom.reward_kwargs))
+    buffer = cfg.reward_model.overlong_buffer
+    overlong = (OverlongBuffer(int(cfg.data.max_response_length), int(buffer.len), float(buffer.penalty_factor))
+                if buffer.enable else None)
+    return RewardManager(tokenizer, compute_score=fn, reward_fn_key=cfg.data.reward_fn_key, overlong=overlong,
+                         wrong_answer_score=float(cfg.reward_model.wrong_answer_score),
+                         manager=str(cfg.reward_model.reward_manager),
+                         manager_kwargs=OmegaConf.to_container(cfg.reward_model.reward_kwargs, resolve=True),
+                         max_response_length=int(cfg.data.max_response_length),
+                         score_workers=int(cfg.eval.score_workers))

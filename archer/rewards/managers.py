@@ -6,7 +6,7 @@ scorer is ``custom_reward_function`` when it is set, else archer's built-in rout
 ``reward_model.reward_kwargs`` are the manager's keyword arguments, as in verl:
 
 - ``naive``: ``compute_score(data_source=, solution_str=, ground_truth=, extra_info=)`` once per row, in order;
-  takes no reward_kwargs.
+  takes no reward_kwargs. The built-in rewards (no custom function) score ``eval.score_workers`` rows at once.
 - ``batch``: one call ``compute_score(data_sources=, solution_strs=, ground_truths=, extra_infos=,
   **reward_kwargs)`` with one list per field, which returns a list with one result per row; needs
   ``custom_reward_function``.
@@ -61,7 +61,7 @@ class ScoreRows:
 @dataclass(frozen=True)
 class ManagerContext:
     """What a manager may need besides its kwargs: the tokenizer, data.max_response_length, and how many rows the
-    built-in rewards may score at once (``eval.score_workers``)."""
+    built-in rewards may score at once (eval.score_workers)."""
 
     tokenizer: Any
     max_response_length: int
@@ -99,14 +99,14 @@ class RowScorer:
 
 @REWARD_MANAGERS.register("naive")
 class NaiveScorer(RowScorer):
-    """verl's naive manager: one keyword call per row, in order. The built-in rewards score
-    ``context.score_workers`` rows at once (threads over as many math-verify processes), results in row order;
-    a custom function is called one row at a time, as it may not be thread-safe."""
+    """verl's naive manager: one keyword call per row, in order."""
 
     def score(self, rows: ScoreRows) -> list[Any]:
         workers = self.context.score_workers
         if workers <= 1 or self.compute_score is not None or len(rows.texts) < 2:
             return [self._one(rows, i, text) for i, text in enumerate(rows.texts)]
+        # the built-in rewards only (a custom function may not be thread-safe): threads over as many math-verify
+        # processes; results keep row order
         set_verify_workers(workers)
         with ThreadPoolExecutor(workers) as pool:
             return list(pool.map(lambda i: self._one(rows, i, rows.texts[i]), range(len(rows.texts))))

@@ -6,7 +6,7 @@ else goes to math-verify (``verify(parse(gold), parse(pred))``, gold first), whi
 worker process so that a hostile answer (a tower of exponents, deeply nested LaTeX) can never hang the
 caller: past the time limit the worker is killed, restarted on the next call, and the answer scores 0.
 The worker's memory is capped too (math_worker.py). ``set_verify_workers(n)`` lets n callers (threads) verify
-at once in n processes; verdicts are cached per (gold, answer).
+at once in n processes; verdicts are cached per (gold, answer) (a timeout is not: it is tried again).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from decimal import Decimal
 from pathlib import Path
 
@@ -180,11 +181,17 @@ class _VerifyWorker:
                 self._kill(self._process)
             self._process = None
 
-    def equivalent(self, gold: str, pred: str, timeout_s: float) -> bool:
+    def start_if_stopped(self) -> subprocess.Popen[bytes]:
+        """The running process, started first when there is none (callers hold the lock, or own the worker)."""
+        process = self._process
+        if process is None or process.poll() is not None:
+            process = self._start()
+        return process
+
+    def equivalent(self, gold: str, pred: str, timeout_s: float) -> bool | None:
+        """The worker's verdict; None when it ran past ``timeout_s`` (or died) and was killed."""
         with self._lock:
-            process = self._process
-            if process is None or process.poll() is not None:
-                process = self._start()
+            process = self.start_if_stopped()
             request = {"gold": gold, "pred": pred, "stage_timeout": max(1, int(timeout_s / 3))}
             assert process.stdin is not None
             try:
@@ -196,7 +203,7 @@ class _VerifyWorker:
                 return bool(json.loads(line))
             self._kill(process)
             self._process = None
-            return False
+            return None
 
 
 class _VerifyPool:
@@ -211,6 +218,7 @@ class _VerifyPool:
         self._idle: queue.SimpleQueue[_VerifyWorker] = queue.SimpleQueue()
         self._idle.put(self._workers[0])
         self._cache: OrderedDict[tuple[str, str], bool] = OrderedDict()
+        self._pending: dict[tuple[str, str], Future[bool | None]] = {}  # pairs being verified now
         self._cache_lock = threading.Lock()
 
     @property
@@ -228,6 +236,11 @@ class _VerifyPool:
         for worker in self._workers:
             self._idle.put(worker)
 
+    def warm(self) -> None:
+        """Start every worker's process now (in parallel), rather than on first use."""
+        with ThreadPoolExecutor(len(self._workers)) as pool:
+            list(pool.map(lambda w: w.start_if_stopped(), self._workers))
+
     def clear_cache(self) -> None:
         with self._cache_lock:
             self._cache.clear()
@@ -239,27 +252,44 @@ class _VerifyPool:
         self._idle = queue.SimpleQueue()
         for worker in self._workers:
             self._idle.put(worker)
+        self._pending = {}
         self._cache_lock = threading.Lock()
 
     def close(self) -> None:
         for worker in self._workers:
             worker.close()
 
-    def equivalent(self, gold: str, pred: str, timeout_s: float) -> bool:
+    def equivalent(self, gold: str, pred: str, timeout_s: float) -> bool | None:
+        """The verdict (None: timed out; not cached, so a later call tries again)."""
         key = (gold, pred)
         with self._cache_lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        worker = self._idle.get()
+            pending = self._pending.get(key)
+            owner = pending is None
+            if owner:  # the first caller verifies; a concurrent caller of the same pair waits for its verdict
+                pending = self._pending[key] = Future[bool | None]()
+        if not owner:
+            return pending.result()
         try:
-            verdict = worker.equivalent(gold, pred, timeout_s)
-        finally:
-            self._idle.put(worker)
+            worker = self._idle.get()
+            try:
+                verdict = worker.equivalent(gold, pred, timeout_s)
+            finally:
+                self._idle.put(worker)
+        except BaseException as exc:
+            with self._cache_lock:
+                del self._pending[key]
+            pending.set_exception(exc)
+            raise
         with self._cache_lock:
-            self._cache[key] = verdict
+            if verdict is not None:
+                self._cache[key] = verdict
+            del self._pending[key]
             if len(self._cache) > self.CACHE_SIZE:
                 self._cache.popitem(last=False)
+        pending.set_result(verdict)
         return verdict
 
 
@@ -286,7 +316,7 @@ def answers_match(pred: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_S) ->
         return pred_number == gold_number
     if not pred.strip():
         return False
-    return _POOL.equivalent(gold, pred, timeout_s)
+    return bool(_POOL.equivalent(gold, pred, timeout_s))
 
 
 def compute_math_score(solution_str: str, ground_truth: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> float:

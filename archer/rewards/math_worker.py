@@ -2,7 +2,8 @@
 
 Reads one JSON request per line on stdin (``{"gold", "pred", "stage_timeout"}``) and answers one JSON
 line on its own copy of stdout: ``true`` or ``false``. The first line it writes is ``"ready"`` once
-math-verify is imported, or ``{"error": ...}`` when the import fails; it exits when stdin closes.
+math-verify is imported and has verified one warm-up pair (so the first real request is not slowed by sympy's
+lazy loading), or ``{"error": ...}`` when the import fails; it exits when stdin closes.
 Anything else printed while verifying goes to stderr, so the reply channel stays clean.
 ``--max-memory-mb N`` caps the process's address space (RLIMIT_AS): an answer whose verification would grow
 past it (a huge power expanded by sympy) fails with MemoryError and does not match, instead of taking the
@@ -21,6 +22,8 @@ import signal
 import sys
 from collections.abc import Callable
 from typing import Any, TextIO
+
+WARM_UP_TIMEOUT_S = 30
 
 
 def _equivalent(
@@ -59,7 +62,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)
     _cap_memory(args.max_memory_mb)  # after the imports, whose size is known; verification is what is bounded
-    _reply(out, "ready")
+    _equivalent(parse, verify, "\\frac{1}{2}", "0.5", WARM_UP_TIMEOUT_S)  # sympy's lazy parts load now, not in
+    _reply(out, "ready")                                                  # the first request's time limit
     for line in sys.stdin:
         request = json.loads(line)
         _reply(out, _equivalent(parse, verify, request["gold"], request["pred"], request["stage_timeout"]))

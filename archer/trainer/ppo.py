@@ -31,11 +31,9 @@ from archer.data.rl_dataset import RLDataset
 from archer.errors import ArcherError
 from archer.eval.evaluator import Evaluator, records_metrics
 from archer.models.loading import pick_device
-from archer.rewards.custom import load_custom_reward_fn
 from archer.rewards.extras import REWARD_EXTRAS
-from archer.rewards.manager import RewardManager
+from archer.rewards.manager import build_reward_manager
 from archer.rewards.registry import check_routes
-from archer.rewards.shaping import OverlongBuffer
 from archer.rollout.agentic_config import check_row_tools
 from archer.rollout.rollout_stats import RolloutStats
 from archer.trace.entropy import EntropyTrace
@@ -88,22 +86,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def build_reward_manager(cfg: DictConfig, tokenizer) -> RewardManager:
-    custom = cfg.custom_reward_function
-    fn = None
-    if custom.path:
-        fn = load_custom_reward_fn(custom.path, custom.name, **dict(custom.reward_kwargs))
-    buffer = cfg.reward_model.overlong_buffer
-    overlong = (OverlongBuffer(int(cfg.data.max_response_length), int(buffer.len), float(buffer.penalty_factor))
-                if buffer.enable else None)
-    return RewardManager(tokenizer, compute_score=fn, reward_fn_key=cfg.data.reward_fn_key, overlong=overlong,
-                         wrong_answer_score=float(cfg.reward_model.wrong_answer_score),
-                         manager=str(cfg.reward_model.reward_manager),
-                         manager_kwargs=OmegaConf.to_container(cfg.reward_model.reward_kwargs, resolve=True),
-                         max_response_length=int(cfg.data.max_response_length),
-                         score_workers=int(cfg.eval.score_workers))
 
 
 def check_data_against_config(cfg: DictConfig, dataset: RLDataset | None, where: str) -> None:
