@@ -19,7 +19,7 @@ from archer.errors import ArcherError
 TRAIN_HELP_KEYS = {
     "data": ("train_files", "val_files", "prompt_key", "max_prompt_length", "max_response_length",
              "train_batch_size"),
-    "actor_rollout_ref": ("model.path", "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref": ("model.path", "model.lora_rank", "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size_per_gpu",
                           "actor.optim.lr", "actor.use_kl_loss", "actor.policy_loss.loss_mode", "rollout.n",
                           "rollout.temperature"),
     "algorithm": ("adv_estimator", "use_kl_in_reward"),
@@ -30,7 +30,7 @@ TRAIN_HELP_KEYS = {
 SFT_HELP_KEYS = {
     "data": ("train_files", "val_files", "prompt_key", "response_key", "max_length", "train_batch_size",
              "micro_batch_size_per_gpu"),
-    "model": ("partial_pretrain",),
+    "model": ("partial_pretrain", "lora_rank"),
     "optim": ("lr", "lr_scheduler"),
     "trainer": ("total_epochs", "total_training_steps", "default_local_dir", "logger", "device"),
 }

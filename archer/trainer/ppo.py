@@ -149,7 +149,8 @@ class PPOTrainer:
                                  chat_template_kwargs=self.template_kwargs)
         algo = cfg.algorithm
         self.use_ref = bool(ref_cfg.actor.use_kl_loss or algo.use_kl_in_reward)
-        self.ref = ReferenceWorker(ref_cfg, device=self.device) if self.use_ref else None
+        self.ref = (ReferenceWorker(ref_cfg, device=self.device, lora_policy=self.actor.peft)
+                    if self.use_ref else None)
         self.use_critic = algo.adv_estimator == "gae"
         self.critic = (CriticWorker(cfg.critic, rollout_n=int(ref_cfg.rollout.n), device=self.device,
                                     total_steps=self.total_steps) if self.use_critic else None)
