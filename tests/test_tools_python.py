@@ -433,3 +433,27 @@ def test_scratch_is_private_when_the_interpreter_lives_under_tmp(tmp_path_factor
         assert text == f"/scratch ['mine'] {venv / 'bin' / 'python'}\n"
     finally:
         shutil.rmtree(venv, ignore_errors=True)
+
+
+def test_the_watchdog_finds_every_process_without_children_lists(isolated: PythonTool,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sandbox, "children_files", lambda: False)  # a kernel without CONFIG_PROC_CHILDREN
+    code = ("import os, time\nfor _ in range(5):\n    if os.fork() == 0:\n        break\n"
+            "b = bytearray(100 * 2**20)\nb[::4096] = b'x' * len(b[::4096])\ntime.sleep(5)")
+    result = isolated.execute(code)
+    assert not result.ok and "together used more than 256 MB of memory" in result.text
+
+
+def test_the_watchdog_counts_the_cpu_time_of_children_already_reaped() -> None:
+    burner = ("import os, time\npid = os.fork()\nif pid == 0:\n    t = time.process_time()\n"
+              "    while time.process_time() - t < 0.3:\n        pass\n    os._exit(0)\nos.waitpid(pid, 0)\n"
+              "print('reaped', flush=True)\ntime.sleep(30)")
+    proc = subprocess.Popen([sys.executable, "-c", burner], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == b"reaped\n"
+        memory, cpu = sandbox._usage(sandbox._process_tree(proc.pid))
+        assert cpu >= 0.3 and memory > 0  # the child's 0.3 s live on in its parent's cutime
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()

@@ -228,6 +228,11 @@ def _sandbox_init(info_r: int) -> int | None:
         return None
 
 
+def children_files() -> bool:
+    """Whether the kernel lists each task's children (CONFIG_PROC_CHILDREN); else the watchdog scans /proc."""
+    return Path(f"/proc/self/task/{os.getpid()}/children").exists()
+
+
 def _children(pid: int) -> list[int]:
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
@@ -240,13 +245,25 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _parents() -> dict[int, list[int]]:
+    """Every process's children, from the parent pids in /proc/*/stat (without children files)."""
+    below: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                below.setdefault(ppid, []).append(int(entry))
+    return below
+
+
 def _process_tree(root: int) -> list[int]:
     """``root`` and every live process below it (a sandbox's pid 1 adopts every orphan of the sandbox)."""
+    below = None if children_files() else _parents()
     tree, todo = [], [root]
     while todo:
         pid = todo.pop()
         tree.append(pid)
-        todo += _children(pid)
+        todo += _children(pid) if below is None else below.get(pid, [])
     return tree
 
 
