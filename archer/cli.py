@@ -157,7 +157,7 @@ def _build_index(args: argparse.Namespace) -> None:
 
     from archer.tools.bm25_index import build_index
 
-    n = build_index(Path(args.corpus), Path(args.out))
+    n = build_index(Path(args.corpus), Path(args.out), overwrite=args.overwrite)
     print(f"BM25 index of {n} passages: {args.out}")
 
 
@@ -212,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("build-index", help="build a local BM25 index for the search tool (bm25s)")
     p.add_argument("--corpus", required=True, help="passages as .jsonl or .parquet with text (and id, title)")
-    p.add_argument("--out", required=True, help="index folder (replaced if it exists)")
+    p.add_argument("--out", required=True, help="index folder: new or empty (a folder of other files is refused)")
+    p.add_argument("--overwrite", action="store_true", help="replace the archer index already in --out (atomically)")
     p.set_defaults(func=_build_index)
 
     p = sub.add_parser("tools", help="tool utilities: `archer tools check` prints the sandbox's protections here")

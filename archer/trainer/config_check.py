@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from archer.algorithms.policy_loss import POLICY_LOSSES
 from archer.config.loader import as_list
 from archer.errors import ArcherError
+from archer.rewards.managers import check_manager
 from archer.rewards.shaping import OverlongBuffer
 from archer.rollout.agentic_config import check_agentic_config
 from archer.rollout.factory import check_engine_name
@@ -92,6 +93,9 @@ def check_config(cfg: DictConfig) -> None:
                           "pick a mini-batch size that divides the train batch size (both count prompts)")
     if cfg.trainer.influence_trace.enable:
         check_influence_settings(cfg.trainer.influence_trace)
+    check_manager(str(cfg.reward_model.reward_manager),
+                  OmegaConf.to_container(cfg.reward_model.reward_kwargs, resolve=True),
+                  has_custom_function=bool(cfg.custom_reward_function.path))
     buffer = cfg.reward_model.overlong_buffer
     if buffer.enable:
         OverlongBuffer(int(cfg.data.max_response_length), int(buffer.len), float(buffer.penalty_factor))

@@ -27,12 +27,15 @@ from archer.batch import Batch
 from archer.config.loader import as_list, save_config
 from archer.data.loader import collate_prompts
 from archer.data.rl_data import build_rl_data
+from archer.data.rl_dataset import RLDataset
 from archer.errors import ArcherError
 from archer.models.loading import pick_device
 from archer.rewards.custom import load_custom_reward_fn
 from archer.rewards.extras import REWARD_EXTRAS, numeric_columns
 from archer.rewards.manager import RewardManager
+from archer.rewards.registry import check_routes
 from archer.rewards.shaping import OverlongBuffer
+from archer.rollout.agentic_config import check_row_tools
 from archer.rollout.rollout_stats import RolloutStats
 from archer.trace.entropy import EntropyTrace
 from archer.trace.influence import InfluenceTrace
@@ -81,7 +84,22 @@ def build_reward_manager(cfg: DictConfig, tokenizer) -> RewardManager:
     overlong = (OverlongBuffer(int(cfg.data.max_response_length), int(buffer.len), float(buffer.penalty_factor))
                 if buffer.enable else None)
     return RewardManager(tokenizer, compute_score=fn, reward_fn_key=cfg.data.reward_fn_key, overlong=overlong,
-                         wrong_answer_score=float(cfg.reward_model.wrong_answer_score))
+                         wrong_answer_score=float(cfg.reward_model.wrong_answer_score),
+                         manager=str(cfg.reward_model.reward_manager),
+                         manager_kwargs=OmegaConf.to_container(cfg.reward_model.reward_kwargs, resolve=True),
+                         max_response_length=int(cfg.data.max_response_length))
+
+
+def check_data_against_config(cfg: DictConfig, dataset: RLDataset | None, where: str) -> None:
+    """When the data loads, before training: without custom_reward_function every data_source has a built-in
+    reward (naming the ones without and the routes there are), and the rows' tools name configured tools."""
+    if dataset is None:
+        return
+    items = [dataset[i] for i in range(len(dataset))]
+    if not cfg.custom_reward_function.path:
+        key = cfg.data.reward_fn_key
+        check_routes(((item[key], item["ability"]) for item in items), where)
+    check_row_tools((item["tools"] for item in items), cfg.actor_rollout_ref.rollout, where)
 
 
 def write_generations(path: Path, batch: Batch, texts: list[str], scores: np.ndarray, step: int) -> None:
@@ -115,6 +133,8 @@ class PPOTrainer:
         ref_cfg = cfg.actor_rollout_ref
         data = build_rl_data(cfg.data, model_path=ref_cfg.model.path, chat_template=ref_cfg.model.custom_chat_template)
         self.tokenizer, self.train_set, self.val_set, self.loader = data.tokenizer, data.train, data.val, data.loader
+        for where, dataset in (("data.train_files", self.train_set), ("data.val_files", self.val_set)):
+            check_data_against_config(cfg, dataset, where)
         steps = cfg.trainer.total_training_steps
         self.total_steps = int(steps) if steps else self.loader.steps_per_epoch * int(cfg.trainer.total_epochs)
 

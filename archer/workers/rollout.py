@@ -6,7 +6,8 @@ and the engine's per-token ``rollout_log_probs`` / ``rollout_entropies``. Rows a
 The actor worker owns it (the engine generates with the actor's weights).
 
 With tools configured (``rollout.tools.tool_instances``) it generates with the multi-turn tool loop
-(rollout/agentic.py), for training (with ARPO/AEPO branching) and validation alike, and adds ``tool_mask``
+(rollout/agentic.py), for training (with ARPO/AEPO branching) and validation alike, each prompt with the tools
+its row's ``tools`` allow (every tool when the row has none), and adds ``tool_mask``
 ([B, R], 1 on tool output), the rows ``num_tool_calls``, ``num_turns``, ``branch_parent`` (the row of the
 prompt's n it branched from, -1 for none), ``branch_position`` (the response position where it branched, -1
 for none) and ``info["rollout_stats"]`` (a RolloutStats: the step's
@@ -106,8 +107,10 @@ class RolloutWorker:
 
     def _generate_with_tools(self, prompts: Batch, prompt_lists: list[list[int]], params: SamplingParams,
                              validate: bool) -> Batch:
+        allowed = list(prompts["tools"]) if "tools" in prompts else None  # the data's per-row tools
         with autocast_for(self.device):
-            out = self.agentic.generate(prompt_lists, params, branch_settings(self.cfg, params, validate=validate))
+            out = self.agentic.generate(prompt_lists, params, branch_settings(self.cfg, params, validate=validate),
+                                        allowed_tools=allowed)
         batch = layout_sequences(prompts, out.responses, out.response_mask, params.n,
                                  present=out.response_mask + out.tool_mask)
         batch["tool_mask"] = out.tool_mask
