@@ -7,9 +7,11 @@ bounded so that CI stays fast, and each bound is far above what linear code need
 from __future__ import annotations
 
 import json
+import random
 import re
 import time
 
+import numpy as np
 import pytest
 from agentic_support import tokenizer
 
@@ -18,7 +20,9 @@ from archer.rewards.math import compute_math_score, extract_boxed
 from archer.rewards.qa import compute_qa_score
 from archer.rewards.registry import default_compute_score
 from archer.rollout.call_formats import HermesCalls
-from archer.tagged_text import last_tag_block, tag_blocks
+from archer.tagged_text import last_tag_block, tag_blocks, tag_spans
+from archer.tools.python_tool import strip_code_fence
+from archer.viz.queries import call_tokens
 
 TAGS = 20_000
 BOUND_S = 0.5
@@ -79,3 +83,33 @@ def test_a_tool_call_nested_past_the_stack_is_an_error_answer_not_a_crash(hermes
     assert deep.error == "Error: the tool call's JSON is nested too deeply."
     assert ok.error is None and ok.call.content == "print(1)"
     assert seconds < BOUND_S
+
+
+def test_tag_spans_match_the_lazy_alternation_on_random_text() -> None:
+    rng = random.Random(0)
+    atoms = ["<python>", "</python>", "<search>", "</search>", "<a>", "</a>", "</b>", "x", "\n", "<"]
+    for tags in ([("<python>", "</python>"), ("<search>", "</search>")], [("<a>", "</a>"), ("<a>", "</b>")]):
+        pattern = re.compile("|".join(f"{re.escape(o)}.*?{re.escape(c)}" for o, c in tags), re.DOTALL)
+        for _ in range(3000):
+            text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 12)))
+            assert [(a, b) for a, b, _ in tag_spans(text, tags)] == [(m.start(), m.end())
+                                                                   for m in pattern.finditer(text)], text
+
+
+def test_the_explorer_marks_calls_of_a_hostile_response_quickly() -> None:
+    texts = ["<python>"] * TAGS + ["<search>", "x", "</search>"]  # no </python>: every <python> used to rescan
+    marked, seconds = timed(call_tokens, texts, np.ones(len(texts), dtype=bool))
+    assert seconds < BOUND_S, f"{seconds:.2f} s"
+    assert marked.tolist() == [False] * TAGS + [True] * 3
+
+
+@pytest.mark.parametrize("fn, text", [
+    (strip_code_fence, "```python\n" + "```   x\n" * TAGS),
+    (strip_code_fence, "   " * TAGS + "```" + "\t" * TAGS),
+    (extract_boxed, "\\boxed{" * TAGS),
+    (lambda t: compute_math_score(t, "42"), "####" + " \n####" * TAGS + " 42"),  # a plain number: no worker
+    (lambda t: compute_qa_score(t, ["a"]), "<answer>\\boxed{" + "\\text{" * TAGS + "}</answer>" + "<think>" * TAGS),
+], ids=["fence-many", "fence-spaces", "boxes", "hashes", "qa-latex"])
+def test_other_parsers_of_model_text_are_linear(fn, text) -> None:
+    _, seconds = timed(fn, text)
+    assert seconds < BOUND_S, f"{seconds:.2f} s"
