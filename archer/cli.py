@@ -1,4 +1,4 @@
-"""``archer <command>``: train, sft, eval, data, quickstart, viz, build-index.
+"""``archer <command>``: train, sft, eval, data, quickstart, viz, build-index, tools check.
 
 Every command turns an ArcherError into one clear message and exit status 2, without a traceback.
 ``archer train --help`` and ``archer sft --help`` list the main config keys with their defaults (read
@@ -182,6 +182,15 @@ def _build_index(args: argparse.Namespace) -> None:
     print(f"BM25 index of {n} passages: {args.out}")
 
 
+def _tools_check(args: argparse.Namespace) -> None:
+    from archer.tools.check import report
+
+    text, ready = report(args.python or sys.executable)
+    print(text)
+    if not ready:
+        raise ArcherError("this machine cannot isolate the Python tool's snippets", "see the lines marked OFF above")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="archer", description="RL post-training of language models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
@@ -233,6 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="index folder: new or empty (a folder of other files is refused)")
     p.add_argument("--overwrite", action="store_true", help="replace the archer index already in --out (atomically)")
     p.set_defaults(func=_build_index)
+
+    p = sub.add_parser("tools", help="tool utilities: `archer tools check` prints the sandbox's protections here")
+    tools = p.add_subparsers(dest="tools_command", required=True)
+    p = tools.add_parser("check", help="which protections of the Python tool are active on this machine")
+    p.add_argument("--python", default=None, help="the tool's interpreter (default: the one running archer)")
+    p.set_defaults(func=_tools_check)
     return parser
 
 
