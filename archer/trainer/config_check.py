@@ -89,6 +89,11 @@ def check_config(cfg: DictConfig) -> None:
     loss_switches(POLICY_LOSSES.lookup(actor.policy_loss.loss_mode), actor)  # a loss mode and switches it takes
     check_agentic_config(cfg.actor_rollout_ref.rollout)
     check_trainer_modes(cfg.trainer, has_val_files=bool(as_list(cfg.data.val_files)))
+    if not cfg.trainer.val_only and not as_list(cfg.data.train_files):
+        raise ArcherError("data.train_files is not set: training needs prompts",
+                          "set data.train_files to the training parquet file(s) (trainer.val_only=true needs none)")
+    if int(cfg.eval.score_workers) < 1:
+        raise ArcherError(f"eval.score_workers={cfg.eval.score_workers} must be at least 1", "set eval.score_workers=1 or more")
     train_bs, mini = int(cfg.data.train_batch_size), int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
     if mini > train_bs or train_bs % mini:
         raise ArcherError(f"actor.ppo_mini_batch_size={mini} must divide data.train_batch_size={train_bs}",

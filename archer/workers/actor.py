@@ -64,7 +64,7 @@ from archer.workers.optim import (
     load_optim_state,
     save_optim_state,
 )
-from archer.workers.rollout import RolloutWorker, sampling_params
+from archer.workers.rollout import RolloutWorker
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 INFLUENCE_TOKENS = "influence_tokens"  # info key of update_actor's input: the TracedTokens to capture
@@ -133,18 +133,10 @@ class ActorWorker:
     def generate_sequences(self, prompts: Batch) -> Batch:
         """Responses to ``prompts`` (``info``: ``validate`` picks rollout.val_kwargs and turns branching off,
         ``seed`` the sampling seed); with tools configured, through the multi-turn tool loop."""
-        engine = self.rollout.engine
         if self._engine_is_stale:
-            engine.sync_weights(self.model)
+            self.rollout.engine.sync_weights(self.model)
             self._engine_is_stale = False
-        validate = bool(prompts.info.get("validate", False))
-        params = sampling_params(self.cfg.rollout, validate=validate, seed=int(prompts.info["seed"]))
-        engine.reclaim_memory()
-        try:
-            return self.rollout.generate_sequences(prompts, params, validate=validate)
-        finally:
-            if self.cfg.rollout.free_cache_engine:
-                engine.release_memory()
+        return self.rollout.generate_for(prompts)
 
     # -- inference -------------------------------------------------------------------------------------
     def compute_log_prob(self, batch: Batch) -> Batch:
