@@ -40,6 +40,7 @@ from archer.trainer.ppo import PPOTrainer
 from archer.trainer.sft import response_logprobs, run_sft
 from archer.workers import actor as actor_module
 from archer.workers.actor import INFLUENCE_TOKENS
+from archer.workers.generator import GenerationWorker
 from archer.workers.reference import ReferenceWorker
 
 CPU = torch.device("cpu")
@@ -418,6 +419,13 @@ def test_rl_starts_from_the_sft_adapters(tmp_path, tiny_model_dir, caplog):
     merged = AutoModelForCausalLM.from_pretrained(hf_model)
     for name, value in policy_weights(actor.model):  # the policy is SFT's merged model
         torch.testing.assert_close(value, dict(merged.named_parameters())[name], atol=1e-6, rtol=0)
+    # archer eval / trainer.val_only: the adapters go on model.path, never on another folder (a checkpoint's
+    # actor/ holds its merged adapters already)
+    generator = GenerationWorker(actor.cfg, tiny_model_dir, device=CPU, tokenizer=load_tokenizer(tiny_model_dir))
+    for name, value in policy_weights(generator.model):
+        torch.testing.assert_close(value, dict(merged.named_parameters())[name], atol=1e-6, rtol=0)
+    on_merged = GenerationWorker(actor.cfg, hf_model, device=CPU, tokenizer=load_tokenizer(tiny_model_dir))
+    assert not any(isinstance(m, LoraLayer) for m in on_merged.model.modules())
     with pytest.raises(ArcherError, match="lora_adapter_path: .* holds no LoRA adapters"):
         make_actor(tiny_model_dir, f"actor_rollout_ref.model.lora_adapter_path={tiny_model_dir}")
 
