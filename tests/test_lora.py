@@ -83,6 +83,15 @@ def test_settings_follow_verls_keys_and_refuse_bad_values(tiny_model_dir):
         assert "actor_rollout_ref.model." in err.value.problem
 
 
+def test_exclude_modules_leaves_those_layers_plain(tiny_model_dir):
+    actor = lora_actor(tiny_model_dir, "actor_rollout_ref.model.exclude_modules=[down_proj,o_proj]")
+    adapted = {name.rsplit(".", 1)[-1] for name, m in actor.model.named_modules() if isinstance(m, LoraLayer)}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+    actor = lora_actor(tiny_model_dir, "actor_rollout_ref.model.exclude_modules='.*layers\\.0\\..*'")
+    layers = {name.split(".")[2] for name, m in actor.model.named_modules() if isinstance(m, LoraLayer)}
+    assert layers == {"1"}
+
+
 def test_unknown_target_module_is_one_clear_error(tiny_model_dir):
     with pytest.raises(ArcherError, match="target_modules") as err:
         lora_actor(tiny_model_dir, "actor_rollout_ref.model.target_modules=[qkv]")
