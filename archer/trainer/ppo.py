@@ -51,6 +51,7 @@ from archer.trainer.group_filter import (
     uniform_accuracy_rows,
 )
 from archer.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer, validation_metrics
+from archer.trainer.model_check import check_sequence_lengths
 from archer.trainer.plots import plot_metrics
 from archer.trainer.tracking import Tracking
 from archer.workers.actor import INFLUENCE_TOKENS, ActorWorker
@@ -115,6 +116,7 @@ class PPOTrainer:
         ref_cfg = cfg.actor_rollout_ref
         data = build_rl_data(cfg.data, model_path=ref_cfg.model.path, chat_template=ref_cfg.model.custom_chat_template)
         self.tokenizer, self.train_set, self.val_set, self.loader = data.tokenizer, data.train, data.val, data.loader
+        check_sequence_lengths(cfg, max(d.longest_prompt for d in (data.train, data.val) if d is not None))
         steps = cfg.trainer.total_training_steps
         self.total_steps = int(steps) if steps else self.loader.steps_per_epoch * int(cfg.trainer.total_epochs)
 
