@@ -44,7 +44,14 @@ class Refused:
     neutral: tuple = (None, False, "")
 
 
-Rule = Renamed | NoEffect | Refused
+@dataclass(frozen=True)
+class ValueMapped:
+    """A switch that selects an archer value: ``values[v]`` is set at ``to`` (None: leave ``to`` as it is)."""
+    to: str
+    values: dict
+
+
+Rule = Renamed | NoEffect | Refused | ValueMapped
 
 RM = "reward_model"
 ROLL = "actor_rollout_ref.rollout"
@@ -101,6 +108,16 @@ VERL_KEYS: dict[str, Rule] = {
     f"{RM}.sandbox_fusion.memory_limit_mb": NoEffect(f"used only with {RM}.sandbox_fusion.url"),
     "algorithm.use_pf_ppo": Refused("PF-PPO's reweighting is not in archer", "set algorithm.use_pf_ppo=False"),
     "algorithm.pf_ppo.*": NoEffect("used only with algorithm.use_pf_ppo=true, which archer refuses"),
+    # Archer2.0's keys (its math scripts): the ASPO loss switch, and switches archer has no counterpart for
+    "actor_rollout_ref.actor.use_archer_policy_loss": ValueMapped("actor_rollout_ref.actor.policy_loss.loss_mode",
+                                                                  {True: "aspo", False: None}),
+    "actor_rollout_ref.actor.use_dynamic_clip": Refused("Archer2.0's dynamic clip is not in archer",
+                                                        "set actor_rollout_ref.actor.use_dynamic_clip=False"),
+    "trainer.enable_overlong_filter": Refused(
+        "Archer2.0's overlong filter (truncated responses left out of the loss) is not in archer",
+        "set trainer.enable_overlong_filter=False, or shape overlong responses with reward_model.overlong_buffer"),
+    f"{ROLL}.val_kwargs.response_length": NoEffect("archer validates with data.max_response_length",
+                                                   neutral=(None,)),
     "trainer.ray_wait_register_center_timeout": NoEffect("Ray start-up only"),
     "ray_init.*": NoEffect("Ray start-up only"),
 }
@@ -146,6 +163,13 @@ def _leaves(value: Any, prefix: str) -> Iterable[tuple[str, Any]]:
 def apply_rule(key: str, value: Any, out: DictConfig, source: str) -> None:
     """Put a verl key's value into archer's config ``out`` as its rule says (rename, drop, warn or refuse)."""
     pattern, rule = rule_for(key)
+    if isinstance(rule, ValueMapped):
+        if value not in rule.values:
+            raise ArcherError(f"{source}: {key}={value!r} is not one of {sorted(rule.values, key=str)}",
+                              f"set {key} to one of those, or set {rule.to} directly")
+        if rule.values[value] is not None:
+            OmegaConf.update(out, rule.to, rule.values[value], force_add=True, merge=False)
+        return
     if isinstance(rule, Renamed):
         target = rule.to + key[len(pattern) - 2:] if pattern.endswith(".*") else rule.to
         OmegaConf.update(out, target, value, force_add=True, merge=False)
