@@ -14,7 +14,9 @@ from omegaconf import OmegaConf
 
 from archer.cli import _enter_hydra_run_dir, main
 from archer.config.loader import hydra_settings, load_config
+from archer.config.verl_compat import VERL_KEYS
 from archer.errors import ArcherError
+from archer.tools.registry import VERL_TOOLS
 
 ARPO_YAML = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "arpo" / "published" / "ppo_trainer.yaml"
 needs_arpo = pytest.mark.skipif(not ARPO_YAML.is_file(), reason="ARPO's published config is not in ../shared/data")
@@ -186,3 +188,13 @@ def test_a_wrong_tool_class_path_or_param_fails_at_config_check_before_data(caps
     assert code == 2 and "tool 'search': bad params for BingSearchTool" in err and "api_key" in err
     code = main(["train", *REQUIRED, f"{tools}.py.class_path=archer.tools.nowhere.Tool"])
     assert code == 2 and "tool 'py': cannot import 'archer.tools.nowhere.Tool'" in capsys.readouterr().err
+
+
+def test_readme_names_every_verl_key_of_the_table() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Porting from verl, Archer2.0 or ARPO", 1)[1].split("\n## ", 1)[0]
+    for key in VERL_KEYS:
+        leaf = key.removesuffix(".*").rsplit(".", 1)[-1]
+        assert leaf in section, key
+    for class_path in VERL_TOOLS:
+        assert f"`{class_path}`" in section, class_path
