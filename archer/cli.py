@@ -1,4 +1,4 @@
-"""``archer <command>``: train, sft, data, quickstart, viz, build-index.
+"""``archer <command>``: train, sft, eval, data, quickstart, viz, build-index, tools check.
 
 Every command turns an ArcherError into one clear message and exit status 2, without a traceback.
 ``archer train --help`` and ``archer sft --help`` list the main config keys with their defaults (read
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 TRAIN_HELP_KEYS = {
     "data": ("train_files", "val_files", "prompt_key", "max_prompt_length", "max_response_length",
              "train_batch_size"),
-    "actor_rollout_ref": ("model.path", "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref": ("model.path", "model.lora_rank", "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size_per_gpu",
                           "actor.optim.lr", "actor.use_kl_loss", "actor.policy_loss.loss_mode", "rollout.n",
                           "rollout.temperature"),
     "algorithm": ("adv_estimator", "use_kl_in_reward"),
@@ -39,10 +39,19 @@ TRAIN_HELP_KEYS = {
 SFT_HELP_KEYS = {
     "data": ("train_files", "val_files", "prompt_key", "response_key", "max_length", "train_batch_size",
              "micro_batch_size_per_gpu"),
-    "model": ("partial_pretrain",),
+    "model": ("partial_pretrain", "lora_rank"),
     "optim": ("lr", "lr_scheduler"),
     "trainer": ("total_epochs", "total_training_steps", "default_local_dir", "logger", "device"),
 }
+EVAL_HELP = """short keys (the RL config key they set):
+  model=DIR              HF model folder or archer checkpoint (actor_rollout_ref.model.path)
+  benchmark=[a,b]        names in archer/config/benchmark/ or paths of benchmark YAMLs (eval.benchmark)
+  data_dir=DIR           folder the benchmark files resolve against, e.g. ../shared/data (eval.data_dir)
+  n=8 k=[1,4,8]          samples per problem and the k of pass@k/maj@k (rollout.val_kwargs.n, eval.k)
+  temperature top_p top_k  sampling (rollout.val_kwargs.*; n > 1 without temperature samples at 1.0)
+  max_prompt_length max_response_length seed device limit batch_size score_workers output_dir
+  judge.url judge.model judge.api_key_env   an OpenAI-compatible LLM judge for sets with a judge_prompt
+any other RL config key is given in full, e.g. +actor_rollout_ref.rollout.tools.tool_instances.python.class_path=python"""
 
 
 def config_help(config_name: str, sections: dict[str, tuple[str, ...]]) -> str:
@@ -155,6 +164,18 @@ def _sft(args: argparse.Namespace) -> None:
     print(f"SFT model: {out}")
 
 
+def _eval(args: argparse.Namespace) -> None:
+    from archer.eval.run import EvalRun, eval_config
+    from archer.trainer.config_check import check_counts
+
+    cfg = eval_config(args.overrides)
+    check_counts(cfg)
+    if args.cfg:
+        _print_config(cfg)
+        return
+    EvalRun(cfg).run()
+
+
 def _data(args: argparse.Namespace) -> None:
     from archer.data.tasks import write_task_files
 
@@ -197,7 +218,7 @@ def _build_index(args: argparse.Namespace) -> None:
 
     from archer.tools.bm25_index import build_index
 
-    n = build_index(Path(args.corpus), Path(args.out))
+    n = build_index(Path(args.corpus), Path(args.out), overwrite=args.overwrite)
     print(f"BM25 index of {n} passages: {args.out}")
 
 
@@ -206,6 +227,15 @@ def _config_file_args(p: argparse.ArgumentParser) -> None:
                    help="folder of your own full config YAML in verl's layout (relative: to the current folder)")
     p.add_argument("--config-name", "-cn", default=None, metavar="NAME.yaml",
                    help="that YAML's file name; its keys replace archer's defaults, overrides apply after")
+
+
+def _tools_check(args: argparse.Namespace) -> None:
+    from archer.tools.check import report
+
+    text, ready = report(args.python or sys.executable)
+    print(text)
+    if not ready:
+        raise ArcherError("this machine cannot isolate the Python tool's snippets", "see the lines marked OFF above")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -228,6 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cfg", choices=["job"], help="print the resolved config (checked, as YAML) and exit")
     _config_file_args(p)
     p.set_defaults(func=_sft)
+
+    p = sub.add_parser("eval", help="evaluate a model on benchmarks: mean@n, pass@k, maj@k (README 'Evaluation')",
+                       epilog=EVAL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="e.g. model=DIR benchmark=[gsm8k,math500] n=8 k=[1,4,8] data_dir=D")
+    p.add_argument("--cfg", choices=["job"], help="print the resolved config (as YAML) and exit")
+    p.set_defaults(func=_eval)
 
     p = sub.add_parser("data", help="generate a built-in task's train/val/sft parquet files")
     p.add_argument("--task", default="arithmetic", help="built-in task name (arithmetic, countdown, tool_arithmetic)")
@@ -252,8 +288,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("build-index", help="build a local BM25 index for the search tool (bm25s)")
     p.add_argument("--corpus", required=True, help="passages as .jsonl or .parquet with text (and id, title)")
-    p.add_argument("--out", required=True, help="index folder (replaced if it exists)")
+    p.add_argument("--out", required=True, help="index folder: new or empty (a folder of other files is refused)")
+    p.add_argument("--overwrite", action="store_true", help="replace the archer index already in --out (atomically)")
     p.set_defaults(func=_build_index)
+
+    p = sub.add_parser("tools", help="tool utilities: `archer tools check` prints the sandbox's protections here")
+    tools = p.add_subparsers(dest="tools_command", required=True)
+    p = tools.add_parser("check", help="which protections of the Python tool are active on this machine")
+    p.add_argument("--python", default=None, help="the tool's interpreter (default: the one running archer)")
+    p.set_defaults(func=_tools_check)
     return parser
 
 

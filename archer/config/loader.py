@@ -38,7 +38,7 @@ CONFIG_DIR = Path(__file__).resolve().parent
 # List keys whose default is null (so the YAML cannot show that they take a list); each is marked "(list)"
 # in its YAML comment. A key whose default is a list needs no entry here.
 NULL_DEFAULT_LIST_KEYS: dict[str, frozenset[str]] = {
-    "ppo_trainer": frozenset({"trainer.influence_trace.layers"}),
+    "ppo_trainer": frozenset({"trainer.influence_trace.layers", "eval.k"}),
 }
 
 
@@ -81,9 +81,13 @@ def _defaults(config_name: str) -> DictConfig:
     return OmegaConf.load(CONFIG_DIR / f"{config_name}.yaml")
 
 
+LOOKUP_FOLDERS = frozenset({"benchmark"})  # YAML folders archer reads by name itself (archer eval), not Hydra groups
+
+
 def config_groups() -> set[str]:
-    """Hydra config groups (sub-folders of archer/config holding YAML options)."""
-    return {p.name for p in CONFIG_DIR.iterdir() if p.is_dir() and any(p.glob("*.yaml"))}
+    """Hydra config groups (sub-folders of archer/config holding YAML options, but LOOKUP_FOLDERS)."""
+    return {p.name for p in CONFIG_DIR.iterdir()
+            if p.is_dir() and p.name not in LOOKUP_FOLDERS and any(p.glob("*.yaml"))}
 
 
 def group_options(group: str) -> list[str]:

@@ -11,7 +11,7 @@ The loop runs when ``tools.tool_instances`` names a tool, for training and valid
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from omegaconf import DictConfig
@@ -87,6 +87,19 @@ def check_agentic_config(rollout: DictConfig) -> None:
            f"enable_dynamic_rollouts={rollout.enable_dynamic_rollouts}) but no tool is configured, and branches "
            "start only after tool calls", f"configure the tools ({KEY}.tools.tool_instances, README \"Agentic "
            "RL\"), or set initial_rollouts=null, beam_size=1 and enable_dynamic_rollouts=false")
+
+
+def check_row_tools(row_tools: Iterable[Sequence[str] | None], rollout: DictConfig, where: str) -> None:
+    """The data's per-row ``tools`` name only configured tools (checked when the data loads; rows without tools,
+    or a run without tools, pass)."""
+    if not uses_tools(rollout):
+        return
+    configured = set(rollout.tools.tool_instances)
+    unknown = sorted({name for names in row_tools if names is not None for name in names} - configured)
+    _check(not unknown, f"{where}: rows name tool(s) {unknown} in their tools, which {KEY}.tools.tool_instances "
+           f"does not configure (its tools: {sorted(configured)})",
+           f"configure those tools under {KEY}.tools.tool_instances.<name>, or name only configured tools in the "
+           "rows' tools (leave a row's tools out for every tool)")
 
 
 def loop_settings(rollout: DictConfig) -> LoopSettings:

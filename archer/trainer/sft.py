@@ -4,6 +4,8 @@ response tokens only, and write the run directory (config, metrics, plots, summa
 The loss of a step is the mean negative log-likelihood over all response tokens of the whole training
 batch, accumulated over micro-batches, so any micro-batch size gives the same gradient. Log-probs come
 from the backbone's hidden states at response positions only, in chunks (never full [tokens x vocab]).
+With ``model.lora_rank > 0`` only LoRA adapters on the frozen base are trained (models/lora.py); hf_model is
+then the merged model and hf_model/lora_adapter the adapters.
 """
 
 from __future__ import annotations
@@ -31,8 +33,16 @@ from archer.batch import Batch
 from archer.config.loader import as_list, save_config
 from archer.data.sft_dataset import SFTDataset, read_sft_rows
 from archer.errors import ArcherError
-from archer.models.loading import autocast_for, load_causal_lm, load_tokenizer, pick_device, save_hf
+from archer.models.loading import (
+    autocast_for,
+    default_dtype,
+    load_causal_lm,
+    load_tokenizer,
+    pick_device,
+    save_hf,
+)
 from archer.models.logprobs import backbone_of, logprobs_from_hidden
+from archer.models.lora import LoraSettings, add_lora, save_adapter, save_merged, trainable_parameters
 from archer.trainer.plots import plot_metrics
 from archer.trainer.tracking import METRICS_FILE, Tracking
 from archer.workers.optim import clip_and_step
@@ -56,14 +66,22 @@ def run_sft(cfg: DictConfig) -> Path:
     val_set = build_dataset(cfg, tokenizer, cfg.data.val_files) if as_list(cfg.data.val_files) else None
     loader = _train_loader(train_set, cfg)
     total_steps = cfg.trainer.total_training_steps or len(loader) * cfg.trainer.total_epochs
-    model = load_causal_lm(cfg.model.partial_pretrain, device=device, dtype=torch.float32,
+    lora = LoraSettings.from_config(cfg.model, prefix="model")
+    # full fine-tuning trains float32 weights; LoRA a base in the device's dtype, adapters in float32
+    model = load_causal_lm(cfg.model.partial_pretrain, device=device,
+                           dtype=torch.float32 if lora is None else default_dtype(device),
                            gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
                            trust_remote_code=cfg.model.trust_remote_code)
+    peft_model = add_lora(model, lora) if lora is not None else None  # injects the LoRA layers into model
     model.train()
     run_dir = Path(cfg.trainer.default_local_dir)
     save_config(cfg, run_dir / "config.yaml")
     last = _train(model, loader, val_set, cfg, total_steps, run_dir)
-    model_dir = save_hf(model, tokenizer, run_dir / "hf_model")
+    if peft_model is None:
+        model_dir = save_hf(model, tokenizer, run_dir / "hf_model")
+    else:
+        model_dir = save_merged(model, tokenizer, run_dir / "hf_model")
+        save_adapter(peft_model, model_dir)
     if cfg.trainer.plots:
         plot_metrics(run_dir / METRICS_FILE, run_dir / "plots", PLOT_GROUPS)
     _write_summary(run_dir, last, total_steps, time.perf_counter() - started, model_dir)
@@ -74,7 +92,7 @@ def _train(model: PreTrainedModel, loader: DataLoader, val_set: SFTDataset | Non
            total_steps: int, run_dir: Path) -> dict[str, float]:
     """The optimisation loop with its metrics; returns the latest value of every metric."""
     device = next(model.parameters()).device
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.optim.lr_scheduler, cfg.optim.warmup_steps_ratio, total_steps)
     last: dict[str, float] = {}
@@ -93,6 +111,7 @@ def _train(model: PreTrainedModel, loader: DataLoader, val_set: SFTDataset | Non
 
 def check_sft_config(cfg: DictConfig) -> None:
     """Values of an SFT config that cannot train, reported before any data or model loads."""
+    LoraSettings.from_config(cfg.model, prefix="model")  # lora_rank, lora_alpha, target_modules
     checks = [
         (cfg.data.train_batch_size > 0, "data.train_batch_size must be positive", "e.g. data.train_batch_size=32"),
         (cfg.data.micro_batch_size_per_gpu > 0, "data.micro_batch_size_per_gpu must be positive",
