@@ -65,7 +65,7 @@ def model(tiny_model_dir: Path):
 
 def test_loss_mask_marks_exactly_the_response_and_end_of_turn(tok) -> None:
     row = _row(2, 3)
-    item = SFTDataset([row], tok, max_length=64)[0]
+    item = SFTDataset.from_rows([row], tok, max_length=64)[0]
     ids, mask = item["input_ids"].tolist(), item["loss_mask"].tolist()
     prompt_text = tok.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
     prompt_ids = tok(prompt_text, add_special_tokens=False)["input_ids"]
@@ -79,7 +79,7 @@ def test_loss_mask_marks_exactly_the_response_and_end_of_turn(tok) -> None:
 
 
 def test_response_logprobs_equal_full_logits_at_masked_positions(tok, model) -> None:
-    ds = SFTDataset([_row(2, 3), _row(7, 2)], tok, max_length=64)
+    ds = SFTDataset.from_rows([_row(2, 3), _row(7, 2)], tok, max_length=64)
     batch = ds.collate([ds[0], ds[1]])
     with torch.no_grad():
         got = response_logprobs(model, batch)
@@ -103,7 +103,7 @@ def test_accumulation_over_micro_batches_equals_the_full_batch(tok, model) -> No
     # rows of different lengths, so per-micro-batch averaging would weigh tokens differently
     rows = [_row(2, 3), {"prompt": "Hi", "response": "ok"}, _row(9, 0),
             {"prompt": "Add 1 and 1.", "response": "1 + 1 = 2. The answer is 2. Done, 2 it is."}]
-    ds = SFTDataset(rows, tok, max_length=64)
+    ds = SFTDataset.from_rows(rows, tok, max_length=64)
     batch = ds.collate([ds[i] for i in range(4)])
     loss_full, grads_full = _grads(model, batch, 4)
     loss_acc, grads_acc = _grads(model, batch, 1)
@@ -177,7 +177,7 @@ def test_run_sft_learns_and_writes_the_run_directory(tmp_path: Path, tiny_model_
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.chat_template and tokenizer("1 + 1")["input_ids"] == load_tokenizer(tiny_model_dir)("1 + 1")["input_ids"]
-    ds = SFTDataset([_row(2, 3), _row(4, 1)], tokenizer, max_length=64)
+    ds = SFTDataset.from_rows([_row(2, 3), _row(4, 1)], tokenizer, max_length=64)
     with torch.no_grad():
         val_nll = -float(response_logprobs(reloaded, ds.collate([ds[0], ds[1]])).mean())
     assert val_nll == pytest.approx(val_losses[-1], abs=1e-4)
@@ -197,8 +197,8 @@ def test_run_sft_is_seeded_and_total_training_steps_cycles_the_data(tmp_path: Pa
     ({"data.train_batch_size": 9}, "8 examples, fewer than one batch", "data.train_batch_size to at most 8"),
     ({"optim.lr_scheduler": "linear"}, "optim.lr_scheduler='linear'", "cosine"),
     ({"data.micro_batch_size_per_gpu": 0}, "data.micro_batch_size_per_gpu", "data.micro_batch_size_per_gpu=4"),
-    ({"data.max_length": 8}, "SFT row 0 is", "data.truncation"),
-    ({"data.response_key": "answer"}, "no field(s) ['answer']", "data.prompt_key / data.response_key"),
+    ({"data.max_length": 8}, "row 0 of", "data.truncation"),
+    ({"data.response_key": "answer"}, "cannot tell the format of row 0 of", "'prompt'/'answer' (data.prompt_key/"),
 ])
 def test_bad_settings_are_errors(tmp_path: Path, tiny_model_dir: Path, overrides: dict, problem: str,
                                  fix: str) -> None:

@@ -29,7 +29,7 @@ from transformers import (
 from archer.atomic_files import write_json_atomically
 from archer.batch import Batch
 from archer.config.loader import as_list, save_config
-from archer.data.sft_dataset import SFTDataset, read_sft_rows
+from archer.data.sft_dataset import SFTDataset, read_sft_conversations
 from archer.errors import ArcherError
 from archer.models.loading import autocast_for, load_causal_lm, load_tokenizer, pick_device, save_hf
 from archer.models.logprobs import backbone_of, logprobs_from_hidden
@@ -114,12 +114,14 @@ def check_sft_config(cfg: DictConfig) -> None:
 
 
 def build_dataset(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, files: Any) -> SFTDataset:
-    """An SFTDataset over ``files`` with the data.* settings of ``cfg``."""
-    return SFTDataset(read_sft_rows(files), tokenizer, max_length=cfg.data.max_length,
-                      truncation=cfg.data.truncation, prompt_key=cfg.data.prompt_key,
-                      response_key=cfg.data.response_key, multiturn=cfg.data.multiturn.enable,
-                      messages_key=cfg.data.multiturn.messages_key, tools_key=cfg.data.multiturn.tools_key,
-                      tool_result_tag=cfg.data.tool_result_tag)
+    """An SFTDataset over ``files`` (paths, or dataset names of data.dataset_info) with the data.* settings of ``cfg``."""
+    data = cfg.data
+    conversations, where = read_sft_conversations(
+        files, dataset_info=data.dataset_info, data_format=data.format, prompt_key=data.prompt_key,
+        response_key=data.response_key, multiturn=data.multiturn.enable, messages_key=data.multiturn.messages_key,
+        tools_key=data.multiturn.tools_key)
+    return SFTDataset(conversations, tokenizer, max_length=data.max_length, truncation=data.truncation,
+                      tool_result_tag=data.tool_result_tag, where=where)
 
 
 def _train_loader(dataset: SFTDataset, cfg: DictConfig) -> DataLoader:
