@@ -17,6 +17,7 @@ from archer.config.loader import CONFIG_DIR, load_config
 from archer.data.sft_dataset import SFTDataset
 from archer.errors import ArcherError
 from archer.models.loading import load_causal_lm, load_tokenizer
+from archer.trainer import sft
 from archer.trainer.sft import build_scheduler, response_logprobs, run_sft, sft_backward
 
 PROBLEMS = [(2, 3), (4, 1), (7, 2), (3, 3), (6, 0), (1, 8), (5, 4), (9, 0)]
@@ -225,3 +226,66 @@ def test_config_composes_with_the_loader() -> None:
         load_config("sft_trainer", ["data.train_files=a", "model.partial_pretrain=m", "optim.learning_rate=1"])
     with pytest.raises(ArcherError, match="model.partial_pretrain"):
         load_config("sft_trainer", ["data.train_files=a"])
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_checkpoints_every_save_freq_and_an_interrupted_run_resumes_exactly(
+        tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 6 steps with a cosine schedule after warmup (so a wrong resumed lr or optimiser state would show), a
+    # checkpoint every 2 steps, the newest 2 kept; the second run dies in its 4th step, after checkpoint 2
+    settings = {"trainer.save_freq": 2, "trainer.max_ckpt_to_keep": 2, "optim.lr_scheduler": "cosine",
+                "optim.warmup_steps_ratio": 0.2, "model.enable_gradient_checkpointing": False}
+    whole = run_sft(_cfg(tmp_path / "whole", tiny_model_dir, **settings))
+    cfg = _cfg(tmp_path / "cut", tiny_model_dir, **settings)
+    real_step, calls = sft.train_step, []
+
+    def dies_in_step_4(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(sft, "train_step", dies_in_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        run_sft(cfg)
+    checkpoints = tmp_path / "cut" / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["global_step_2", "latest"]
+    assert [m["step"] for m in _metrics(tmp_path / "cut" / "run")] == [1, 2, 3]  # step 3 logged, not checkpointed
+    monkeypatch.undo()
+
+    resumed = run_sft(cfg)  # trainer.resume_mode=auto: from global_step_2, steps 3..6 again
+    keys = ("step", "train/loss", "train/lr", "train/grad_norm", "train/num_tokens")
+    assert [{k: m[k] for k in keys} for m in _metrics(tmp_path / "cut" / "run")] == \
+        [{k: m[k] for k in keys} for m in _metrics(tmp_path / "whole" / "run")]
+    expected, got = _weights(whole), _weights(resumed)
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["global_step_4", "global_step_6", "latest"]
+    assert (checkpoints / "latest").read_text().strip() == "global_step_6"
+    last = checkpoints / "global_step_6"
+    assert {"COMPLETE", "trainer_state.pt", "model"} <= {p.name for p in last.iterdir()}
+    assert all(torch.equal(v, _weights(last / "model")[k]) for k, v in got.items())
+    state = torch.load(last / "trainer_state.pt", weights_only=True)
+    assert state["global_step"] == 6 and state["loader"] == {"epoch": 3, "position": 0}
+
+    # resume_path continues from a named checkpoint; resume_mode=disable starts over
+    again = _cfg(tmp_path / "path", tiny_model_dir, **settings, **{"trainer.resume_mode": "resume_path",
+                                                                    "trainer.resume_from_path": checkpoints / "global_step_4"})
+    run_sft(again)
+    assert [m["step"] for m in _metrics(tmp_path / "path" / "run")] == [5, 6]
+    assert all(torch.equal(v, _weights(tmp_path / "path" / "run" / "hf_model")[k]) for k, v in got.items())
+
+
+@pytest.mark.parametrize(("overrides", "problem"), [
+    ({"trainer.resume_mode": "sometimes"}, "trainer.resume_mode='sometimes' is not known"),
+    ({"trainer.resume_mode": "resume_path"}, "needs trainer.resume_from_path"),
+    ({"trainer.resume_mode": "resume_path", "trainer.resume_from_path": "/nonexistent"}, "is not an archer sft checkpoint"),
+])
+def test_bad_resume_settings_are_errors(tmp_path: Path, tiny_model_dir: Path, overrides: dict, problem: str) -> None:
+    with pytest.raises(ArcherError) as info:
+        run_sft(_cfg(tmp_path, tiny_model_dir, **overrides))
+    assert problem in info.value.problem

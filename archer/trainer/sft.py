@@ -8,8 +8,8 @@ from the backbone's hidden states at response positions only, in chunks (never f
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +29,30 @@ from transformers import (
 from archer.atomic_files import write_json_atomically
 from archer.batch import Batch
 from archer.config.loader import as_list, save_config
+from archer.data.loader import PromptLoader
 from archer.data.sft_dataset import SFTDataset, read_sft_conversations
 from archer.errors import ArcherError
 from archer.models.loading import autocast_for, load_causal_lm, load_tokenizer, pick_device, save_hf
 from archer.models.logprobs import backbone_of, logprobs_from_hidden
+from archer.trainer.checkpoint import (
+    CheckpointManager,
+    capture_rng_state,
+    load_torch_state,
+    restore_rng_state,
+    save_torch_state,
+)
 from archer.trainer.plots import plot_metrics
 from archer.trainer.tracking import METRICS_FILE, Tracking
-from archer.workers.optim import clip_and_step
+from archer.workers.actor import load_weights
+from archer.workers.optim import clip_and_step, load_optim_state, save_optim_state
 
 LR_SCHEDULERS = ("cosine", "constant", "wsd")
+RESUME_MODES = ("auto", "disable", "resume_path")
+MODEL_DIR = "model"  # a checkpoint's HF model folder (with its optimiser state)
+TRAINER_STATE = "trainer_state.pt"
 WSD_STABLE_RATIO = 0.9  # share of the post-warmup steps held at the peak lr before the cosine decay (verl's)
 CHUNK_SIZE = 1024  # response tokens per chunk of the lm_head + log-softmax
+logger = logging.getLogger("archer.sft")
 KEY_METRICS = ("train/loss", "val/loss", "train/lr")
 PLOT_GROUPS = {"loss": ["train/loss", "val/loss"], "token_acc": ["val/token_acc"], "lr": ["train/lr"],
                "grad_norm": ["train/grad_norm"]}
@@ -55,14 +68,14 @@ def run_sft(cfg: DictConfig) -> Path:
     train_set = build_dataset(cfg, tokenizer, cfg.data.train_files)
     val_set = build_dataset(cfg, tokenizer, cfg.data.val_files) if as_list(cfg.data.val_files) else None
     loader = _train_loader(train_set, cfg)
-    total_steps = cfg.trainer.total_training_steps or len(loader) * cfg.trainer.total_epochs
+    total_steps = cfg.trainer.total_training_steps or loader.steps_per_epoch * cfg.trainer.total_epochs
     model = load_causal_lm(cfg.model.partial_pretrain, device=device, dtype=torch.float32,
                            gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
                            trust_remote_code=cfg.model.trust_remote_code)
     model.train()
     run_dir = Path(cfg.trainer.default_local_dir)
     save_config(cfg, run_dir / "config.yaml")
-    last = _train(model, loader, val_set, cfg, total_steps, run_dir)
+    last = _train(model, tokenizer, loader, val_set, cfg, total_steps, run_dir)
     model_dir = save_hf(model, tokenizer, run_dir / "hf_model")
     if cfg.trainer.plots:
         plot_metrics(run_dir / METRICS_FILE, run_dir / "plots", PLOT_GROUPS)
@@ -70,25 +83,72 @@ def run_sft(cfg: DictConfig) -> Path:
     return model_dir
 
 
-def _train(model: PreTrainedModel, loader: DataLoader, val_set: SFTDataset | None, cfg: DictConfig,
-           total_steps: int, run_dir: Path) -> dict[str, float]:
-    """The optimisation loop with its metrics; returns the latest value of every metric."""
+def _train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, loader: PromptLoader,
+           val_set: SFTDataset | None, cfg: DictConfig, total_steps: int, run_dir: Path) -> dict[str, float]:
+    """The optimisation loop with its metrics and checkpoints (resumed from one when trainer.resume_mode says
+    so); returns the latest value of every metric."""
     device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.optim.lr_scheduler, cfg.optim.warmup_steps_ratio, total_steps)
+    checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.trainer.max_ckpt_to_keep)
+    start = _resume(cfg.trainer, checkpoints, model, optimizer, scheduler, loader)
     last: dict[str, float] = {}
     with Tracking(run_dir, backends=as_list(cfg.trainer.logger), project=cfg.trainer.project_name,
                   experiment=cfg.trainer.experiment_name, config=OmegaConf.to_container(cfg, resolve=True),
-                  total_steps=total_steps, key_metrics=KEY_METRICS) as tracking:
-        for step, batch, epoch_end in _steps(loader, total_steps):
+                  total_steps=total_steps, key_metrics=KEY_METRICS, start_step=start) as tracking:
+        for step in range(start + 1, total_steps + 1):
+            batch = loader.dataset.collate(loader.next_batch())
             metrics = train_step(model, optimizer, scheduler, batch.to(device),
                                  micro_batch_size=cfg.data.micro_batch_size_per_gpu, clip_grad=cfg.optim.clip_grad)
+            epoch_end = loader.position == 0
             if val_set is not None and _should_validate(step, epoch_end, total_steps, cfg.trainer.test_freq):
                 metrics |= evaluate(model, val_set, cfg.data.micro_batch_size_per_gpu, device)
+            # logged before the checkpoint commits: a run killed in between redoes this step from the previous one
             tracking.log(metrics, step=step)
             last |= metrics
+            if cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or step == total_steps):
+                _save_checkpoint(checkpoints, step, model, tokenizer, optimizer, scheduler, loader)
     return last
+
+
+def _save_checkpoint(checkpoints: CheckpointManager, step: int, model: PreTrainedModel,
+                     tokenizer: PreTrainedTokenizerBase, optimizer: torch.optim.Optimizer, scheduler: LambdaLR,
+                     loader: PromptLoader) -> Path:
+    """``<run>/checkpoints/global_step_N``: the model as an HF folder with its optimiser and scheduler state, and
+    the step, data position and RNG states; written atomically, older ones pruned to trainer.max_ckpt_to_keep."""
+    def write(tmp: Path) -> None:
+        save_hf(model, tokenizer, tmp / MODEL_DIR)
+        save_optim_state(tmp / MODEL_DIR, optimizer, scheduler)
+        save_torch_state(tmp / TRAINER_STATE, {"global_step": step, "loader": loader.state_dict(),
+                                               "rng": capture_rng_state()})
+
+    return checkpoints.save(step, write)
+
+
+def _resume(trainer: DictConfig, checkpoints: CheckpointManager, model: PreTrainedModel,
+            optimizer: torch.optim.Optimizer, scheduler: LambdaLR, loader: PromptLoader) -> int:
+    """Restore the checkpoint trainer.resume_mode names (auto: the newest of the run, if any; resume_path:
+    trainer.resume_from_path; disable: none); returns the step to continue from."""
+    if trainer.resume_mode == "disable":
+        return 0
+    if trainer.resume_mode == "resume_path":
+        path = Path(str(trainer.resume_from_path))
+        if not (path / TRAINER_STATE).is_file():
+            raise ArcherError(f"trainer.resume_from_path={path} is not an archer sft checkpoint (no {TRAINER_STATE})",
+                              "point it at a <run>/checkpoints/global_step_N folder of an archer sft run")
+    else:
+        step = checkpoints.latest_step()
+        if step is None:
+            return 0
+        path = checkpoints.load_dir(step)
+    load_weights(model, path / MODEL_DIR)
+    load_optim_state(path / MODEL_DIR, optimizer, scheduler, next(model.parameters()).device)
+    state = load_torch_state(path / TRAINER_STATE)
+    loader.load_state_dict(state["loader"])
+    restore_rng_state(state["rng"])
+    logger.info("resumed from %s (step %d)", path, state["global_step"])
+    return int(state["global_step"])
 
 
 def check_sft_config(cfg: DictConfig) -> None:
@@ -107,6 +167,11 @@ def check_sft_config(cfg: DictConfig) -> None:
         (0.0 <= cfg.optim.warmup_steps_ratio <= 1.0, "optim.warmup_steps_ratio must be within [0, 1]",
          "e.g. optim.warmup_steps_ratio=0.1"),
         (cfg.optim.clip_grad > 0, "optim.clip_grad must be positive", "e.g. optim.clip_grad=1.0"),
+        (cfg.trainer.resume_mode in RESUME_MODES, f"trainer.resume_mode={cfg.trainer.resume_mode!r} is not known",
+         f"use one of {list(RESUME_MODES)}"),
+        (cfg.trainer.resume_mode != "resume_path" or cfg.trainer.resume_from_path,
+         "trainer.resume_mode=resume_path needs trainer.resume_from_path", "e.g. trainer.resume_from_path="
+         "runs/sft/checkpoints/global_step_100"),
     ]
     for ok, problem, fix in checks:
         if not ok:
@@ -124,25 +189,13 @@ def build_dataset(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, files: An
                       tool_result_tag=data.tool_result_tag, where=where)
 
 
-def _train_loader(dataset: SFTDataset, cfg: DictConfig) -> DataLoader:
+def _train_loader(dataset: SFTDataset, cfg: DictConfig) -> PromptLoader:
+    """Batches of data.train_batch_size examples in a seeded order per epoch, resumable from its state_dict."""
     if len(dataset) < cfg.data.train_batch_size:
         raise ArcherError(f"the training data has {len(dataset)} examples, fewer than one batch "
                           f"(data.train_batch_size={cfg.data.train_batch_size})",
                           f"set data.train_batch_size to at most {len(dataset)}, or add examples")
-    generator = torch.Generator().manual_seed(cfg.trainer.seed)
-    return DataLoader(dataset, batch_size=cfg.data.train_batch_size, shuffle=True, drop_last=True,
-                      collate_fn=dataset.collate, generator=generator)
-
-
-def _steps(loader: DataLoader, total_steps: int) -> Iterator[tuple[int, Batch, bool]]:
-    """(step, batch, is the last batch of an epoch), cycling through epochs until ``total_steps``."""
-    step = 0
-    while True:
-        for i, batch in enumerate(loader):
-            step += 1
-            yield step, batch, i == len(loader) - 1
-            if step == total_steps:
-                return
+    return PromptLoader(dataset, cfg.data.train_batch_size, shuffle=True, seed=cfg.trainer.seed, drop_last=True)
 
 
 def _should_validate(step: int, epoch_end: bool, total_steps: int, test_freq: int) -> bool:
