@@ -14,7 +14,14 @@ from shared_data import SHARED_DATA
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from archer.data.sft_dataset import SFTDataset, collate_sft, read_sft_conversations, read_sft_rows
+from archer.data.sft_dataset import (
+    SFTDataset,
+    collate_sft,
+    pack_sft,
+    read_sft_conversations,
+    read_sft_rows,
+    token_slots,
+)
 from archer.errors import ArcherError
 
 GLAIVE = SHARED_DATA / "sft" / "glaive_toolcall_en_demo.json"
@@ -363,3 +370,18 @@ def test_bad_formats_and_dataset_infos_are_errors(tmp_path: Path) -> None:
     strict = _write(tmp_path / "info2.json", {"s": {"file_name": "s.json", "formatting": "sharegpt",
                                                     "tags": {"user_tag": "q"}}})
     assert "speaker 'human' (key 'from') is not one of" in _sft_error(["s"], dataset_info=str(strict)).problem
+
+
+def test_pack_sft_fills_rows_longest_first_with_positions_restarting() -> None:
+    items = [{"input_ids": torch.tensor([11, 12, 13]), "loss_mask": torch.tensor([0, 1, 1])},
+             {"input_ids": torch.tensor([21, 22]), "loss_mask": torch.tensor([0, 1])},
+             {"input_ids": torch.tensor([31, 32, 33, 34]), "loss_mask": torch.tensor([0, 0, 1, 1])}]
+    batch = pack_sft(items, pad_token_id=0, capacity=5, unpacked_micro_batch_size=2)
+    # longest first: [31..34] opens row 0; [11..13] does not fit there (7 > 5) and opens row 1; [21, 22] joins row 1
+    assert batch["input_ids"].tolist() == [[31, 32, 33, 34, 0], [11, 12, 13, 21, 22]]
+    assert batch["loss_mask"].tolist() == [[0, 0, 1, 1, 0], [0, 1, 1, 0, 1]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
+    # unpacked, 2 rows a forward pass: [3, 2] padded to 3 and [4] -> 2*3 + 4 slots
+    assert batch.info == {"packed": True, "token_slots_unpacked": 10}
+    assert token_slots([3, 2, 4], 2) == 10 and token_slots([4, 5], 2) == 10 and token_slots([3, 2, 4], 1) == 9

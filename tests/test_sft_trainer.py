@@ -13,8 +13,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from archer.batch import Batch
 from archer.config.loader import CONFIG_DIR, load_config
-from archer.data.sft_dataset import SFTDataset
+from archer.data.sft_dataset import SFTDataset, pack_sft
 from archer.errors import ArcherError
 from archer.models.loading import load_causal_lm, load_tokenizer
 from archer.trainer import sft
@@ -289,3 +290,43 @@ def test_bad_resume_settings_are_errors(tmp_path: Path, tiny_model_dir: Path, ov
     with pytest.raises(ArcherError) as info:
         run_sft(_cfg(tmp_path, tiny_model_dir, **overrides))
     assert problem in info.value.problem
+
+
+def test_packed_rows_give_the_unpacked_loss_and_gradient(tok, model) -> None:
+    rows = [_row(2, 3), {"prompt": "Say hi.", "response": "hi"}, _row(17, 25), _row(4, 1),
+            {"prompt": "What is 9 + 9?", "response": "18"}]
+    ds = SFTDataset.from_rows(rows, tok, max_length=64)
+    items = [ds[i] for i in range(len(ds))]
+    packed = pack_sft(items, ds.pad_token_id, capacity=64)
+    assert len(packed) < len(items)  # several examples share a row
+    loss, grads = _grads(model, ds.collate(items), micro=len(items))
+    packed_loss, packed_grads = _grads(model, packed, micro=1)
+    assert packed_loss == pytest.approx(loss, rel=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-6)
+    # the same rows with the attention mask on (one causal run per row, examples seeing each other) differ
+    with torch.no_grad():
+        leaky = response_logprobs(model, Batch(dict(packed.tensors)))
+        kept_apart = response_logprobs(model, packed)
+    assert (leaky - kept_apart).abs().max() > 1e-3
+
+
+def test_run_sft_with_packing_matches_the_unpacked_run_and_reports_the_tokens_saved(tmp_path: Path,
+                                                                                   tiny_model_dir: Path) -> None:
+    # short and long examples mixed, so that unpacked micro-batches pad the short ones
+    rows = [_row(a, b) if i % 2 else {"prompt": "Hi", "response": str(a)} for i, (a, b) in enumerate(PROBLEMS)]
+    settings = {"trainer.total_training_steps": 3, "model.enable_gradient_checkpointing": False,
+                "data.train_files": _write_jsonl(tmp_path / "mixed.jsonl", rows)}
+    run_sft(_cfg(tmp_path / "plain", tiny_model_dir, **settings))
+    run_sft(_cfg(tmp_path / "packed", tiny_model_dir, **settings, **{"data.packing": True}))
+    plain, packed = _metrics(tmp_path / "plain" / "run"), _metrics(tmp_path / "packed" / "run")
+    assert [m["train/loss"] for m in packed] == pytest.approx([m["train/loss"] for m in plain], rel=1e-4)
+    assert [m["train/num_tokens"] for m in packed] == [m["train/num_tokens"] for m in plain]
+    assert [m["train/token_slots_unpacked"] for m in packed] == [m["train/token_slots"] for m in plain]
+    # packed rows hold only real tokens; unpacked micro-batches pad unless their rows happen to be equally long
+    assert all(m["train/token_slots"] <= m["train/token_slots_unpacked"] for m in packed)
+    summary = json.loads((tmp_path / "packed" / "run" / "summary.json").read_text())
+    slots, unpacked = sum(m["train/token_slots"] for m in packed), sum(m["train/token_slots"] for m in plain)
+    assert (summary["token_slots"], summary["token_slots_unpacked"]) == (slots, unpacked)
+    assert summary["packing_token_saving"] == pytest.approx(1 - slots / unpacked, abs=1e-4)
+    assert slots == 3 * 138 < unpacked  # every step's 4 examples hold 138 tokens

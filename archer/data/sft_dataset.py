@@ -335,3 +335,51 @@ def collate_sft(items: Sequence[dict[str, torch.Tensor]], pad_token_id: int) -> 
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0) * attention_mask
     return Batch(tensors={"input_ids": input_ids, "attention_mask": attention_mask,
                           "position_ids": position_ids, "loss_mask": loss_mask})
+
+
+def pack_sft(items: Sequence[dict[str, torch.Tensor]], pad_token_id: int, capacity: int, *,
+             unpacked_micro_batch_size: int = 1) -> Batch:
+    """Several examples per row (``data.packing``): the items, longest first, each into the first row with room
+    for it (rows of at most ``capacity`` tokens), right-padded to the longest row. ``position_ids`` restart at 0
+    with every example (and on the padding), which is how the model keeps each example's attention to itself:
+    run without an attention mask, transformers reads the restarts as sequence boundaries (a block-diagonal
+    causal mask with SDPA or eager attention, varlen kernels with flash attention). ``info["packed"]`` says so;
+    ``info["token_slots_unpacked"]`` is what the items would cost unpacked, ``unpacked_micro_batch_size`` rows a
+    forward pass (``token_slots``)."""
+    lengths = [len(it["input_ids"]) for it in items]
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(items)), key=lambda i: -lengths[i]):
+        if lengths[i] > capacity:
+            raise ValueError(f"an example of {lengths[i]} tokens does not fit a packed row of {capacity}")
+        row = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
+        if row is None:
+            rows.append([])
+            room.append(capacity)
+            row = len(rows) - 1
+        rows[row].append(i)
+        room[row] -= lengths[i]
+    width = max(capacity - free for free in room)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, members in enumerate(rows):
+        cursor = 0
+        for i in members:
+            span = slice(cursor, cursor + lengths[i])
+            input_ids[r, span], loss_mask[r, span] = items[i]["input_ids"], items[i]["loss_mask"]
+            attention_mask[r, span] = 1
+            position_ids[r, span] = torch.arange(lengths[i])
+            cursor += lengths[i]
+        position_ids[r, cursor:] = torch.arange(width - cursor)
+    return Batch(tensors={"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                          "loss_mask": loss_mask},
+                 info={"packed": True, "token_slots_unpacked": token_slots(lengths, unpacked_micro_batch_size)})
+
+
+def token_slots(lengths: Sequence[int], micro_batch_size: int) -> int:
+    """Token positions the model computes for rows of these lengths, ``micro_batch_size`` rows a forward pass,
+    each padded to the longest of its micro-batch."""
+    chunks = [lengths[i:i + micro_batch_size] for i in range(0, len(lengths), micro_batch_size)]
+    return sum(len(chunk) * max(chunk) for chunk in chunks)

@@ -8,6 +8,7 @@ from the backbone's hidden states at response positions only, in chunks (never f
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -30,7 +31,7 @@ from archer.atomic_files import write_json_atomically
 from archer.batch import Batch
 from archer.config.loader import as_list, save_config
 from archer.data.loader import PromptLoader
-from archer.data.sft_dataset import SFTDataset, read_sft_conversations
+from archer.data.sft_dataset import SFTDataset, pack_sft, read_sft_conversations, token_slots
 from archer.errors import ArcherError
 from archer.models.loading import autocast_for, load_causal_lm, load_tokenizer, pick_device, save_hf
 from archer.models.logprobs import backbone_of, logprobs_from_hidden
@@ -98,9 +99,15 @@ def _train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, loader: P
                   experiment=cfg.trainer.experiment_name, config=OmegaConf.to_container(cfg, resolve=True),
                   total_steps=total_steps, key_metrics=KEY_METRICS, start_step=start) as tracking:
         for step in range(start + 1, total_steps + 1):
-            batch = loader.dataset.collate(loader.next_batch())
-            metrics = train_step(model, optimizer, scheduler, batch.to(device),
-                                 micro_batch_size=cfg.data.micro_batch_size_per_gpu, clip_grad=cfg.optim.clip_grad)
+            items, micro = loader.next_batch(), cfg.data.micro_batch_size_per_gpu
+            if cfg.data.packing:  # one packed row a forward pass, as many tokens as an unpacked micro-batch at most
+                batch = pack_sft(items, loader.dataset.pad_token_id, micro * cfg.data.max_length,
+                                 unpacked_micro_batch_size=micro)
+                micro = 1
+            else:
+                batch = loader.dataset.collate(items)
+            metrics = train_step(model, optimizer, scheduler, batch.to(device), micro_batch_size=micro,
+                                 clip_grad=cfg.optim.clip_grad)
             epoch_end = loader.position == 0
             if val_set is not None and _should_validate(step, epoch_end, total_steps, cfg.trainer.test_freq):
                 metrics |= evaluate(model, val_set, cfg.data.micro_batch_size_per_gpu, device)
@@ -215,10 +222,12 @@ def build_scheduler(optimizer: torch.optim.Optimizer, name: str, warmup_ratio: f
 
 def response_hidden(model: PreTrainedModel, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """The backbone's hidden states [N, H] at the positions that predict the N tokens with loss_mask 1,
-    and those tokens [N]. Padding columns beyond the longest row are cut off first."""
+    and those tokens [N]. Padding columns beyond the longest row are cut off first. Packed rows (``pack_sft``)
+    run without an attention mask, so that the restarts of ``position_ids`` separate their examples."""
     length = int(batch["attention_mask"].sum(dim=1).max())
     input_ids, loss_mask = batch["input_ids"][:, :length], batch["loss_mask"][:, :length]
-    hidden = backbone_of(model)(input_ids=input_ids, attention_mask=batch["attention_mask"][:, :length],
+    attention_mask = None if batch.info.get("packed") else batch["attention_mask"][:, :length]
+    hidden = backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask,
                               position_ids=batch["position_ids"][:, :length], use_cache=False).last_hidden_state
     targets = loss_mask[:, 1:].bool()
     return hidden[:, :-1][targets], input_ids[:, 1:][targets]
@@ -250,13 +259,19 @@ def sft_backward(model: PreTrainedModel, batch: Batch, micro_batch_size: int) ->
 
 def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, scheduler: LambdaLR, batch: Batch, *,
                micro_batch_size: int, clip_grad: float) -> dict[str, float]:
-    """One optimizer step on ``batch``; a step whose gradient norm is not finite is skipped."""
+    """One optimizer step on ``batch``; a step whose gradient norm is not finite is skipped. ``train/token_slots``:
+    the token positions the forward passes computed (real and padding); for packed rows also what the same
+    examples unpacked would have cost (``train/token_slots_unpacked``)."""
     optimizer.zero_grad(set_to_none=True)
     loss, num_tokens = sft_backward(model, batch, micro_batch_size)
     lr = scheduler.get_last_lr()[0]
     grad_norm, _ = clip_and_step(model, optimizer, clip_grad)
     scheduler.step()
-    return {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "train/num_tokens": float(num_tokens)}
+    metrics = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "train/num_tokens": float(num_tokens),
+               "train/token_slots": float(token_slots(batch["attention_mask"].sum(dim=1).tolist(), micro_batch_size))}
+    if batch.info.get("packed"):
+        metrics["train/token_slots_unpacked"] = float(batch.info["token_slots_unpacked"])
+    return metrics
 
 
 @torch.no_grad()
@@ -285,5 +300,19 @@ def _write_summary(run_dir: Path, last: dict[str, float], steps: int, wall_time_
         "steps": steps,
         "wall_time_s": round(wall_time_s, 3),
         "model_path": str(model_dir),
+        **_token_slot_totals(run_dir / METRICS_FILE),
     }
     write_json_atomically(run_dir / "summary.json", summary)
+
+
+def _token_slot_totals(metrics_file: Path) -> dict[str, float]:
+    """The run's token positions computed (from every logged step, so a resumed run counts its first part too)
+    and, with packing, what unpacked rows would have cost and the share packing saved."""
+    lines = [json.loads(line) for line in metrics_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    totals = {"token_slots": sum(m.get("train/token_slots") or 0 for m in lines)}
+    unpacked = sum(m.get("train/token_slots_unpacked") or 0 for m in lines)
+    if unpacked:
+        totals |= {"token_slots_unpacked": unpacked, "packing_token_saving": round(1 - totals["token_slots"] / unpacked, 4)}
+        logger.info("packing: %d token positions instead of %d unpacked (%.1f%% saved)", totals["token_slots"],
+                    unpacked, 100 * totals["packing_token_saving"])
+    return totals
