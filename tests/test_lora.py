@@ -36,6 +36,7 @@ from archer.rollout.fast.engine import FastEngine
 from archer.rollout.hf_engine import HFGenerateEngine
 from archer.trace.format import TraceReader
 from archer.trace.influence_capture import CaptureSettings, TracedTokens, select_modules
+from archer.trainer import sft as sft_module
 from archer.trainer.ppo import PPOTrainer
 from archer.trainer.sft import response_logprobs, run_sft
 from archer.workers import actor as actor_module
@@ -437,6 +438,39 @@ def test_rl_starts_from_the_sft_adapters(tmp_path, tiny_model_dir, caplog):
     assert not any(isinstance(m, LoraLayer) for m in on_merged.model.modules())
     with pytest.raises(ArcherError, match="lora_adapter_path: .* holds no LoRA adapters"):
         make_actor(tiny_model_dir, f"actor_rollout_ref.model.lora_adapter_path={tiny_model_dir}")
+
+
+def test_interrupted_lora_sft_resumes_exactly(tmp_path, tiny_model_dir, monkeypatch):
+    """An SFT run with LoRA that dies after its step-2 checkpoint and is run again ends with the adapters and the
+    metrics of an uninterrupted run (the base is never written: the checkpoint holds the adapters)."""
+    settings = {"model.lora_rank": 4, "model.lora_alpha": 16, "trainer.save_freq": 2, "trainer.total_epochs": 2,
+                "optim.lr_scheduler": "cosine", "optim.warmup_steps_ratio": 0.25,
+                "model.enable_gradient_checkpointing": False}
+    whole = run_sft(sft_cfg(tmp_path / "whole", tiny_model_dir, **settings))
+    cfg = sft_cfg(tmp_path / "cut", tiny_model_dir, **settings)
+    real_step, calls = sft_module.train_step, []
+
+    def dies_in_step_3(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(sft_module, "train_step", dies_in_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        run_sft(cfg)
+    monkeypatch.undo()
+    resumed = run_sft(cfg)
+
+    def metrics(run: Path) -> list[dict]:
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(("timing", "perf"))}
+                for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    assert [m["step"] for m in metrics(tmp_path / "cut" / "run")] == [1, 2, 3, 4]
+    assert metrics(tmp_path / "cut" / "run") == metrics(tmp_path / "whole" / "run")
+    adapters = [load_file(folder / ADAPTER_DIR / "adapter_model.safetensors") for folder in (whole, resumed)]
+    assert adapters[0].keys() == adapters[1].keys() and all(torch.equal(adapters[0][k], adapters[1][k])
+                                                            for k in adapters[0])
 
 
 def test_sft_refuses_bad_lora_settings(tmp_path, tiny_model_dir):
