@@ -406,7 +406,7 @@ def test_sft_with_lora_trains_the_adapters_and_exports_a_merged_model(tmp_path, 
         adapted = name.endswith("proj.weight")
         assert torch.equal(value, base[name]) != adapted, name
     tokenizer = load_tokenizer(out)
-    ds = SFTDataset([_row(2, 3)], tokenizer, max_length=64)
+    ds = SFTDataset.from_rows([_row(2, 3)], tokenizer, max_length=64)
     with torch.no_grad():
         merged_nll = -float(response_logprobs(AutoModelForCausalLM.from_pretrained(out), ds.collate([ds[0]])).mean())
         base_nll = -float(response_logprobs(load_causal_lm(tiny_model_dir, device=CPU), ds.collate([ds[0]])).mean())
