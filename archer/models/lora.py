@@ -2,10 +2,10 @@
 policy's weights as one stream of named tensors (adapters merged), and saving / loading the adapters.
 
 A LoRA policy is the base model (frozen, in the device's dtype: bfloat16 on a GPU, float32 on the CPU) with
-peft's LoRA layers injected in place (``lora_A`` / ``lora_B`` trainable, in float32). Everything that runs the
-policy (log-prob kernels, the hf engine, influence hooks) takes the injected transformers model itself
-(``PeftModelForCausalLM.get_base_model()``), so it needs no LoRA-specific code; what needs peft goes through
-here:
+peft's LoRA layers injected in place (``lora_A`` / ``lora_B`` trainable, in float32). What runs the policy
+(log-prob kernels, the hf engine) takes the injected transformers model itself
+(``PeftModelForCausalLM.get_base_model()``) and needs no LoRA-specific code; the influence hooks sit on the LoRA
+layers (trace/influence_capture.py's ``select_modules``); what needs peft goes through here:
 
 - ``base_policy``: the reference policy, i.e. the same module with the adapters off (peft's
   ``disable_adapter``), so that no second copy of the model is held;
