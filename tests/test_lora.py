@@ -28,6 +28,7 @@ from workers_support import float64_logprobs, hand_batch, ppo_config, update
 from archer.batch import Batch
 from archer.config.loader import load_config
 from archer.data.sft_dataset import SFTDataset
+from archer.data.sft_formats import RowFormat
 from archer.errors import ArcherError
 from archer.models.loading import load_causal_lm, load_tokenizer
 from archer.models.lora import ADAPTER_DIR, LoraSettings, policy_weights
@@ -36,7 +37,6 @@ from archer.rollout.fast.engine import FastEngine
 from archer.rollout.hf_engine import HFGenerateEngine
 from archer.trace.format import TraceReader
 from archer.trace.influence_capture import CaptureSettings, TracedTokens, select_modules
-from archer.trainer import sft as sft_module
 from archer.trainer.ppo import PPOTrainer
 from archer.trainer.sft import response_logprobs, run_sft
 from archer.workers import actor as actor_module
@@ -406,7 +406,7 @@ def test_sft_with_lora_trains_the_adapters_and_exports_a_merged_model(tmp_path, 
         adapted = name.endswith("proj.weight")
         assert torch.equal(value, base[name]) != adapted, name
     tokenizer = load_tokenizer(out)
-    ds = SFTDataset.from_rows([_row(2, 3)], tokenizer, max_length=64)
+    ds = SFTDataset([RowFormat.of("prompt_response").conversation(_row(2, 3), "row 0")], tokenizer, max_length=64)
     with torch.no_grad():
         merged_nll = -float(response_logprobs(AutoModelForCausalLM.from_pretrained(out), ds.collate([ds[0]])).mean())
         base_nll = -float(response_logprobs(load_causal_lm(tiny_model_dir, device=CPU), ds.collate([ds[0]])).mean())
@@ -438,39 +438,6 @@ def test_rl_starts_from_the_sft_adapters(tmp_path, tiny_model_dir, caplog):
     assert not any(isinstance(m, LoraLayer) for m in on_merged.model.modules())
     with pytest.raises(ArcherError, match="lora_adapter_path: .* holds no LoRA adapters"):
         make_actor(tiny_model_dir, f"actor_rollout_ref.model.lora_adapter_path={tiny_model_dir}")
-
-
-def test_interrupted_lora_sft_resumes_exactly(tmp_path, tiny_model_dir, monkeypatch):
-    """An SFT run with LoRA that dies after its step-2 checkpoint and is run again ends with the adapters and the
-    metrics of an uninterrupted run (the base is never written: the checkpoint holds the adapters)."""
-    settings = {"model.lora_rank": 4, "model.lora_alpha": 16, "trainer.save_freq": 2, "trainer.total_epochs": 2,
-                "optim.lr_scheduler": "cosine", "optim.warmup_steps_ratio": 0.25,
-                "model.enable_gradient_checkpointing": False}
-    whole = run_sft(sft_cfg(tmp_path / "whole", tiny_model_dir, **settings))
-    cfg = sft_cfg(tmp_path / "cut", tiny_model_dir, **settings)
-    real_step, calls = sft_module.train_step, []
-
-    def dies_in_step_3(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(sft_module, "train_step", dies_in_step_3)
-    with pytest.raises(KeyboardInterrupt):
-        run_sft(cfg)
-    monkeypatch.undo()
-    resumed = run_sft(cfg)
-
-    def metrics(run: Path) -> list[dict]:
-        return [{k: v for k, v in json.loads(line).items() if not k.startswith(("timing", "perf"))}
-                for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-    assert [m["step"] for m in metrics(tmp_path / "cut" / "run")] == [1, 2, 3, 4]
-    assert metrics(tmp_path / "cut" / "run") == metrics(tmp_path / "whole" / "run")
-    adapters = [load_file(folder / ADAPTER_DIR / "adapter_model.safetensors") for folder in (whole, resumed)]
-    assert adapters[0].keys() == adapters[1].keys() and all(torch.equal(adapters[0][k], adapters[1][k])
-                                                            for k in adapters[0])
 
 
 def test_sft_refuses_bad_lora_settings(tmp_path, tiny_model_dir):
