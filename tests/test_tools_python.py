@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -399,7 +400,7 @@ def test_shared_memory_is_a_bounded_tmpfs(isolated: PythonTool) -> None:
 
 def test_the_calls_running_at_once_share_one_memory_budget() -> None:
     budget = sandbox.MemoryBudget(300)
-    running, peak, lock = [0], [0], __import__("threading").Lock()
+    running, peak, lock = [0], [0], threading.Lock()
 
     def call() -> None:
         with budget.reserve(128):
@@ -410,7 +411,7 @@ def test_the_calls_running_at_once_share_one_memory_budget() -> None:
             with lock:
                 running[0] -= 1
 
-    threads = [__import__("threading").Thread(target=call) for _ in range(6)]
+    threads = [threading.Thread(target=call) for _ in range(6)]
     for t in threads:
         t.start()
     for t in threads:
