@@ -20,9 +20,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import DictConfig, OmegaConf
 
 from archer.batch import Batch, response_attention
 from archer.errors import ArcherError
+from archer.rewards.custom import load_custom_reward_fn
 from archer.rewards.extras import REWARD_EXTRAS, as_number
 from archer.rewards.managers import ManagerContext, RowScorer, ScoreRows, build_row_scorer
 from archer.rewards.shaping import OverlongBuffer, apply_wrong_answer_score
@@ -71,12 +73,13 @@ class RewardManager:
         manager: str = "naive",
         manager_kwargs: Mapping[str, Any] | None = None,
         max_response_length: int = 0,
+        score_workers: int = 1,
     ) -> None:
         self.tokenizer = tokenizer
         self.compute_score = compute_score
         self.reward_fn_key = reward_fn_key
         self.scorer: RowScorer = build_row_scorer(manager, compute_score, manager_kwargs or {},
-                                                  ManagerContext(tokenizer, max_response_length))
+                                                  ManagerContext(tokenizer, max_response_length, score_workers))
         if overlong is not None and self.scorer.overlong is not None:
             raise ArcherError(
                 "two overlong buffers are set: reward_model.overlong_buffer and "
@@ -178,3 +181,21 @@ def _row_score(result: Any, where: str) -> tuple[float, float, dict[str, Any]]:
         )
     score = _finite(result, "score", result, where)
     return score, float(score > 0), {}
+
+
+def build_reward_manager(cfg: DictConfig, tokenizer: Any) -> RewardManager:
+    """The reward stage an RL config describes (custom_reward_function, reward_model.*, eval.score_workers): the
+    same for training, its validation and ``archer eval``."""
+    custom = cfg.custom_reward_function
+    fn = None
+    if custom.path:
+        fn = load_custom_reward_fn(custom.path, custom.name, **dict(custom.reward_kwargs))
+    buffer = cfg.reward_model.overlong_buffer
+    overlong = (OverlongBuffer(int(cfg.data.max_response_length), int(buffer.len), float(buffer.penalty_factor))
+                if buffer.enable else None)
+    return RewardManager(tokenizer, compute_score=fn, reward_fn_key=cfg.data.reward_fn_key, overlong=overlong,
+                         wrong_answer_score=float(cfg.reward_model.wrong_answer_score),
+                         manager=str(cfg.reward_model.reward_manager),
+                         manager_kwargs=OmegaConf.to_container(cfg.reward_model.reward_kwargs, resolve=True),
+                         max_response_length=int(cfg.data.max_response_length),
+                         score_workers=int(cfg.eval.score_workers))

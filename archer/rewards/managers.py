@@ -6,7 +6,7 @@ scorer is ``custom_reward_function`` when it is set, else archer's built-in rout
 ``reward_model.reward_kwargs`` are the manager's keyword arguments, as in verl:
 
 - ``naive``: ``compute_score(data_source=, solution_str=, ground_truth=, extra_info=)`` once per row, in order;
-  takes no reward_kwargs.
+  takes no reward_kwargs. The built-in rewards (no custom function) score ``eval.score_workers`` rows at once.
 - ``batch``: one call ``compute_score(data_sources=, solution_strs=, ground_truths=, extra_infos=,
   **reward_kwargs)`` with one list per field, which returns a list with one result per row; needs
   ``custom_reward_function``.
@@ -28,11 +28,13 @@ import os
 import pickle
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from archer.algorithms.registry import Registry
 from archer.errors import ArcherError
+from archer.rewards.math import set_verify_workers
 from archer.rewards.registry import default_compute_score
 from archer.rewards.shaping import OverlongBuffer
 
@@ -58,10 +60,12 @@ class ScoreRows:
 
 @dataclass(frozen=True)
 class ManagerContext:
-    """What a manager may need besides its kwargs: the tokenizer and data.max_response_length."""
+    """What a manager may need besides its kwargs: the tokenizer, data.max_response_length, and how many rows the
+    built-in rewards may score at once (eval.score_workers)."""
 
     tokenizer: Any
     max_response_length: int
+    score_workers: int = 1
 
 
 class RowScorer:
@@ -98,7 +102,14 @@ class NaiveScorer(RowScorer):
     """verl's naive manager: one keyword call per row, in order."""
 
     def score(self, rows: ScoreRows) -> list[Any]:
-        return [self._one(rows, i, text) for i, text in enumerate(rows.texts)]
+        workers = self.context.score_workers
+        if workers <= 1 or self.compute_score is not None or len(rows.texts) < 2:
+            return [self._one(rows, i, text) for i, text in enumerate(rows.texts)]
+        # the built-in rewards only (a custom function may not be thread-safe): threads over as many math-verify
+        # processes; results keep row order
+        set_verify_workers(workers)
+        with ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(lambda i: self._one(rows, i, rows.texts[i]), range(len(rows.texts))))
 
 
 @REWARD_MANAGERS.register("dapo")
