@@ -375,21 +375,29 @@ def test_a_snippet_cannot_make_namespaces_or_mount_a_tmpfs(isolated: PythonTool)
     assert refused == [(-1, 1)] * 5 and clone3 == (-1, 38) and spawned == b"ok\n"  # EPERM, ENOSYS
 
 
-def test_memory_of_forked_processes_counts_for_the_call(isolated: PythonTool) -> None:
+FORKED_MEMORY = ("import os, time\nfor _ in range(5):\n    if os.fork() == 0:\n        break\n"
+                 "b = bytearray(100 * 2**20)\nb[::4096] = b'x' * len(b[::4096])\ntime.sleep(30)")
+
+
+@pytest.fixture()
+def patient(isolated: PythonTool) -> PythonTool:
+    """The sandbox with a 5 s timeout: a limit of the whole call, not the clock, must stop the snippet."""
+    return PythonTool(**{**LIMITS, "timeout": 5.0})
+
+
+def test_memory_of_forked_processes_counts_for_the_call(patient: PythonTool) -> None:
     # 6 processes of 100 MB each stay under the 256 MB per-process limit; together they pass it
-    code = ("import os, time\nfor _ in range(5):\n    if os.fork() == 0:\n        break\n"
-            "b = bytearray(100 * 2**20)\nb[::4096] = b'x' * len(b[::4096])\ntime.sleep(5)")
     start = time.monotonic()
-    result = isolated.execute(code)
+    result = patient.execute(FORKED_MEMORY)
     assert not result.ok and "together used more than 256 MB of memory" in result.text
-    assert time.monotonic() - start < 1.0  # stopped well before the 1 s timeout
+    assert time.monotonic() - start < 4.0  # stopped well before the 5 s timeout
 
 
-def test_a_stderr_flood_ends_the_call(isolated: PythonTool) -> None:
+def test_a_stderr_flood_ends_the_call(patient: PythonTool) -> None:
     start = time.monotonic()
-    result = isolated.execute("import sys\nwhile True:\n    sys.stderr.write('e' * 2**16)")
+    result = patient.execute("import sys\nwhile True:\n    sys.stderr.write('e' * 2**16)")
     assert not result.ok and "[error output truncated: more than 800 characters; the code was stopped]" in result.text
-    assert time.monotonic() - start < 0.9  # before the timeout
+    assert time.monotonic() - start < 4.0  # before the 5 s timeout
 
 
 def test_shared_memory_is_a_bounded_tmpfs(isolated: PythonTool) -> None:
@@ -436,12 +444,10 @@ def test_scratch_is_private_when_the_interpreter_lives_under_tmp(tmp_path_factor
         shutil.rmtree(venv, ignore_errors=True)
 
 
-def test_the_watchdog_finds_every_process_without_children_lists(isolated: PythonTool,
+def test_the_watchdog_finds_every_process_without_children_lists(patient: PythonTool,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sandbox, "children_files", lambda: False)  # a kernel without CONFIG_PROC_CHILDREN
-    code = ("import os, time\nfor _ in range(5):\n    if os.fork() == 0:\n        break\n"
-            "b = bytearray(100 * 2**20)\nb[::4096] = b'x' * len(b[::4096])\ntime.sleep(5)")
-    result = isolated.execute(code)
+    result = patient.execute(FORKED_MEMORY)
     assert not result.ok and "together used more than 256 MB of memory" in result.text
 
 
