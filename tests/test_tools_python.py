@@ -308,8 +308,16 @@ def test_opting_out_under_root_kills_daemons_and_counts_processes(no_bubblewrap,
 
 @pytest.mark.skipif(os.geteuid() != 0 or readable_by_all(sys.executable), reason="needs root and a private Python")
 def test_opting_out_under_root_with_a_private_interpreter_is_a_startup_error(no_bubblewrap) -> None:
-    with pytest.raises(ArcherError, match="cannot read the Python tool's interpreter"):
+    with pytest.raises(ArcherError, match="must be able to read the interpreter"):
         PythonTool(**LIMITS, require_isolation=False)
+
+
+@pytest.mark.skipif(not sandbox.seccomp_filter.supported(), reason="no seccomp filter for this architecture")
+def test_opting_out_still_refuses_nested_namespaces_and_mounts(no_bubblewrap, shared_python) -> None:
+    tool = PythonTool(**LIMITS, require_isolation=False, python=shared_python)
+    code = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nr = [libc.unshare(0x10000000), ctypes.get_errno()]\n"
+            "r += [libc.mount(b'none', b'/tmp', b'tmpfs', 0, None), ctypes.get_errno()]\nr")
+    assert tool.execute(code).text == "[-1, 1, -1, 1]\n"  # EPERM from the filter the prelude loaded
 
 
 def test_isolation_is_required_by_default_with_one_clear_error(no_bubblewrap) -> None:
