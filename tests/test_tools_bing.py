@@ -98,10 +98,10 @@ def test_a_miss_asks_the_api_as_arpo_and_is_written_through(serp, cache_file) ->
     assert (bing_url.scheme, bing_url.netloc, bing_url.path) == ("https", "www.bing.com", "/search")
     assert parse_qs(bing_url.query) == {"q": ["Who wrote Hamlet"], "mkt": ["en-US"], "setLang": ["en"],
                                         "brd_json": ["1"], "cc": ["us"]}
+    tool.close()  # the run's new results are folded from the cache's log into ARPO's JSON file
     written = json.loads(cache_file.read_text(encoding="utf-8"))
     assert written == {"cached query": "Page 1: from cache",
                        "Who wrote Hamlet": "Page 1: first about\nPage 2: second"}  # ARPO's key: no double quotes
-    tool.close()
     again = bing(serp, cache_file)
     assert again.execute("Who wrote Hamlet").text == "Page 1: first about\nPage 2: second"
     assert len(serp.requests) == 1  # the new tool read it from the file

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from archer.cli import main
@@ -9,7 +11,7 @@ from archer.tools import sandbox
 
 
 def test_tools_check_reports_every_protection_active_here(capsys: pytest.CaptureFixture[str]) -> None:
-    level, reason = sandbox.isolation_level(sandbox.describe_interpreter(__import__("sys").executable))
+    level, reason = sandbox.isolation_level(sandbox.describe_interpreter(sys.executable))
     if level != sandbox.NAMESPACES:
         pytest.skip(f"no namespace sandbox here: {reason}")
     assert main(["tools", "check"]) == 0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -243,6 +245,13 @@ def test_write_through_cache_file_receives_new_results(index_dir: Path, tmp_path
     assert reader.execute("nile").text == "Page 1: Nile."
     assert reader.execute("Louvre museum").text.startswith("Page 1: Louvre.")
     assert len(log.read_text().splitlines()) == 3
+    reader.close()
+    assert log.exists()  # a read-only cache leaves the log alone
+    tool.close()  # the end of a run: the log is folded into ARPO's JSON file
+    assert not log.exists() and set(json.loads(cache.read_text())) == set(on_disk)
+    other.put("danube", "Page 1: Danube.")  # the other trainer goes on after the compaction
+    assert tool.cache.get("danube") == "Page 1: Danube." and tool.cache.get("nile") == "Page 1: Nile."
+    assert SearchCacheFile(cache).get("Eiffel Tower") == tool.memory.get("Eiffel Tower")
 
 
 def test_a_new_result_appends_one_line_instead_of_rewriting_the_cache(tmp_path: Path) -> None:
@@ -257,8 +266,10 @@ def test_a_new_result_appends_one_line_instead_of_rewriting_the_cache(tmp_path: 
     assert cache.read_bytes() == before and len(Path(f"{cache}.log").read_text().splitlines()) == 200
     assert SearchCacheFile(cache).get("new 199") == "Page 1: y" and len(SearchCacheFile(cache)) == 5200
     with Path(f"{cache}.log").open("a") as f:
-        f.write('{"query": "torn')  # a writer killed mid-line: the line is skipped
+        f.write('{"query": "torn')  # a writer killed mid-line: the line is skipped, the next put starts anew
     assert len(SearchCacheFile(cache)) == 5200
+    writer.put("after", "Page 1: after")
+    assert SearchCacheFile(cache).get("after") == "Page 1: after" and len(SearchCacheFile(cache)) == 5201
 
 
 def test_over_long_queries_are_neither_cached_nor_looked_up(tmp_path: Path) -> None:
@@ -333,3 +344,13 @@ def test_a_failing_retriever_is_retried_then_an_error_result(retriever_url: str)
     tool.close()
     assert not outcome.record.ok and outcome.record.attempts == 3 and len(Retriever.requests) == 3
     assert outcome.text.startswith("Error: Tool(search) execution failed with message: Server error '500")
+
+
+def test_a_process_that_exits_without_closing_folds_its_log_into_the_file(tmp_path: Path) -> None:
+    cache = tmp_path / "cache.json"
+    cache.write_text('{"old": "Page 1: old"}')
+    code = (f"from archer.tools.search_cache import SearchCacheFile\nc = SearchCacheFile({str(cache)!r}, "
+            "writable=True)\nc.put('new', 'Page 1: new')\nassert c.log.exists()")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert json.loads(cache.read_text()) == {"old": "Page 1: old", "new": "Page 1: new"}
+    assert not Path(f"{cache}.log").exists()

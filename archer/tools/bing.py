@@ -99,3 +99,4 @@ class BingSearchTool(SearchTool):
     def close(self) -> None:
         if isinstance(self.retriever, BrightDataSERP):
             self.retriever.close()
+        super().close()  # folds the cache's log into the file

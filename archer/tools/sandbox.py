@@ -14,8 +14,9 @@ Around it, one of two isolation levels, chosen once per interpreter by a probe (
   sandbox ends when its pid 1 dies: every process it started, detached daemons included, dies with it.
 - ``rlimits`` (only with ``require_isolation=false``, unsafe for untrusted models): the same limits, started
   through a small launcher in a new session (the snippet is not the trainer's child), as a fresh random uid when
-  archer is root; a non-root trainer makes itself non-dumpable so that the snippet cannot read its environment
-  from /proc. Network, reads of the file system and other processes of a non-root user are NOT contained.
+  archer is root, under the same seccomp filter (loaded by the prelude); a non-root trainer makes itself
+  non-dumpable so that the snippet cannot read its environment from /proc. Network, reads of the file system and
+  other processes of a non-root user are NOT contained.
 
 At both levels a watchdog adds up the memory (anonymous and shared pages) and CPU time of every process of the
 call and stops the call past ``memory_mb`` or its CPU allowance; a process-wide budget caps the memory that the
@@ -174,7 +175,7 @@ def _fresh_uid() -> int | None:
     return secrets.randbelow(_UID_RANGE[1] - _UID_RANGE[0]) + _UID_RANGE[0] if os.geteuid() == 0 else None
 
 
-def _prelude_config(interp: Interpreter, limits: SandboxLimits, uid: int | None) -> str:
+def _prelude_config(interp: Interpreter, limits: SandboxLimits, uid: int | None, seccomp: bytes | None) -> str:
     return json.dumps({
         "path": list(interp.path),
         "cpu_s": limits.cpu_s,
@@ -183,12 +184,15 @@ def _prelude_config(interp: Interpreter, limits: SandboxLimits, uid: int | None)
         "max_file_bytes": limits.max_file_mb << 20,
         "max_open_files": limits.max_open_files,
         "uid": uid,
+        "seccomp": seccomp.hex() if seccomp else None,
         "owner": os.getpid(),  # the trainer that started it: tells its sandboxes apart in ps (unused inside)
     })
 
 
-def _python_argv(interp: Interpreter, limits: SandboxLimits, uid: int | None) -> list[str]:
-    return [interp.executable, "-I", "-S", "-X", "utf8", "-c", PRELUDE, _prelude_config(interp, limits, uid)]
+def _python_argv(interp: Interpreter, limits: SandboxLimits, uid: int | None, seccomp: bytes | None = None
+                 ) -> list[str]:
+    return [interp.executable, "-I", "-S", "-X", "utf8", "-c", PRELUDE,
+            _prelude_config(interp, limits, uid, seccomp)]
 
 
 # The launcher of the rlimits level: the snippet runs as its child in a new session, not as the trainer's; it
@@ -199,7 +203,9 @@ _LAUNCHER = ("import os, sys\npid = os.fork()\nif pid == 0:\n    os.execv(sys.ar
 
 
 def _launcher_argv(interp: Interpreter, limits: SandboxLimits, uid: int | None) -> list[str]:
-    return [interp.executable, "-I", "-S", "-c", _LAUNCHER, *_python_argv(interp, limits, uid)]
+    """The launcher, then the snippet's interpreter, which loads the seccomp filter itself (where there is one)."""
+    seccomp = seccomp_filter.build_filter() if seccomp_filter.supported() else None
+    return [interp.executable, "-I", "-S", "-c", _LAUNCHER, *_python_argv(interp, limits, uid, seccomp)]
 
 
 def _bwrap_argv(bwrap: str, interp: Interpreter, limits: SandboxLimits, info_fd: int, seccomp_fd: int,
@@ -499,10 +505,15 @@ def _make_undumpable() -> None:
 
 
 @functools.cache
-def _runs_unprivileged(interp: Interpreter) -> bool:
-    """Whether the interpreter starts, standard library and all, as the fresh uid of the rlimits level."""
-    probe = run_snippet("import json, subprocess\nprint(6 * 7)", interp, SandboxLimits(timeout_s=30.0), RLIMITS)
-    return probe.returncode == 0 and probe.stdout.strip() == "42"
+def _rlimits_probe(interp: Interpreter) -> str:
+    """Why the rlimits level cannot run snippets ("" when it can): the interpreter must start, standard library and
+    all, as the level's uid, and where archer has a filter for this machine, the filter must hold."""
+    probe = run_snippet(_PROBE_CODE, interp, SandboxLimits(timeout_s=30.0), RLIMITS)
+    expected = "42 -1 True" if seccomp_filter.supported() else "42"
+    if probe.returncode == 0 and probe.stdout.strip().startswith(expected):
+        return ""
+    detail = (probe.stderr or probe.stdout).strip().splitlines()
+    return detail[-1] if detail else "no output"
 
 
 _UNSAFE_LOGGED: set[str] = set()
@@ -540,11 +551,12 @@ class Sandbox:
                            "%s.", reason)
         if os.geteuid() != 0:
             _make_undumpable()
-        elif not _runs_unprivileged(self.interpreter):
-            raise ArcherError(f"require_isolation=false runs snippets as an unprivileged uid, which cannot read the "
-                              f"Python tool's interpreter at {', '.join(self.interpreter.roots)} (inside a private "
-                              "folder such as /root)", f"{INSTALL_HINT}, or use an interpreter that every user "
-                              "can read (tool_instances.<name>.params.python)")
+        failure = _rlimits_probe(self.interpreter)
+        if failure:
+            raise ArcherError(f"require_isolation=false cannot run snippets either: {failure} (under root they run as "
+                              f"an unprivileged uid, which must be able to read the interpreter at "
+                              f"{', '.join(self.interpreter.roots)})", f"{INSTALL_HINT}, or use an interpreter that "
+                              "every user can read (tool_instances.<name>.params.python)")
 
     def run(self, code: str) -> SandboxRun:
         with self.budget.reserve(self.limits.reserved_mb):

@@ -3,7 +3,8 @@
 It imports nothing from archer (the sandbox may not see archer's files) and only the standard library. In
 order: put the interpreter's own ``sys.path`` back (``-S`` skipped ``site`` and its ``.pth`` hooks), read the
 snippet from stdin, apply the resource limits, leave root for the given unprivileged uid (when there is one),
-then compile and run the snippet as ``__main__``. The value of a final bare expression is printed, as ARPO's
+load the given seccomp filter (the rlimits level: under bubblewrap, bubblewrap loads it), then compile and run
+the snippet as ``__main__``. The value of a final bare expression is printed, as ARPO's
 Python tool does, unless it is None. An exception prints the snippet's part of the traceback and exits 1.
 """
 
@@ -38,6 +39,21 @@ def _show(value: object) -> None:
         print(value)
 
 
+def _load_seccomp(program: bytes) -> None:
+    """Install a classic-BPF seccomp filter on this process and its future children (no_new_privs first)."""
+    import ctypes
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    buffer = ctypes.create_string_buffer(program, len(program))
+    libc = ctypes.CDLL(None, use_errno=True)
+    prog = Program(len(program) // 8, ctypes.addressof(buffer))
+    # PR_SET_NO_NEW_PRIVS = 38; PR_SET_SECCOMP = 22 with SECCOMP_MODE_FILTER = 2
+    if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:
+        sys.exit(f"the sandbox could not load its seccomp filter: {os.strerror(ctypes.get_errno())}")
+
+
 def main() -> None:
     config = json.loads(sys.argv[1])
     sys.path[:] = config["path"]
@@ -50,6 +66,8 @@ def main() -> None:
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
+    if config.get("seccomp"):
+        _load_seccomp(bytes.fromhex(config["seccomp"]))
     sys.argv = ["<snippet>"]
     namespace = {"__name__": "__main__", "__builtins__": __builtins__, "__archer_show__": _show}
     try:

@@ -116,3 +116,5 @@ class SearchTool(Tool):
     def close(self) -> None:
         if isinstance(self.retriever, HTTPRetriever):
             self.retriever.close()
+        if self.cache is not None:
+            self.cache.compact()

@@ -5,19 +5,23 @@ writable cache is write-through into an append-only log beside it (``<file>.log`
 ``{"query": ..., "text": ...}`` per new result, appended under the lock file ``<file>.lock`` so that several
 trainers can share one cache): a new result costs one line, never a rewrite of the whole cache. Every cache
 (read-only ones too) reads the log after the file, and reads the lines other processes appended when a query
-misses. Queries are keyed as ARPO keys them: stripped, without double quotes; a query longer than
-``MAX_QUERY_CHARS`` (model text: possibly huge) is neither looked up nor stored.
+misses. ``compact`` (when the search tool closes, and at the interpreter's exit) folds the log into the file, so
+that ARPO and other readers of the file see every result. Queries are keyed as ARPO keys them: stripped, without
+double quotes; a query longer than ``MAX_QUERY_CHARS`` (model text: possibly huge) is neither looked up nor stored.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
 
 from filelock import FileLock
 
+from archer.atomic_files import write_json_atomically
 from archer.errors import ArcherError
 
 MAX_QUERY_CHARS = 2000
@@ -45,24 +49,30 @@ class SearchCacheFile:
         self.log = Path(f"{self.path}.log")
         self.writable = writable
         self._lock = threading.Lock()
-        self._log_read = 0  # bytes of the log already merged
-        if self.path.is_file():
-            self._entries = _read_cache(self.path)
-        elif writable or self.log.is_file():
-            self._entries = {}
-        else:
+        self._log_id: tuple[int, int] | None = None  # (device, inode) of the log read so far
+        self._log_read = 0  # bytes of that log already merged
+        if not (self.path.is_file() or writable or self.log.is_file()):
             raise ArcherError(f"search cache {self.path} does not exist",
                               "point cache_file at an existing cache (ARPO's search_cache.json format), or set "
                               "cache_writable=true to start a new one")
+        self._entries = _read_cache(self.path) if self.path.is_file() else {}
         self._read_log()
+        if writable:
+            atexit.register(self.compact)  # a run that never closes its tools still leaves ARPO's file complete
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def _read_log(self) -> None:
-        """Merge the log lines appended since the last read (a torn last line waits for the next read)."""
+        """Merge the log lines appended since the last read (a torn last line waits for the next read). A new log
+        (another process compacted the old one into the file) means reading the file again, then the log whole."""
         try:
             with self.log.open("rb") as f:
+                stat = os.fstat(f.fileno())
+                if (stat.st_dev, stat.st_ino) != self._log_id:
+                    if self._log_id is not None and self.path.is_file():
+                        self._entries.update(_read_cache(self.path))
+                    self._log_id, self._log_read = (stat.st_dev, stat.st_ino), 0
                 f.seek(self._log_read)
                 data = f.read()
         except FileNotFoundError:
@@ -93,12 +103,27 @@ class SearchCacheFile:
         if len(query) > MAX_QUERY_CHARS:
             return
         line = json.dumps({"query": cache_key(query), "text": text}, ensure_ascii=False) + "\n"
+        with self._lock, FileLock(f"{self.path}.lock"), self.log.open("a+b") as f:
+            torn = False
+            if os.fstat(f.fileno()).st_size > 0:
+                f.seek(-1, os.SEEK_END)
+                torn = f.read(1) != b"\n"
+            f.write((b"\n" if torn else b"") + line.encode("utf-8"))  # a crashed writer's half line stays alone
+            self._entries[cache_key(query)] = text
+
+    def compact(self) -> None:
+        """Fold the log into the cache file (ARPO's JSON, replaced atomically) and remove the log: what a run does
+        once at its end, so that ARPO and other readers of the file see every result."""
+        if not self.writable:
+            return
         with self._lock, FileLock(f"{self.path}.lock"):
             self._read_log()
-            with self.log.open("ab") as f:
-                f.write(line.encode("utf-8"))
-            self._log_read += len(line.encode("utf-8"))
-            self._entries[cache_key(query)] = text
+            if not self.log.is_file():
+                return
+            merged = {**(_read_cache(self.path) if self.path.is_file() else {}), **self._entries}
+            write_json_atomically(self.path, merged, fsync=True)
+            self.log.unlink()
+            self._entries, self._log_id, self._log_read = merged, None, 0
 
 
 class MemoryCache:

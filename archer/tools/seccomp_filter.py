@@ -16,6 +16,7 @@ needs the C library installed; the system-call numbers are the kernel's for x86-
 from __future__ import annotations
 
 import errno
+import functools
 import platform
 import struct
 
@@ -52,6 +53,7 @@ def supported() -> bool:
     return platform.machine().lower() in _ARCHES
 
 
+@functools.cache
 def build_filter(machine: str | None = None) -> bytes:
     """The filter for ``machine`` (default: this one) as bubblewrap reads it: packed ``struct sock_filter``s."""
     name = (machine or platform.machine()).lower()
