@@ -114,6 +114,10 @@ def test_bad_input_gets_one_clear_error(tmp_path: Path) -> None:
     (tmp_path / "not_a_model").mkdir()
     with pytest.raises(ArcherError, match="is not a model"):
         resolve_model_folder(tmp_path / "not_a_model")
+    checkpoint = tmp_path / "run" / "checkpoints" / "global_step_3"
+    (checkpoint / "actor").mkdir(parents=True)
+    (checkpoint / "actor" / "config.json").write_text("{}")
+    assert resolve_model_folder(checkpoint) == checkpoint / "actor"  # an archer checkpoint: its HF actor folder
 
 
 def test_archer_eval_refuses_bad_input_with_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
