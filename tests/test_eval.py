@@ -292,3 +292,30 @@ def test_training_validation_and_archer_eval_agree(micro_model: Path, task_files
     assert {f"val-core/all/acc/{m}" for m in ("mean@4", "pass@4", "best@4/mean", "maj@4/mean")} <= set(core)
     assert core == {k: v for k, v in eval_metrics.items() if k.startswith("val-core/all/")}
     assert train_metrics["val-core/archer/arithmetic/acc/mean@4"] == eval_metrics["val-core/arith/acc/mean@4"]
+
+
+@pytest.mark.skipif(not (SHARED / "arpo").is_dir(), reason="../shared/data is not here")
+def test_archer_eval_with_tools_runs_the_agent_loop(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """A micro model that calls search and python on ARPO prompts: archer eval generates through the tool loop
+    (the tools' answers land in the responses) and reports the tool calls per sample."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tool_model_support import PYTHON_ANSWER, SEARCH_ANSWER, SEARCH_CACHE, arpo_rows, tool_model
+
+    model = tool_model(tmp_path_factory.mktemp("tool_model"))
+    pq.write_table(pa.Table.from_pylist(arpo_rows(2)), tmp_path / "arpo2.parquet")
+    spec = tmp_path / "arpo2.yaml"
+    spec.write_text("file: arpo2.parquet\nformat: verl\ndata_source: DR_arpo2\nanswer_type: qa\n", encoding="utf-8")
+    out = tmp_path / "out"
+    tools = "+actor_rollout_ref.rollout.tools.tool_instances.search"
+    assert cli.main(["eval", f"model={model}", f"benchmark=[{spec}]", "tools=[python,search]",
+                     f"{tools}.class_path=search", f"{tools}.params.cache_file={SEARCH_CACHE}",
+                     "max_prompt_length=900", "max_response_length=120", f"output_dir={out}", "device=cpu"]) == 0
+    records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    for record in records:
+        (sample,) = record["samples"]
+        assert sample["num_tool_calls"] == 2
+        assert SEARCH_ANSWER in sample["response"] and f"<result>\n{PYTHON_ANSWER}" in sample["response"]
+    metrics = json.loads((out / "results.json").read_text())["metrics"]
+    assert metrics["val-aux/arpo2/num_tool_calls/mean@1"] == 2.0
+    assert "tool calls" in (out / "results.md").read_text()
