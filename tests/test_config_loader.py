@@ -12,6 +12,7 @@ from omegaconf.errors import ConfigAttributeError
 from archer.config import loader
 from archer.config.loader import as_list, load_config, save_config
 from archer.errors import ArcherError
+from archer.trainer.config_check import check_config
 
 REQUIRED = ["data.train_files=train.parquet", "actor_rollout_ref.model.path=/models/tiny"]
 
@@ -152,8 +153,6 @@ def test_missing_required_keys_are_named() -> None:
         load_config("ppo_trainer", [])
     assert err.value.problem == "required config key(s) not set: actor_rollout_ref.model.path"
     # data.train_files is required by training only (trainer.val_only needs none): config_check says so
-    from archer.trainer.config_check import check_config
-
     with pytest.raises(ArcherError, match="data.train_files is not set: training needs prompts"):
         check_config(load_config("ppo_trainer", ["actor_rollout_ref.model.path=m"]))
     check_config(load_config("ppo_trainer", ["actor_rollout_ref.model.path=m", "trainer.val_only=true",

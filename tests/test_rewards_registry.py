@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from archer.data.parquet import read_rl_parquet
 from archer.errors import ArcherError
 from archer.rewards.registry import check_routes, default_compute_score, known_data_sources
 
@@ -118,3 +121,19 @@ def test_check_routes_names_every_source_without_a_reward_and_the_routes() -> No
                               "'my_set', 'other'; known data sources: [")
     assert "'bamboogle'" in message and "'openai/gsm8k'" in message and "DR_* sources" in message
     assert "custom_reward_function.path=FILE" in info.value.fix
+
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "arpo").is_dir(), reason="shared ARPO data not present")
+def test_every_source_of_arpos_data_and_benchmarks_has_a_route() -> None:
+    files = sorted((SHARED_DATA / "arpo").glob("*.parquet"))
+    assert len(files) == 5
+    for path in files:
+        check_routes(((r["data_source"], r["ability"]) for r in read_rl_parquet(path)), str(path))
+    benchmarks = sorted(p.name for p in (SHARED_DATA / "benchmarks").iterdir())
+    assert benchmarks == ["2wiki", "SimpleQA", "aime24", "gaia", "gsm8k", "hotpotqa", "math500", "webwalker"]
+    # the benchmark names of ARPO's evaluation (evaluation/evaluate_passk.sh), the shared ones among them
+    check_routes([(name, "") for name in [*benchmarks, "aime25", "math", "bamboogle", "musique", "hle", "xbench"]],
+                 "ARPO's benchmarks")

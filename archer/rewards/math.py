@@ -27,13 +27,13 @@ from decimal import Decimal
 from pathlib import Path
 
 from archer.errors import ArcherError
+from archer.tagged_text import last_tag_block
 
 DEFAULT_TIMEOUT_S = 5.0
 VERIFY_MEMORY_MB = 1024  # address-space cap of a math-verify worker process
 _STARTUP_TIMEOUT_S = 120.0
 _PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
-_ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _HASHES_ANSWER = re.compile(r"####\s*([^\n]+)")
 _PLAIN_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 _UNBRACED_END = re.compile(r"[\s$]")
@@ -75,9 +75,9 @@ def extract_boxed(text: str) -> str | None:
     The last ``<answer>...</answer>`` block is searched first, then the whole text. None when no
     complete box is found. A sentence's final period after an unbraced box is not part of it.
     """
-    blocks = _ANSWER_BLOCK.findall(text)
-    if blocks:
-        found = _last_boxed(blocks[-1])
+    block = last_tag_block(text, "<answer>", "</answer>")
+    if block is not None:
+        found = _last_boxed(block)
         if found is not None:
             return found
     return _last_boxed(text)

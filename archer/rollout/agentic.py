@@ -42,7 +42,7 @@ from archer.rollout.base import RolloutEngine, SamplingParams, Segment
 from archer.rollout.branching import BranchSettings, branch_probability, global_samples, segment_entropy
 from archer.rollout.call_formats import CallFormat, ParsedCall
 from archer.rollout.rollout_stats import RolloutStats
-from archer.rollout.tool_text import clip_text, cut_ids, share_room
+from archer.rollout.tool_text import clip_text, cut_ids, encode_plain, share_room
 from archer.tools import ToolRegistry
 
 _SAMPLE, _BRANCH_DRAWS, _PROBE = 0, 1, 2  # seed streams of a call
@@ -140,6 +140,8 @@ class AgenticRollout:
         self._frames: dict[int, list[list[int]]] = {}
 
     def encode(self, text: str) -> list[int]:
+        """archer's own template text (the call format's frames): its special tokens are meant. Tool answers go
+        through ``encode_plain`` instead."""
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def frame_ids(self, count: int) -> list[list[int]]:
@@ -343,7 +345,8 @@ class _Run:
         most ``room`` tokens."""
         cfg = self.loop.settings
         frame = self.loop.frame_ids(len(texts))
-        ids = [self.loop.encode(clip_text(text, cfg.max_tool_response_length, cfg.tool_response_truncate_side))
+        ids = [encode_plain(self.loop.tokenizer,
+                            clip_text(text, cfg.max_tool_response_length, cfg.tool_response_truncate_side))
                for text in texts]
         keep = share_room([len(i) for i in ids], room - sum(map(len, frame)))
         tokens = list(frame[0])

@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from archer.algorithms.policy_loss import POLICY_LOSSES
 from archer.config.loader import as_list
 from archer.errors import ArcherError
+from archer.models.lora import LoraSettings
 from archer.rewards.managers import check_manager
 from archer.rewards.shaping import OverlongBuffer
 from archer.rollout.agentic_config import check_agentic_config
@@ -83,6 +84,7 @@ def check_config(cfg: DictConfig) -> None:
         raise ArcherError("reward_model.enable=True: model-based reward is not available in archer yet",
                           "use rule rewards or custom_reward_function.path=FILE (reward_model.enable=False)")
     check_engine_name(cfg.actor_rollout_ref.rollout.name)
+    LoraSettings.from_config(cfg.actor_rollout_ref.model)  # lora_rank, lora_alpha, target_modules
     actor = cfg.actor_rollout_ref.actor
     loss_switches(POLICY_LOSSES.lookup(actor.policy_loss.loss_mode), actor)  # a loss mode and switches it takes
     check_agentic_config(cfg.actor_rollout_ref.rollout)
