@@ -319,3 +319,23 @@ def test_archer_eval_with_tools_runs_the_agent_loop(tmp_path_factory: pytest.Tem
     metrics = json.loads((out / "results.json").read_text())["metrics"]
     assert metrics["val-aux/arpo2/num_tool_calls/mean@1"] == 2.0
     assert "tool calls" in (out / "results.md").read_text()
+
+
+@pytest.mark.skipif(not (SHARED / "sft").is_dir(), reason="../shared/data is not here")
+def test_sft_on_sharegpt_tool_conversations_then_archer_eval(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """ARPO's workflow in small: SFT the tiny model on ShareGPT conversations with function calls (LLaMA-Factory's
+    glaive demo), then evaluate the SFT'd model on two benchmarks."""
+    rows = json.loads((SHARED / "sft" / "glaive_toolcall_en_demo.json").read_text())[:8]
+    (tmp_path / "glaive8.json").write_text(json.dumps(rows))
+    run = tmp_path / "sft"
+    assert cli.main(["sft", f"model.partial_pretrain={tiny_model_dir}", f"data.train_files={tmp_path / 'glaive8.json'}",
+                     "data.multiturn.enable=true", "data.multiturn.messages_key=conversations", "data.max_length=256",
+                     "data.truncation=right", "data.train_batch_size=4", "data.micro_batch_size_per_gpu=4",
+                     "trainer.total_training_steps=2", f"trainer.default_local_dir={run}", "trainer.device=cpu",
+                     "trainer.logger=console"]) == 0
+    out = tmp_path / "eval"
+    assert cli.main(["eval", f"model={run / 'hf_model'}", f"benchmark=[{','.join(_tiny_benchmarks(tmp_path))}]",
+                     "n=2", "max_response_length=4", "max_prompt_length=64", f"output_dir={out}", "device=cpu"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["model"] == str(run / "hf_model")
+    assert {"val-core/sums/acc/mean@2", "val-core/caps/acc/mean@2", "val-core/all/acc/pass@2"} <= set(results["metrics"])
