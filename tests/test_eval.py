@@ -254,14 +254,18 @@ def test_archer_eval_end_to_end_and_resume(tiny_model_dir: Path, tmp_path: Path,
     assert json.loads((out / "results.json").read_text())["metrics"] == again["metrics"]
 
 
-def test_archer_eval_greedy(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_archer_eval_greedy(tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     out = tmp_path / "greedy"
     sums = _tiny_benchmarks(tmp_path)[0]
     assert cli.main(["eval", f"model={tiny_model_dir}", f"benchmark=[{sums}]", "max_response_length=4",
-                     "max_prompt_length=64", f"output_dir={out}", "device=cpu"]) == 0
+                     "max_prompt_length=64", f"output_dir={out}", "device=cpu",
+                     "actor_rollout_ref.rollout.temperature=0.7"]) == 0  # training's sampling: said to be unread
+    assert "archer eval does not read actor_rollout_ref.rollout.temperature (a training key); set temperature=" \
+        in caplog.text
     results = json.loads((out / "results.json").read_text())
     assert results["n"] == 1 and results["k"] == [1]
-    assert results["config"]["actor_rollout_ref"]["rollout"]["val_kwargs"]["do_sample"] is False
+    val_kwargs = results["config"]["actor_rollout_ref"]["rollout"]["val_kwargs"]
+    assert val_kwargs["do_sample"] is False and val_kwargs["temperature"] == 0.0
     assert {k for k in results["metrics"] if k.startswith("val-core/")} == {"val-core/sums/acc/mean@1",
                                                                           "val-core/all/acc/mean@1"}
 
