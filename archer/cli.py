@@ -50,6 +50,7 @@ EVAL_HELP = """short keys (the RL config key they set):
   n=8 k=[1,4,8]          samples per problem and the k of pass@k/maj@k (rollout.val_kwargs.n, eval.k)
   temperature top_p top_k  sampling (rollout.val_kwargs.*; n > 1 without temperature samples at 1.0)
   max_prompt_length max_response_length seed device limit batch_size score_workers output_dir
+  tools=[python,search]  the built-in tools by name (their params as full keys); the agent loop generates
   judge.url judge.model judge.api_key_env   an OpenAI-compatible LLM judge for sets with a judge_prompt
 any other RL config key is given in full, e.g. +actor_rollout_ref.rollout.tools.tool_instances.python.class_path=python"""
 

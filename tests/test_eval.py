@@ -114,6 +114,10 @@ def test_bad_input_gets_one_clear_error(tmp_path: Path) -> None:
     (tmp_path / "not_a_model").mkdir()
     with pytest.raises(ArcherError, match="is not a model"):
         resolve_model_folder(tmp_path / "not_a_model")
+    checkpoint = tmp_path / "run" / "checkpoints" / "global_step_3"
+    (checkpoint / "actor").mkdir(parents=True)
+    (checkpoint / "actor" / "config.json").write_text("{}")
+    assert resolve_model_folder(checkpoint) == checkpoint / "actor"  # an archer checkpoint: its HF actor folder
 
 
 def test_archer_eval_refuses_bad_input_with_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -250,14 +254,18 @@ def test_archer_eval_end_to_end_and_resume(tiny_model_dir: Path, tmp_path: Path,
     assert json.loads((out / "results.json").read_text())["metrics"] == again["metrics"]
 
 
-def test_archer_eval_greedy(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_archer_eval_greedy(tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     out = tmp_path / "greedy"
     sums = _tiny_benchmarks(tmp_path)[0]
     assert cli.main(["eval", f"model={tiny_model_dir}", f"benchmark=[{sums}]", "max_response_length=4",
-                     "max_prompt_length=64", f"output_dir={out}", "device=cpu"]) == 0
+                     "max_prompt_length=64", f"output_dir={out}", "device=cpu",
+                     "actor_rollout_ref.rollout.temperature=0.7"]) == 0  # training's sampling: said to be unread
+    assert "archer eval does not read actor_rollout_ref.rollout.temperature (a training key); set temperature=" \
+        in caplog.text
     results = json.loads((out / "results.json").read_text())
     assert results["n"] == 1 and results["k"] == [1]
-    assert results["config"]["actor_rollout_ref"]["rollout"]["val_kwargs"]["do_sample"] is False
+    val_kwargs = results["config"]["actor_rollout_ref"]["rollout"]["val_kwargs"]
+    assert val_kwargs["do_sample"] is False and val_kwargs["temperature"] == 0.0
     assert {k for k in results["metrics"] if k.startswith("val-core/")} == {"val-core/sums/acc/mean@1",
                                                                           "val-core/all/acc/mean@1"}
 
@@ -288,3 +296,50 @@ def test_training_validation_and_archer_eval_agree(micro_model: Path, task_files
     assert {f"val-core/all/acc/{m}" for m in ("mean@4", "pass@4", "best@4/mean", "maj@4/mean")} <= set(core)
     assert core == {k: v for k, v in eval_metrics.items() if k.startswith("val-core/all/")}
     assert train_metrics["val-core/archer/arithmetic/acc/mean@4"] == eval_metrics["val-core/arith/acc/mean@4"]
+
+
+@pytest.mark.skipif(not (SHARED / "arpo").is_dir(), reason="../shared/data is not here")
+def test_archer_eval_with_tools_runs_the_agent_loop(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """A micro model that calls search and python on ARPO prompts: archer eval generates through the tool loop
+    (the tools' answers land in the responses) and reports the tool calls per sample."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tool_model_support import PYTHON_ANSWER, SEARCH_ANSWER, SEARCH_CACHE, arpo_rows, tool_model
+
+    model = tool_model(tmp_path_factory.mktemp("tool_model"))
+    pq.write_table(pa.Table.from_pylist(arpo_rows(2)), tmp_path / "arpo2.parquet")
+    spec = tmp_path / "arpo2.yaml"
+    spec.write_text("file: arpo2.parquet\nformat: verl\ndata_source: DR_arpo2\nanswer_type: qa\n", encoding="utf-8")
+    out = tmp_path / "out"
+    tools = "+actor_rollout_ref.rollout.tools.tool_instances.search"
+    assert cli.main(["eval", f"model={model}", f"benchmark=[{spec}]", "tools=[python,search]",
+                     f"{tools}.class_path=search", f"{tools}.params.cache_file={SEARCH_CACHE}",
+                     "max_prompt_length=900", "max_response_length=120", f"output_dir={out}", "device=cpu"]) == 0
+    records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    for record in records:
+        (sample,) = record["samples"]
+        assert sample["num_tool_calls"] == 2
+        assert SEARCH_ANSWER in sample["response"] and f"<result>\n{PYTHON_ANSWER}" in sample["response"]
+    metrics = json.loads((out / "results.json").read_text())["metrics"]
+    assert metrics["val-aux/arpo2/num_tool_calls/mean@1"] == 2.0
+    assert "tool calls" in (out / "results.md").read_text()
+
+
+@pytest.mark.skipif(not (SHARED / "sft").is_dir(), reason="../shared/data is not here")
+def test_sft_on_sharegpt_tool_conversations_then_archer_eval(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """ARPO's workflow in small: SFT the tiny model on ShareGPT conversations with function calls (LLaMA-Factory's
+    glaive demo), then evaluate the SFT'd model on two benchmarks."""
+    rows = json.loads((SHARED / "sft" / "glaive_toolcall_en_demo.json").read_text())[:8]
+    (tmp_path / "glaive8.json").write_text(json.dumps(rows))
+    run = tmp_path / "sft"
+    assert cli.main(["sft", f"model.partial_pretrain={tiny_model_dir}", f"data.train_files={tmp_path / 'glaive8.json'}",
+                     "data.multiturn.enable=true", "data.multiturn.messages_key=conversations", "data.max_length=256",
+                     "data.truncation=right", "data.train_batch_size=4", "data.micro_batch_size_per_gpu=4",
+                     "trainer.total_training_steps=2", f"trainer.default_local_dir={run}", "trainer.device=cpu",
+                     "trainer.logger=console"]) == 0
+    out = tmp_path / "eval"
+    assert cli.main(["eval", f"model={run / 'hf_model'}", f"benchmark=[{','.join(_tiny_benchmarks(tmp_path))}]",
+                     "n=2", "max_response_length=4", "max_prompt_length=64", f"output_dir={out}", "device=cpu"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["model"] == str(run / "hf_model")
+    assert {"val-core/sums/acc/mean@2", "val-core/caps/acc/mean@2", "val-core/all/acc/pass@2"} <= set(results["metrics"])

@@ -34,6 +34,12 @@ def test_extract_boxed(text: str, expected: str | None) -> None:
     assert extract_boxed(text) == expected
 
 
+@pytest.fixture(autouse=True)
+def one_verify_worker() -> None:
+    """The module's pool as a fresh process has it (one worker: _WORKER), whatever earlier tests resized it to."""
+    math_reward.set_verify_workers(1)
+
+
 @pytest.fixture
 def no_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail if math-verify's worker is consulted: the case must be decided by the fast path."""

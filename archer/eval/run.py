@@ -53,6 +53,16 @@ EVAL_ALIASES = {
     **{k: f"eval.{k}" for k in ("benchmark", "k", "data_dir", "output_dir", "limit", "batch_size", "score_workers")},
 }
 TOOLS_KEY = "actor_rollout_ref.rollout.tools.tool_instances"
+# RL config keys archer eval does not read (training's), and what to set instead
+UNREAD_KEYS = {
+    "data.train_files": "benchmark=[...]", "data.val_files": "benchmark=[...] (a YAML with format: verl reads them)",
+    "actor_rollout_ref.rollout.n": "n=", "actor_rollout_ref.rollout.temperature": "temperature=",
+    "actor_rollout_ref.rollout.top_p": "top_p=", "actor_rollout_ref.rollout.top_k": "top_k=",
+    "actor_rollout_ref.actor.": "nothing (no training here)", "actor_rollout_ref.ref.": "nothing (no training here)",
+    "critic.": "nothing (no training here)", "algorithm": "nothing (no training here)",
+    "trainer.": "seed=, device= (the only trainer keys eval reads)",
+}
+READ_TRAINER_KEYS = ("trainer.seed", "trainer.device")
 SAMPLING_TEMPERATURE = 1.0  # n > 1 without a temperature: sample (n greedy answers would be n copies of one)
 SAMPLES, STATE, JUDGE_CACHE = "samples.jsonl", "eval_state.json", "judge_cache.jsonl"
 
@@ -69,6 +79,9 @@ def eval_config(overrides: Sequence[str]) -> DictConfig:
             mapped += [f"{TOOLS_KEY}.{t}.class_path={t}" for t in names]
             continue
         full = EVAL_ALIASES.get(key) or (f"eval.{key}" if key.startswith("judge.") else key)
+        unread = next((fix for prefix, fix in UNREAD_KEYS.items() if full.startswith(prefix)), None)
+        if unread is not None and full not in READ_TRAINER_KEYS:
+            log.warning("archer eval does not read %s (a training key); set %s", full, unread)
         given.add(full)
         mapped.append(f"{full}{sep}{value}")
     cfg = load_config("ppo_trainer", mapped)
