@@ -4,6 +4,8 @@ response tokens only, and write the run directory (config, metrics, plots, summa
 The loss of a step is the mean negative log-likelihood over all response tokens of the whole training
 batch, accumulated over micro-batches, so any micro-batch size gives the same gradient. Log-probs come
 from the backbone's hidden states at response positions only, in chunks (never full [tokens x vocab]).
+With ``model.lora_rank > 0`` only LoRA adapters on the frozen base are trained (models/lora.py); hf_model is
+then the merged model and hf_model/lora_adapter the adapters.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from peft import PeftModel
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 from transformers import (
@@ -33,8 +36,15 @@ from archer.config.loader import as_list, save_config
 from archer.data.loader import PromptLoader
 from archer.data.sft_dataset import SFTDataset, pack_sft, read_sft_conversations, token_slots
 from archer.errors import ArcherError
-from archer.models.loading import autocast_for, load_causal_lm, load_tokenizer, pick_device, save_hf
+from archer.models.loading import (
+    autocast_for,
+    default_dtype,
+    load_causal_lm,
+    load_tokenizer,
+    pick_device,
+)
 from archer.models.logprobs import backbone_of, logprobs_from_hidden
+from archer.models.lora import LoraSettings, add_lora, trainable_parameters
 from archer.trainer.checkpoint import (
     CheckpointManager,
     capture_rng_state,
@@ -44,7 +54,7 @@ from archer.trainer.checkpoint import (
 )
 from archer.trainer.plots import plot_metrics
 from archer.trainer.tracking import METRICS_FILE, Tracking
-from archer.workers.actor import load_weights
+from archer.workers.actor import load_policy, save_policy
 from archer.workers.optim import clip_and_step, load_optim_state, save_optim_state
 
 LR_SCHEDULERS = ("cosine", "constant", "wsd")
@@ -70,30 +80,36 @@ def run_sft(cfg: DictConfig) -> Path:
     val_set = build_dataset(cfg, tokenizer, cfg.data.val_files) if as_list(cfg.data.val_files) else None
     loader = _train_loader(train_set, cfg)
     total_steps = cfg.trainer.total_training_steps or loader.steps_per_epoch * cfg.trainer.total_epochs
-    model = load_causal_lm(cfg.model.partial_pretrain, device=device, dtype=torch.float32,
+    lora = LoraSettings.from_config(cfg.model, prefix="model")
+    # full fine-tuning trains float32 weights; LoRA a base in the device's dtype, adapters in float32
+    model = load_causal_lm(cfg.model.partial_pretrain, device=device,
+                           dtype=torch.float32 if lora is None else default_dtype(device),
                            gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
                            trust_remote_code=cfg.model.trust_remote_code)
+    peft_model = add_lora(model, lora) if lora is not None else None  # injects the LoRA layers into model
     model.train()
     run_dir = Path(cfg.trainer.default_local_dir)
     save_config(cfg, run_dir / "config.yaml")
-    last = _train(model, tokenizer, loader, val_set, cfg, total_steps, run_dir)
-    model_dir = save_hf(model, tokenizer, run_dir / "hf_model")
+    last = _train(model, peft_model, tokenizer, loader, val_set, cfg, total_steps, run_dir)
+    model_dir = run_dir / "hf_model"
+    save_policy(model, peft_model, tokenizer, model_dir)
     if cfg.trainer.plots:
         plot_metrics(run_dir / METRICS_FILE, run_dir / "plots", PLOT_GROUPS)
     _write_summary(run_dir, last, total_steps, time.perf_counter() - started, model_dir)
     return model_dir
 
 
-def _train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, loader: PromptLoader,
+def _train(model: PreTrainedModel, peft_model: PeftModel | None, tokenizer: PreTrainedTokenizerBase,
+           loader: PromptLoader,
            val_set: SFTDataset | None, cfg: DictConfig, total_steps: int, run_dir: Path) -> dict[str, float]:
     """The optimisation loop with its metrics and checkpoints (resumed from one when trainer.resume_mode says
     so); returns the latest value of every metric."""
     device = next(model.parameters()).device
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.optim.lr_scheduler, cfg.optim.warmup_steps_ratio, total_steps)
     checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.trainer.max_ckpt_to_keep)
-    start = _resume(cfg.trainer, checkpoints, model, optimizer, scheduler, loader)
+    start = _resume(cfg.trainer, checkpoints, model, peft_model, optimizer, scheduler, loader)
     last: dict[str, float] = {}
     with Tracking(run_dir, backends=as_list(cfg.trainer.logger), project=cfg.trainer.project_name,
                   experiment=cfg.trainer.experiment_name, config=OmegaConf.to_container(cfg, resolve=True),
@@ -115,17 +131,17 @@ def _train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, loader: P
             tracking.log(metrics, step=step)
             last |= metrics
             if cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or step == total_steps):
-                _save_checkpoint(checkpoints, step, model, tokenizer, optimizer, scheduler, loader)
+                _save_checkpoint(checkpoints, step, model, peft_model, tokenizer, optimizer, scheduler, loader)
     return last
 
 
-def _save_checkpoint(checkpoints: CheckpointManager, step: int, model: PreTrainedModel,
+def _save_checkpoint(checkpoints: CheckpointManager, step: int, model: PreTrainedModel, peft_model: PeftModel | None,
                      tokenizer: PreTrainedTokenizerBase, optimizer: torch.optim.Optimizer, scheduler: LambdaLR,
                      loader: PromptLoader) -> Path:
     """``<run>/checkpoints/global_step_N``: the model as an HF folder with its optimiser and scheduler state, and
     the step, data position and RNG states; written atomically, older ones pruned to trainer.max_ckpt_to_keep."""
     def write(tmp: Path) -> None:
-        save_hf(model, tokenizer, tmp / MODEL_DIR)
+        save_policy(model, peft_model, tokenizer, tmp / MODEL_DIR)
         save_optim_state(tmp / MODEL_DIR, optimizer, scheduler)
         save_torch_state(tmp / TRAINER_STATE, {"global_step": step, "loader": loader.state_dict(),
                                                "rng": capture_rng_state()})
@@ -133,7 +149,7 @@ def _save_checkpoint(checkpoints: CheckpointManager, step: int, model: PreTraine
     return checkpoints.save(step, write)
 
 
-def _resume(trainer: DictConfig, checkpoints: CheckpointManager, model: PreTrainedModel,
+def _resume(trainer: DictConfig, checkpoints: CheckpointManager, model: PreTrainedModel, peft_model: PeftModel | None,
             optimizer: torch.optim.Optimizer, scheduler: LambdaLR, loader: PromptLoader) -> int:
     """Restore the checkpoint trainer.resume_mode names (auto: the newest of the run, if any; resume_path:
     trainer.resume_from_path; disable: none); returns the step to continue from."""
@@ -149,7 +165,7 @@ def _resume(trainer: DictConfig, checkpoints: CheckpointManager, model: PreTrain
         if step is None:
             return 0
         path = checkpoints.load_dir(step)
-    load_weights(model, path / MODEL_DIR)
+    load_policy(model, peft_model, path / MODEL_DIR, "model")
     load_optim_state(path / MODEL_DIR, optimizer, scheduler, next(model.parameters()).device)
     state = load_torch_state(path / TRAINER_STATE)
     loader.load_state_dict(state["loader"])
@@ -160,6 +176,7 @@ def _resume(trainer: DictConfig, checkpoints: CheckpointManager, model: PreTrain
 
 def check_sft_config(cfg: DictConfig) -> None:
     """Values of an SFT config that cannot train, reported before any data or model loads."""
+    LoraSettings.from_config(cfg.model, prefix="model")  # lora_rank, lora_alpha, target_modules
     checks = [
         (cfg.data.train_batch_size > 0, "data.train_batch_size must be positive", "e.g. data.train_batch_size=32"),
         (cfg.data.micro_batch_size_per_gpu > 0, "data.micro_batch_size_per_gpu must be positive",
