@@ -235,12 +235,15 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "model.safetensors"))
 
 
+@pytest.mark.parametrize("lora_rank", [0, 4])
 def test_checkpoints_every_save_freq_and_an_interrupted_run_resumes_exactly(
-        tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, lora_rank: int) -> None:
     # 6 steps with a cosine schedule after warmup (so a wrong resumed lr or optimiser state would show), a
-    # checkpoint every 2 steps, the newest 2 kept; the second run dies in its 4th step, after checkpoint 2
+    # checkpoint every 2 steps, the newest 2 kept; the second run dies in its 4th step, after checkpoint 2.
+    # With LoRA the checkpoints hold the merged model and the adapters, which the resumed run loads.
     settings = {"trainer.save_freq": 2, "trainer.max_ckpt_to_keep": 2, "optim.lr_scheduler": "cosine",
-                "optim.warmup_steps_ratio": 0.2, "model.enable_gradient_checkpointing": False}
+                "optim.warmup_steps_ratio": 0.2, "model.enable_gradient_checkpointing": False,
+                "model.lora_rank": lora_rank, "model.lora_alpha": 8}
     whole = run_sft(_cfg(tmp_path / "whole", tiny_model_dir, **settings))
     cfg = _cfg(tmp_path / "cut", tiny_model_dir, **settings)
     real_step, calls = sft.train_step, []
@@ -269,6 +272,7 @@ def test_checkpoints_every_save_freq_and_an_interrupted_run_resumes_exactly(
     assert (checkpoints / "latest").read_text().strip() == "global_step_6"
     last = checkpoints / "global_step_6"
     assert {"COMPLETE", "trainer_state.pt", "model"} <= {p.name for p in last.iterdir()}
+    assert (last / "model" / "lora_adapter").is_dir() == bool(lora_rank)
     assert all(torch.equal(v, _weights(last / "model")[k]) for k, v in got.items())
     state = torch.load(last / "trainer_state.pt", weights_only=True)
     assert state["global_step"] == 6 and state["loader"] == {"epoch": 3, "position": 0}
@@ -283,10 +287,11 @@ def test_checkpoints_every_save_freq_and_an_interrupted_run_resumes_exactly(
 
 @pytest.mark.parametrize(("overrides", "problem"), [
     ({"trainer.resume_mode": "sometimes"}, "trainer.resume_mode='sometimes' is not known"),
+    ({"data.format": "csv"}, "data.format='csv' is not an SFT data format"),
     ({"trainer.resume_mode": "resume_path"}, "needs trainer.resume_from_path"),
     ({"trainer.resume_mode": "resume_path", "trainer.resume_from_path": "/nonexistent"}, "is not an archer sft checkpoint"),
 ])
-def test_bad_resume_settings_are_errors(tmp_path: Path, tiny_model_dir: Path, overrides: dict, problem: str) -> None:
+def test_bad_resume_and_format_settings_are_errors(tmp_path: Path, tiny_model_dir: Path, overrides: dict, problem: str) -> None:
     with pytest.raises(ArcherError) as info:
         run_sft(_cfg(tmp_path, tiny_model_dir, **overrides))
     assert problem in info.value.problem
