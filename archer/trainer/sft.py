@@ -5,7 +5,12 @@ The loss of a step is the mean negative log-likelihood over all response tokens 
 batch, accumulated over micro-batches, so any micro-batch size gives the same gradient. Log-probs come
 from the backbone's hidden states at response positions only, in chunks (never full [tokens x vocab]).
 With ``model.lora_rank > 0`` only LoRA adapters on the frozen base are trained (models/lora.py); hf_model is
-then the merged model and hf_model/lora_adapter the adapters.
+then the merged model and hf_model/lora_adapter the adapters. With ``data.packing`` each forward pass is one row
+of whole examples kept apart by their position ids (``pack_sft``): the same loss, no padding.
+
+Checkpoints (``trainer.save_freq``) go through the RL trainer's CheckpointManager: ``global_step_N/model`` (the
+policy as ``save_policy`` writes it, with optimiser and scheduler state) and ``trainer_state.pt`` (step, data
+position, RNG states); ``trainer.resume_mode`` picks the one a run continues from, exactly.
 """
 
 from __future__ import annotations
