@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
 from tool_model_support import PYTHON_ANSWER, RESPONSE, SEARCH_ANSWER, SEARCH_CACHE, TRAIN_FILE, arpo_rows
@@ -45,10 +46,11 @@ def test_sft_on_tag_format_tool_data_warm_starts_agentic_rl_that_calls_its_tools
         f" <result>\n{PYTHON_ANSWER}\n</result>", "") + "<|im_end|>"
     model = run_sft(cfg)
 
-    run = tmp_path / "rl"
+    run, prompts = tmp_path / "rl", tmp_path / "arpo_prompts.parquet"
+    pq.write_table(pq.read_table(TRAIN_FILE).slice(0, len(rows)), prompts)  # the prompts the SFT data answers
     proc = subprocess.run(
         [sys.executable, "-m", "archer.cli", "train", f"actor_rollout_ref.model.path={model}",
-         f"data.train_files={TRAIN_FILE}", "data.train_batch_size=2", f"{ROLLOUT}.n=2",
+         f"data.train_files={prompts}", "data.train_batch_size=2", f"{ROLLOUT}.n=2",
          "actor_rollout_ref.actor.ppo_mini_batch_size=2", "data.max_prompt_length=768",
          "data.filter_overlong_prompts=true", "data.max_response_length=96", "trainer.total_training_steps=1",
          "trainer.device=cpu", "trainer.logger=[jsonl]", "trainer.plots=false", f"trainer.default_local_dir={run}",

@@ -269,6 +269,7 @@ def test_checkpoints_every_save_freq_and_an_interrupted_run_resumes_exactly(
     assert (checkpoints / "latest").read_text().strip() == "global_step_6"
     last = checkpoints / "global_step_6"
     assert {"COMPLETE", "trainer_state.pt", "model"} <= {p.name for p in last.iterdir()}
+    assert not (last / "model" / "lora_adapter").exists()
     assert all(torch.equal(v, _weights(last / "model")[k]) for k, v in got.items())
     state = torch.load(last / "trainer_state.pt", weights_only=True)
     assert state["global_step"] == 6 and state["loader"] == {"epoch": 3, "position": 0}
@@ -283,10 +284,11 @@ def test_checkpoints_every_save_freq_and_an_interrupted_run_resumes_exactly(
 
 @pytest.mark.parametrize(("overrides", "problem"), [
     ({"trainer.resume_mode": "sometimes"}, "trainer.resume_mode='sometimes' is not known"),
+    ({"data.format": "csv"}, "data.format='csv' is not an SFT data format"),
     ({"trainer.resume_mode": "resume_path"}, "needs trainer.resume_from_path"),
     ({"trainer.resume_mode": "resume_path", "trainer.resume_from_path": "/nonexistent"}, "is not an archer sft checkpoint"),
 ])
-def test_bad_resume_settings_are_errors(tmp_path: Path, tiny_model_dir: Path, overrides: dict, problem: str) -> None:
+def test_bad_resume_and_format_settings_are_errors(tmp_path: Path, tiny_model_dir: Path, overrides: dict, problem: str) -> None:
     with pytest.raises(ArcherError) as info:
         run_sft(_cfg(tmp_path, tiny_model_dir, **overrides))
     assert problem in info.value.problem

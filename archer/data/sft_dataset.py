@@ -32,7 +32,7 @@ from transformers import PreTrainedTokenizerBase
 from archer.batch import Batch
 from archer.config.loader import as_list
 from archer.data.rl_dataset import truncate_ids
-from archer.data.sft_formats import Conversation, RowFormat, detect_format, read_dataset_info
+from archer.data.sft_formats import Conversation, RowFormat, detect_format, read_dataset_info, read_json
 from archer.errors import ArcherError
 
 logger = logging.getLogger("archer.data")
@@ -129,14 +129,8 @@ def _read_jsonl(path: Path) -> list[Any]:
 
 
 def _read_json(path: Path) -> list[Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ArcherError(f"{path} is not valid JSON ({exc})", "write a JSON list of objects, or use .jsonl") from exc
-    if not isinstance(data, list):
-        raise ArcherError(f"{path} holds a JSON {type(data).__name__}, not a list of examples",
-                          "write a JSON list of objects, or one object a line in a .jsonl file")
-    return data
+    return read_json(path, list, "a list of examples",
+                     "write a JSON list of objects, or one object a line in a .jsonl file")
 
 
 # -- tokenising ------------------------------------------------------------------------------------

@@ -239,13 +239,7 @@ def read_dataset_info(path: str | Path, names: list[str]) -> list[DatasetEntry]:
     path = Path(path).expanduser()
     if not path.is_file():
         raise ArcherError(f"data.dataset_info={path} does not exist", "point it at a LLaMA-Factory dataset_info.json")
-    try:
-        info = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ArcherError(f"{path} is not valid JSON ({exc})", "fix the dataset_info.json") from exc
-    if not isinstance(info, dict):
-        raise ArcherError(f"{path} holds a JSON {type(info).__name__}, not an object of datasets",
-                          'write {"name": {"file_name": ..., "formatting": ...}, ...}')
+    info = read_json(path, dict, "an object of datasets", 'write {"name": {"file_name": ..., "formatting": ...}}')
     entries = []
     for name in names:
         spec = info.get(name)
@@ -274,6 +268,17 @@ def read_dataset_info(path: str | Path, names: list[str]) -> list[DatasetEntry]:
         entries.append(DatasetEntry(name, file, RowFormat.of(formatting, columns, tags if formatting == "sharegpt"
                                                              else None, where=where)))
     return entries
+
+
+def read_json(path: Path, kind: type, what: str, fix: str) -> Any:
+    """The JSON value of ``path``, which must be a ``kind`` (``what`` names it in the error, ``fix`` says what to do)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ArcherError(f"{path} is not valid JSON ({exc})", fix) from exc
+    if not isinstance(data, kind):
+        raise ArcherError(f"{path} holds a JSON {type(data).__name__}, not {what}", fix)
+    return data
 
 
 def _text(value: Any, name: str, where: str) -> str:

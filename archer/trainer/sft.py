@@ -5,7 +5,12 @@ The loss of a step is the mean negative log-likelihood over all response tokens 
 batch, accumulated over micro-batches, so any micro-batch size gives the same gradient. Log-probs come
 from the backbone's hidden states at response positions only, in chunks (never full [tokens x vocab]).
 With ``model.lora_rank > 0`` only LoRA adapters on the frozen base are trained (models/lora.py); hf_model is
-then the merged model and hf_model/lora_adapter the adapters.
+then the merged model and hf_model/lora_adapter the adapters. With ``data.packing`` each forward pass is one row
+of whole examples kept apart by their position ids (``pack_sft``): the same loss, no padding.
+
+Checkpoints (``trainer.save_freq``) go through the RL trainer's CheckpointManager: ``global_step_N/model`` (the
+policy as ``save_policy`` writes it, with optimiser and scheduler state) and ``trainer_state.pt`` (step, data
+position, RNG states); ``trainer.resume_mode`` picks the one a run continues from, exactly.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from archer.batch import Batch
 from archer.config.loader import as_list, save_config
 from archer.data.loader import PromptLoader
 from archer.data.sft_dataset import SFTDataset, pack_sft, read_sft_conversations, token_slots
+from archer.data.sft_formats import FORMATS
 from archer.errors import ArcherError
 from archer.models.loading import (
     autocast_for,
@@ -191,6 +197,8 @@ def check_sft_config(cfg: DictConfig) -> None:
         (0.0 <= cfg.optim.warmup_steps_ratio <= 1.0, "optim.warmup_steps_ratio must be within [0, 1]",
          "e.g. optim.warmup_steps_ratio=0.1"),
         (cfg.optim.clip_grad > 0, "optim.clip_grad must be positive", "e.g. optim.clip_grad=1.0"),
+        (cfg.data.format in FORMATS, f"data.format={cfg.data.format!r} is not an SFT data format",
+         f"use one of {list(FORMATS)}"),
         (cfg.trainer.resume_mode in RESUME_MODES, f"trainer.resume_mode={cfg.trainer.resume_mode!r} is not known",
          f"use one of {list(RESUME_MODES)}"),
         (cfg.trainer.resume_mode != "resume_path" or cfg.trainer.resume_from_path,
