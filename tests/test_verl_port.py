@@ -89,6 +89,16 @@ def test_a_missing_file_and_a_path_without_name_are_clear_errors(tmp_path, capsy
     assert code == 2 and "--config-path is given without --config-name" in err
 
 
+def test_a_malformed_or_non_mapping_file_is_one_clear_error(tmp_path, capsys) -> None:
+    (tmp_path / "bad.yaml").write_text("data:\n  train_batch_size: [1,\n", encoding="utf-8")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n", encoding="utf-8")
+    code, _, err = cfg_job(capsys, f"--config-path={tmp_path}", "--config-name=bad.yaml", *REQUIRED)
+    assert code == 2 and err.startswith(f"archer: error: config file {tmp_path / 'bad.yaml'} cannot be read: ")
+    assert "fix: fix the YAML" in err
+    code, _, err = cfg_job(capsys, f"--config-path={tmp_path}", "--config-name=list.yaml", *REQUIRED)
+    assert code == 2 and "is not a mapping of config sections" in err
+
+
 def test_a_defaults_list_is_refused(tmp_path, capsys) -> None:
     folder = user_yaml(tmp_path, {"defaults": ["_self_"], "data": {"train_batch_size": 8}})
     code, _, err = cfg_job(capsys, f"--config-path={folder}", "--config-name=mine.yaml", *REQUIRED)
