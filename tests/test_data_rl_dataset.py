@@ -147,6 +147,24 @@ def test_custom_chat_template_overrides_and_needs_no_tokenizer_template() -> Non
     assert ds[0]["prompt_ids"] == [5, 6, 14]
 
 
+TOOLS = [{"type": "function", "function": {"name": "python", "description": "Run Python code",
+                                          "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_tools_a_chat_template_does_not_render_are_an_error_naming_the_key(tok: PreTrainedTokenizerFast) -> None:
+    """The issue's case: the tools went to a template that ignores them, so the model never saw them."""
+    with pytest.raises(ArcherError) as info:
+        RLDataset([_row("w0")], tok, max_prompt_length=8, apply_chat_template_kwargs={"tools": TOOLS})
+    assert info.value.problem.startswith("data.apply_chat_template_kwargs.tools is set, but the chat template "
+                                         "renders the prompt the same with and without it")
+    assert "custom_chat_template" in info.value.fix
+    renders = "{% if tools %}<system> w9 {% endif %}" + TEMPLATE  # a template that shows the tools (as w9)
+    ds = RLDataset([_row("w0")], tok, max_prompt_length=8, chat_template=renders,
+                   apply_chat_template_kwargs={"tools": TOOLS})
+    assert ds[0]["prompt_ids"] == [2, 14, 3, 5, 4]
+    RLDataset([_row("w0")], tok, max_prompt_length=8, apply_chat_template_kwargs={"tools": []})  # none to show
+
+
 def test_template_failure_names_the_row(tok: PreTrainedTokenizerFast) -> None:
     strict = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}x"
     rows = [_row("w0"), _row("w1")]

@@ -28,6 +28,7 @@ from workers_support import float64_logprobs, hand_batch, ppo_config, update
 from archer.batch import Batch
 from archer.config.loader import load_config
 from archer.data.sft_dataset import SFTDataset
+from archer.data.sft_formats import RowFormat
 from archer.errors import ArcherError
 from archer.models.loading import load_causal_lm, load_tokenizer
 from archer.models.lora import ADAPTER_DIR, LoraSettings, policy_weights
@@ -40,6 +41,7 @@ from archer.trainer.ppo import PPOTrainer
 from archer.trainer.sft import response_logprobs, run_sft
 from archer.workers import actor as actor_module
 from archer.workers.actor import INFLUENCE_TOKENS
+from archer.workers.generator import GenerationWorker
 from archer.workers.reference import ReferenceWorker
 
 CPU = torch.device("cpu")
@@ -80,6 +82,15 @@ def test_settings_follow_verls_keys_and_refuse_bad_values(tiny_model_dir):
         with pytest.raises(ArcherError, match=problem.replace("[", r"\[")) as err:
             LoraSettings.from_config(cfg.actor_rollout_ref.model)
         assert "actor_rollout_ref.model." in err.value.problem
+
+
+def test_exclude_modules_leaves_those_layers_plain(tiny_model_dir):
+    actor = lora_actor(tiny_model_dir, "actor_rollout_ref.model.exclude_modules=[down_proj,o_proj]")
+    adapted = {name.rsplit(".", 1)[-1] for name, m in actor.model.named_modules() if isinstance(m, LoraLayer)}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+    actor = lora_actor(tiny_model_dir, "actor_rollout_ref.model.exclude_modules='.*layers\\.0\\..*'")
+    layers = {name.split(".")[2] for name, m in actor.model.named_modules() if isinstance(m, LoraLayer)}
+    assert layers == {"1"}
 
 
 def test_unknown_target_module_is_one_clear_error(tiny_model_dir):
@@ -395,7 +406,7 @@ def test_sft_with_lora_trains_the_adapters_and_exports_a_merged_model(tmp_path, 
         adapted = name.endswith("proj.weight")
         assert torch.equal(value, base[name]) != adapted, name
     tokenizer = load_tokenizer(out)
-    ds = SFTDataset([_row(2, 3)], tokenizer, max_length=64)
+    ds = SFTDataset([RowFormat.of("prompt_response").conversation(_row(2, 3), "row 0")], tokenizer, max_length=64)
     with torch.no_grad():
         merged_nll = -float(response_logprobs(AutoModelForCausalLM.from_pretrained(out), ds.collate([ds[0]])).mean())
         base_nll = -float(response_logprobs(load_causal_lm(tiny_model_dir, device=CPU), ds.collate([ds[0]])).mean())
@@ -418,6 +429,13 @@ def test_rl_starts_from_the_sft_adapters(tmp_path, tiny_model_dir, caplog):
     merged = AutoModelForCausalLM.from_pretrained(hf_model)
     for name, value in policy_weights(actor.model):  # the policy is SFT's merged model
         torch.testing.assert_close(value, dict(merged.named_parameters())[name], atol=1e-6, rtol=0)
+    # archer eval / trainer.val_only: the adapters go on model.path, never on another folder (a checkpoint's
+    # actor/ holds its merged adapters already)
+    generator = GenerationWorker(actor.cfg, tiny_model_dir, device=CPU, tokenizer=load_tokenizer(tiny_model_dir))
+    for name, value in policy_weights(generator.model):
+        torch.testing.assert_close(value, dict(merged.named_parameters())[name], atol=1e-6, rtol=0)
+    on_merged = GenerationWorker(actor.cfg, hf_model, device=CPU, tokenizer=load_tokenizer(tiny_model_dir))
+    assert not any(isinstance(m, LoraLayer) for m in on_merged.model.modules())
     with pytest.raises(ArcherError, match="lora_adapter_path: .* holds no LoRA adapters"):
         make_actor(tiny_model_dir, f"actor_rollout_ref.model.lora_adapter_path={tiny_model_dir}")
 

@@ -78,6 +78,18 @@ def test_a_bad_agentic_value_names_its_key(override, message):
         check_config(cfg)
 
 
+def test_call_limit_zero_with_tools_is_refused_naming_the_key():
+    """With no call allowed, every response that calls a tool ends at that call and the tool never runs."""
+    cfg = load_config("ppo_trainer", [*REQUIRED, *ECHO, f"{ROLLOUT}.tools.call_limit=0"])
+    with pytest.raises(ArcherError) as err:
+        check_config(cfg)
+    assert err.value.problem == (f"{ROLLOUT}.tools.call_limit=0 with tools configured (python): every response "
+                                 "that calls a tool would end at its first call, and no tool would ever run")
+    assert f"set {ROLLOUT}.tools.call_limit" in err.value.fix
+    check_config(load_config("ppo_trainer", [*REQUIRED, f"{ROLLOUT}.tools.call_limit=0"]))  # no tools: moot
+    check_config(load_config("ppo_trainer", [*REQUIRED, *ECHO, f"{ROLLOUT}.tools.call_limit=1"]))
+
+
 @pytest.mark.parametrize("override", [f"{ROLLOUT}.beam_size=2", f"{ROLLOUT}.initial_rollouts=2",
                                       f"{ROLLOUT}.enable_dynamic_rollouts=true"])
 def test_branching_without_a_tool_is_refused(override):

@@ -135,6 +135,10 @@ class EvalRun:
         self.ks = check_ks(list(ev.k), self.n) if ev.k else default_ks(self.n)
         self.model = resolve_model_folder(cfg.actor_rollout_ref.model.path)
         self.specs = [load_spec(str(name)) for name in ev.benchmark]
+        names = [s.name for s in self.specs]
+        if len(set(names)) < len(names):
+            raise ArcherError(f"benchmark names repeat: {names} (a benchmark is named by its YAML file's name)",
+                              "give each benchmark once, and your own YAML files names of their own")
         self.batch_size = int(ev.batch_size)
         if self.batch_size < 1:
             raise ArcherError(f"batch_size={self.batch_size} must be at least 1", "set batch_size=64 (or any >= 1)")
@@ -239,7 +243,7 @@ class EvalRun:
         benchmarks = {s.name: {"problems": len(self.datasets[s.name]), "scored_by": self.scored_by(s),
                                "data_source": s.data_source, "answer_type": s.answer_type, "spec": s.origin}
                       for s in self.specs}
-        results = {"model": str(self.model), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        results = {"model": str(self.model), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    "n": self.n, "k": self.ks, "benchmarks": benchmarks, "metrics": metrics,
                    "config": OmegaConf.to_container(self.cfg, resolve=True)}
         write_json_atomically(self.out / "results.json", results)

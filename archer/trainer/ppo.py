@@ -53,6 +53,7 @@ from archer.trainer.group_filter import (
     uniform_accuracy_rows,
 )
 from archer.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer
+from archer.trainer.model_check import check_sequence_lengths
 from archer.trainer.plots import plot_metrics
 from archer.trainer.tracking import Tracking
 from archer.workers.actor import INFLUENCE_TOKENS, ActorWorker
@@ -133,6 +134,7 @@ class PPOTrainer:
         self.tokenizer, self.train_set, self.val_set, self.loader = data.tokenizer, data.train, data.val, data.loader
         for where, dataset in (("data.train_files", self.train_set), ("data.val_files", self.val_set)):
             check_data_against_config(cfg, dataset, where)
+        check_sequence_lengths(cfg, max(d.longest_prompt for d in (data.train, data.val) if d is not None))
         warn_eval_only_keys(cfg.eval)
         self.reward_fn = build_reward_manager(cfg, self.tokenizer)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", cfg.trainer.max_actor_ckpt_to_keep)

@@ -275,24 +275,36 @@ class ActorWorker:
     def save(self, out_dir: Path, tokenizer) -> None:
         """HF folder (loadable with from_pretrained) plus optimiser and scheduler state. With LoRA the folder
         holds the merged model, and ``lora_adapter/`` the adapters (what resuming loads)."""
-        if self.peft is None:
-            save_hf(self.model, tokenizer, out_dir)
-        else:
-            save_merged(self.model, tokenizer, out_dir)
-            save_adapter(self.peft, out_dir)
+        save_policy(self.model, self.peft, tokenizer, out_dir)
         save_optim_state(out_dir, self.optimizer, self.scheduler)
 
     def load(self, in_dir: Path) -> None:
-        if self.peft is not None:
-            load_adapter(self.peft, in_dir)
-        elif has_adapter(in_dir):
-            raise ArcherError(f"{in_dir} was written by a LoRA run, and actor_rollout_ref.model.lora_rank=0",
-                              "resume with the lora_rank, lora_alpha and target_modules of that run (its "
-                              "config.yaml), or start from its merged model: actor_rollout_ref.model.path=" + str(in_dir))
-        else:
-            load_weights(self.model, in_dir)
+        load_policy(self.model, self.peft, in_dir, "actor_rollout_ref.model")
         load_optim_state(in_dir, self.optimizer, self.scheduler, self.device)
         self._engine_is_stale = True
+
+
+def save_policy(model: torch.nn.Module, peft: PeftModel | None, tokenizer, out_dir: Path) -> None:
+    """A policy's HF folder (loadable with from_pretrained): the model, or with LoRA the merged model plus
+    ``lora_adapter/`` (what resuming loads). Used by the RL actor and SFT checkpoints alike."""
+    if peft is None:
+        save_hf(model, tokenizer, out_dir)
+    else:
+        save_merged(model, tokenizer, out_dir)
+        save_adapter(peft, out_dir)
+
+
+def load_policy(model: torch.nn.Module, peft: PeftModel | None, in_dir: Path, model_key: str) -> None:
+    """Restore what ``save_policy`` wrote into the same kind of policy (exact, in place); a LoRA checkpoint
+    into a full fine-tuning policy is an error naming ``model_key``'s lora settings."""
+    if peft is not None:
+        load_adapter(peft, in_dir)
+    elif has_adapter(in_dir):
+        raise ArcherError(f"{in_dir} was written by a LoRA run, and {model_key}.lora_rank=0",
+                          "resume with the lora_rank, lora_alpha and target_modules of that run (its "
+                          f"config.yaml), or start from its merged model: {model_key}.path={in_dir}")
+    else:
+        load_weights(model, in_dir)
 
 
 def load_weights(model: torch.nn.Module, folder: Path) -> None:

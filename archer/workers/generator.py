@@ -3,7 +3,7 @@
 It loads the model of a folder (a Hugging Face folder, or an archer checkpoint: ``global_step_N`` or its
 ``actor/``) in evaluation mode, float32 master weights as the actor's (so its answers are the actor's), and
 generates through the same rollout worker (engine and multi-turn tool loop) as the ActorWorker; no optimiser,
-no reference, no critic.
+no reference, no critic. ``model.lora_adapter_path`` puts those adapters on ``model.path`` (as the actor does).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from archer.batch import Batch
 from archer.errors import ArcherError
 from archer.models.loading import load_causal_lm
+from archer.models.lora import LoraSettings, add_lora
 from archer.rollout.factory import build_engine
 from archer.workers.rollout import RolloutWorker
 
@@ -49,6 +50,10 @@ class GenerationWorker:
         self.model_path = resolve_model_folder(model_path)
         self.model = load_causal_lm(self.model_path, device=device, dtype=torch.float32,
                                     trust_remote_code=bool(cfg.model.trust_remote_code))
+        lora = LoraSettings.from_config(cfg.model)
+        # model.lora_adapter_path applies to model.path (a checkpoint's actor/ already holds its merged adapters)
+        if lora is not None and lora.adapter_path is not None and self.model_path == resolve_model_folder(cfg.model.path):
+            add_lora(self.model, lora)
         self.model.eval()
         self.rollout = RolloutWorker(build_engine(cfg.rollout, self.model, tokenizer, device), cfg.rollout,
                                      device=device, tokenizer=tokenizer, chat_template=cfg.model.custom_chat_template,

@@ -147,7 +147,7 @@ class FastModel:
         self.layers = [_Layer(spec, **kw) for _ in range(spec.layers)]
         self.cos, self.sin = self._rope_tables(model)
         self.scale = spec.head_dim ** -0.5
-        self.targets = self._targets(model)
+        self.names = self._weight_names(model)
         self.load(policy_weights(model))
 
     def _rope_tables(self, model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,13 +162,19 @@ class FastModel:
         return (cos[0, :, :half].float().to(self.device).contiguous(),
                 sin[0, :, :half].float().to(self.device).contiguous())
 
-    def _targets(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The engine tensor each of the policy's weights goes into, by the policy's state-dict names."""
+    @staticmethod
+    def _weight_names(model: nn.Module) -> tuple[str, str, str]:
+        """The state-dict prefixes of the model's input embedding, LM head and backbone."""
         names = {id(module): name for name, module in model.named_modules()}
-        backbone = names[id(backbone_of(model))]
-        out = {f"{names[id(model.get_input_embeddings())]}.weight": self.embed, f"{backbone}.norm.weight": self.norm}
+        return (names[id(model.get_input_embeddings())], names[id(model.get_output_embeddings())],
+                names[id(backbone_of(model))])
+
+    def targets(self) -> dict[str, torch.Tensor]:
+        """The engine tensor (or fused slice) each of the policy's weights goes into, by its state-dict name."""
+        embed, lm_head, backbone = self.names
+        out = {f"{embed}.weight": self.embed, f"{backbone}.norm.weight": self.norm}
         if not self.spec.tied:
-            out[f"{names[id(model.get_output_embeddings())]}.weight"] = self.lm_head
+            out[f"{lm_head}.weight"] = self.lm_head
         for i, layer in enumerate(self.layers):
             out.update(layer.targets(f"{backbone}.layers.{i}", self.spec))
         return out
@@ -184,12 +190,13 @@ class FastModel:
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy the policy's weights, a stream of (state-dict name, tensor) pairs (models/lora.py's
         ``policy_weights``: plain or LoRA-merged), into this model's tensors, in place."""
-        missing = dict(self.targets)
+        targets = self.targets()
+        missing = dict(targets)
         for name, tensor in weights:
             target = missing.pop(name, None)
             if target is None:
                 raise ArcherError(f"the fast engine has no place for the weight {name!r}"
-                                  f"{' (given twice)' if name in self.targets else ''}",
+                                  f"{' (given twice)' if name in targets else ''}",
                                   "sync the engine from the actor it was built on; " + _FALLBACK)
             if target.shape != tensor.shape:
                 raise ArcherError(f"the fast engine's {name} is {tuple(target.shape)}, the weight given is "
