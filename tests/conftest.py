@@ -62,3 +62,11 @@ def task_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def micro_model(tmp_path_factory: pytest.TempPathFactory, task_files: dict[str, Path]) -> Path:
     return task_model(tmp_path_factory.mktemp("micro_model"), task_files["sft"], max_positions=128)
+
+
+@pytest.fixture(scope="session")
+def arpo_tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tool_model_support's tool-calling micro model with 4096 positions (ARPO's prompts, whole, plus a response)."""
+    from tool_model_support import tool_model
+
+    return tool_model(tmp_path_factory.mktemp("arpo_tool_model"), max_positions=4096)

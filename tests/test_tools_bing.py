@@ -20,6 +20,7 @@ from archer.tools.bing import BingSearchTool
 from archer.tools.executor import ToolCall
 from archer.tools.python_tool import PythonTool
 from archer.tools.registry import ToolRegistry, build_tool
+from archer.tools.search_cache import SearchCacheFile
 
 KEY = "test-key"
 
@@ -53,11 +54,14 @@ class SERPHandler(BaseHTTPRequestHandler):
         organic = [{"title": "t1", "description": f"first about {query}"}, {"description": f"first about {query}"},
                    {"description": "  "}, {"description": "second"}, {"description": "third " + "x" * 50}]
         payload = json.dumps({"general": {"query": query}, "organic": organic}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client gave up (the timeout test)
 
     def log_message(self, *args) -> None:
         pass
@@ -98,10 +102,13 @@ def test_a_miss_asks_the_api_as_arpo_and_is_written_through(serp, cache_file) ->
     assert (bing_url.scheme, bing_url.netloc, bing_url.path) == ("https", "www.bing.com", "/search")
     assert parse_qs(bing_url.query) == {"q": ["Who wrote Hamlet"], "mkt": ["en-US"], "setLang": ["en"],
                                         "brd_json": ["1"], "cc": ["us"]}
-    tool.close()  # the run's new results are folded from the cache's log into ARPO's JSON file
-    written = json.loads(cache_file.read_text(encoding="utf-8"))
-    assert written == {"cached query": "Page 1: from cache",
-                       "Who wrote Hamlet": "Page 1: first about\nPage 2: second"}  # ARPO's key: no double quotes
+    written = SearchCacheFile(cache_file)  # what another process reads: the file and its log
+    assert (len(written), written.get("Who wrote Hamlet")) == (2, "Page 1: first about\nPage 2: second")
+    log = Path(f"{cache_file}.log").read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line)["query"] for line in log] == ["Who wrote Hamlet"]  # ARPO's key: no double quotes
+    tool.close()
+    written = json.loads(cache_file.read_text(encoding="utf-8"))  # closing folds the log into ARPO's JSON file
+    assert written == {"cached query": "Page 1: from cache", "Who wrote Hamlet": "Page 1: first about\nPage 2: second"}
     again = bing(serp, cache_file)
     assert again.execute("Who wrote Hamlet").text == "Page 1: first about\nPage 2: second"
     assert len(serp.requests) == 1  # the new tool read it from the file
@@ -123,7 +130,7 @@ def test_without_a_key_hits_work_and_a_miss_is_a_counted_error(cache_file) -> No
     assert (hit.text, hit.record.ok) == ("Page 1: from cache", True)
     assert miss.record.ok is False and "no cached result for this query" in miss.text
     registry.close()
-    assert json.loads(cache_file.read_text(encoding="utf-8")) == {"cached query": "Page 1: from cache"}
+    assert not Path(f"{cache_file}.log").exists()  # nothing written without a key
 
 
 @pytest.mark.parametrize("status", [500, 403])
@@ -133,7 +140,7 @@ def test_an_api_error_is_a_counted_tool_error_after_retries(serp, cache_file, st
     (miss,) = registry.executor.run([ToolCall("search", "unknown query")])
     assert miss.record.ok is False and miss.record.attempts == 2
     assert f"answered HTTP {status}" in miss.text
-    assert "unknown query" not in json.loads(cache_file.read_text(encoding="utf-8"))
+    assert SearchCacheFile(cache_file).get("unknown query") is None
     registry.close()
 
 
@@ -151,14 +158,17 @@ def test_no_network_and_a_slow_api_end_within_the_timeouts(serp, cache_file) -> 
     slow.close()
 
 
-def test_an_unfilled_key_and_a_read_only_cache_with_a_key_are_startup_errors(tmp_path, cache_file) -> None:
+def test_an_unfilled_key_and_a_read_only_cache_folder_with_a_key_are_startup_errors(tmp_path, cache_file) -> None:
     with pytest.raises(ArcherError, match="params.api_key is the unfilled placeholder '<your_api_key>'"):
         bing(None, cache_file, api_key="<your_api_key>")
-    cache_file.chmod(0o444)
-    if os.access(cache_file, os.W_OK):
-        pytest.skip("running as a user who can write read-only files")
-    with pytest.raises(ArcherError, match="is not writable"):
-        bing(None, cache_file)
+    cache_file.parent.chmod(0o555)
+    try:
+        if os.access(cache_file.parent, os.W_OK):
+            pytest.skip("running as a user who can write read-only folders (root)")
+        with pytest.raises(ArcherError, match="search_cache.json.log cannot be written"):
+            bing(None, cache_file)
+    finally:
+        cache_file.parent.chmod(0o755)
 
 
 def fake_conda(root: Path, env: str) -> Path:

@@ -89,6 +89,16 @@ def test_a_missing_file_and_a_path_without_name_are_clear_errors(tmp_path, capsy
     assert code == 2 and "--config-path is given without --config-name" in err
 
 
+def test_a_malformed_or_non_mapping_file_is_one_clear_error(tmp_path, capsys) -> None:
+    (tmp_path / "bad.yaml").write_text("data:\n  train_batch_size: [1,\n", encoding="utf-8")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n", encoding="utf-8")
+    code, _, err = cfg_job(capsys, f"--config-path={tmp_path}", "--config-name=bad.yaml", *REQUIRED)
+    assert code == 2 and err.startswith(f"archer: error: config file {tmp_path / 'bad.yaml'} cannot be read: ")
+    assert "fix: fix the YAML" in err
+    code, _, err = cfg_job(capsys, f"--config-path={tmp_path}", "--config-name=list.yaml", *REQUIRED)
+    assert code == 2 and "is not a mapping of config sections" in err
+
+
 def test_a_defaults_list_is_refused(tmp_path, capsys) -> None:
     folder = user_yaml(tmp_path, {"defaults": ["_self_"], "data": {"train_batch_size": 8}})
     code, _, err = cfg_job(capsys, f"--config-path={folder}", "--config-name=mine.yaml", *REQUIRED)
@@ -198,3 +208,26 @@ def test_readme_names_every_verl_key_of_the_table() -> None:
         assert leaf in section, key
     for class_path in VERL_TOOLS:
         assert f"`{class_path}`" in section, class_path
+
+
+def test_sft_reads_a_users_file_too(tmp_path, capsys) -> None:
+    folder = user_yaml(tmp_path, {"data": {"max_length": 2048, "train_batch_size": 8}, "optim": {"lr": 2e-6}})
+    code = main(["sft", "--cfg", "job", f"--config-path={folder}", "--config-name=mine",
+                 "data.train_files=/nonexistent/sft.jsonl", "model.partial_pretrain=/nonexistent/model",
+                 "data.train_batch_size=16"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    cfg = yaml.safe_load(out)
+    assert (cfg["data"]["max_length"], cfg["data"]["train_batch_size"], cfg["optim"]["lr"]) == (2048, 16, 2e-6)
+
+
+def test_archer2_switches_map_or_are_refused(capsys) -> None:
+    code, cfg, err = cfg_job(capsys, *REQUIRED, "+actor_rollout_ref.actor.use_archer_policy_loss=True",
+                             "+trainer.enable_overlong_filter=False", "+actor_rollout_ref.actor.use_dynamic_clip=False")
+    assert code == 0, err
+    assert cfg["actor_rollout_ref"]["actor"]["policy_loss"]["loss_mode"] == "aspo"
+    code, cfg, err = cfg_job(capsys, *REQUIRED, "actor_rollout_ref.actor.use_archer_policy_loss=False",
+                             "actor_rollout_ref.actor.policy_loss.loss_mode=gspo")
+    assert code == 0 and cfg["actor_rollout_ref"]["actor"]["policy_loss"]["loss_mode"] == "gspo"
+    code, _, err = cfg_job(capsys, *REQUIRED, "+trainer.enable_overlong_filter=True")
+    assert code == 2 and "trainer.enable_overlong_filter=True is not supported: Archer2.0's overlong filter" in err

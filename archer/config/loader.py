@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
@@ -220,7 +221,7 @@ def _user_tree(user_config: Path | None) -> DictConfig:
                           "pass --config-path=DIR --config-name=NAME.yaml naming an existing YAML file")
     try:
         user = OmegaConf.load(user_config)
-    except (OSError, OmegaConfBaseException, ValueError) as e:
+    except (OSError, OmegaConfBaseException, ValueError, yaml.YAMLError) as e:
         raise ArcherError(f"config file {user_config} cannot be read: {e}", "fix the YAML") from None
     if not isinstance(user, DictConfig):
         raise ArcherError(f"config file {user_config} is not a mapping of config sections", "fix the YAML")

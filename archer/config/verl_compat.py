@@ -11,7 +11,7 @@ ARPO" shows this table.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,7 +182,8 @@ def apply_rule(key: str, value: Any, out: DictConfig, source: str) -> None:
     raise ArcherError(f"{source}: {key}={value!r} is not supported: {rule.why}", rule.fix)
 
 
-def translate(user: DictConfig, known: set[str], open_maps: set[str], closest, source: str) -> DictConfig:
+def translate(user: DictConfig, known: set[str], open_maps: set[str], closest: Callable[[str], str | None],
+              source: str) -> DictConfig:
     """The archer-shaped config of a user's verl-layout config: archer's keys kept, VERL_KEYS applied, any other
     key an error naming the nearest known one (``closest(key)``)."""
     out = OmegaConf.create({})
@@ -190,8 +191,8 @@ def translate(user: DictConfig, known: set[str], open_maps: set[str], closest, s
     return out
 
 
-def _translate(node: DictConfig, prefix: str, out: DictConfig, known: set[str], open_maps: set[str], closest,
-               source: str) -> None:
+def _translate(node: DictConfig, prefix: str, out: DictConfig, known: set[str], open_maps: set[str],
+               closest: Callable[[str], str | None], source: str) -> None:
     for k in node.keys():
         key = f"{prefix}.{k}" if prefix else str(k)
         child = node._get_node(k)

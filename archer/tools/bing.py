@@ -5,7 +5,7 @@ Its params are ARPO's: ``api_key`` and ``zone`` of Bright Data's SERP API, ``max
 ``~/.verl_cache/bing_search_cache.json`` as ARPO's). A query the cache holds is answered from it; a query it lacks
 goes to the API (``POST {endpoint}`` with ``{"zone", "url": "https://www.bing.com/search?q=...&brd_json=1&cc=...",
 "format": "raw"}`` and a Bearer key; the answer's ``organic[].description`` snippets, de-duplicated, become ``Page
-i: ...`` lines) and is written through to ``cache_file``. Without a key the cache is read-only and a miss is the
+i: ...`` lines) and is written through to ``cache_file`` (appended to its log, search_cache.py). Without a key the cache is read-only and a miss is the
 model's error text (counted in ``tools/<name>/failures``); an API that fails or does not answer within
 ``request_timeout`` seconds raises, which the executor retries and then reports the same way, so nothing hangs.
 ``async_cache_write`` and ``cache_refresh_interval`` are accepted: archer writes each result through at once, under
@@ -23,7 +23,7 @@ from urllib.parse import urlencode
 from archer.errors import ArcherError
 from archer.tools.bm25_index import Passage
 from archer.tools.search import SearchTool
-from archer.tools.search_cache import cache_key
+from archer.tools.search_cache import SearchCacheFile, cache_key
 
 BRIGHTDATA_URL = "https://api.brightdata.com/request"
 ARPO_CACHE_FILE = "~/.verl_cache/bing_search_cache.json"
@@ -72,12 +72,13 @@ def _api_key(name: str, api_key: str | None) -> str | None:
     return api_key or None
 
 
-def _check_writable(name: str, path: Path) -> None:
-    target = path if path.exists() else path.parent
-    if not os.access(target, os.W_OK):
-        raise ArcherError(f"tool {name!r}: cache_file {path} is not writable, and with an api_key each new result "
-                          "is written through to it", f"copy the cache somewhere writable and point "
-                          f"tool_instances.{name}.params.cache_file at the copy, or set api_key=null (cache only)")
+def _check_writable(name: str, cache: SearchCacheFile) -> None:
+    """New results are appended to the cache's log beside the file (under a lock file there)."""
+    targets = [cache.log.parent, *([cache.log] if cache.log.exists() else [])]
+    if not all(os.access(t, os.W_OK) for t in targets):
+        raise ArcherError(f"tool {name!r}: {cache.log} cannot be written, and with an api_key each new result is "
+                          f"written through to it", f"point tool_instances.{name}.params.cache_file at a cache in a "
+                          "writable folder (a copy), or set api_key=null (cache only)")
 
 
 class BingSearchTool(SearchTool):
@@ -90,10 +91,11 @@ class BingSearchTool(SearchTool):
         path = Path(cache_file or ARPO_CACHE_FILE).expanduser()
         if key:
             path.parent.mkdir(parents=True, exist_ok=True)
-            _check_writable(name, path)
         super().__init__(name, trigger_tag=trigger_tag, backend="cache", cache_file=str(path),
                          cache_writable=bool(key), top_k=max_results, result_length=result_length,
                          memory_cache_size=memory_cache_size)
+        if key:
+            _check_writable(name, self.cache)
         self.retriever = BrightDataSERP(key, zone, location, endpoint, request_timeout) if key else None
 
     def close(self) -> None:

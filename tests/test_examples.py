@@ -1,0 +1,144 @@
+"""examples/: every script's config loads (``--cfg job``) with the settings it promises, and each RL example runs one
+step on a micro model with the model, data and sizes swapped in through the variables at its top."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from tool_model_support import ARPO, ROWS, SEARCH_CACHE, TRAIN_FILE
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+MATH = ["archer2_math_1.5b", "archer2_math_1.5b_entropy_trace", "archer2_math_1.5b_influence_trace",
+        "archer2_math_1.5b_entropy_trace_1gpu"]
+AGENTIC = ["arpo_7b_reasoning_1node", "arpo_14b_deepsearch_1node", "aepo_7b_reasoning_1node", "dapo_baseline",
+           "grpo_baseline"]
+RL = MATH + AGENTIC
+SUBPROCESS_TIMEOUT_S = 900
+
+
+def run_example(name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES.parent), os.environ.get("PYTHONPATH", "")]),
+                **(env or {})}
+    return subprocess.run(["bash", str(EXAMPLES / f"{name}.sh"), *args], capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT_S, env=full_env)
+
+
+def cfg_job(name: str, env: dict[str, str] | None = None) -> dict:
+    proc = run_example(name, "--cfg", "job", env=env)
+    assert proc.returncode == 0, proc.stderr
+    return yaml.safe_load(proc.stdout)
+
+
+def test_every_script_is_covered_here() -> None:
+    assert {p.stem for p in EXAMPLES.glob("*.sh")} == {*RL, "sft_arpo_qwen", "eval_pass_at_k"}
+
+
+def test_archer2_math_configs_keep_the_published_settings() -> None:
+    plain, entropy, influence, one_gpu = (cfg_job(name) for name in MATH)
+    actor = plain["actor_rollout_ref"]["actor"]
+    assert actor["policy_loss"]["loss_mode"] == "aspo" and actor["ppo_epochs"] == 3
+    assert (actor["high_entropy_clip_ratio_low"], actor["high_entropy_clip_ratio_high"]) == (0.4, 0.4)
+    assert (actor["kl_loss_coef"], actor["optim"]["lr_warmup_steps"], actor["optim"]["weight_decay"]) == (0.001, 10, 0.1)
+    assert plain["reward_model"]["overlong_buffer"] == {"enable": True, "len": 16, "penalty_factor": 1.0, "log": False}
+    assert plain["trainer"]["rejection_sample"] is True and plain["data"]["train_batch_size"] == 64
+    assert entropy["trainer"]["entropy_trace"]["enable"] and entropy["trainer"]["total_training_steps"] == 100
+    assert entropy["actor_rollout_ref"]["actor"]["ppo_epochs"] == 1
+    trace = influence["trainer"]["influence_trace"]
+    assert trace["enable"] and trace["module_name_filter"] == ["self_attn.o_proj", "mlp.down_proj"]
+    assert (trace["max_modules"], trace["max_proj_vector_sum"], influence["trainer"]["total_training_steps"]) == (1, 64, 2)
+    assert (one_gpu["data"]["train_batch_size"], one_gpu["actor_rollout_ref"]["rollout"]["n"]) == (2, 1)
+    assert (one_gpu["data"]["max_prompt_length"], one_gpu["data"]["max_response_length"]) == (128, 64)
+    assert one_gpu["trainer"]["entropy_trace"]["enable"] and one_gpu["trainer"]["test_freq"] == -1
+
+
+def test_agentic_configs_keep_the_published_settings() -> None:
+    arpo, deep, aepo, dapo, grpo = (cfg_job(name) for name in AGENTIC)
+    rollout = arpo["actor_rollout_ref"]["rollout"]
+    assert (rollout["n"], rollout["initial_rollouts"], rollout["beam_size"], rollout["mode"]) == (16, 8, 2,
+                                                                                                  "sync_with_tool")
+    tools = rollout["tools"]["tool_instances"]
+    assert tools["search"]["class_path"] == "verl.workers.agent.tools.search_tool.BingSearchTool"
+    assert tools["search"]["params"]["api_key"] is None and tools["python"]["class_path"].endswith("PythonTool")
+    assert arpo["data"]["max_response_length"] == 4096 and arpo["trainer"]["total_epochs"] == 2
+    assert arpo["custom_reward_function"]["path"].endswith("reward_score/deep_research.py")
+    deep_rollout = deep["actor_rollout_ref"]["rollout"]
+    assert (deep_rollout["n"], deep_rollout["initial_rollouts"], deep["trainer"]["total_epochs"]) == (12, 6, 5)
+    assert [Path(f).name for f in deep["data"]["val_files"]] == ["gaia_test.parquet", "hle_test.parquet"]
+    assert aepo["actor_rollout_ref"]["rollout"]["enable_dynamic_rollouts"] is True
+    assert aepo["actor_rollout_ref"]["actor"]["enable_entropy_balanced_clipping"] is True
+    for baseline in (dapo, grpo):
+        assert (baseline["actor_rollout_ref"]["rollout"]["initial_rollouts"],
+                baseline["actor_rollout_ref"]["rollout"]["beam_size"]) == (16, 1)
+    assert dapo["actor_rollout_ref"]["actor"]["clip_ratio_high"] == 0.28 and dapo["algorithm"]["filter_groups"]["enable"]
+    assert dapo["reward_model"]["overlong_buffer"]["len"] == 1024
+    assert grpo["actor_rollout_ref"]["actor"]["clip_ratio_high"] is None
+
+
+def test_sft_config_keeps_the_published_settings() -> None:
+    cfg = cfg_job("sft_arpo_qwen")
+    assert (cfg["optim"]["lr"], cfg["optim"]["lr_scheduler"], cfg["trainer"]["total_epochs"]) == (7e-6, "cosine", 3)
+    assert cfg["data"]["multiturn"] == {"enable": True, "messages_key": "conversations", "tools_key": "tools"}
+    assert (cfg["data"]["max_length"], cfg["data"]["train_batch_size"]) == (15000, 16)
+
+
+def test_eval_script_runs_archer_eval() -> None:
+    if run_example("eval_pass_at_k", "--help").returncode != 0:
+        pytest.skip("archer eval is not there yet")
+    cfg = cfg_job("eval_pass_at_k")
+    assert (cfg["eval"]["k"], cfg["eval"]["benchmark"]) == ([1, 4, 8], ["gsm8k", "math500", "aime24", "hotpotqa", "2wiki"])
+    val = cfg["actor_rollout_ref"]["rollout"]["val_kwargs"]
+    assert (val["n"], val["temperature"], val["top_p"], cfg["data"]["max_response_length"]) == (8, 0.6, 0.95, 4096)
+
+
+def one_step(name: str, env: dict[str, str], out: Path, *extra: str) -> list[dict]:
+    proc = run_example(name, "trainer.device=cpu", "trainer.total_training_steps=1", "trainer.test_freq=-1",
+                       "trainer.save_freq=-1", "trainer.resume_mode=disable", *extra, env={**env, "LOGGER": "[console]"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = out / "metrics.jsonl"
+    return [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("name", MATH)
+def test_a_math_example_runs_one_step_on_the_micro_model(name, micro_model, task_files, tmp_path) -> None:
+    out = tmp_path / "run"
+    env = {"MODEL_PATH": str(micro_model), "TRAIN_FILES": str(task_files["train"]), "VAL_FILES": str(task_files["val"]),
+           "CKPTS_DIR": str(out), "MAX_PROMPT_LENGTH": "64", "MAX_RESPONSE_LENGTH": "32", "TRAIN_BATCH_SIZE": "2",
+           "PPO_MINI_BATCH_SIZE": "2", "MICRO_BATCH_SIZE_PER_GPU": "2", "ROLLOUT_N": "2", "VAL_N": "1"}
+    steps = one_step(name, env, out, "trainer.rejection_sample=False")  # keep the micro model's uniform groups
+    assert [s["step"] for s in steps] == [1]
+    if "entropy" in name or "influence" in name:
+        assert (out / "entropy_trace" / "steps" / "step_000001.npz").is_file()
+    if "influence" in name:
+        assert (out / "influence_trace" / "manifest.jsonl").is_file()
+
+
+@pytest.fixture(scope="module")
+def arpo_rows_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ARPO rows the tool model learned (a small slice of ARPO's train_10k, not a copy kept anywhere)."""
+    path = tmp_path_factory.mktemp("arpo_rows") / "train.parquet"
+    pq.write_table(pq.read_table(TRAIN_FILE).slice(0, ROWS), path)
+    return path
+
+
+@pytest.mark.skipif(not TRAIN_FILE.is_file(), reason="ARPO's data is not in ../shared/data/arpo")
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("name", AGENTIC)
+def test_an_agentic_example_runs_one_step_on_the_tool_model(name, arpo_tool_model, arpo_rows_file, tmp_path) -> None:
+    out = tmp_path / "run"
+    env = {"MODEL_PATH": str(arpo_tool_model), "TRAIN_FILES": str(arpo_rows_file), "VAL_FILES": str(arpo_rows_file),
+           "SEARCH_CACHE": str(SEARCH_CACHE), "REWARD_FILE": str(ARPO / "published" / "deep_research.py"),
+           "SAVE_PATH": str(out), "TRAIN_BATCH_SIZE": "2", "PPO_MINI_BATCH_SIZE": "2", "MAX_PROMPT_LENGTH": "2048",
+           "MAX_RESPONSE_LENGTH": "128", "ROLLOUT_N": "4", "INITIAL_ROLLOUTS": "2"}
+    if name in ("dapo_baseline", "grpo_baseline"):
+        env["INITIAL_ROLLOUTS"] = "4"
+    extra = ["algorithm.filter_groups.enable=false"] if name == "dapo_baseline" else []  # one generation batch
+    steps = one_step(name, env, out, *extra)
+    assert [s["step"] for s in steps] == [1]
+    assert steps[0]["tools/search/calls"] + steps[0]["tools/python/calls"] > 0
