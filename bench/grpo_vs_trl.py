@@ -41,7 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 import transformers
-from gpu_step import QWEN_VOCAB, build_random_model
+from gpu_step import LLAMA_VOCAB, QWEN_VOCAB, build_random_model
 from trace_cost import DIGIT_REWARD
 from transformers import PreTrainedTokenizerBase
 
@@ -53,6 +53,9 @@ WORKLOADS: dict[str, tuple[int, int, int, int, int, int | None]] = {
     "tiny": (4, 4, 32, 16, 8, None),
     "qwen2.5-0.5b": (16, 8, 256, 512, 32, QWEN_VOCAB),
     "qwen2.5-1.5b": (16, 8, 256, 512, 32, QWEN_VOCAB),
+    "qwen2.5-3b": (16, 8, 256, 512, 32, QWEN_VOCAB),
+    "qwen2.5-7b": (16, 8, 256, 512, 32, QWEN_VOCAB),
+    "llama-3.1-8b": (16, 8, 256, 512, 32, LLAMA_VOCAB),
 }
 
 
@@ -103,10 +106,11 @@ def workload_args(shape: str, **more: Any) -> argparse.Namespace:
                               response_length=response_length, micro_batch=micro_batch, vocab=vocab, **more)
 
 
-def prepare_workload(out: Path, args: argparse.Namespace, prompt_count: int) -> tuple[Path, list[str], Path, Path]:
-    """Under ``out``: the random model, ``prompt_count`` prompts of the exact length (their contents and the
-    parquet file) and the reward file."""
-    model_dir = build_random_model(out, args.shape, args.vocab)
+def prepare_workload(out: Path, args: argparse.Namespace, prompt_count: int, **model: Any
+                     ) -> tuple[Path, list[str], Path, Path]:
+    """Under ``out``: the random model (``model``: build_random_model's dtype / device), ``prompt_count`` prompts of
+    the exact length (their contents and the parquet file) and the reward file."""
+    model_dir = build_random_model(out, args.shape, args.vocab, **model)
     contents = exact_prompts(load_tokenizer(model_dir), prompt_count, args.prompt_length)
     train_file = write_prompts(out / "data" / "train.parquet", contents)
     reward = out / "digit_reward.py"
@@ -202,7 +206,8 @@ def run_trl(args: argparse.Namespace, model_dir: Path, contents: list[str], rewa
                                train_dataset=dataset, processing_class=tokenizer, callbacks=[StepTimer()])
     trainer.train()
     update_s = [s - g - c for s, g, c in zip(step_s, gen_s, score_s)]
-    return {"peer": "trl", "trl_version": trl.__version__, "step_s": step_s,
+    peak = torch.cuda.max_memory_allocated() / (1 << 30) if torch.cuda.is_available() else None
+    return {"peer": "trl", "trl_version": trl.__version__, "step_s": step_s, "max_memory_allocated_gb": peak,
             "stages_s": {"generate": steady(gen_s), "score": steady(score_s), "update": steady(update_s)},
             "response_length_mean": statistics.mean(lengths)}
 
