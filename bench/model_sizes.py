@@ -11,6 +11,9 @@ machine, same run).
     python bench/model_sizes.py --out /tmp/ms                                  # every row (a GPU)
     python bench/model_sizes.py --out /tmp/ms --rows qwen2.5-0.5b --no-trl     # one row
 
+The row "qwen2.5-1.5b+offload" runs the 1.5B shape with optimizer_offload and param_offload: against the 1.5B
+row at defaults it prices the two offloads.
+
 Per row: whether it ran, its settings, the steady step time (median of the steps after the first), the peak GPU
 memory (allocated) of each stage and of the step, and TRL's step and peak; ``--json`` gets the records (rows of
 an existing file that this run does not redo are kept) and ``--markdown`` the table.
@@ -31,13 +34,16 @@ import torch
 from grpo_vs_trl import archer_overrides, prepare_workload, steady, workload_args
 
 LORA = ["actor_rollout_ref.model.lora_rank=64", "actor_rollout_ref.model.lora_alpha=32"]
-# row: (shape, archer's settings beyond its defaults, whether TRL runs it too)
-ROWS: dict[str, tuple[list[str], bool]] = {
-    "qwen2.5-0.5b": ([], True),
-    "qwen2.5-1.5b": ([], True),
-    "qwen2.5-3b": (["actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"], False),
-    "qwen2.5-7b": (LORA, False),
-    "llama-3.1-8b": (LORA, False),
+OFFLOAD = ["actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"]
+BOTH_OFFLOADS = [*OFFLOAD, "actor_rollout_ref.actor.fsdp_config.param_offload=true"]
+# row: (shape, archer's settings beyond its defaults, whether TRL runs it too); "+offload" rows price the offloads
+ROWS: dict[str, tuple[str, list[str], bool]] = {
+    "qwen2.5-0.5b": ("qwen2.5-0.5b", [], True),
+    "qwen2.5-1.5b": ("qwen2.5-1.5b", [], True),
+    "qwen2.5-1.5b+offload": ("qwen2.5-1.5b", BOTH_OFFLOADS, False),
+    "qwen2.5-3b": ("qwen2.5-3b", OFFLOAD, False),
+    "qwen2.5-7b": ("qwen2.5-7b", LORA, False),
+    "llama-3.1-8b": ("llama-3.1-8b", LORA, False),
 }
 STAGES = ("gen", "old_log_prob", "adv", "update_actor")
 BIG = ("qwen2.5-3b", "qwen2.5-7b", "llama-3.1-8b")  # stored in bf16 and drawn on the GPU (archer loads float32)
@@ -70,11 +76,11 @@ def run(cmd: list[str], log: Path, timeout: float) -> tuple[bool, str]:
     return code == 0, "" if code == 0 else failure(log.read_text())
 
 
-def archer_row(args: argparse.Namespace, shape: str, settings: list[str]) -> dict[str, Any]:
-    out = args.out / shape
+def archer_row(args: argparse.Namespace, name: str, shape: str, settings: list[str]) -> dict[str, Any]:
+    out = args.out / name
     out.mkdir(parents=True, exist_ok=True)
     work = workload_args(shape, steps=args.steps, out=out)
-    record: dict[str, Any] = {"model": shape, "peer": "archer", "settings": settings or ["defaults"],
+    record: dict[str, Any] = {"model": name, "shape": shape, "peer": "archer", "settings": settings or ["defaults"],
                               "vocab": work.vocab}
     placeholder = out / "unbuilt"  # the config check needs no weights
     check = archer_command(work, placeholder, placeholder, placeholder, settings, out / "check")
@@ -161,10 +167,11 @@ def main() -> None:
     records: list[dict[str, Any]] = []
     if args.json and args.json.exists():
         records = json.loads(args.json.read_text())
-    for shape in args.rows:
-        settings, with_trl = ROWS[shape]
+    for name in args.rows:
+        shape, settings, with_trl = ROWS[name]
         for peer in ("archer", "trl") if with_trl and not args.no_trl else ("archer",):
-            record = {**(archer_row(args, shape, settings) if peer == "archer" else trl_row(args, shape)), **common}
+            record = {**(archer_row(args, name, shape, settings) if peer == "archer" else trl_row(args, shape)),
+                      **common}
             records = [r for r in records if (r["model"], r["peer"]) != (record["model"], record["peer"])] + [record]
             print(json.dumps(record), flush=True)
             if args.json:
