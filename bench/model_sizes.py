@@ -12,7 +12,7 @@ machine, same run).
     python bench/model_sizes.py --out /tmp/ms --rows qwen2.5-0.5b --no-trl     # one row
 
 The row "qwen2.5-1.5b+offload" runs the 1.5B shape with optimizer_offload and param_offload: against the 1.5B
-row at defaults it prices the two offloads.
+row at defaults it prices the two offloads; "qwen2.5-1.5b+remove_padding" times padding-free micro-batches.
 
 Per row: whether it ran, its settings, the steady step time (median of the steps after the first), the peak GPU
 memory (allocated) of each stage and of the step, and TRL's step and peak; ``--json`` gets the records (rows of
@@ -41,6 +41,7 @@ ROWS: dict[str, tuple[str, list[str], bool]] = {
     "qwen2.5-0.5b": ("qwen2.5-0.5b", [], True),
     "qwen2.5-1.5b": ("qwen2.5-1.5b", [], True),
     "qwen2.5-1.5b+offload": ("qwen2.5-1.5b", BOTH_OFFLOADS, False),
+    "qwen2.5-1.5b+remove_padding": ("qwen2.5-1.5b", ["actor_rollout_ref.model.use_remove_padding=true"], False),
     "qwen2.5-3b": ("qwen2.5-3b", OFFLOAD, False),
     "qwen2.5-7b": ("qwen2.5-7b", LORA, False),
     "llama-3.1-8b": ("llama-3.1-8b", LORA, False),
