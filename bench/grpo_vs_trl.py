@@ -13,7 +13,9 @@ float32 master weights with bf16 autocast on a GPU, a reward that is the share o
 - **trl**: ``trl.GRPOTrainer`` (pip install -e ".[bench]") with num_generations=8, max_completion_length=512,
   beta=0, per_device_train_batch_size=32 x gradient_accumulation_steps=4 (one optimiser step per 16 prompts),
   bf16, use_vllm off (``model.generate``), the model loaded from the same folder at TRL's default dtype
-  (float32). Gradient checkpointing, on by TRL's default, is off as in archer. Its step is timed from the
+  (float32). Gradient checkpointing, on by TRL's default, is off unless --trl-gradient-checkpointing (archer's
+  own default is on since issue 14: pass actor_rollout_ref.model.enable_gradient_checkpointing=false through
+  --archer-override to compare both without it). Its step is timed from the
   trainer's on_step_begin to on_step_end; "generate" is its ``_generate_single_turn`` (the ``model.generate``
   call), "score" the rest of ``_generate_and_score_completions`` (decoding, reward, advantages; no old-log-prob
   pass: TRL skips it when one optimiser step follows each generation), "update" the rest of the step (forward,
@@ -197,7 +199,7 @@ def run_trl(args: argparse.Namespace, model_dir: Path, contents: list[str], rewa
         output_dir=str(args.out / "trl_run"), num_generations=args.n, max_completion_length=args.response_length,
         beta=0.0, num_iterations=1, per_device_train_batch_size=args.micro_batch,
         gradient_accumulation_steps=rows // args.micro_batch, learning_rate=1e-6, temperature=1.0, top_p=1.0,
-        top_k=0, use_vllm=False, bf16=torch.cuda.is_available(), gradient_checkpointing=False,
+        top_k=0, use_vllm=False, bf16=torch.cuda.is_available(), gradient_checkpointing=bool(getattr(args, "trl_gradient_checkpointing", False)),
         max_steps=args.trl_steps, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
         seed=1, dataloader_num_workers=0)
     dataset = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": c}]} for c in contents])
@@ -236,6 +238,8 @@ def main() -> None:
     parser.add_argument("--peers", nargs="+", choices=("archer", "trl"), default=["archer", "trl"])
     parser.add_argument("--archer-override", nargs="*", default=[], help="more archer train overrides")
     parser.add_argument("--json", type=Path, help="write the records here")
+    parser.add_argument("--trl-gradient-checkpointing", action="store_true",
+                        help="TRL with gradient checkpointing (its default; archer's default since issue 14)")
     args = workload_args(**vars(parser.parse_args()))
     args.trl_steps = args.trl_steps or args.steps
     if args.prompts * args.n % args.micro_batch:

@@ -6,7 +6,7 @@ LLaMA 3.1: 128,256; a small BPE tokenizer padded to it, as bench/grpo_vs_trl.py 
 micro-batches of 32), at archer's defaults plus the row's settings. A row whose config archer refuses (``archer
 train --cfg job``: LoRA before it lands, say) or whose run fails is reported as "not run: <the error>", and the
 bench goes on. TRL's GRPOTrainer runs the same workload for the rows that name it (bench/grpo_vs_trl.py, same
-machine, same run).
+machine, same run), with gradient checkpointing as archer's defaults (and TRL's) have it.
 
     python bench/model_sizes.py --out /tmp/ms                                  # every row (a GPU)
     python bench/model_sizes.py --out /tmp/ms --rows qwen2.5-0.5b --no-trl     # one row
@@ -114,7 +114,8 @@ def trl_row(args: argparse.Namespace, shape: str) -> dict[str, Any]:
     out = args.out / f"trl_{shape}"
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(Path(__file__).with_name("grpo_vs_trl.py")), "--out", str(out), "--shape", shape,
-           "--peers", "trl", "--trl-steps", str(args.trl_steps), "--json", str(out / "trl.json")]
+           "--peers", "trl", "--trl-steps", str(args.trl_steps), "--json", str(out / "trl.json"),
+           "--trl-gradient-checkpointing"]
     ok, error = run(cmd, out / "trl.log", args.row_timeout)
     record: dict[str, Any] = {"model": shape, "peer": "trl", "command": " ".join(["python", *cmd[1:]])}
     if not ok:
