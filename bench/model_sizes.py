@@ -9,7 +9,7 @@ bench goes on. TRL's GRPOTrainer runs the same workload for the rows that name i
 machine, same run), with gradient checkpointing as archer's defaults (and TRL's) have it.
 
     python bench/model_sizes.py --out /tmp/ms                                  # every row (a GPU)
-    python bench/model_sizes.py --out /tmp/ms --rows qwen2.5-0.5b --no-trl     # one row
+    python bench/model_sizes.py --out /tmp/ms --rows qwen2.5-0.5b --peers archer  # one row, archer alone
 
 The row "qwen2.5-1.5b+offload" runs the 1.5B shape with optimizer_offload and param_offload: against the 1.5B
 row at defaults it prices the two offloads; "qwen2.5-1.5b+remove_padding" times padding-free micro-batches.
@@ -157,7 +157,8 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", choices=sorted(ROWS), default=list(ROWS))
     parser.add_argument("--steps", type=int, default=6, help="archer's GRPO steps per row (the first is warm-up)")
     parser.add_argument("--trl-steps", type=int, default=6, help="TRL's steps per row")
-    parser.add_argument("--no-trl", action="store_true", help="skip TRL's rows")
+    parser.add_argument("--peers", nargs="+", choices=("archer", "trl"), default=["archer", "trl"],
+                        help="which peers run (TRL only for the rows that name it)")
     parser.add_argument("--row-timeout", type=float, default=600.0, help="seconds a row may run")
     parser.add_argument("--json", type=Path, help="write the records here (keeping other rows already there)")
     parser.add_argument("--markdown", type=Path, help="write the table here")
@@ -171,7 +172,7 @@ def main() -> None:
         records = json.loads(args.json.read_text())
     for name in args.rows:
         shape, settings, with_trl = ROWS[name]
-        for peer in ("archer", "trl") if with_trl and not args.no_trl else ("archer",):
+        for peer in [p for p in args.peers if p == "archer" or with_trl]:
             record = {**(archer_row(args, name, shape, settings) if peer == "archer" else trl_row(args, shape)),
                       **common}
             records = [r for r in records if (r["model"], r["peer"]) != (record["model"], record["peer"])] + [record]
