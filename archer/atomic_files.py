@@ -5,13 +5,18 @@ data and the directory entry are on disk before the function returns. Temporary 
 so that their owners can clean up what a crash left. A replaced file gets the permissions of a file made with
 open() (0666 less the umask), like every other file of a run, not mkstemp's private 0600; a staging folder
 (built whole, then renamed into place) those of a folder made with mkdir (0777 less the umask), not mkdtemp's
-0700.
+0700. ``replace_dir`` puts a staged folder in place of an old one in one step (Linux's renameat2 exchange), so
+a reader sees the whole old folder or the whole new one.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
+import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -65,6 +70,45 @@ def make_staging_dir(target: Path) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{target.name}-", dir=target.parent))
     os.chmod(staging, DIR_MODE)
     return staging
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the two paths in one step (Linux renameat2); False where the system or file system cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def replace_dir(staging: Path, target: Path) -> None:
+    """Put the folder ``staging`` (beside ``target``) at ``target``, then delete the folder it replaced.
+
+    An existing ``target`` is exchanged with ``staging`` in one step where Linux allows it; elsewhere it is
+    renamed aside first (a crash in between leaves it whole under a ``.tmp-`` name). The caller decides
+    whether ``target`` may be replaced: this function replaces whatever folder is there.
+    """
+    if not target.exists():
+        os.replace(staging, target)
+    elif _exchange(staging, target):
+        shutil.rmtree(staging)
+    else:
+        old = target.with_name(f"{TMP_PREFIX}{target.name}-old-{os.getpid()}")
+        os.replace(target, old)
+        os.replace(staging, target)
+        shutil.rmtree(old)
+    fsync_dir(target.parent)
 
 
 def write_text_atomically(path: Path, text: str, *, fsync: bool = True) -> None:

@@ -14,6 +14,7 @@ from archer.atomic_files import (
     TMP_PREFIX,
     make_staging_dir,
     replace_atomically,
+    replace_dir,
     write_json_atomically,
     write_text_atomically,
 )
@@ -68,3 +69,19 @@ def test_a_failed_write_keeps_the_old_file(tmp_path: Path) -> None:
         replace_atomically(path, fail)
     assert path.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_replace_dir_puts_the_staged_folder_in_place_and_leaves_nothing_behind(tmp_path: Path, monkeypatch,
+                                                                               exchange: bool) -> None:
+    import archer.atomic_files as atomic_files
+
+    if not exchange:  # a system without renameat2's exchange: the old folder is renamed aside, then deleted
+        monkeypatch.setattr(atomic_files, "_exchange", lambda a, b: False)
+    target = tmp_path / "index"
+    for content in ("first", "second"):
+        staging = make_staging_dir(target)
+        (staging / "data.txt").write_text(content)
+        replace_dir(staging, target)
+        assert (target / "data.txt").read_text() == content
+        assert [p.name for p in tmp_path.iterdir()] == ["index"]

@@ -40,7 +40,7 @@ def test_the_table_lists_every_marked_key_once():
     keys = [entry.key for entry in NO_OPS]
     assert len(keys) == len(set(keys))
     assert set(keys) == marked_keys()
-    assert len(keys) == 72
+    assert len(keys) == 69
 
 
 def test_defaults_and_every_algorithm_preset_are_silent(caplog):
@@ -69,13 +69,11 @@ def test_an_interpolated_default_follows_its_source():
 
 
 @pytest.mark.parametrize(("override", "fix"), [
-    ("actor_rollout_ref.model.lora_rank=64", "lora_rank=0"),
     ("trainer.nnodes=2", "trainer.nnodes=1"),
     ("trainer.n_gpus_per_node=8", "trainer.n_gpus_per_node=1"),
     ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "tensor_model_parallel_size=1"),
     ("actor_rollout_ref.rollout.ignore_eos=true", "drop actor_rollout_ref.rollout.ignore_eos"),
     ("+actor_rollout_ref.model.override_config.attention_dropout=0.1", "config.json"),
-    ("+reward_model.reward_kwargs.scale=2", "custom_reward_function.reward_kwargs"),
 ])
 def test_a_no_op_that_would_change_the_result_is_refused(override, fix):
     cfg = load_config("ppo_trainer", [*REQUIRED, override])
@@ -88,6 +86,6 @@ def test_a_no_op_that_would_change_the_result_is_refused(override, fix):
 
 
 def test_allowed_values_of_refusable_keys_only_warn(caplog):
-    cfg = load_config("ppo_trainer", [*REQUIRED, "trainer.n_gpus_per_node=1", "actor_rollout_ref.model.lora_rank=0"])
+    cfg = load_config("ppo_trainer", [*REQUIRED, "trainer.n_gpus_per_node=1", "trainer.nnodes=1"])
     check_no_ops(cfg)
     assert not [r for r in caplog.records if r.name == "archer.config"]

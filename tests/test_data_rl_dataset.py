@@ -49,7 +49,7 @@ def _row(words: str, source: str = "math", **extra: object) -> dict:
 
 
 def test_item_fields_and_exact_ids(tok: PreTrainedTokenizerFast) -> None:
-    rows = [_row("w0 w1 w2"), _row("w9 zzz", source="gsm8k")]
+    rows = [_row("w0 w1 w2"), _row("w9 zzz", source="gsm8k", tools=["search"])]
     rows[1]["prompt"].insert(0, {"role": "system", "content": "w3"})
     ds = RLDataset(rows, tok, max_prompt_length=8)
     assert len(ds) == 2
@@ -60,8 +60,10 @@ def test_item_fields_and_exact_ids(tok: PreTrainedTokenizerFast) -> None:
         "ability": "math",
         "ground_truth": "gt-w0 w1 w2",
         "extra_info": {"split": "train"},
+        "tools": None,
         "index": 0,
     }
+    assert ds[1]["tools"] == ["search"]
     # <system> w3 <user> w9 <unk> <assistant>
     assert ds[1]["prompt_ids"] == [2, 8, 3, 14, 1, 4]
     assert ds[1]["data_source"] == "gsm8k"
@@ -143,6 +145,24 @@ def test_custom_chat_template_overrides_and_needs_no_tokenizer_template() -> Non
     ds = RLDataset([_row("w0 w1")], _tokenizer(), max_prompt_length=8, chat_template=custom,
                    apply_chat_template_kwargs={"greet": True})
     assert ds[0]["prompt_ids"] == [5, 6, 14]
+
+
+TOOLS = [{"type": "function", "function": {"name": "python", "description": "Run Python code",
+                                          "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_tools_a_chat_template_does_not_render_are_an_error_naming_the_key(tok: PreTrainedTokenizerFast) -> None:
+    """The issue's case: the tools went to a template that ignores them, so the model never saw them."""
+    with pytest.raises(ArcherError) as info:
+        RLDataset([_row("w0")], tok, max_prompt_length=8, apply_chat_template_kwargs={"tools": TOOLS})
+    assert info.value.problem.startswith("data.apply_chat_template_kwargs.tools is set, but the chat template "
+                                         "renders the prompt the same with and without it")
+    assert "custom_chat_template" in info.value.fix
+    renders = "{% if tools %}<system> w9 {% endif %}" + TEMPLATE  # a template that shows the tools (as w9)
+    ds = RLDataset([_row("w0")], tok, max_prompt_length=8, chat_template=renders,
+                   apply_chat_template_kwargs={"tools": TOOLS})
+    assert ds[0]["prompt_ids"] == [2, 14, 3, 5, 4]
+    RLDataset([_row("w0")], tok, max_prompt_length=8, apply_chat_template_kwargs={"tools": []})  # none to show
 
 
 def test_template_failure_names_the_row(tok: PreTrainedTokenizerFast) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -15,7 +16,7 @@ from archer.errors import ArcherError
 from archer.tools import ToolCall, ToolExecutor
 from archer.tools.bm25_index import BM25Index, Passage, build_index
 from archer.tools.search import SearchTool, cut_pages, format_pages
-from archer.tools.search_cache import SearchCacheFile
+from archer.tools.search_cache import MAX_QUERY_CHARS, SearchCacheFile
 
 ARPO_CACHE = Path(__file__).resolve().parents[2] / "shared" / "data" / "arpo" / "search_cache.json"
 needs_arpo_cache = pytest.mark.skipif(not ARPO_CACHE.is_file(), reason="shared ARPO data not present")
@@ -111,10 +112,24 @@ def test_bm25_finds_the_passage_and_formats_it(index_dir: Path) -> None:
 def test_a_missing_index_folder_is_a_startup_error(tmp_path: Path) -> None:
     with pytest.raises(ArcherError, match="BM25 index folder .* does not exist") as err:
         SearchTool(backend="bm25", index_dir=str(tmp_path / "nowhere"))
-    assert "archer build-index" in str(err.value)
+    assert f"archer build-index --corpus CORPUS.jsonl --out {tmp_path / 'nowhere'}`" in str(err.value)
 
 
-def test_build_index_reads_parquet_and_replaces_an_old_index(tmp_path: Path) -> None:
+def test_a_folder_of_other_files_as_index_dir_gets_advice_that_spares_it(tmp_path: Path) -> None:
+    """The error's advice, followed as written, must not point build-index at the user's folder."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "val.parquet").write_bytes(b"PAR1 user data")
+    with pytest.raises(ArcherError, match=f"BM25 index folder {data} is not an archer index") as err:
+        SearchTool(backend="bm25", index_dir=str(data))
+    assert f"--out {data}`" not in str(err.value) and "--out NEW_FOLDER" in str(err.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ArcherError, match="is empty") as err:
+        SearchTool(backend="bm25", index_dir=str(tmp_path / "empty"))
+    assert f"--out {tmp_path / 'empty'}`" in str(err.value)  # an empty folder may be built into
+
+
+def test_build_index_reads_parquet_and_replaces_an_old_index_only_when_asked(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -122,12 +137,79 @@ def test_build_index_reads_parquet_and_replaces_an_old_index(tmp_path: Path) -> 
     pq.write_table(pa.Table.from_pylist(CORPUS[:2]), corpus)
     out = tmp_path / "index"
     assert build_index(corpus, out, show_progress=False) == 2
+    meta = json.loads((out / "archer_index.json").read_text())
+    assert meta["passages"] == 2 and sorted(meta["files"]) == sorted(p.name for p in out.iterdir()
+                                                                      if p.name != "archer_index.json")
     pq.write_table(pa.Table.from_pylist(CORPUS[2:]), corpus)
-    assert build_index(corpus, out, show_progress=False) == 3
+    with pytest.raises(ArcherError, match=f"(?s)--out {out} already holds an archer index.*fix: pass --overwrite"):
+        build_index(corpus, out, show_progress=False)
+    assert BM25Index(out).size == 2  # refused: the old index is untouched
+    assert build_index(corpus, out, overwrite=True, show_progress=False) == 3
     assert BM25Index(out).search("Nile river", 5) == [Passage("Nile", CORPUS[4]["text"])]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.parquet", "index"]  # no staging leftovers
     (tmp_path / "ordinary").mkdir()
     assert out.stat().st_mode == (tmp_path / "ordinary").stat().st_mode  # not mkdtemp's 0700
+
+
+def test_an_open_index_keeps_answering_while_it_is_overwritten(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in CORPUS))
+    out = tmp_path / "index"
+    build_index(corpus, out, show_progress=False)
+    before = BM25Index(out)
+    corpus.write_text(json.dumps(CORPUS[0]) + "\n")
+    build_index(corpus, out, overwrite=True, show_progress=False)
+    assert before.search("Nile river", 5) == [Passage("Nile", CORPUS[4]["text"])]  # memory-mapped old files
+    assert BM25Index(out).size == 1
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_build_index_never_deletes_a_folder_that_is_not_its_index(tmp_path: Path, capsys) -> None:
+    """The issue's case: --out naming a folder of data (val.parquet) emptied it. Now: refused, untouched."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps(CORPUS[0]) + "\n")
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    (data / "val.parquet").write_bytes(b"PAR1 user data")
+    (data / "sub" / "notes.txt").write_text("mine")
+    before = snapshot(data)
+    for flags in ([], ["--overwrite"]):
+        assert main(["build-index", "--corpus", str(corpus), "--out", str(data), *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"archer: error: --out {data} is a folder that is not an archer index "
+                              "(holds sub, val.parquet); build-index leaves it untouched")
+        assert f"--out {data / 'bm25_index'}" in err
+        assert snapshot(data) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "data"]  # no staging leftovers
+
+    index = tmp_path / "index"  # an index the user has put a file of their own into
+    assert main(["build-index", "--corpus", str(corpus), "--out", str(index)]) == 0
+    (index / "val.parquet").write_bytes(b"PAR1 user data")
+    before = snapshot(index)
+    assert main(["build-index", "--corpus", str(corpus), "--out", str(index), "--overwrite"]) == 2
+    assert "is an archer index that also holds other files (holds val.parquet)" in capsys.readouterr().err
+    assert snapshot(index) == before
+
+    a_file = tmp_path / "corpus.jsonl"
+    assert main(["build-index", "--corpus", str(corpus), "--out", str(a_file), "--overwrite"]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+    assert a_file.read_text() == json.dumps(CORPUS[0]) + "\n"
+    (tmp_path / "empty").mkdir()
+    assert main(["build-index", "--corpus", str(corpus), "--out", str(tmp_path / "empty")]) == 0
+    assert BM25Index(tmp_path / "empty").size == 1
+
+
+def test_an_index_through_a_symlink_is_replaced_behind_the_link(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps(CORPUS[0]) + "\n")
+    build_index(corpus, tmp_path / "real", show_progress=False)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in CORPUS))
+    assert build_index(corpus, tmp_path / "link", overwrite=True, show_progress=False) == 5
+    assert (tmp_path / "link").is_symlink() and BM25Index(tmp_path / "real").size == 5
 
 
 def test_build_index_cli_prints_the_result_and_rejects_a_corpus_without_text(tmp_path: Path, capsys) -> None:
@@ -147,18 +229,43 @@ def test_write_through_cache_file_receives_new_results(index_dir: Path, tmp_path
     cache = tmp_path / "cache.json"
     tool = SearchTool(backend="bm25", index_dir=str(index_dir), cache_file=str(cache), cache_writable=True)
     text = tool.execute('"Python" programming language').text
-    assert json.loads(cache.read_text()) == {"Python programming language": text}
+    log = Path(f"{cache}.log")
+    assert [json.loads(line) for line in log.read_text().splitlines()] == [
+        {"query": "Python programming language", "text": text}]
     other = SearchCacheFile(cache, writable=True)  # a second trainer sharing the file
     other.put("nile", "Page 1: Nile.")
     tool.execute("Eiffel Tower")
-    on_disk = json.loads(cache.read_text())
-    assert set(on_disk) == {"Python programming language", "nile", "Eiffel Tower"}
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")] == []
-    # a read-only cache in front of the index answers what it has and asks the index for the rest
+    on_disk = [json.loads(line)["query"] for line in log.read_text().splitlines()]
+    assert on_disk == ["Python programming language", "nile", "Eiffel Tower"]
+    assert tool.cache.get("nile") == "Page 1: Nile."  # the other trainer's line, read on the miss
+    # a read-only cache in front of the index answers what it has (file and log) and asks the index for the rest
     reader = SearchTool(backend="bm25", index_dir=str(index_dir), cache_file=str(cache))
     assert reader.execute("nile").text == "Page 1: Nile."
     assert reader.execute("Louvre museum").text.startswith("Page 1: Louvre.")
-    assert set(json.loads(cache.read_text())) == set(on_disk)
+    assert len(log.read_text().splitlines()) == 3
+
+
+def test_a_new_result_appends_one_line_instead_of_rewriting_the_cache(tmp_path: Path) -> None:
+    cache = tmp_path / "cache.json"
+    cache.write_text(json.dumps({f"query {i}": "Page 1: " + "x" * 1000 for i in range(5000)}))  # 5 MB
+    before = cache.read_bytes()
+    writer = SearchCacheFile(cache, writable=True)
+    start = time.perf_counter()
+    for i in range(200):
+        writer.put(f"new {i}", "Page 1: y")
+    assert time.perf_counter() - start < 1.0  # rewriting 5 MB per query took seconds for these 200
+    assert cache.read_bytes() == before and len(Path(f"{cache}.log").read_text().splitlines()) == 200
+    assert SearchCacheFile(cache).get("new 199") == "Page 1: y" and len(SearchCacheFile(cache)) == 5200
+    with Path(f"{cache}.log").open("a") as f:
+        f.write('{"query": "torn')  # a writer killed mid-line: the line is skipped
+    assert len(SearchCacheFile(cache)) == 5200
+
+
+def test_over_long_queries_are_neither_cached_nor_looked_up(tmp_path: Path) -> None:
+    writer = SearchCacheFile(tmp_path / "cache.json", writable=True)
+    huge = "q" * (MAX_QUERY_CHARS + 1)
+    writer.put(huge, "Page 1: z")
+    assert writer.get(huge) is None and not Path(f"{tmp_path / 'cache.json'}.log").exists()
 
 
 # --- (c) HTTP retriever (Search-R1's /retrieve) ---

@@ -100,6 +100,7 @@ def test_a_share_the_card_cannot_hold_is_refused_with_its_figures(monkeypatch):
 
 def test_weight_bytes_match_the_fast_models_tensors(tiny_model_dir):
     from archer.models.loading import load_causal_lm
+    from archer.models.lora import policy_weights
     from archer.rollout.fast.model import FastModel
 
     model = load_causal_lm(tiny_model_dir, device="cpu")
@@ -110,7 +111,7 @@ def test_weight_bytes_match_the_fast_models_tensors(tiny_model_dir):
     assert weight_bytes(fast.spec, torch.float32) == sum(t.numel() * 4 for t in tensors.values())
     fast.release()
     assert fast.released and fast.embed is None and not fast.layers
-    fast.load(model)
+    fast.load(policy_weights(model))
     assert torch.equal(fast.embed, model.get_input_embeddings().weight)
 
 

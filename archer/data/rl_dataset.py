@@ -33,9 +33,9 @@ def truncate_ids(ids: list[int], max_length: int, mode: str) -> list[int]:
 
 class RLDataset:
     """Tokenised RL prompts; item ``i`` is a dict with prompt_ids, raw_prompt, data_source, ability,
-    ground_truth (``reward_model.ground_truth``, None when the row has none), extra_info, index (the row's
-    position in the rows given) and, when it is another column, the ``reward_fn_key`` column the reward
-    routes on."""
+    ground_truth (``reward_model.ground_truth``, None when the row has none), extra_info, tools (the tool names
+    the row may call, None for every tool), index (the row's position in the rows given) and, when it is
+    another column, the ``reward_fn_key`` column the reward routes on."""
 
     def __init__(
         self,
@@ -82,6 +82,11 @@ class RLDataset:
     def __len__(self) -> int:
         return len(self._items)
 
+    @property
+    def longest_prompt(self) -> int:
+        """Tokens of the longest prompt kept (after filtering and truncation)."""
+        return max(len(item["prompt_ids"]) for item in self._items)
+
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self._items[i]
 
@@ -99,19 +104,28 @@ class RLDataset:
                 "use a chat/instruct model, or set actor_rollout_ref.model.custom_chat_template to a Jinja "
                 "template string",
             )
-        texts = []
-        for i, row in enumerate(rows):
+        def render(i: int, kwargs: dict[str, Any]) -> str:
             try:
-                texts.append(tokenizer.apply_chat_template(
-                    row[prompt_key], chat_template=chat_template, add_generation_prompt=True,
-                    tokenize=False, **template_kwargs,
-                ))
+                return tokenizer.apply_chat_template(rows[i][prompt_key], chat_template=chat_template,
+                                                     add_generation_prompt=True, tokenize=False, **kwargs)
             except jinja2.TemplateError as exc:
                 raise ArcherError(
                     f"the chat template failed on the prompt of row {i}: {exc}",
                     "fix actor_rollout_ref.model.custom_chat_template (or data.apply_chat_template_kwargs), "
                     "or the messages of that row",
                 ) from exc
+
+        texts = [render(i, template_kwargs) for i in range(len(rows))]
+        if texts and template_kwargs.get("tools"):
+            without = {k: v for k, v in template_kwargs.items() if k != "tools"}
+            if render(0, without) == texts[0]:
+                raise ArcherError(
+                    "data.apply_chat_template_kwargs.tools is set, but the chat template renders the prompt the "
+                    "same with and without it: the model would never see its tools",
+                    "use a chat template that renders tools (Qwen2.5's and Qwen3's do; or set "
+                    "actor_rollout_ref.model.custom_chat_template to one), or describe the tools in the prompt "
+                    "and drop data.apply_chat_template_kwargs.tools",
+                )
         return texts
 
     def _fit(self, ids: list[int], index: int, truncation: str, filter_overlong: bool) -> list[int] | None:
@@ -148,6 +162,7 @@ def _item(row: dict[str, Any], ids: list[int], index: int, prompt_key: str, rewa
         "ability": row.get("ability") or "",
         "ground_truth": reward_model.get("ground_truth"),
         "extra_info": row.get("extra_info") or {},
+        "tools": row.get("tools"),
         "index": index,
     }
     item.setdefault(reward_fn_key, row[reward_fn_key])

@@ -129,6 +129,30 @@ def _load_config(folder: Path, trust_remote_code: bool) -> PretrainedConfig:
         ) from err
 
 
+def read_model_config(path: str | Path, *, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The config.json of a model folder (no weights read), with the folder's errors as ArcherError."""
+    return _load_config(_check_folder(path, "model"), trust_remote_code)
+
+
+# RoPE scalings that stretch a model's positions by their ``factor`` (from original_max_position_embeddings when
+# the config gives it); llama3 and longrope configs already state the stretched length in max_position_embeddings.
+_STRETCHING_ROPE = ("linear", "dynamic", "yarn")
+
+
+def max_positions(config: PretrainedConfig) -> int | None:
+    """The longest sequence (prompt + response) the model is built for, or None when its config does not say."""
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if not isinstance(limit, int):
+        return None
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    factor = rope.get("factor") if kind in _STRETCHING_ROPE else None
+    if not isinstance(factor, int | float) or factor <= 1:
+        return limit
+    original = rope.get("original_max_position_embeddings")
+    return max(limit, int((original if isinstance(original, int) else limit) * factor))
+
+
 def _check_weights(folder: Path) -> None:
     if not any((folder / name).is_file() for name in WEIGHT_FILES):
         raise ArcherError(

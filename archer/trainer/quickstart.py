@@ -41,6 +41,10 @@ from archer.trainer.sft import run_sft
 TASK = "arithmetic"
 TASK_KNOBS: dict[str, Any] = {"num_operands": 3, "max_operand": 9, "unboxed_fraction": 0.6}
 N_TRAIN, N_VAL, N_SFT = 1000, 200, 1500
+# The tiny model's positions: room for ARPO's prompts (up to about 1,900 tokens with its small tokenizer) and a
+# response, so that README's ARPO command runs on the tool quickstart's model. Its rotary positions have no
+# weights: the number changes nothing the quickstart computes.
+MODEL_POSITIONS = 4096
 VAL_KEY = "val-core/archer/arithmetic/acc/mean@1"
 
 SFT_OVERRIDES = [
@@ -161,7 +165,8 @@ def warm_start(run: Path, seed: int, console: Console, sft_extra: Sequence[str] 
     files = write_task_files(recipe.task, run / "data", n_train=recipe.n_train, n_val=recipe.n_val,
                              n_sft=recipe.n_sft, seed=seed, **recipe.knobs)
     console.rule("[bold]2/4 tiny model")
-    base = build_tiny_model(run / "base_model", task_corpus(run / "data"), seed=seed)
+    base = build_tiny_model(run / "base_model", task_corpus(run / "data"), max_position_embeddings=MODEL_POSITIONS,
+                            seed=seed)
     console.rule("[bold]3/4 supervised warm start")
     sft_cfg = load_config("sft_trainer", [
         f"model.partial_pretrain={base}", f"data.train_files={files['sft']}", f"trainer.default_local_dir={run / 'sft'}",
