@@ -126,6 +126,12 @@ def trl_row(args: argparse.Namespace, shape: str) -> dict[str, Any]:
             "trl_version": trl["trl_version"], "response_length_mean": trl["response_length_mean"]}
 
 
+def short(error: str) -> str:
+    """An error's first sentence, at most 140 characters, for the table (the JSON keeps it whole)."""
+    first = error.split(". ")[0]
+    return first if len(first) <= 140 else first[:139] + "…"
+
+
 def table(records: list[dict[str, Any]]) -> str:
     """One line per model: archer's settings, whether it ran, its step and peaks; TRL's step, peak and the ratio."""
     trl = {r["model"]: r for r in records if r["peer"] == "trl"}
@@ -140,14 +146,14 @@ def table(records: list[dict[str, Any]]) -> str:
             if r["ran"]:
                 ratio = f"{r['steady_step_s'] / peer['steady_step_s']:.2f}"
         elif peer is not None:
-            peer_text = f"not run: {peer['error']}"
+            peer_text = f"not run: {short(peer['error'])}"
         if r["ran"]:
             p = r["peak_allocated_gb"]
             lines.append(f"| {r['model']} | {settings} | ran | {r['steady_step_s']:.2f} | {p['gen']:.1f} / "
                          f"{p['old_log_prob']:.1f} / {p['update_actor']:.1f} ({r['max_memory_allocated_gb']:.1f}) | "
                          f"{peer_text} | {ratio} |")
         else:
-            lines.append(f"| {r['model']} | {settings} | not run: {r['error']} | - | - | {peer_text} | - |")
+            lines.append(f"| {r['model']} | {settings} | not run: {short(r['error'])} | - | - | {peer_text} | - |")
     return "\n".join(lines)
 
 

@@ -71,6 +71,7 @@ class MemoryPlan:
     engine_weights: int
     engine_workspace: int
     others: dict[str, int]
+    kv_limit: int | None = None  # the engine allocates no more than its slots can use (max_num_seqs x max_model_len)
     utilization: float = 0.5
     param_offload: bool = False
     optimizer_offload: bool = False
@@ -78,7 +79,13 @@ class MemoryPlan:
 
     @property
     def kv_cache(self) -> int:
-        return self.engine_share - self.engine_weights - self.engine_workspace
+        room = self.engine_share - self.engine_weights - self.engine_workspace
+        return room if self.kv_limit is None else min(room, self.kv_limit)
+
+    @property
+    def engine(self) -> int:
+        """What the engine holds: its weights, workspace and KV cache (within its share)."""
+        return self.engine_weights + self.engine_workspace + max(self.kv_cache, 0) if self.engine_share else 0
 
     def generation(self) -> dict[str, int]:
         """What the card holds while the engine generates."""
@@ -97,7 +104,7 @@ class MemoryPlan:
         else:
             held.update({"optimizer states": self.optimizer, "activations": self.activations})
         if not self.free_cache_engine and self.engine_share:
-            held["engine (free_cache_engine=false)"] = self.engine_share
+            held["engine (free_cache_engine=false)"] = self.engine
         return {**held, "CUDA context": CONTEXT_BYTES}
 
     def check(self) -> None:
@@ -124,7 +131,7 @@ class MemoryPlan:
         if not self.optimizer_offload:
             options.append((self.optimizer, f"{prefix}actor.fsdp_config.optimizer_offload=true"))
         if stage == "generation":
-            options.append((self.engine_share - self.engine_weights - self.engine_workspace,
+            options.append((max(self.kv_cache, 0),
                             f"a lower {prefix}rollout.gpu_memory_utilization (now {self.utilization})"))
             if not self.param_offload:
                 options.append((self.policy, f"{prefix}actor.fsdp_config.param_offload=true"))
@@ -133,7 +140,7 @@ class MemoryPlan:
                                               f"{prefix}actor.ppo_micro_batch_size_per_gpu (or use_dynamic_bsz with a "
                                               "smaller ppo_max_token_len_per_gpu)"))
             if not self.free_cache_engine and self.engine_share:
-                options.append((self.engine_share, f"{prefix}rollout.free_cache_engine=true"))
+                options.append((self.engine, f"{prefix}rollout.free_cache_engine=true"))
         options.append((self.policy, f"LoRA ({prefix}model.lora_rank > 0) or a smaller model"))
         return "try " + "; or ".join(text for _, text in sorted(options, key=lambda o: -o[0]))
 
@@ -149,8 +156,9 @@ def plan_actor_memory(cfg: DictConfig, model: torch.nn.Module, *, total: int, fa
                       others: dict[str, int] | None = None) -> MemoryPlan:
     """The plan of an actor (``actor_rollout_ref`` config ``cfg``) whose policy is ``model``, on a card of ``total``
     bytes; ``fast_engine``: the engine holds its own weights and KV cache (rollout.gpu_memory_utilization)."""
-    from archer.rollout.fast.engine import workspace_bytes
+    from archer.rollout.fast.engine import PAGE_SIZE, workspace_bytes
     from archer.rollout.fast.model import model_spec, weight_bytes
+    from archer.rollout.fast.pages import page_bytes
 
     policy, trainable = model_bytes(model)
     config = model.config
@@ -161,15 +169,18 @@ def plan_actor_memory(cfg: DictConfig, model: torch.nn.Module, *, total: int, fa
                                    checkpointing=bool(cfg.model.enable_gradient_checkpointing))
     utilization = float(rollout.gpu_memory_utilization)
     share = weights = workspace = 0
+    kv_limit = None
     if fast_engine:
         spec, dtype = model_spec(model), getattr(torch, str(rollout.dtype))
         share = int(utilization * total)
         weights = weight_bytes(spec, dtype)
         workspace = workspace_bytes(spec, dtype, int(rollout.max_num_seqs), int(rollout.max_num_batched_tokens))
+        pages = (int(rollout.max_num_seqs) + 1) * -(-max_length // PAGE_SIZE) + 1  # FastEngine.reclaim_memory's cap
+        kv_limit = pages * page_bytes(spec, PAGE_SIZE, dtype)
     offload = cfg.actor.fsdp_config
     return MemoryPlan(total=total, policy=policy, gradients=4 * trainable, optimizer=8 * trainable,
                       activations=activations, engine_share=share, engine_weights=weights, engine_workspace=workspace,
-                      others=dict(others or {}), utilization=utilization, param_offload=bool(offload.param_offload),
+                      others=dict(others or {}), kv_limit=kv_limit, utilization=utilization, param_offload=bool(offload.param_offload),
                       optimizer_offload=bool(offload.optimizer_offload),
                       free_cache_engine=bool(rollout.free_cache_engine))
 

@@ -27,6 +27,7 @@ from archer.rollout.fast.scheduler import Job, Scheduler
 from archer.rollout.hf_engine import _eos_ids
 
 _MIB = 1 << 20
+PAGE_SIZE = 32  # tokens per KV-cache page (the engine's default)
 
 
 def workspace_bytes(spec: ModelSpec, dtype: torch.dtype, max_num_seqs: int, max_num_batched_tokens: int) -> int:
@@ -61,7 +62,7 @@ class FastEngine(RolloutEngine):
         max_num_batched_tokens: int = 8192,
         max_model_len: int | None = None,
         enforce_eager: bool = False,
-        page_size: int = 32,
+        page_size: int = PAGE_SIZE,
         window: int = 16,
     ) -> None:
         if tokenizer.pad_token_id is None:
