@@ -28,6 +28,7 @@ from workers_support import float64_logprobs, hand_batch, ppo_config, update
 from archer.batch import Batch
 from archer.config.loader import load_config
 from archer.data.sft_dataset import SFTDataset
+from archer.data.sft_formats import RowFormat
 from archer.errors import ArcherError
 from archer.models.loading import load_causal_lm, load_tokenizer
 from archer.models.lora import ADAPTER_DIR, LoraSettings, policy_weights
@@ -405,7 +406,7 @@ def test_sft_with_lora_trains_the_adapters_and_exports_a_merged_model(tmp_path, 
         adapted = name.endswith("proj.weight")
         assert torch.equal(value, base[name]) != adapted, name
     tokenizer = load_tokenizer(out)
-    ds = SFTDataset([_row(2, 3)], tokenizer, max_length=64)
+    ds = SFTDataset([RowFormat.of("prompt_response").conversation(_row(2, 3), "row 0")], tokenizer, max_length=64)
     with torch.no_grad():
         merged_nll = -float(response_logprobs(AutoModelForCausalLM.from_pretrained(out), ds.collate([ds[0]])).mean())
         base_nll = -float(response_logprobs(load_causal_lm(tiny_model_dir, device=CPU), ds.collate([ds[0]])).mean())

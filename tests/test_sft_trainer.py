@@ -330,3 +330,37 @@ def test_run_sft_with_packing_matches_the_unpacked_run_and_reports_the_tokens_sa
     assert (summary["token_slots"], summary["token_slots_unpacked"]) == (slots, unpacked)
     assert summary["packing_token_saving"] == pytest.approx(1 - slots / unpacked, abs=1e-4)
     assert slots == 3 * 138 < unpacked  # every step's 4 examples hold 138 tokens
+
+
+def test_a_lora_run_checkpoints_its_adapters_and_resumes_exactly(
+        tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With model.lora_rank the checkpoint's model/ holds the merged model and lora_adapter/; resuming loads the
+    adapters (not the merged weights), so the resumed run ends on the uninterrupted run's adapters exactly."""
+    from safetensors.torch import load_file
+
+    from archer.models.lora import ADAPTER_DIR, ADAPTER_WEIGHTS
+
+    settings = {"trainer.save_freq": 2, "model.lora_rank": 4, "model.lora_alpha": 8, "optim.lr": 0.01,
+                "model.enable_gradient_checkpointing": False}
+    whole = run_sft(_cfg(tmp_path / "whole", tiny_model_dir, **settings))
+    cfg = _cfg(tmp_path / "cut", tiny_model_dir, **settings)
+    real_step, calls = sft.train_step, []
+
+    def dies_in_step_4(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(sft, "train_step", dies_in_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        run_sft(cfg)
+    saved = tmp_path / "cut" / "run" / "checkpoints" / "global_step_2" / "model"
+    assert (saved / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file() and (saved / "model.safetensors").is_file()
+    monkeypatch.undo()
+    resumed = run_sft(cfg)
+    keys = ("step", "train/loss", "train/lr", "train/grad_norm")
+    assert [{k: m[k] for k in keys} for m in _metrics(tmp_path / "cut" / "run")] == \
+        [{k: m[k] for k in keys} for m in _metrics(tmp_path / "whole" / "run")]
+    expected, got = (load_file(str(folder / ADAPTER_DIR / ADAPTER_WEIGHTS)) for folder in (whole, resumed))
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
