@@ -11,7 +11,8 @@
 #   bash bench/device_suite.sh
 # SHAPE (default qwen2.5-0.5b) and GVT_STEPS / TRL_STEPS / TC_STEPS change the workload; STAGES (default all:
 # "grpo_vs_trl quickstart influence_cost trace_cost trace_cost_grpo logprob_memory padding_free gpu_tests")
-# picks stages, which run in the order STAGES names them; every stage has its own time limit, so one that hangs
+# picks stages (also gpu_memory and model_sizes: issue 14's GPU test and bench/model_sizes.py), which run in the
+# order STAGES names them; every stage has its own time limit, so one that hangs
 # leaves the others their time.
 set -uo pipefail
 out=${OUT:-$PWD/suite_out}
@@ -55,12 +56,18 @@ run_stage() {  # NAME: one stage of the suite
     padding_free)
       stage padding_free 120 python3 bench/padding_free.py --device cuda --shape "$shape" --rows 64 \
         --max-response 1024 --budget 16384 ;;
+    gpu_memory)  # issue 14: 0.5B at defaults, 3 steps, with the caching allocator filled by an update first
+      stage gpu_memory 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_memory.py ;;
+    model_sizes)  # issue 14: 0.5B-8B shapes at their settings (MS_ROWS picks rows), TRL for 0.5B and 1.5B
+      stage model_sizes "${MS_TIMEOUT:-560}" python3 bench/model_sizes.py --out /tmp/ms --json "$out/model_sizes.json" \
+        --markdown "$out/model_sizes.md" --steps "${MS_STEPS:-6}" --trl-steps "${MS_TRL_STEPS:-6}" \
+        ${MS_ROWS:+--rows $MS_ROWS} ${MS_ARGS:-} ;;
     gpu_tests)
       stage gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_fast_gpu.py \
         tests/test_rollout_fast_kernels.py tests/test_models_loading.py tests/test_rollout_factory.py \
         tests/test_trace_influence.py ;;
     *) echo "=== unknown stage $1 (known: grpo_vs_trl quickstart influence_cost trace_cost trace_cost_grpo" \
-         "logprob_memory padding_free gpu_tests)" ;;
+         "logprob_memory padding_free gpu_memory model_sizes gpu_tests)" ;;
   esac
 }
 

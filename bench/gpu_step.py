@@ -14,36 +14,55 @@ import subprocess
 import sys
 from pathlib import Path
 
-from transformers import Qwen2Config, Qwen2ForCausalLM
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from archer.data.tasks import write_task_files
 from archer.models.loading import load_tokenizer
 from archer.models.tiny import build_tiny_model
 
 QWEN_VOCAB = 151936  # the rows of Qwen2.5's embedding and LM head
+LLAMA_VOCAB = 128256  # LLaMA 3.1's
 SHAPES = {  # hidden, layers, heads, kv heads, intermediate
     "tiny": (64, 2, 4, 2, 128),  # for trying a bench on a CPU
     "qwen2.5-0.5b": (896, 24, 14, 2, 4864),
     "qwen2.5-1.5b": (1536, 28, 12, 2, 8960),
+    "qwen2.5-3b": (2048, 36, 16, 2, 11008),
+    "qwen2.5-7b": (3584, 28, 28, 4, 18944),
+    "llama-3.1-8b": (4096, 32, 32, 8, 14336),
 }
+UNTIED = ("qwen2.5-7b", "llama-3.1-8b")  # shapes whose LM head is not the embedding
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def build_random_model(out: Path, shape: str, vocab_size: int | None = None) -> Path:
+def build_random_model(out: Path, shape: str, vocab_size: int | None = None, *, dtype: torch.dtype | None = None,
+                       device: str = "cpu") -> Path:
     """A randomly initialised model of ``shape`` with a BPE tokenizer trained on arithmetic-like text.
 
     ``vocab_size`` pads the embedding and LM head to that many rows (``QWEN_VOCAB`` as Qwen does: the rows
-    past the tokenizer's decode to nothing); None gives them the tokenizer's size.
+    past the tokenizer's decode to nothing); None gives them the tokenizer's size. Qwen2 shapes, and LLaMA 3.1's
+    (its rope scaling, an untied head). ``dtype`` (default float32) is what the folder stores; ``device`` where
+    the weights are drawn (a GPU draws billions of them in a second).
     """
     texts = [f"Compute {i}+{i + 1}-{i + 2}. The answer is {i - 1}." for i in range(2000)]
     tokenizer = load_tokenizer(build_tiny_model(out / "tokenizer_model", texts))
     hidden, layers, heads, kv, inter = SHAPES[shape]
-    config = Qwen2Config(vocab_size=vocab_size or len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
-                         max_position_embeddings=4096, tie_word_embeddings=True,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    common = {"vocab_size": vocab_size or len(tokenizer), "hidden_size": hidden, "num_hidden_layers": layers,
+              "num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": inter,
+              "max_position_embeddings": 4096, "tie_word_embeddings": shape not in UNTIED,
+              "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+              "pad_token_id": tokenizer.pad_token_id}
+    if shape.startswith("llama"):
+        common["max_position_embeddings"] = 131072  # LLaMA 3.1's, beyond the scaled rope's 8192
+        config, model_class = LlamaConfig(**common, rope_parameters=LLAMA3_ROPE), LlamaForCausalLM
+    else:
+        config, model_class = Qwen2Config(**common), Qwen2ForCausalLM
     model_dir = out / shape
-    Qwen2ForCausalLM(config).save_pretrained(model_dir)
+    with torch.device(device):
+        model = model_class(config)
+    model.to(dtype or torch.float32).save_pretrained(model_dir)
+    del model
     tokenizer.save_pretrained(model_dir)
     return model_dir
 

@@ -13,7 +13,9 @@ float32 master weights with bf16 autocast on a GPU, a reward that is the share o
 - **trl**: ``trl.GRPOTrainer`` (pip install -e ".[bench]") with num_generations=8, max_completion_length=512,
   beta=0, per_device_train_batch_size=32 x gradient_accumulation_steps=4 (one optimiser step per 16 prompts),
   bf16, use_vllm off (``model.generate``), the model loaded from the same folder at TRL's default dtype
-  (float32). Gradient checkpointing, on by TRL's default, is off as in archer. Its step is timed from the
+  (float32). Gradient checkpointing, on by TRL's default, is off unless --trl-gradient-checkpointing (archer's
+  own default is on since issue 14: pass actor_rollout_ref.model.enable_gradient_checkpointing=false through
+  --archer-override to compare both without it). Its step is timed from the
   trainer's on_step_begin to on_step_end; "generate" is its ``_generate_single_turn`` (the ``model.generate``
   call), "score" the rest of ``_generate_and_score_completions`` (decoding, reward, advantages; no old-log-prob
   pass: TRL skips it when one optimiser step follows each generation), "update" the rest of the step (forward,
@@ -41,7 +43,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 import transformers
-from gpu_step import QWEN_VOCAB, build_random_model
+from gpu_step import LLAMA_VOCAB, QWEN_VOCAB, build_random_model
 from trace_cost import DIGIT_REWARD
 from transformers import PreTrainedTokenizerBase
 
@@ -53,6 +55,9 @@ WORKLOADS: dict[str, tuple[int, int, int, int, int, int | None]] = {
     "tiny": (4, 4, 32, 16, 8, None),
     "qwen2.5-0.5b": (16, 8, 256, 512, 32, QWEN_VOCAB),
     "qwen2.5-1.5b": (16, 8, 256, 512, 32, QWEN_VOCAB),
+    "qwen2.5-3b": (16, 8, 256, 512, 32, QWEN_VOCAB),
+    "qwen2.5-7b": (16, 8, 256, 512, 32, QWEN_VOCAB),
+    "llama-3.1-8b": (16, 8, 256, 512, 32, LLAMA_VOCAB),
 }
 
 
@@ -103,10 +108,11 @@ def workload_args(shape: str, **more: Any) -> argparse.Namespace:
                               response_length=response_length, micro_batch=micro_batch, vocab=vocab, **more)
 
 
-def prepare_workload(out: Path, args: argparse.Namespace, prompt_count: int) -> tuple[Path, list[str], Path, Path]:
-    """Under ``out``: the random model, ``prompt_count`` prompts of the exact length (their contents and the
-    parquet file) and the reward file."""
-    model_dir = build_random_model(out, args.shape, args.vocab)
+def prepare_workload(out: Path, args: argparse.Namespace, prompt_count: int, **model: Any
+                     ) -> tuple[Path, list[str], Path, Path]:
+    """Under ``out``: the random model (``model``: build_random_model's dtype / device), ``prompt_count`` prompts of
+    the exact length (their contents and the parquet file) and the reward file."""
+    model_dir = build_random_model(out, args.shape, args.vocab, **model)
     contents = exact_prompts(load_tokenizer(model_dir), prompt_count, args.prompt_length)
     train_file = write_prompts(out / "data" / "train.parquet", contents)
     reward = out / "digit_reward.py"
@@ -193,7 +199,7 @@ def run_trl(args: argparse.Namespace, model_dir: Path, contents: list[str], rewa
         output_dir=str(args.out / "trl_run"), num_generations=args.n, max_completion_length=args.response_length,
         beta=0.0, num_iterations=1, per_device_train_batch_size=args.micro_batch,
         gradient_accumulation_steps=rows // args.micro_batch, learning_rate=1e-6, temperature=1.0, top_p=1.0,
-        top_k=0, use_vllm=False, bf16=torch.cuda.is_available(), gradient_checkpointing=False,
+        top_k=0, use_vllm=False, bf16=torch.cuda.is_available(), gradient_checkpointing=bool(getattr(args, "trl_gradient_checkpointing", False)),
         max_steps=args.trl_steps, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
         seed=1, dataloader_num_workers=0)
     dataset = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": c}]} for c in contents])
@@ -202,7 +208,8 @@ def run_trl(args: argparse.Namespace, model_dir: Path, contents: list[str], rewa
                                train_dataset=dataset, processing_class=tokenizer, callbacks=[StepTimer()])
     trainer.train()
     update_s = [s - g - c for s, g, c in zip(step_s, gen_s, score_s)]
-    return {"peer": "trl", "trl_version": trl.__version__, "step_s": step_s,
+    peak = torch.cuda.max_memory_allocated() / (1 << 30) if torch.cuda.is_available() else None
+    return {"peer": "trl", "trl_version": trl.__version__, "step_s": step_s, "max_memory_allocated_gb": peak,
             "stages_s": {"generate": steady(gen_s), "score": steady(score_s), "update": steady(update_s)},
             "response_length_mean": statistics.mean(lengths)}
 
@@ -231,6 +238,8 @@ def main() -> None:
     parser.add_argument("--peers", nargs="+", choices=("archer", "trl"), default=["archer", "trl"])
     parser.add_argument("--archer-override", nargs="*", default=[], help="more archer train overrides")
     parser.add_argument("--json", type=Path, help="write the records here")
+    parser.add_argument("--trl-gradient-checkpointing", action="store_true",
+                        help="TRL with gradient checkpointing (its default; archer's default since issue 14)")
     args = workload_args(**vars(parser.parse_args()))
     args.trl_steps = args.trl_steps or args.steps
     if args.prompts * args.n % args.micro_batch:

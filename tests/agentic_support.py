@@ -119,7 +119,7 @@ class ScriptedEngine(RolloutEngine):
     def sync_weights(self, model: torch.nn.Module) -> None:
         pass
 
-    def release_memory(self) -> None:
+    def release_memory(self, weights: bool = False) -> None:
         pass
 
     def reclaim_memory(self) -> None:

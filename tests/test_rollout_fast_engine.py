@@ -181,6 +181,19 @@ def test_release_and_reclaim_memory(parts, prompts):
     assert torch.equal(engine.generate(prompts, params).responses, before.responses)  # reclaims by itself
 
 
+def test_release_with_weights_frees_the_copy_until_the_next_sync(tiny_model_dir, parts, prompts):
+    model, tokenizer = load_causal_lm(tiny_model_dir, device="cpu"), parts[1]
+    engine = FastEngine(model, tokenizer, max_num_seqs=4, page_size=16)
+    params = SamplingParams(n=2, max_new_tokens=6, seed=1)
+    before = engine.generate(prompts, params)
+    engine.release_memory(weights=True)
+    assert engine.cache is None and engine.model.released and engine.model.embed is None
+    with pytest.raises(ArcherError, match="call sync_weights"):
+        engine.generate(prompts, params)
+    engine.sync_weights(model)
+    assert torch.equal(engine.generate(prompts, params).responses, before.responses)
+
+
 def test_sync_weights_copies_in_place(tiny_model_dir, parts, prompts):
     model, tokenizer = load_causal_lm(tiny_model_dir, device="cpu"), parts[1]
     engine = FastEngine(model, tokenizer, max_num_seqs=4, page_size=16)

@@ -202,8 +202,8 @@ class RecordingEngine(HFGenerateEngine):
         self.calls.append("sync")
         super().sync_weights(model)
 
-    def release_memory(self) -> None:
-        self.calls.append("release")
+    def release_memory(self, weights: bool = False) -> None:
+        self.calls.append("release+weights" if weights else "release")
 
     def reclaim_memory(self) -> None:
         self.calls.append("reclaim")
@@ -234,20 +234,23 @@ def test_the_actor_syncs_its_engine_after_an_update_and_frees_it_around_it(tiny_
     assert len(out) == 4  # rollout.n responses per prompt
     val = actor.generate_sequences(prompt_batch(tiny_model_dir, validate=True, seed=3))
     assert len(val) == 2  # val_kwargs: one greedy response
-    assert engine.calls == ["reclaim", "generate n=2 greedy=False", "release",
-                            "reclaim", "generate n=1 greedy=True", "release"]  # no update yet: no sync
+    # free_cache_engine releases the KV cache and the weight copy, so every generation takes the weights again
+    assert engine.calls == ["reclaim", "generate n=2 greedy=False", "release+weights",
+                            "sync", "reclaim", "generate n=1 greedy=True", "release+weights"]
     engine.calls.clear()
     out = out.union(actor.compute_log_prob(out))
     out["advantages"] = torch.ones_like(out["old_log_probs"]) * out["response_mask"]
     actor.update_actor(out)
     actor.generate_sequences(prompt_batch(tiny_model_dir, validate=False, seed=4))
-    assert engine.calls == ["sync", "reclaim", "generate n=2 greedy=False", "release"]
+    assert engine.calls == ["sync", "reclaim", "generate n=2 greedy=False", "release+weights"]
 
 
 def test_free_cache_engine_false_keeps_the_engine_memory(tiny_model_dir, monkeypatch):
     actor = recording_actor(tiny_model_dir, monkeypatch, f"{ROLLOUT}.free_cache_engine=false")
     actor.generate_sequences(prompt_batch(tiny_model_dir, validate=False, seed=3))
-    assert actor.rollout.engine.calls == ["reclaim", "generate n=2 greedy=False"]
+    actor.generate_sequences(prompt_batch(tiny_model_dir, validate=False, seed=4))
+    assert actor.rollout.engine.calls == ["reclaim", "generate n=2 greedy=False",
+                                          "reclaim", "generate n=2 greedy=False"]  # no update: weights kept
 
 
 def test_the_hf_engine_refuses_another_models_weights(tiny_model_dir):

@@ -139,8 +139,9 @@ class RolloutEngine(ABC):
         """Take ``model``'s current weights (in place: no reallocation)."""
 
     @abstractmethod
-    def release_memory(self) -> None:
-        """Free what generation holds (KV cache, graphs) while the policy update runs."""
+    def release_memory(self, weights: bool = False) -> None:
+        """Free what generation holds (KV cache, graphs) while the policy update runs; with ``weights``, also an
+        engine's own copy of the weights (the next ``sync_weights`` takes it again)."""
 
     @abstractmethod
     def reclaim_memory(self) -> None:

@@ -39,9 +39,14 @@ def check_engine_name(name: str) -> None:
 def build_engine(rollout: DictConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                  device: torch.device) -> RolloutEngine:
     """The engine ``rollout.name`` names (checked by ``check_engine_name``), generating from ``model``."""
-    if rollout.name == "fast" or (rollout.name != "hf" and _fast_engine_runs(model, device)):
+    if uses_fast_engine(rollout, model, device):
         return FastEngine.from_config(model, tokenizer, rollout, device=device)
     return HFGenerateEngine(model, tokenizer, device=device, max_batch_size=int(rollout.max_batch_size))
+
+
+def uses_fast_engine(rollout: DictConfig, model: PreTrainedModel, device: torch.device) -> bool:
+    """Whether ``build_engine`` builds the fast engine for ``model`` on ``device``."""
+    return rollout.name == "fast" or (rollout.name != "hf" and _fast_engine_runs(model, device))
 
 
 def _fast_engine_runs(model: PreTrainedModel, device: torch.device) -> bool:

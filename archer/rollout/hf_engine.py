@@ -97,8 +97,9 @@ class HFGenerateEngine(RolloutEngine):
             raise ArcherError("the hf engine generates with the module it was built on; it cannot take another's "
                               "weights", "build the engine on the actor's model")
 
-    def release_memory(self) -> None:
-        """Nothing is held between calls: each generate call makes and drops its own KV cache."""
+    def release_memory(self, weights: bool = False) -> None:
+        """Nothing is held between calls: each generate call makes and drops its own KV cache (and the weights
+        are the actor's own)."""
 
     def reclaim_memory(self) -> None:
         """Nothing to allocate (see release_memory)."""

@@ -1,4 +1,6 @@
-"""Checks of an RL config that need no data and no model: counts in range, and combinations archer can run.
+"""Checks of an RL config that need no data and no model: counts in range, combinations archer can run, and the
+keys archer accepts without acting on them (config/no_ops.py: a warning, or an error where ignoring the value
+would change the result).
 
 ``check_config`` runs before any file is read or model loaded (``archer train`` calls it right after
 composing the config), so a bad value is reported naming its key, not as an internal error after the model
@@ -11,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from archer.algorithms.policy_loss import POLICY_LOSSES
 from archer.config.loader import as_list
+from archer.config.no_ops import check_no_ops
 from archer.errors import ArcherError
 from archer.models.lora import LoraSettings
 from archer.rewards.managers import check_manager
@@ -80,6 +83,7 @@ def check_counts(cfg: DictConfig) -> None:
 def check_config(cfg: DictConfig) -> None:
     """Values and combinations archer cannot run, reported before any data or model is loaded."""
     check_counts(cfg)
+    check_no_ops(cfg)
     if cfg.reward_model.enable:
         raise ArcherError("reward_model.enable=True: model-based reward is not available in archer yet",
                           "use rule rewards or custom_reward_function.path=FILE (reward_model.enable=False)")

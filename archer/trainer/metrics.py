@@ -1,5 +1,6 @@
-"""Step metrics under verl's names: scores, rewards, advantages, lengths, entropy, timing, throughput, and the
-mean of every numeric reward extra (``reward/<key>/mean``). Validation's metrics are archer.eval.metrics'."""
+"""Step metrics under verl's names: scores, rewards, advantages, lengths, entropy, timing, throughput, memory
+(``perf/max_memory_*_gb`` per step and stage, ``perf/cpu_memory_used_gb``), and the mean of every numeric reward
+extra (``reward/<key>/mean``). Validation's metrics are archer.eval.metrics'."""
 
 from __future__ import annotations
 
@@ -8,20 +9,58 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
+import psutil
 import torch
 
 from archer.batch import Batch, response_attention
 from archer.rewards.extras import REWARD_EXTRAS, numeric_columns
 
+GIB = 1 << 30
+
 
 @contextmanager
-def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
-    """Adds the wall time of the block to ``timings[name]``."""
+def timer(name: str, timings: dict[str, float], peaks: MemoryPeaks | None = None) -> Iterator[None]:
+    """Adds the wall time of the block to ``timings[name]`` (and its peak GPU memory to ``peaks``)."""
     start = time.perf_counter()
+    if peaks is not None:
+        peaks.start()
     try:
         yield
     finally:
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+        if peaks is not None:
+            peaks.stop(name)
+
+
+class MemoryPeaks:
+    """Peak GPU memory per timed stage (allocated and reserved by torch's caching allocator), for verl's
+    ``perf/max_memory_allocated_gb`` / ``perf/max_memory_reserved_gb`` (the step's peak, over its stages) and
+    archer's ``perf/max_memory_allocated_gb/<stage>``; nothing on a CPU. Nested stages restart the count, so
+    an enclosing stage's peak is the maximum of its own and its inner stages'."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.allocated: dict[str, float] = {}
+        self.reserved: dict[str, float] = {}
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def stop(self, name: str) -> None:
+        if self.cuda:
+            self.allocated[name] = max(self.allocated.get(name, 0.0), torch.cuda.max_memory_allocated(self.device) / GIB)
+            self.reserved[name] = max(self.reserved.get(name, 0.0), torch.cuda.max_memory_reserved(self.device) / GIB)
+
+    def metrics(self) -> dict[str, float]:
+        """The step's figures; ``perf/cpu_memory_used_gb`` is the host's memory in use (psutil), as verl."""
+        out = {"perf/cpu_memory_used_gb": psutil.virtual_memory().used / GIB}
+        if self.allocated:
+            out["perf/max_memory_allocated_gb"] = max(self.allocated.values())
+            out["perf/max_memory_reserved_gb"] = max(self.reserved.values())
+            out.update({f"perf/max_memory_allocated_gb/{k}": v for k, v in self.allocated.items() if k != "step"})
+        return out
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:

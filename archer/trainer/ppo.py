@@ -52,7 +52,7 @@ from archer.trainer.group_filter import (
     too_many_batches_error,
     uniform_accuracy_rows,
 )
-from archer.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer
+from archer.trainer.metrics import MemoryPeaks, compute_data_metrics, compute_timing_metrics, timer
 from archer.trainer.model_check import check_sequence_lengths
 from archer.trainer.plots import plot_metrics
 from archer.trainer.tracking import Tracking
@@ -65,6 +65,11 @@ from archer.workers.rollout import ROLLOUT_STATS, concat_sequences
 log = logging.getLogger("archer.trainer")
 
 GEN_BATCH_SEED_STRIDE = 7_919_993  # sampling-seed offset of a step's 2nd, 3rd, ... generation batch
+
+# The memory plan's figures for the models beside the actor, per policy parameter: the reference policy in bf16,
+# the critic (a value model of the policy's size) in float32 with its gradients and Adam's two states.
+REFERENCE_BYTES_PER_PARAM = 2
+CRITIC_BYTES_PER_PARAM = 16
 
 TRAINER_STATE = "trainer_state.pt"
 VAL_ONLY_FILE = "val_only.jsonl"  # trainer.val_only: one line per validation, appended
@@ -141,19 +146,24 @@ class PPOTrainer:
         self.global_step = 0
         self.entropy_trace: EntropyTrace | None = None
         self.influence_trace: InfluenceTrace | None = None
+        self.peaks = MemoryPeaks(self.device)  # the current step's peak GPU memory per stage
         self.template_kwargs = OmegaConf.to_container(cfg.data.apply_chat_template_kwargs)
         if cfg.trainer.val_only:  # a policy that only generates: no optimiser, reference, critic or train data
             self.actor = self.ref = self.critic = None
             return
         steps = cfg.trainer.total_training_steps
         self.total_steps = int(steps) if steps else self.loader.steps_per_epoch * int(cfg.trainer.total_epochs)
-        self.actor = ActorWorker(ref_cfg, device=self.device, total_steps=self.total_steps, tokenizer=self.tokenizer,
-                                 chat_template_kwargs=self.template_kwargs)
         algo = cfg.algorithm
         self.use_ref = bool(ref_cfg.actor.use_kl_loss or algo.use_kl_in_reward)
+        self.use_critic = algo.adv_estimator == "gae"
+        lora = int(ref_cfg.model.lora_rank) > 0  # the reference is the LoRA policy's base: no second copy
+        others = {"reference policy": REFERENCE_BYTES_PER_PARAM} if self.use_ref and not lora else {}
+        if self.use_critic:
+            others["critic"] = CRITIC_BYTES_PER_PARAM
+        self.actor = ActorWorker(ref_cfg, device=self.device, total_steps=self.total_steps, tokenizer=self.tokenizer,
+                                 chat_template_kwargs=self.template_kwargs, other_models=others)
         self.ref = (ReferenceWorker(ref_cfg, device=self.device, lora_policy=self.actor.peft)
                     if self.use_ref else None)
-        self.use_critic = algo.adv_estimator == "gae"
         self.critic = (CriticWorker(cfg.critic, rollout_n=int(ref_cfg.rollout.n), device=self.device,
                                     total_steps=self.total_steps) if self.use_critic else None)
         self.kl_ctrl = make_kl_controller(algo.kl_ctrl.type, float(algo.kl_ctrl.kl_coef),
@@ -168,11 +178,11 @@ class PPOTrainer:
         prefix = f"{step}" if gen_index == 0 else f"{step}.{gen_index}"
         prompts["uid"] = [f"{prefix}-{i}" for i in range(len(prompts))]
         prompts.info.update(validate=False, seed=self.seed * 1_000_003 + step + gen_index * GEN_BATCH_SEED_STRIDE)
-        with timer("gen", timings):
+        with timer("gen", timings, self.peaks):
             batch = self.actor.generate_sequences(prompts)
         if ROLLOUT_STATS in batch.info:
             rollout_stats.append(batch.info.pop(ROLLOUT_STATS))
-        with timer("reward", timings):
+        with timer("reward", timings, self.peaks):
             self.reward_fn(batch).add_to(batch)
         return batch
 
@@ -223,21 +233,22 @@ class PPOTrainer:
         cfg, algo = self.cfg, self.cfg.algorithm
         timings: dict[str, float] = {}
         metrics: dict[str, float] = {}
-        with timer("step", timings):
+        self.peaks = MemoryPeaks(self.device)
+        with timer("step", timings, self.peaks):
             batch = self.sample_batch(step, timings, metrics)
             if not len(batch):
                 log.warning("step %d: rejection sampling dropped every prompt group (all accuracies 0 or 1); "
                             "no update this step", step)
                 return {**metrics, "training/global_step": float(step), "training/epoch": float(self.loader.epoch)}
-            with timer("old_log_prob", timings):
+            with timer("old_log_prob", timings, self.peaks):
                 batch = batch.union(self.actor.compute_log_prob(batch))
             if self.ref is not None:
-                with timer("ref", timings):
+                with timer("ref", timings, self.peaks):
                     batch = batch.union(self.ref.compute_ref_log_prob(batch))
             if self.critic is not None:
-                with timer("values", timings):
+                with timer("values", timings, self.peaks):
                     batch = batch.union(self.critic.compute_values(batch))
-            with timer("adv", timings):
+            with timer("adv", timings, self.peaks):
                 if algo.use_kl_in_reward:
                     rewards, kl_metrics = apply_kl_penalty(batch["token_level_scores"], batch["old_log_probs"],
                                                            batch["ref_log_prob"], batch["response_mask"],
@@ -252,30 +263,31 @@ class PPOTrainer:
                     lam=float(algo.lam), norm_adv_by_std_in_grpo=bool(algo.norm_adv_by_std_in_grpo))
                 batch["advantages"], batch["returns"] = adv, returns
             if self.entropy_trace is not None:
-                with timer("entropy_trace", timings):  # entropies of the old-log-prob pass, with advantages
+                with timer("entropy_trace", timings, self.peaks):  # entropies of the old-log-prob pass, with advantages
                     self.entropy_trace.record(step, batch)
             if self.critic is not None:
-                with timer("update_critic", timings):
+                with timer("update_critic", timings, self.peaks):
                     metrics.update(self.critic.update_critic(batch))
             if int(cfg.trainer.critic_warmup) <= step:  # verl: steps count from 1, so k skips k-1 updates
                 selection = None
                 if self.influence_trace is not None:
-                    with timer("influence_select", timings):
+                    with timer("influence_select", timings, self.peaks):
                         selection = self.influence_trace.select(step, batch)
                     if selection is not None:
                         batch.info[INFLUENCE_TOKENS] = selection.tokens
-                with timer("update_actor", timings):
+                with timer("update_actor", timings, self.peaks):
                     update = self.actor.update_actor(batch)
                 batch.info.pop(INFLUENCE_TOKENS, None)
                 metrics.update(update.info["metrics"])
                 if selection is not None:
                     metrics.update(self.influence_trace.finish(step, batch, selection, update.info["influence"]))
             if cfg.trainer.rollout_data_dir:
-                with timer("dump_rollout", timings):
+                with timer("dump_rollout", timings, self.peaks):
                     write_generations(Path(cfg.trainer.rollout_data_dir) / f"step_{step}.jsonl", batch,
                                       batch["response_text"], batch["score"], step)
         metrics.update(compute_data_metrics(batch, max_response_length=int(cfg.data.max_response_length)))
         metrics.update(compute_timing_metrics(timings, int(batch["attention_mask"].sum())))
+        metrics.update(self.peaks.metrics())
         metrics["training/global_step"] = float(step)
         metrics["training/epoch"] = float(self.loader.epoch)
         return metrics

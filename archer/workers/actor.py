@@ -5,7 +5,9 @@ The trainer talks to it in Batches and plain data only (so that it can move into
 sequences out (``generate_sequences``, sampling settings in ``info``; with tools configured, through the
 multi-turn tool loop); a batch in, old log-probs and entropies out; a batch in, metrics (and, when the influence
 trace asks for tokens in ``info``, their captured gradient factors) out. The worker keeps the engine's weights
-in step with the model and frees the engine's memory around the update (``rollout.free_cache_engine``).
+in step with the model and frees the engine's memory (KV cache and weight copy) around the update
+(``rollout.free_cache_engine``); on a GPU it checks the memory plan (workers/memory.py) before anything runs, and
+moves the policy's weights / Adam's states to host memory where verl's offload keys ask (workers/offload.py).
 
 Log-probs and entropies come from the chunked kernel in models/logprobs.py (no full float32 tokens x vocab
 tensor). The update splits the batch into mini-batches (one optimiser step each) and micro-batches
@@ -19,6 +21,7 @@ the reference worker uses the same module with the adapters off.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Mapping
 from contextlib import nullcontext
@@ -45,7 +48,7 @@ from archer.models.lora import (
     save_merged,
     trainable_parameters,
 )
-from archer.rollout.factory import build_engine
+from archer.rollout.factory import build_engine, uses_fast_engine
 from archer.trace.influence_capture import (
     CaptureSettings,
     InfluenceCapture,
@@ -56,7 +59,9 @@ from archer.trace.influence_capture import (
     select_modules,
 )
 from archer.workers.actor_objective import ActorObjective
+from archer.workers.memory import MemoryPlan, plan_actor_memory, release_cached_blocks
 from archer.workers.micro_batches import MicroBatching
+from archer.workers.offload import Offload
 from archer.workers.optim import (
     build_optimizer,
     build_scheduler,
@@ -65,6 +70,8 @@ from archer.workers.optim import (
     save_optim_state,
 )
 from archer.workers.rollout import RolloutWorker
+
+log = logging.getLogger("archer.actor")
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 INFLUENCE_TOKENS = "influence_tokens"  # info key of update_actor's input: the TracedTokens to capture
@@ -97,7 +104,10 @@ class ActorWorker:
 
     def __init__(self, cfg: DictConfig, *, device: torch.device, total_steps: int,
                  tokenizer: PreTrainedTokenizerBase | None = None,
-                 chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
+                 chat_template_kwargs: Mapping[str, Any] | None = None,
+                 other_models: Mapping[str, int] | None = None) -> None:
+        """``other_models``: the models beside the actor on the device (reference, critic), as bytes per policy
+        parameter each holds, for the memory plan (workers/memory.py) checked here on a GPU."""
         self.cfg = cfg
         self.actor_cfg = cfg.actor
         self.device = device
@@ -112,6 +122,10 @@ class ActorWorker:
         self.model.train()
         self.optimizer = build_optimizer(trainable_parameters(self.model), self.actor_cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, self.actor_cfg.optim, total_steps)
+        offload = self.actor_cfg.fsdp_config
+        self.offload = Offload(self.model.parameters(), self.optimizer, device,
+                               param_offload=bool(offload.param_offload),
+                               optimizer_offload=bool(offload.optimizer_offload))
         self.temperature = float(cfg.rollout.temperature)
         self.chunk_size = self.actor_cfg.logprob_chunk_size
         self.update_micro = MicroBatching.from_config(
@@ -122,6 +136,18 @@ class ActorWorker:
             budget_key="log_prob_max_token_len_per_gpu", remove_padding=bool(cfg.model.use_remove_padding))
         self.objective = ActorObjective.from_config(self.actor_cfg)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path, role="model")
+        fast = uses_fast_engine(cfg.rollout, self.model, device)
+        self.memory_plan: MemoryPlan | None = None
+        if device.type == "cuda":
+            params = sum(p.numel() for p in self.model.parameters())
+            others = {name: int(per_param * params) for name, per_param in (other_models or {}).items()}
+            self.memory_plan = plan_actor_memory(cfg, self.model, total=torch.cuda.mem_get_info(device)[1],
+                                                 fast_engine=fast, others=others)
+            self.memory_plan.check()
+        if self.offload.param_offload and not fast:
+            log.warning("actor.fsdp_config.param_offload=true has no effect with the hf engine, which generates "
+                        "with the policy's own weights")
+            self.offload.param_offload = False
         self.rollout = RolloutWorker(build_engine(cfg.rollout, self.model, tokenizer, device), cfg.rollout,
                                      device=device, tokenizer=tokenizer, chat_template=cfg.model.custom_chat_template,
                                      template_kwargs=chat_template_kwargs)
@@ -133,10 +159,17 @@ class ActorWorker:
     def generate_sequences(self, prompts: Batch) -> Batch:
         """Responses to ``prompts`` (``info``: ``validate`` picks rollout.val_kwargs and turns branching off,
         ``seed`` the sampling seed); with tools configured, through the multi-turn tool loop."""
+        release_cached_blocks(self.device)  # what the update left in the caching allocator
         if self._engine_is_stale:
             self.rollout.engine.sync_weights(self.model)
             self._engine_is_stale = False
-        return self.rollout.generate_for(prompts)
+        self.offload.params_to_host()
+        try:
+            return self.rollout.generate_for(prompts, release_weights=True)
+        finally:
+            if self.cfg.rollout.free_cache_engine:  # the weight copy went too: the next generation syncs again
+                self._engine_is_stale = True
+            self.offload.params_to_device()
 
     # -- inference -------------------------------------------------------------------------------------
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -237,8 +270,9 @@ class ActorWorker:
         out = {f"actor/{name}": value for name, value in sums.result().items()}
         if objective.use_kl_loss:
             out["actor/kl_coef"] = objective.kl_loss_coef
-        grad_norm, stepped = clip_and_step(self.model, self.optimizer, float(self.actor_cfg.grad_clip),
-                                           step=step_optimizer)
+        with self.offload.optimizer_step():
+            grad_norm, stepped = clip_and_step(self.model, self.optimizer, float(self.actor_cfg.grad_clip),
+                                               step=step_optimizer)
         out["actor/grad_norm"] = grad_norm
         out["actor/skipped_steps"] = 0.0 if stepped else 1.0
         return out
@@ -281,6 +315,7 @@ class ActorWorker:
     def load(self, in_dir: Path) -> None:
         load_policy(self.model, self.peft, in_dir, "actor_rollout_ref.model")
         load_optim_state(in_dir, self.optimizer, self.scheduler, self.device)
+        self.offload.optimizer_to_host()
         self._engine_is_stale = True
 
 

@@ -92,10 +92,11 @@ class RolloutWorker:
         """The (opening, closing) tags of the tool calls the model writes (multi_turn.format); () without tools."""
         return self.agentic.format.call_tags if self.agentic is not None else ()
 
-    def generate_for(self, prompts: Batch) -> Batch:
+    def generate_for(self, prompts: Batch, *, release_weights: bool = False) -> Batch:
         """Responses to ``prompts`` with the sampling of ``info`` (``validate`` picks rollout.val_kwargs and turns
         branching off, ``seed`` the sampling seed); the engine's memory is reclaimed before and, with
-        rollout.free_cache_engine, released after."""
+        rollout.free_cache_engine, released after (with ``release_weights``, the engine's weight copy too: the
+        caller syncs the weights again before the next generation)."""
         validate = bool(prompts.info.get("validate", False))
         params = sampling_params(self.cfg, validate=validate, seed=int(prompts.info["seed"]))
         self.engine.reclaim_memory()
@@ -103,7 +104,7 @@ class RolloutWorker:
             return self.generate_sequences(prompts, params, validate=validate)
         finally:
             if self.cfg.free_cache_engine:
-                self.engine.release_memory()
+                self.engine.release_memory(weights=release_weights)
 
     def generate_sequences(self, prompts: Batch, params: SamplingParams, *, validate: bool = False) -> Batch:
         ids, mask = prompts["input_ids"], prompts["attention_mask"]

@@ -1,8 +1,9 @@
 """FastEngine: archer's own generation engine for the Qwen2 family (RolloutEngine), and its sessions.
 
 It owns a copy of the actor's weights (``sync_weights`` copies them in place), a paged KV cache sized from
-``gpu_memory_utilization`` (freed by ``release_memory`` during the policy update and made again by
-``reclaim_memory``), and decodes with continuous batching over ``max_num_seqs`` slots, as CUDA graphs on a
+``gpu_memory_utilization`` as verl means it (the share of the card the engine holds: weights, KV cache and
+workspace; pages.py), freed by ``release_memory`` during the policy update (with ``weights=True`` the weight
+copy too, taken again by the next ``sync_weights``) and made again by ``reclaim_memory``, and decodes with continuous batching over ``max_num_seqs`` slots, as CUDA graphs on a
 GPU (eagerly with ``enforce_eager`` or on a CPU). Samples follow per-row seeds; every sampled token carries
 its float32 log-prob and full-vocabulary entropy of softmax(logits / T), as the HF engine reports them.
 """
@@ -18,7 +19,7 @@ from archer.models.loading import default_dtype
 from archer.models.lora import policy_weights
 from archer.rollout.base import EngineSession, RolloutEngine, RolloutOutput, SamplingParams, Segment
 from archer.rollout.fast import ops
-from archer.rollout.fast.model import FastModel
+from archer.rollout.fast.model import FastModel, ModelSpec
 from archer.rollout.fast.pages import KVCache, Sequence, budget_pages
 from archer.rollout.fast.runner import DecodeRunner
 from archer.rollout.fast.sampling import noise_key
@@ -26,6 +27,17 @@ from archer.rollout.fast.scheduler import Job, Scheduler
 from archer.rollout.hf_engine import _eos_ids
 
 _MIB = 1 << 20
+PAGE_SIZE = 32  # tokens per KV-cache page (the engine's default)
+
+
+def workspace_bytes(spec: ModelSpec, dtype: torch.dtype, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """Activations beside the cache: the decode step of every slot (logits and the float32 work of the
+    sampler, kept by the graphs' pool) and a prefill of max_num_batched_tokens tokens."""
+    item = dtype.itemsize
+    decode = max_num_seqs * spec.vocab * (item + 28)
+    prefill = max_num_batched_tokens * item * (
+        8 * spec.hidden + spec.qkv_width + 3 * spec.intermediate + 4 * spec.heads * spec.head_dim)
+    return decode + prefill + 256 * _MIB
 
 
 class FastEngine(RolloutEngine):
@@ -50,7 +62,7 @@ class FastEngine(RolloutEngine):
         max_num_batched_tokens: int = 8192,
         max_model_len: int | None = None,
         enforce_eager: bool = False,
-        page_size: int = 32,
+        page_size: int = PAGE_SIZE,
         window: int = 16,
     ) -> None:
         if tokenizer.pad_token_id is None:
@@ -102,39 +114,37 @@ class FastEngine(RolloutEngine):
 
     # -- memory and weights ------------------------------------------------------------------------------
 
-    def _workspace_bytes(self) -> int:
-        """Activations beside the cache: the decode step of every slot (logits and the float32 work of the
-        sampler, kept by the graphs' pool) and a prefill of max_num_batched_tokens tokens."""
-        spec, item = self.model.spec, self.dtype.itemsize
-        decode = self.max_num_seqs * spec.vocab * (item + 28)
-        prefill = self.max_num_batched_tokens * item * (
-            8 * spec.hidden + spec.qkv_width + 3 * spec.intermediate + 4 * spec.heads * spec.head_dim)
-        return decode + prefill + 256 * _MIB
-
     def reclaim_memory(self) -> None:
         """Allocate the KV cache (once: a no-op while it exists)."""
         if self.cache is not None:
             return
+        if self.model.released:
+            raise ArcherError("the fast engine's weights were released and not taken again",
+                              "call sync_weights(actor) before generating")
         spec = self.model.spec
         blocks = -(-self.max_model_len // self.page_size)
-        pages = budget_pages(spec, self.page_size, self.dtype, self.device, self.utilization,
-                             self._workspace_bytes(), max_pages=(self.max_num_seqs + 1) * blocks + 1)
+        workspace = workspace_bytes(spec, self.dtype, self.max_num_seqs, self.max_num_batched_tokens)
+        pages = budget_pages(spec, self.page_size, self.dtype, self.device, self.utilization, workspace,
+                             max_pages=(self.max_num_seqs + 1) * blocks + 1)
         self.cache = KVCache(spec, pages, self.page_size, self.dtype, self.device)
 
-    def release_memory(self) -> None:
-        """Free the KV cache and the CUDA graphs; live session sequences keep their tokens and are prefilled
-        again when they next decode."""
+    def release_memory(self, weights: bool = False) -> None:
+        """Free the KV cache and the CUDA graphs (with ``weights``, the weight copy too: ``sync_weights`` takes
+        it again); live session sequences keep their tokens and are prefilled again when they next decode."""
         for seq in self.live:
             seq.pages.clear()
             seq.cached = 0
         self.runner.release_graphs()
         self.cache = None
+        if weights:
+            self.model.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def sync_weights(self, model: nn.Module) -> None:
-        """Copy ``model``'s weights (LoRA layers merged) into the engine's, in place (its graphs stay valid). Session sequences'
-        keys/values were made by the old weights, so they are dropped and recomputed on next use."""
+        """Copy ``model``'s weights (LoRA layers merged) into the engine's, in place (its graphs stay valid).
+        Session sequences' keys/values were made by the old weights, so they are dropped and recomputed on next
+        use. After ``release_memory(weights=True)`` the copy is allocated again first."""
         self.model.check_source(model)
         self.model.load(policy_weights(model))
         for seq in self.live:

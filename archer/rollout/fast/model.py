@@ -89,6 +89,16 @@ def model_spec(model: nn.Module) -> ModelSpec:
     )
 
 
+def weight_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
+    """Bytes of FastModel's weight copy of ``spec`` in ``dtype`` (embedding, LM head unless tied, norms, layers)."""
+    hidden, inter = spec.hidden, spec.intermediate
+    layer = (2 * hidden + spec.qkv_width * hidden + hidden * spec.heads * spec.head_dim + 3 * inter * hidden
+             + (spec.qkv_width if spec.qkv_bias else 0) + (hidden if spec.o_bias else 0)
+             + (2 * spec.head_dim if spec.qk_norm else 0))
+    embeddings = spec.vocab * hidden * (1 if spec.tied else 2)
+    return (embeddings + hidden + spec.layers * layer) * dtype.itemsize
+
+
 def check_device_support(spec: ModelSpec, device: torch.device) -> None:
     """An ArcherError naming ``rollout.name=hf`` where the engine's kernels on ``device`` cannot run ``spec``: on a
     GPU with the Triton kernels, a head size that is not a power of two >= 16."""
@@ -139,16 +149,26 @@ class FastModel:
         self.spec = model_spec(model)
         check_device_support(self.spec, device)
         self.device, self.dtype, self.max_len = device, dtype, max_len
-        kw = {"device": device, "dtype": dtype}
+        self.released = True
+        self.cos, self.sin = self._rope_tables(model)
+        self.scale = self.spec.head_dim ** -0.5
+        self.names = self._weight_names(model)
+        self.load(policy_weights(model))
+
+    def _allocate(self) -> None:
+        kw = {"device": self.device, "dtype": self.dtype}
         spec = self.spec
         self.embed = torch.empty(spec.vocab, spec.hidden, **kw)
         self.lm_head = self.embed if spec.tied else torch.empty(spec.vocab, spec.hidden, **kw)
         self.norm = torch.empty(spec.hidden, **kw)
         self.layers = [_Layer(spec, **kw) for _ in range(spec.layers)]
-        self.cos, self.sin = self._rope_tables(model)
-        self.scale = spec.head_dim ** -0.5
-        self.names = self._weight_names(model)
-        self.load(policy_weights(model))
+        self.released = False
+
+    def release(self) -> None:
+        """Free the weight copy (``load`` allocates it again; CUDA graphs that read it must be dropped first)."""
+        self.embed = self.lm_head = self.norm = None
+        self.layers = []
+        self.released = True
 
     def _rope_tables(self, model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 cos / sin [max_len, head_dim / 2] from the model's own rotary module."""
@@ -189,7 +209,10 @@ class FastModel:
     @torch.no_grad()
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy the policy's weights, a stream of (state-dict name, tensor) pairs (models/lora.py's
-        ``policy_weights``: plain or LoRA-merged), into this model's tensors, in place."""
+        ``policy_weights``: plain or LoRA-merged), into this model's tensors, in place (allocating them after
+        ``release``)."""
+        if self.released:
+            self._allocate()
         targets = self.targets()
         missing = dict(targets)
         for name, tensor in weights:

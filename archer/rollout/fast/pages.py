@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from archer.errors import ArcherError
-from archer.rollout.fast.model import ModelSpec
+from archer.rollout.fast.model import ModelSpec, weight_bytes
 
 TRASH_PAGE = 0
 _GIB = 1 << 30
@@ -45,25 +45,44 @@ def page_bytes(spec: ModelSpec, page_size: int, dtype: torch.dtype) -> int:
 
 def budget_pages(spec: ModelSpec, page_size: int, dtype: torch.dtype, device: torch.device, utilization: float,
                  workspace: int, max_pages: int) -> int:
-    """How many pages fit: on a GPU, the device's memory in use may grow to ``utilization`` of its total
-    (verl's gpu_memory_utilization), less ``workspace`` bytes for activations; on a CPU, ``utilization`` of
-    the memory that is free. At most ``max_pages``."""
+    """How many pages fit, at most ``max_pages``.
+
+    On a GPU, verl's gpu_memory_utilization: the engine may hold ``utilization`` of the card's total memory, for
+    its weights (``weight_bytes``), ``workspace`` bytes of activations and the KV cache in the rest, whatever else
+    the process holds. The caching allocator's free blocks (the update's activations) are released first, and the
+    cache must also fit in what the card then has free. On a CPU, ``utilization`` of the memory that is free,
+    less the workspace.
+    """
+    page = page_bytes(spec, page_size, dtype)
     if device.type == "cuda":
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        budget = utilization * total - (total - free) - workspace
-        what = f"of the GPU's {total / _GIB:.1f} GiB, {(total - free) / _GIB:.1f} GiB are in use"
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        budget = utilization * free - workspace
-        what = f"{free / _GIB:.1f} GiB of memory are free"
-    pages = min(int(budget // page_bytes(spec, page_size, dtype)), max_pages)
+        share = utilization * total - weight_bytes(spec, dtype) - workspace
+        if share < 2 * page:
+            raise ArcherError(
+                f"rollout.gpu_memory_utilization={utilization} leaves no room for the fast engine's KV cache: of "
+                f"the GPU's {total / _GIB:.1f} GiB it may hold {utilization * total / _GIB:.1f} GiB, its weights take "
+                f"{weight_bytes(spec, dtype) / _GIB:.1f} GiB and its activations {workspace / _GIB:.1f} GiB",
+                "raise actor_rollout_ref.rollout.gpu_memory_utilization, or lower rollout.max_num_seqs / "
+                "rollout.max_num_batched_tokens")
+        pages = min(int(share // page), max_pages)
+        if pages * page + workspace > free:
+            raise ArcherError(
+                f"the fast engine's KV cache ({pages * page / _GIB:.1f} GiB) and activations "
+                f"({workspace / _GIB:.1f} GiB) do not fit in the {free / _GIB:.1f} GiB the GPU has free (of "
+                f"{total / _GIB:.1f} GiB; {(total - free) / _GIB:.1f} GiB are held by the policy, its optimiser "
+                "and other models)",
+                "lower actor_rollout_ref.rollout.gpu_memory_utilization, or set "
+                "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true / param_offload=true")
+        return pages
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    pages = min(int((utilization * free - workspace) // page), max_pages)
     if pages < 2:
         raise ArcherError(
-            f"rollout.gpu_memory_utilization={utilization} leaves no room for the fast engine's KV cache ({what}; "
-            f"activations need {workspace / _GIB:.1f} GiB)",
+            f"rollout.gpu_memory_utilization={utilization} leaves no room for the fast engine's KV cache "
+            f"({free / _GIB:.1f} GiB of memory are free; activations need {workspace / _GIB:.1f} GiB)",
             "raise actor_rollout_ref.rollout.gpu_memory_utilization, or lower rollout.max_num_seqs / "
-            "rollout.max_num_batched_tokens",
-        )
+            "rollout.max_num_batched_tokens")
     return pages
 
 

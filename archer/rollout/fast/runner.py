@@ -127,9 +127,10 @@ class DecodeRunner:
         else:
             self.step(bucket, filtered, cache)
 
-    def prepare(self, filtered: bool, cache: KVCache) -> None:
-        """Idle every slot; on a GPU, capture the graphs of this sampling variant that are missing (each
-        bucket is run once eagerly first, which compiles its kernels)."""
+    def prepare(self, filtered: bool, cache: KVCache, rows: int | None = None) -> None:
+        """Idle every slot; on a GPU, capture the graphs of this sampling variant that are missing, for the
+        buckets up to the one of ``rows`` sequences (default: every slot): a decode of fewer sequences never
+        runs a larger bucket, and capturing one costs a decode step over all its slots and vocabulary."""
         self.active.zero_()
         self.positions.zero_()
         self.column.zero_()
@@ -138,7 +139,13 @@ class DecodeRunner:
         if self._graph_cache is not cache:
             self.release_graphs()
             self._graph_cache = cache
-        missing = [b for b in reversed(self.buckets) if (b, filtered) not in self.graphs]
+        largest = self.bucket(min(rows or self.slots, self.slots))
+        self._capture([b for b in reversed(self.buckets) if b <= largest], filtered, cache)
+
+    def _capture(self, buckets: list[int], filtered: bool, cache: KVCache) -> None:
+        """Capture the graphs of ``buckets`` that are missing (each run once eagerly first, which compiles its
+        kernels)."""
+        missing = [b for b in buckets if (b, filtered) not in self.graphs]
         if not missing:
             return
         if self._pool is None:

@@ -93,7 +93,7 @@ class Scheduler:
         vocab = self.model.spec.vocab
         filtered = not params.greedy and (0 < params.top_k < vocab or params.top_p < 1)
         stops = _StopMatcher(self.tokenizer, params.stop)
-        self.runner.prepare(filtered, cache)
+        self.runner.prepare(filtered, cache, rows=len(jobs))
         waiting = deque(jobs)
         running: dict[int, Job] = {}
         children = Counter(job.parent for job in jobs if job.parent is not None)

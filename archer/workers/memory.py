@@ -1,0 +1,191 @@
+"""The memory plan of an RL step on one GPU: what each stage holds on the card, checked before any step runs.
+
+verl's ``rollout.gpu_memory_utilization`` is the share of the card that the generation engine holds (its weights,
+KV cache and workspace). Everything else the process keeps on the card must fit beside it, stage by stage:
+
+- generation: the float32 policy (not with ``param_offload``), Adam's states (not with ``optimizer_offload``), the
+  other models (reference, critic) and the engine's share;
+- update: policy, gradients, the activations of one micro-batch, Adam's states (with ``optimizer_offload`` only
+  during the optimiser step, after the activations are gone), the other models, and the engine's share unless
+  ``rollout.free_cache_engine`` releases it (weights and KV cache) for the update.
+
+``MemoryPlan.check`` raises one ArcherError with every figure in GiB and the knobs that help. The activation
+figure is an estimate (docs/memory.md gives the rule and how it was checked against the GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+
+from archer.errors import ArcherError
+
+GIB = 1 << 30
+CONTEXT_BYTES = 1 * GIB  # the CUDA context, kernels' workspaces and the allocator's rounding
+LOGIT_CHUNK_BYTES = 256 << 20  # the log-prob kernel's float32 logits per chunk (models/logprobs.py)
+# Bytes an autocast (bf16) forward over float32 weights keeps per token and decoder layer for the backward:
+# about 34 x hidden (residual stream, norms, q/k/v/o inputs and outputs, rope, attention) + 10 x intermediate
+# (the gate/up outputs, SiLU and product). With gradient checkpointing a layer keeps only its float32 input.
+PER_LAYER_HIDDEN_BYTES = 34
+PER_LAYER_INTERMEDIATE_BYTES = 10
+CHECKPOINTED_HIDDEN_BYTES = 4
+
+
+def gib(value: float) -> str:
+    return f"{value / GIB:.1f}"
+
+
+def activation_bytes(*, hidden: int, intermediate: int, layers: int, tokens: int, checkpointing: bool) -> int:
+    """The update's activations for one micro-batch of ``tokens`` tokens (see the constants above): every layer's
+    saved tensors, or with checkpointing every layer's input plus one layer recomputed in the backward; plus
+    the final hidden states, their gradient and two logit chunks of the log-prob kernel."""
+    full_layer = PER_LAYER_HIDDEN_BYTES * hidden + PER_LAYER_INTERMEDIATE_BYTES * intermediate
+    per_token = (layers * CHECKPOINTED_HIDDEN_BYTES * hidden + full_layer) if checkpointing else layers * full_layer
+    return tokens * (per_token + 8 * hidden) + 2 * LOGIT_CHUNK_BYTES
+
+
+def micro_batch_tokens(cfg: DictConfig, max_length: int) -> int:
+    """Tokens of the update's largest micro-batch: the token budget with use_dynamic_bsz (a longer row goes alone),
+    else ppo_micro_batch_size_per_gpu rows (null: the whole mini-batch) of ``max_length`` tokens."""
+    actor = cfg.actor
+    if actor.use_dynamic_bsz:
+        return max(int(actor.ppo_max_token_len_per_gpu), max_length)
+    rows = actor.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size
+    if rows is None:
+        rows = int(actor.ppo_mini_batch_size) * int(cfg.rollout.n)
+    return int(rows) * max_length
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes each holder keeps on a card of ``total`` bytes (see the module docstring)."""
+
+    total: int
+    policy: int
+    gradients: int
+    optimizer: int
+    activations: int
+    engine_share: int  # utilization x total for an engine with its own weights and KV cache (0: the hf engine)
+    engine_weights: int
+    engine_workspace: int
+    others: dict[str, int]
+    kv_limit: int | None = None  # the engine allocates no more than its slots can use (max_num_seqs x max_model_len)
+    utilization: float = 0.5
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    free_cache_engine: bool = True
+
+    @property
+    def kv_cache(self) -> int:
+        room = self.engine_share - self.engine_weights - self.engine_workspace
+        return room if self.kv_limit is None else min(room, self.kv_limit)
+
+    @property
+    def engine(self) -> int:
+        """What the engine holds: its weights, workspace and KV cache (within its share)."""
+        return self.engine_weights + self.engine_workspace + max(self.kv_cache, 0) if self.engine_share else 0
+
+    def generation(self) -> dict[str, int]:
+        """What the card holds while the engine generates."""
+        held = {"policy": 0 if self.param_offload else self.policy,
+                "optimizer states": 0 if self.optimizer_offload else self.optimizer, **self.others}
+        if self.engine_share:
+            held.update({"engine weights": self.engine_weights, "engine workspace": self.engine_workspace,
+                         "KV cache": max(self.kv_cache, 0)})
+        return {**held, "CUDA context": CONTEXT_BYTES}
+
+    def update(self) -> dict[str, int]:
+        """What the card holds at the peak of the policy update."""
+        held = {"policy": self.policy, "gradients": self.gradients, **self.others}
+        if self.optimizer_offload:  # states come in for the step, after the backward freed the activations
+            held["activations or optimizer states"] = max(self.activations, self.optimizer)
+        else:
+            held.update({"optimizer states": self.optimizer, "activations": self.activations})
+        if not self.free_cache_engine and self.engine_share:
+            held["engine (free_cache_engine=false)"] = self.engine
+        return {**held, "CUDA context": CONTEXT_BYTES}
+
+    def check(self) -> None:
+        """One ArcherError naming the stage that does not fit, its figures and the knobs that help."""
+        if self.engine_share and self.kv_cache < 0:
+            raise ArcherError(
+                f"rollout.gpu_memory_utilization={self.utilization} leaves no room for the fast engine's KV cache: "
+                f"of the card's {gib(self.total)} GiB it may hold {gib(self.engine_share)} GiB, its weights take "
+                f"{gib(self.engine_weights)} GiB and its workspace {gib(self.engine_workspace)} GiB",
+                "raise actor_rollout_ref.rollout.gpu_memory_utilization, or lower rollout.max_num_seqs / "
+                "rollout.max_num_batched_tokens")
+        for stage, held in (("generation", self.generation()), ("the policy update", self.update())):
+            need = sum(held.values())
+            if need > self.total:
+                figures = ", ".join(f"{name} {gib(value)}" for name, value in held.items() if value)
+                raise ArcherError(
+                    f"the GPU's {gib(self.total)} GiB cannot hold {stage}: it needs {gib(need)} GiB ({figures}; "
+                    "GiB)", self.knobs(stage))
+
+    def knobs(self, stage: str) -> str:
+        """The settings that lower ``stage``'s figures, largest saving first."""
+        prefix = "actor_rollout_ref."
+        options: list[tuple[int, str]] = []
+        if not self.optimizer_offload:
+            options.append((self.optimizer, f"{prefix}actor.fsdp_config.optimizer_offload=true"))
+        if stage == "generation":
+            options.append((max(self.kv_cache, 0),
+                            f"a lower {prefix}rollout.gpu_memory_utilization (now {self.utilization})"))
+            if not self.param_offload:
+                options.append((self.policy, f"{prefix}actor.fsdp_config.param_offload=true"))
+        else:
+            options.append((self.activations, f"{prefix}model.enable_gradient_checkpointing=true and a smaller "
+                                              f"{prefix}actor.ppo_micro_batch_size_per_gpu (or use_dynamic_bsz with a "
+                                              "smaller ppo_max_token_len_per_gpu)"))
+            if not self.free_cache_engine and self.engine_share:
+                options.append((self.engine, f"{prefix}rollout.free_cache_engine=true"))
+        options.append((self.policy, f"LoRA ({prefix}model.lora_rank > 0) or a smaller model"))
+        return "try " + "; or ".join(text for _, text in sorted(options, key=lambda o: -o[0]))
+
+
+def model_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of every parameter, number of trainable parameters); tied weights count once."""
+    params = list(model.parameters())
+    return (sum(p.numel() * p.element_size() for p in params),
+            sum(p.numel() for p in params if p.requires_grad))
+
+
+def plan_actor_memory(cfg: DictConfig, model: torch.nn.Module, *, total: int, fast_engine: bool,
+                      others: dict[str, int] | None = None) -> MemoryPlan:
+    """The plan of an actor (``actor_rollout_ref`` config ``cfg``) whose policy is ``model``, on a card of ``total``
+    bytes; ``fast_engine``: the engine holds its own weights and KV cache (rollout.gpu_memory_utilization)."""
+    from archer.rollout.fast.engine import PAGE_SIZE, workspace_bytes
+    from archer.rollout.fast.model import model_spec, weight_bytes
+    from archer.rollout.fast.pages import page_bytes
+
+    policy, trainable = model_bytes(model)
+    config = model.config
+    rollout = cfg.rollout
+    max_length = int(rollout.max_model_len or int(rollout.prompt_length) + int(rollout.response_length))
+    activations = activation_bytes(hidden=int(config.hidden_size), intermediate=int(config.intermediate_size),
+                                   layers=int(config.num_hidden_layers), tokens=micro_batch_tokens(cfg, max_length),
+                                   checkpointing=bool(cfg.model.enable_gradient_checkpointing))
+    utilization = float(rollout.gpu_memory_utilization)
+    share = weights = workspace = 0
+    kv_limit = None
+    if fast_engine:
+        spec, dtype = model_spec(model), getattr(torch, str(rollout.dtype))
+        share = int(utilization * total)
+        weights = weight_bytes(spec, dtype)
+        workspace = workspace_bytes(spec, dtype, int(rollout.max_num_seqs), int(rollout.max_num_batched_tokens))
+        pages = (int(rollout.max_num_seqs) + 1) * -(-max_length // PAGE_SIZE) + 1  # FastEngine.reclaim_memory's cap
+        kv_limit = pages * page_bytes(spec, PAGE_SIZE, dtype)
+    offload = cfg.actor.fsdp_config
+    return MemoryPlan(total=total, policy=policy, gradients=4 * trainable, optimizer=8 * trainable,
+                      activations=activations, engine_share=share, engine_weights=weights, engine_workspace=workspace,
+                      others=dict(others or {}), kv_limit=kv_limit, utilization=utilization, param_offload=bool(offload.param_offload),
+                      optimizer_offload=bool(offload.optimizer_offload),
+                      free_cache_engine=bool(rollout.free_cache_engine))
+
+
+def release_cached_blocks(device: torch.device) -> None:
+    """Give the caching allocator's free blocks back to the card (what the last stage freed but still cached)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -1,0 +1,91 @@
+"""The keys archer accepts without acting on them (config/no_ops.py): the table matches the YAML's markers, the
+defaults are silent, another value warns once naming the key, and a value whose no-op would change the result
+is refused."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+
+from archer.config.loader import CONFIG_DIR, group_options, load_config
+from archer.config.no_ops import NO_OPS, check_no_ops, set_no_ops
+from archer.errors import ArcherError
+from archer.trainer.config_check import check_config
+
+REQUIRED = ["actor_rollout_ref.model.path=m", "data.train_files=x"]
+
+
+def marked_keys() -> set[str]:
+    """Leaf keys of ppo_trainer.yaml marked "(accepted", or inside a mapping so marked."""
+    stack: list[str] = []
+    blocks: list[str] = []
+    marked: set[str] = set()
+    for line in (CONFIG_DIR / "ppo_trainer.yaml").read_text().splitlines():
+        match = re.match(r"^(\s*)([A-Za-z_0-9]+):\s*(.*)$", line)
+        if not match or match.group(2) == "defaults":
+            continue
+        stack = stack[: len(match.group(1)) // 2] + [match.group(2)]
+        path, rest = ".".join(stack), match.group(3)
+        value = rest.split("#")[0].strip()
+        if "(accepted" in rest and not value:
+            blocks.append(path)
+        elif value and ("(accepted" in rest or any(path.startswith(b + ".") for b in blocks)):
+            marked.add(path)
+    return marked
+
+
+def test_the_table_lists_every_marked_key_once():
+    keys = [entry.key for entry in NO_OPS]
+    assert len(keys) == len(set(keys))
+    assert set(keys) == marked_keys()
+    assert len(keys) == 69
+
+
+def test_defaults_and_every_algorithm_preset_are_silent(caplog):
+    assert set_no_ops(load_config("ppo_trainer", REQUIRED)) == []
+    for preset in group_options("algorithm"):
+        assert set_no_ops(load_config("ppo_trainer", [*REQUIRED, f"algorithm={preset}"])) == [], preset
+
+
+def test_another_value_warns_once_naming_the_key(caplog):
+    cfg = load_config("ppo_trainer", [*REQUIRED, "data.dataloader_num_workers=4",
+                                      "actor_rollout_ref.actor.use_torch_compile=false",
+                                      "actor_rollout_ref.rollout.prompt_length=100"])
+    with caplog.at_level(logging.WARNING, logger="archer.config"):
+        check_config(cfg)
+    messages = [r.getMessage() for r in caplog.records if r.name == "archer.config"]
+    assert messages == [
+        "data.dataloader_num_workers=4 has no effect in archer: prompts are collated in the trainer's process",
+        "actor_rollout_ref.actor.use_torch_compile=False has no effect in archer: the update runs eagerly",
+        "actor_rollout_ref.rollout.prompt_length=100 has no effect in archer: data.max_prompt_length governs",
+    ]
+
+
+def test_an_interpolated_default_follows_its_source():
+    cfg = load_config("ppo_trainer", [*REQUIRED, "data.max_prompt_length=100"])
+    assert cfg.actor_rollout_ref.rollout.prompt_length == 100 and set_no_ops(cfg) == []
+
+
+@pytest.mark.parametrize(("override", "fix"), [
+    ("trainer.nnodes=2", "trainer.nnodes=1"),
+    ("trainer.n_gpus_per_node=8", "trainer.n_gpus_per_node=1"),
+    ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "tensor_model_parallel_size=1"),
+    ("actor_rollout_ref.rollout.ignore_eos=true", "drop actor_rollout_ref.rollout.ignore_eos"),
+    ("+actor_rollout_ref.model.override_config.attention_dropout=0.1", "config.json"),
+])
+def test_a_no_op_that_would_change_the_result_is_refused(override, fix):
+    cfg = load_config("ppo_trainer", [*REQUIRED, override])
+    key = override.lstrip("+").split("=")[0]
+    with pytest.raises(ArcherError) as err:
+        check_config(cfg)
+    assert err.value.problem.startswith(key.rsplit(".", 1)[0] if "override_config" in key or "reward_kwargs" in key
+                                        else key)
+    assert fix in err.value.fix
+
+
+def test_allowed_values_of_refusable_keys_only_warn(caplog):
+    cfg = load_config("ppo_trainer", [*REQUIRED, "trainer.n_gpus_per_node=1", "trainer.nnodes=1"])
+    check_no_ops(cfg)
+    assert not [r for r in caplog.records if r.name == "archer.config"]
