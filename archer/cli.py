@@ -147,10 +147,10 @@ def _quickstart(args: argparse.Namespace) -> None:
 def _viz(args: argparse.Namespace) -> None:
     from archer.viz.explorer import existing_trace_dir
 
-    existing_trace_dir(args.trace_dir)  # a wrong path fails before Gradio's import
+    trace_dir = existing_trace_dir(args.trace_dir)  # a wrong path fails before Gradio's import
     from archer.viz.app import launch
 
-    launch(args.trace_dir, args.model_path, host=args.host, port=args.port)
+    launch(trace_dir, args.model_path, host=args.host, port=args.port)
 
 
 def _build_index(args: argparse.Namespace) -> None:

@@ -341,6 +341,23 @@ def test_cli_on_a_run_directory_names_its_trace_folders(tmp_path, tokenizer) -> 
                            f"  fix: pass --trace-dir {run / 'entropy_trace'}\n")
 
 
+@pytest.mark.parametrize("relative", [False, True])
+def test_viz_on_a_quickstart_folder_opens_the_trace_its_summary_names(tmp_path, tokenizer, capsys,
+                                                                     relative: bool) -> None:
+    """The issue's case: `archer viz --trace-dir OUT` on a quickstart's --out folder, whose traces lie in rl/."""
+    from archer.viz.explorer import existing_trace_dir
+
+    out = tmp_path / "qs"
+    for kind in ("entropy_trace", "influence_trace"):
+        trace_support.write_trace(out / "rl" / kind, tokenizer, steps=(1,), save_tokenizer=False)
+    named = "runs/qs" if relative else str(out)  # as the quickstart wrote it, maybe relative to where it ran
+    (out / "summary.json").write_text(json.dumps({"run_dir": named, "entropy_trace": f"{named}/rl/entropy_trace",
+                                                  "influence_trace": f"{named}/rl/influence_trace"}))
+    assert existing_trace_dir(out) == out / "rl" / "influence_trace"
+    assert capsys.readouterr().out == (f"{out} is a run folder: opening the trace its summary.json names, "
+                                       f"{out / 'rl' / 'influence_trace'}\n")
+
+
 def test_cli_serves_the_app_and_a_busy_port_exits_2(influence_trace) -> None:
     port = _free_port()
     proc = subprocess.Popen([*ARCHER, "viz", "--trace-dir", str(influence_trace), "--port", str(port)],

@@ -23,7 +23,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from archer.errors import ArcherError
-from archer.trace.format import TraceReader, read_trace_summary
+from archer.trace.format import TraceReader, is_trace_dir, read_trace_summary, trace_dirs_in
 from archer.viz import queries, render
 
 STEP_CACHE = 4
@@ -31,12 +31,18 @@ CSV_KEEP = 32  # CSV exports kept in the private temporary folder
 
 
 def existing_trace_dir(trace_dir: str | Path) -> Path:
-    """The trace folder, or an ArcherError when it does not exist or is not a trace folder (one that names the
-    trace folders inside a run directory); checked before heavy imports."""
+    """The trace folder to open: ``trace_dir`` itself, or the trace that a quickstart folder's summary.json
+    names (its influence trace first); an ArcherError when it does not exist or holds no trace (naming the trace
+    folders inside a run directory). Checked before heavy imports."""
     path = Path(trace_dir).expanduser()
     if not path.is_dir():
         raise ArcherError(f"trace directory {path} does not exist",
                           "pass --trace-dir <run>/entropy_trace or <run>/influence_trace of a run")
+    if not is_trace_dir(path):
+        named = trace_dirs_in(path)
+        if named and (path / "summary.json").is_file() and named[0].parent != path:  # named one level down
+            print(f"{path} is a run folder: opening the trace its summary.json names, {named[0]}")
+            return named[0]
     read_trace_summary(path)
     return path
 
