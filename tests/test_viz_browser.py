@@ -165,6 +165,29 @@ def test_heatmap_spans_and_colours_match_the_data(page, tokenizer) -> None:
     assert any(s["text"].startswith("·") for s in spans)  # visible spaces
 
 
+def test_the_influence_scale_is_per_response_by_default_and_per_step_on_request(page, tokenizer) -> None:
+    step, row = 2, 4
+    open_response(page, step, row)
+    arrays = arrays_of(tokenizer, step)
+    valid = arrays["response_mask"][row] & ~np.isnan(arrays["influence"][row])
+    own = float(np.percentile(np.abs(arrays["influence"][row][valid].astype(np.float64)), 99))
+    both = arrays["response_mask"] & ~np.isnan(arrays["influence"])
+    of_step = float(np.percentile(np.abs(arrays["influence"][both].astype(np.float64)), 99))
+    assert own != pytest.approx(of_step)
+    legend = "#archer-heatmap-influence .archer-legend"
+    assert vmax_of(page, "archer-heatmap-influence") == pytest.approx(own, rel=1e-12)
+    assert page.inner_text(legend).startswith("influence (scale: p99 of |influence| over this response)")
+    page.locator("#archer-scale label", has_text="per step").click()
+    page.wait_for_function("() => document.querySelector('#archer-heatmap-influence .archer-legend')"
+                           "?.innerText.includes('over this step')")
+    assert vmax_of(page, "archer-heatmap-influence") == pytest.approx(of_step, rel=1e-12)
+    for s in heatmap_spans(page, "archer-heatmap-influence"):
+        assert s["colour"] == render.influence_colour(float(arrays["influence"][row, s["pos"]]), of_step)
+    page.locator("#archer-scale label", has_text="per response").click()
+    page.wait_for_function("() => document.querySelector('#archer-heatmap-influence .archer-legend')"
+                           "?.innerText.includes('over this response')")
+
+
 def test_filter_search_sort_and_csv_download(page, tokenizer, tmp_path) -> None:
     step, row = 2, 4
     open_response(page, step, row)

@@ -31,6 +31,7 @@ RESPONSES_TAB, GROUP_TAB, COMPARE_TAB, TREE_TAB = "Responses", "Prompt group", "
 TREE_CLICK_JS = ("element.addEventListener('click', (event) => { const node = event.target.closest('[data-row]'); "
                  "if (node) trigger('click', {row: Number(node.dataset.row)}); });")
 SORT_CHOICES = list(zip(("position", "entropy ascending", "entropy descending"), queries.SORTS))
+INFLUENCE_SCALE_CHOICES = list(zip(("per response", "per step"), queries.INFLUENCE_SCALES))
 # Errors a view turns into a message: a missing/corrupt step, a row out of range, a bad user path.
 VIEW_ERRORS = (TraceError, IndexError, ArcherError)
 
@@ -116,6 +117,8 @@ def build_app(trace_dir: str | Path, model_path: str | Path | None = None, *,
                 with gr.Row():
                     sort = gr.Radio(SORT_CHOICES, value="position", label="sort", elem_id="archer-sort")
                     padding = gr.Checkbox(value=False, label="show padding", elem_id="archer-padding")
+                    scale = gr.Radio(INFLUENCE_SCALE_CHOICES, value="response", visible=influence,
+                                     label="influence colour scale (p99 of |influence|)", elem_id="archer-scale")
                 metadata = gr.Markdown(elem_id="archer-meta")
                 with gr.Row():
                     prompt = gr.Textbox(label="prompt (decoded)", lines=3, max_lines=12, elem_id="archer-prompt")
@@ -175,13 +178,14 @@ def build_app(trace_dir: str | Path, model_path: str | Path | None = None, *,
 
             return run
 
-        response_inputs = [step, row, low, high, search, padding, sort, drawn]
+        response_inputs = [step, row, low, high, search, padding, sort, scale, drawn]
         response_outputs = [metadata, prompt, response, entropy_map, influence_map, view, csv, drawn, error]
 
         def response_values(step_value: Any, row_value: Any, low_value: Any, high_value: Any, search_value: str,
-                            padding_value: bool, sort_value: str, drawn_value: str) -> dict[Any, Any] | None:
+                            padding_value: bool, sort_value: str, scale_value: str,
+                            drawn_value: str) -> dict[Any, Any] | None:
             options = {"entropy_range": _entropy_range(low_value, high_value), "search": search_value or "",
-                       "show_padding": bool(padding_value), "sort": sort_value}
+                       "show_padding": bool(padding_value), "sort": sort_value, "influence_scale": scale_value}
             key = repr((step_value, id(explorer.step_data(step_value).arrays), _row(row_value), options))
             if key == drawn_value:  # a blur or a repeated event: the page already shows this view
                 return None
@@ -284,7 +288,8 @@ def build_app(trace_dir: str | Path, model_path: str | Path | None = None, *,
         chain(step.change, after_step)
         chain(row.change, [response_stage, group_stage, compare_stage, tree_stage], trigger_mode="always_last")
         chain(tabs.select, [(_tab_label, [], [open_tab]), group_stage, compare_stage, tree_stage])
-        gr.on([low.submit, low.blur, high.submit, high.blur, search.change, padding.change, sort.change],
+        gr.on([low.submit, low.blur, high.submit, high.blur, search.change, padding.change, sort.change,
+               scale.change],
               *response_stage, trigger_mode="always_last")
         k.release(*top_stage)
         bins.release(*hist_stage)

@@ -64,13 +64,23 @@ def step_stats(arrays: Arrays) -> dict[str, float]:
     return stats
 
 
+INFLUENCE_SCALES = ("response", "step")  # the influence heatmap's colour scale: p99 of |influence| over either
+
+
+def _positive(value: float | None) -> float:
+    return float(value) if value is not None and np.isfinite(value) and value > 0 else 1.0
+
+
 def colour_scales(stats: dict[str, float]) -> tuple[float, float]:
     """Heatmap scale maxima of a step: p99 of the entropy and of |influence| (1.0 when not positive)."""
+    return _positive(stats.get("entropy_p99")), _positive(stats.get("influence_abs_p99"))
 
-    def positive(value: float | None) -> float:
-        return float(value) if value is not None and np.isfinite(value) and value > 0 else 1.0
 
-    return positive(stats.get("entropy_p99")), positive(stats.get("influence_abs_p99"))
+def response_influence_scale(arrays: Arrays, row: int) -> float:
+    """p99 of |influence| over one response's computed tokens (1.0 when not positive): a step's largest values
+    can be hundreds of times a response's, which the step's scale would leave all white."""
+    values = arrays["influence"][row][influence_valid(arrays)[row]].astype(np.float64)
+    return _positive(float(np.percentile(np.abs(values), 99)) if values.size else None)
 
 
 def _row_means(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
