@@ -264,7 +264,7 @@ class Explorer:
             tokens = tokens[queries.in_response(tokens)]
             record = overview.iloc[int(row)]
             title = f"step {data.step} · row {int(row)}" + "".join(
-                f" · {k} {_fmt(record[k])}" for k in ("sample_index", "reward", "advantage", "accepted", "length",
+                f" · {k} {_fmt(record[k])}" for k in ("sample_index", "reward", "advantage", "accepted", "learned_tokens",
                                                     "entropy_mean") if k in record)
             panels.append((title, render.heatmap_html(tokens, vmax=data.entropy_vmax, max_tokens=max_tokens,
                                                       legend=False)))
@@ -347,7 +347,7 @@ def _group_summary(data: StepData, rows: np.ndarray) -> dict[str, Any]:
     table = data.overview.iloc[rows]
     out: dict[str, Any] = {"step": data.step, "responses": len(rows),
                            "rows": " ".join(str(int(r)) for r in rows)}
-    for name in ("reward", "advantage", "accepted", "length", "entropy_mean", "influence_mean"):
+    for name in ("reward", "advantage", "accepted", "learned_tokens", "entropy_mean", "influence_mean"):
         if name in table:
             out[f"{name}_mean" if not name.endswith("_mean") else name] = (
                 float(table[name].astype(np.float64).mean()) if len(rows) else float("nan"))

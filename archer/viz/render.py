@@ -210,7 +210,7 @@ def branch_tree_svg(tree: pd.DataFrame, marks: dict[int, tuple[np.ndarray, np.nd
     reason. Every mark of a response is in a ``<g class="archer-tree-node" data-row=ROW>``; ``selected`` is
     highlighted."""
     n = len(tree)
-    longest = max(int(tree["length"].max()) if n else 0, 1)
+    longest = max(int(tree["all_tokens"].max()) if n else 0, 1)
     span = TREE_WIDTH - TREE_LEFT - TREE_RIGHT
     height = TREE_TOP + n * TREE_LANE + 8
 
@@ -235,7 +235,7 @@ def branch_tree_svg(tree: pd.DataFrame, marks: dict[int, tuple[np.ndarray, np.nd
     branch_marks = []
     for record, reward in zip(tree.to_dict("records"), rewards):
         row, y = int(record["row"]), lane[int(record["row"])]
-        start, end = max(int(record["branch_position"]), 0), int(record["length"])
+        start, end = max(int(record["branch_position"]), 0), int(record["all_tokens"])
         tool, call = marks.get(row, (np.zeros(0, bool), np.zeros(0, bool)))
         summary = _lane_summary(record, reward)
         origin = (f"branched from #{record['parent']} (row {record['parent_row']}) at position {start}, "
