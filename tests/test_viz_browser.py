@@ -400,3 +400,21 @@ def test_picking_a_prompt_in_the_branch_tree_tab_draws_its_tree(tool_page, token
         "row"].tolist() == [4, 5, 6, 7]
     page.get_by_role("tab", name="Responses").click()
     wait_for_response(page, step, 4)  # the prompt's first response is open
+
+
+def test_wide_tables_and_the_group_panels_are_not_cut_off_on_the_right(page, tool_page) -> None:
+    """The issue's case: the stats table and the overview hid their last columns (num_val..., num_tool_call...)
+    behind the right edge, and the group view's fourth panel was cut off."""
+    right_edges = ("(e) => { const box = e.getBoundingClientRect();"
+                   " return [box.right, [...e.querySelectorAll('thead th')].map(th => th.getBoundingClientRect().right)]; }")
+    for shown in (page, tool_page):  # an influence trace (most statistics), a tool run (most overview columns)
+        for elem_id in ("archer-stats", "archer-overview"):
+            box_right, header_rights = shown.eval_on_selector(f"#{elem_id}", right_edges)
+            assert len(header_rights) >= 9 and max(header_rights) <= box_right + 1, (elem_id, box_right, header_rights)
+    tool_page.get_by_role("tab", name="Prompt group").click()
+    tool_page.wait_for_selector("#archer-group .archer-panel .archer-tok")
+    box_right, panel_rights = tool_page.eval_on_selector(
+        "#archer-group", "(e) => [e.getBoundingClientRect().right,"
+        " [...e.querySelectorAll('.archer-panel')].map(p => p.getBoundingClientRect().right)]")
+    assert len(panel_rights) == 4 and max(panel_rights) <= box_right + 1, (box_right, panel_rights)
+    tool_page.get_by_role("tab", name="Responses").click()

@@ -32,6 +32,11 @@ TREE_CLICK_JS = ("element.addEventListener('click', (event) => { const node = ev
                  "if (node) trigger('click', {row: Number(node.dataset.row)}); });")
 SORT_CHOICES = list(zip(("position", "entropy ascending", "entropy descending"), queries.SORTS))
 INFLUENCE_SCALE_CHOICES = list(zip(("per response", "per step"), queries.INFLUENCE_SCALES))
+# Wide tables fit the page instead of hiding their right-hand columns behind a scroll: headers wrap (long
+# snake_case names anywhere), cells are a size smaller.
+TABLE_CSS = (".archer-table th, .archer-table th *{white-space:normal!important;overflow-wrap:anywhere!important}"
+             ".archer-table table{width:100%!important}"
+             ".archer-table th, .archer-table td{font-size:12px;padding:4px!important;min-width:0!important}")
 # Errors a view turns into a message: a missing/corrupt step, a row out of range, a bad user path.
 VIEW_ERRORS = (TraceError, IndexError, ArcherError)
 
@@ -102,13 +107,13 @@ def build_app(trace_dir: str | Path, model_path: str | Path | None = None, *,
             refresh = gr.Button("Refresh steps", elem_id="archer-refresh", scale=1)
         stats = gr.Dataframe(label="step statistics (entropy over valid tokens"
                              + (", influence over computed tokens)" if influence else ")"),
-                             interactive=False, elem_id="archer-stats")
+                             interactive=False, elem_id="archer-stats", elem_classes=["archer-table"])
         open_tab = gr.State(RESPONSES_TAB)
         drawn = gr.State("")  # the response view this browser session shows (see response_values)
         with gr.Tabs() as tabs:
             with gr.Tab(RESPONSES_TAB, id=RESPONSES_TAB):
                 overview = gr.Dataframe(label="responses (select a row to open it)", interactive=False,
-                                        max_height=300, elem_id="archer-overview")
+                                        max_height=300, elem_id="archer-overview", elem_classes=["archer-table"])
                 with gr.Row():
                     row = gr.Number(value=0, precision=0, minimum=0, label="response row", elem_id="archer-row")
                     low = gr.Textbox(placeholder="none", label="entropy min", elem_id="archer-emin")
@@ -145,13 +150,13 @@ def build_app(trace_dir: str | Path, model_path: str | Path | None = None, *,
                     other = gr.Dropdown(choices=steps, value=steps[0] if steps else None, elem_id="archer-other",
                                         label="compare the selected response's prompt with step")
                     compare_tokens = gr.Slider(16, 4096, value=256, step=16, label="tokens shown per response")
-                compare_table = gr.Dataframe(interactive=False, elem_id="archer-compare-table")
+                compare_table = gr.Dataframe(interactive=False, elem_id="archer-compare-table", elem_classes=["archer-table"])
                 compare_map = gr.HTML(elem_id="archer-compare")
             with gr.Tab(TREE_TAB):
                 tree_uid = gr.Dropdown(label="prompt (uid)", elem_id="archer-tree-uid")
                 tree_map = gr.HTML(elem_id="archer-tree", js_on_load=TREE_CLICK_JS)
                 tree_table = gr.Dataframe(label="the prompt's responses in tree order (select a row to open it)",
-                                          interactive=False, elem_id="archer-tree-table")
+                                          interactive=False, elem_id="archer-tree-table", elem_classes=["archer-table"])
             with gr.Tab("Curves"):
                 curves = gr.Plot(format="png", elem_id="archer-curves")
             with gr.Tab("Histogram"):
@@ -318,7 +323,7 @@ def launch(trace_dir: str | Path, model_path: str | Path | None = None, host: st
     app = build_app(trace_dir, model_path, poll_seconds=poll_seconds)
     try:
         app.launch(server_name=host, server_port=int(port), share=False, prevent_thread_lock=True,
-                   theme=theme(), footer_links=[], quiet=True,
+                   theme=theme(), css=TABLE_CSS, footer_links=[], quiet=True,
                    run_history=False)  # a saved run holds whole heatmaps: the browser would slow down and fill
     except OSError as e:
         raise ArcherError(f"cannot serve the explorer on {host}:{port} ({e})",

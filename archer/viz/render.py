@@ -37,8 +37,8 @@ HEATMAP_CSS = (
     ".archer-tok--tool{color:#8a8a8a;font-style:italic}"
     f".archer-tok--call{{box-shadow:inset 0 -3px 0 {CALL};color:#3f1d6b;font-weight:600}}"
     ".archer-heatmap .archer-tok:hover{outline:1px solid #000}"
-    ".archer-panels{display:grid;gap:8px;grid-auto-flow:column;grid-auto-columns:minmax(320px,1fr);"
-    "overflow-x:auto}"
+    # side-by-side panels wrap onto further rows rather than run off the right edge
+    ".archer-panels{display:grid;gap:8px;grid-template-columns:repeat(auto-fill,minmax(280px,1fr))}"
     ".archer-panel-title{font-size:12px;margin:2px 0;color:#333}"
     ".archer-legend{font-size:12px;margin:2px 0 4px;color:#333}"
     "</style>"
