@@ -1,8 +1,12 @@
-"""``archer <command>``: train, sft, data, quickstart, viz, build-index.
+"""``archer <command>``: train, sft, eval, data, quickstart, viz, build-index, tools check.
 
 Every command turns an ArcherError into one clear message and exit status 2, without a traceback.
 ``archer train --help`` and ``archer sft --help`` list the main config keys with their defaults (read
 from the YAML); ``--cfg job`` checks the resolved config, prints it and exits without running, as in Hydra.
+``--config-path=DIR --config-name=NAME.yaml`` (``-cp``/``-cn``) reads a user's own full YAML in verl's layout
+(config/loader.py); ``hydra.run.dir=D`` makes D, writes Hydra's ``.hydra/config.yaml`` and ``overrides.yaml``
+there and runs with D as the working directory, as verl's ``main_ppo`` (Hydra 1.1 behaviour;
+``hydra.job.chdir=false`` stays put).
 """
 
 from __future__ import annotations
@@ -13,14 +17,19 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from archer.errors import ArcherError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 # The keys `archer train --help` / `archer sft --help` show, by section; the YAML holds them all.
 TRAIN_HELP_KEYS = {
     "data": ("train_files", "val_files", "prompt_key", "max_prompt_length", "max_response_length",
              "train_batch_size"),
-    "actor_rollout_ref": ("model.path", "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref": ("model.path", "model.lora_rank", "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size_per_gpu",
                           "actor.optim.lr", "actor.use_kl_loss", "actor.policy_loss.loss_mode", "rollout.n",
                           "rollout.temperature"),
     "algorithm": ("adv_estimator", "use_kl_in_reward"),
@@ -31,10 +40,19 @@ TRAIN_HELP_KEYS = {
 SFT_HELP_KEYS = {
     "data": ("train_files", "val_files", "prompt_key", "response_key", "max_length", "train_batch_size",
              "micro_batch_size_per_gpu"),
-    "model": ("partial_pretrain",),
+    "model": ("partial_pretrain", "lora_rank"),
     "optim": ("lr", "lr_scheduler"),
     "trainer": ("total_epochs", "total_training_steps", "default_local_dir", "logger", "device"),
 }
+EVAL_HELP = """short keys (the RL config key they set):
+  model=DIR              HF model folder or archer checkpoint (actor_rollout_ref.model.path)
+  benchmark=[a,b]        names in archer/config/benchmark/ or paths of benchmark YAMLs (eval.benchmark)
+  data_dir=DIR           folder the benchmark files resolve against, e.g. ../shared/data (eval.data_dir)
+  n=8 k=[1,4,8]          samples per problem and the k of pass@k/maj@k (rollout.val_kwargs.n, eval.k)
+  temperature top_p top_k  sampling (rollout.val_kwargs.*; n > 1 without temperature samples at 1.0)
+  max_prompt_length max_response_length seed device limit batch_size score_workers output_dir
+  judge.url judge.model judge.api_key_env   an OpenAI-compatible LLM judge for sets with a judge_prompt
+any other RL config key is given in full, e.g. +actor_rollout_ref.rollout.tools.tool_instances.python.class_path=python"""
 
 
 def config_help(config_name: str, sections: dict[str, tuple[str, ...]]) -> str:
@@ -79,16 +97,50 @@ def _print_config(cfg: object) -> None:
     print(OmegaConf.to_yaml(cfg), end="")
 
 
+def _user_config(args: argparse.Namespace) -> Path | None:
+    """The YAML that --config-path/--config-name name (a name without .yaml gets it, as in Hydra)."""
+    if args.config_name is None:
+        if args.config_path is not None:
+            raise ArcherError("--config-path is given without --config-name",
+                              "add --config-name=NAME.yaml (the YAML file inside that folder)")
+        return None
+    name = args.config_name if args.config_name.endswith((".yaml", ".yml")) else f"{args.config_name}.yaml"
+    return Path(args.config_path or ".").expanduser() / name
+
+
+def _load(config_name: str, args: argparse.Namespace) -> tuple[DictConfig, dict[str, str]]:
+    from archer.config.loader import hydra_settings, load_config
+
+    overrides, hydra = hydra_settings(args.overrides)
+    return load_config(config_name, overrides, user_config=_user_config(args)), hydra
+
+
+def _enter_hydra_run_dir(hydra: dict[str, str], cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """As Hydra does for verl's main_ppo: make hydra.run.dir, record the job's config there, and work in it."""
+    from omegaconf import OmegaConf
+
+    from archer.atomic_files import write_text_atomically
+
+    if not hydra.get("hydra.run.dir"):
+        return
+    run_dir = Path(hydra["hydra.run.dir"]).expanduser().resolve()
+    (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+    write_text_atomically(run_dir / ".hydra" / "config.yaml", OmegaConf.to_yaml(cfg))
+    write_text_atomically(run_dir / ".hydra" / "overrides.yaml", OmegaConf.to_yaml(list(overrides)))
+    if hydra.get("hydra.job.chdir", "true").lower() not in ("false", "0", "no"):
+        os.chdir(run_dir)
+        logging.getLogger("archer").info("working directory: %s (hydra.run.dir, as Hydra runs verl)", run_dir)
+
+
 def _train(args: argparse.Namespace) -> None:
-    from archer.config.loader import load_config
+    cfg, hydra = _load("ppo_trainer", args)  # before the trainer's heavy imports: typos fail fast
+    from archer.trainer.config_check import check_config
 
-    cfg = load_config("ppo_trainer", args.overrides)  # before the trainer's heavy imports: typos fail fast
+    check_config(cfg)
     if args.cfg:
-        from archer.trainer.config_check import check_config
-
-        check_config(cfg)
         _print_config(cfg)
         return
+    _enter_hydra_run_dir(hydra, cfg, args.overrides)
     from archer.trainer.ppo import PPOTrainer
 
     summary = PPOTrainer(cfg).fit()
@@ -101,19 +153,28 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _sft(args: argparse.Namespace) -> None:
-    from archer.config.loader import load_config
+    cfg, hydra = _load("sft_trainer", args)
+    from archer.trainer.sft import check_sft_config, run_sft
 
-    cfg = load_config("sft_trainer", args.overrides)
+    check_sft_config(cfg)
     if args.cfg:
-        from archer.trainer.sft import check_sft_config
-
-        check_sft_config(cfg)
         _print_config(cfg)
         return
-    from archer.trainer.sft import run_sft
-
+    _enter_hydra_run_dir(hydra, cfg, args.overrides)
     out = run_sft(cfg)
     print(f"SFT model: {out}")
+
+
+def _eval(args: argparse.Namespace) -> None:
+    from archer.eval.run import EvalRun, eval_config
+    from archer.trainer.config_check import check_counts
+
+    cfg = eval_config(args.overrides)
+    check_counts(cfg)
+    if args.cfg:
+        _print_config(cfg)
+        return
+    EvalRun(cfg).run()
 
 
 def _data(args: argparse.Namespace) -> None:
@@ -162,6 +223,22 @@ def _build_index(args: argparse.Namespace) -> None:
     print(f"BM25 index of {n} passages: {args.out}")
 
 
+def _config_file_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config-path", "-cp", default=None, metavar="DIR",
+                   help="folder of your own full config YAML in verl's layout (relative: to the current folder)")
+    p.add_argument("--config-name", "-cn", default=None, metavar="NAME.yaml",
+                   help="that YAML's file name; its keys replace archer's defaults, overrides apply after")
+
+
+def _tools_check(args: argparse.Namespace) -> None:
+    from archer.tools.check import report
+
+    text, ready = report(args.python or sys.executable)
+    print(text)
+    if not ready:
+        raise ArcherError("this machine cannot isolate the Python tool's snippets", "see the lines marked OFF above")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="archer", description="RL post-training of language models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
@@ -172,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="key=value or +key=value, e.g. data.train_files=F")
     p.add_argument("--cfg", choices=["job"], help="print the resolved config (checked, as YAML) and exit")
+    _config_file_args(p)
     p.set_defaults(func=_train)
 
     p = sub.add_parser("sft", help="supervised fine-tuning on prompt/response data",
@@ -179,7 +257,14 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="key=value, e.g. model.partial_pretrain=DIR data.train_files=F")
     p.add_argument("--cfg", choices=["job"], help="print the resolved config (checked, as YAML) and exit")
+    _config_file_args(p)
     p.set_defaults(func=_sft)
+
+    p = sub.add_parser("eval", help="evaluate a model on benchmarks: mean@n, pass@k, maj@k (README 'Evaluation')",
+                       epilog=EVAL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="e.g. model=DIR benchmark=[gsm8k,math500] n=8 k=[1,4,8] data_dir=D")
+    p.add_argument("--cfg", choices=["job"], help="print the resolved config (as YAML) and exit")
+    p.set_defaults(func=_eval)
 
     p = sub.add_parser("data", help="generate a built-in task's train/val/sft parquet files")
     p.add_argument("--task", default="arithmetic", help="built-in task name (arithmetic, countdown, tool_arithmetic)")
@@ -207,6 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="index folder: new or empty (a folder of other files is refused)")
     p.add_argument("--overwrite", action="store_true", help="replace the archer index already in --out (atomically)")
     p.set_defaults(func=_build_index)
+
+    p = sub.add_parser("tools", help="tool utilities: `archer tools check` prints the sandbox's protections here")
+    tools = p.add_subparsers(dest="tools_command", required=True)
+    p = tools.add_parser("check", help="which protections of the Python tool are active on this machine")
+    p.add_argument("--python", default=None, help="the tool's interpreter (default: the one running archer)")
+    p.set_defaults(func=_tools_check)
     return parser
 
 

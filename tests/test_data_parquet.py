@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pyarrow as pa
@@ -172,3 +173,111 @@ def test_reward_model_that_is_not_a_dict_names_the_row(tmp_path: Path, value: st
     assert info.value.problem.startswith(f"cannot read reward_model of row 0 in {path} as a dict")
     assert why in info.value.problem
     assert "string of a dict" in info.value.fix
+
+
+# -- JSON / JSON lines (Archer2.0's files), ARPO's answer and per-row tools ----------------------------------
+def _json_rows() -> list[dict]:
+    return [
+        {"data_source": "gsm8k", "prompt": [{"role": "user", "content": "1+1?"}], "ability": "math",
+         "reward_model": {"ground_truth": "2", "style": "rule"}, "extra_info": {"index": 0}},
+        {"data_source": "hotpotqa", "prompt": "[{'role': 'user', 'content': 'Who?'}]",
+         "reward_model": "{'ground_truth': 'Ann'}", "extra_info": None},
+    ]
+
+
+@pytest.mark.parametrize("layout", ["array.json", "lines.json", "lines.jsonl"])
+def test_json_files_read_as_parquet_does(tmp_path: Path, layout: str) -> None:
+    rows = _json_rows()
+    path = tmp_path / layout
+    if layout == "array.json":
+        path.write_text(json.dumps(rows, indent=1))
+    else:
+        path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")  # a blank line is skipped
+    as_parquet = _write(tmp_path / "same.parquet", {k: [json.dumps(r.get(k)) if isinstance(r.get(k), dict | list)
+                                                        else r.get(k) for r in rows] for k in rows[0]})
+    got = read_rl_parquet(path)
+    assert got == read_rl_parquet(as_parquet)
+    assert got[0]["prompt"] == [{"role": "user", "content": "1+1?"}]
+    assert got[1]["prompt"] == [{"role": "user", "content": "Who?"}]
+    assert got[1]["reward_model"] == {"ground_truth": "Ann"} and got[1]["extra_info"] == {}
+    assert got[1]["ability"] == "" and got[0]["tools"] is None
+    assert read_rl_files([path, path]) == got + got
+
+
+@needs_real_data
+def test_real_rows_written_as_json_lines_read_the_same(tmp_path: Path) -> None:
+    rows = pq.read_table(VALID).slice(0, 20).to_pylist()
+    path = tmp_path / "valid.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert read_rl_parquet(path, require_ground_truth=True) == read_rl_parquet(VALID)[:20]
+
+
+@pytest.mark.parametrize(("name", "text", "why"), [
+    ("broken.json", '[{"data_source": "a", "prompt": "hi"},\n {"data_source": ', "line 2: Expecting value"),
+    ("object.json", '{"data_source": "a", "prompt": "hi"}', "it holds a dict, not an array of rows"),
+    ("scalar.json", '[{"data_source": "a", "prompt": "hi"}, 3]', "row 1 is a int, not an object"),
+    ("broken.jsonl", '{"data_source": "a", "prompt": "hi"}\n{"data_source": "b", ', "line 2: Expecting"),
+    ("list.jsonl", '{"data_source": "a", "prompt": "hi"}\n["b"]\n', "row 1 is a list, not an object"),
+])
+def test_unreadable_json_names_the_file_and_the_place(tmp_path: Path, name: str, text: str, why: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ArcherError) as info:
+        read_rl_parquet(path)
+    assert info.value.problem.startswith(f"{path} is not a readable JSON data file: ")
+    assert why in info.value.problem
+    assert ".jsonl" in info.value.fix
+
+
+def test_bad_json_rows_get_the_errors_of_parquet_rows(tmp_path: Path) -> None:
+    bad_prompt = tmp_path / "p.jsonl"
+    bad_prompt.write_text('{"data_source": "a", "prompt": "fine"}\n{"data_source": "b", "prompt": []}\n')
+    with pytest.raises(ArcherError, match=rf"cannot read the prompt of row 1 in {bad_prompt}: .*non-empty list"):
+        read_rl_parquet(bad_prompt)
+    no_prompt = tmp_path / "q.json"
+    no_prompt.write_text('[{"data_source": "a", "question": "hi"}]')
+    with pytest.raises(ArcherError, match=r"has no column\(s\) \['prompt'\]; its columns are \['data_source', "
+                                          r"'question'\]"):
+        read_rl_parquet(no_prompt)
+    no_truth = tmp_path / "t.jsonl"
+    no_truth.write_text('{"data_source": "a", "prompt": "hi", "reward_model": {"ground_truth": "1"}}\n'
+                        '{"data_source": "a", "prompt": "yo"}\n')
+    with pytest.raises(ArcherError, match=r"1 of 2 rows have no reward_model.ground_truth; the first is row 1 "):
+        read_rl_parquet(no_truth, require_ground_truth=True)
+    empty = tmp_path / "e.json"
+    empty.write_text("[]")
+    with pytest.raises(ArcherError, match="has no rows"):
+        read_rl_parquet(empty)
+
+
+def test_answer_is_the_ground_truth_when_reward_model_has_none(tmp_path: Path) -> None:
+    path = _write(tmp_path / "arpo.parquet", {
+        "data_source": ["bamboogle", "bamboogle", "gsm8k"], "prompt": ["a?", "b?", "c?"],
+        "answer": [["Ann", "Anne"], None, ["7"]],
+        "reward_model": [None, "{'ground_truth': 'Bo'}", "{'ground_truth': '8', 'style': 'rule'}"],
+    })
+    rows = read_rl_parquet(path, require_ground_truth=True)
+    assert [r["reward_model"] for r in rows] == [
+        {"ground_truth": ["Ann", "Anne"]}, {"ground_truth": "Bo"}, {"ground_truth": "8", "style": "rule"}]
+
+
+def test_per_row_tools_are_read_as_tool_names(tmp_path: Path) -> None:
+    path = tmp_path / "tools.jsonl"
+    rows = [{"data_source": "a", "prompt": "hi", "tools": tools} for tools in (
+        ["python", "search"], "['search']", [{"name": "python"}],
+        [{"type": "function", "function": {"name": "search", "parameters": {}}}], [], None)]
+    rows.append({"data_source": "a", "prompt": "hi"})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [r["tools"] for r in read_rl_parquet(path)] == [
+        ["python", "search"], ["search"], ["python"], ["search"], [], None, None]
+
+
+@pytest.mark.parametrize(("tools", "why"), [("python", "does not parse"), ({"a": 1}, "it is a dict"),
+                                            ([3], "entry 3 names no tool"), ([{"type": "x"}], "names no tool")])
+def test_unreadable_tools_name_the_row(tmp_path: Path, tools: object, why: str) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"data_source": "a", "prompt": "hi", "tools": tools}) + "\n")
+    with pytest.raises(ArcherError) as info:
+        read_rl_parquet(path)
+    assert info.value.problem.startswith(f"cannot read the tools of row 0 in {path}: ")
+    assert why in info.value.problem

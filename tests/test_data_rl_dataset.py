@@ -49,7 +49,7 @@ def _row(words: str, source: str = "math", **extra: object) -> dict:
 
 
 def test_item_fields_and_exact_ids(tok: PreTrainedTokenizerFast) -> None:
-    rows = [_row("w0 w1 w2"), _row("w9 zzz", source="gsm8k")]
+    rows = [_row("w0 w1 w2"), _row("w9 zzz", source="gsm8k", tools=["search"])]
     rows[1]["prompt"].insert(0, {"role": "system", "content": "w3"})
     ds = RLDataset(rows, tok, max_prompt_length=8)
     assert len(ds) == 2
@@ -60,8 +60,10 @@ def test_item_fields_and_exact_ids(tok: PreTrainedTokenizerFast) -> None:
         "ability": "math",
         "ground_truth": "gt-w0 w1 w2",
         "extra_info": {"split": "train"},
+        "tools": None,
         "index": 0,
     }
+    assert ds[1]["tools"] == ["search"]
     # <system> w3 <user> w9 <unk> <assistant>
     assert ds[1]["prompt_ids"] == [2, 8, 3, 14, 1, 4]
     assert ds[1]["data_source"] == "gsm8k"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -120,3 +122,34 @@ def test_a_forked_process_starts_its_own_worker() -> None:
     assert os.waitstatus_to_exitcode(status) == 0
     assert math_reward._WORKER._process is parent_worker
     assert compute_math_score(r"\boxed{\sqrt{25}}", "5") == 1.0
+
+
+def test_the_verify_pool_scores_in_parallel_processes_and_caches_verdicts() -> None:
+    pool = math_reward._VerifyPool()
+    pool.resize(2)
+    try:
+        pool.warm()
+        pids = {w._process.pid for w in pool._workers}
+        assert len(pids) == 2 and os.getpid() not in pids
+        pairs = [("0.5", rf"\frac{{{i}}}{{{2 * i}}}") for i in range(1, 7)] + [("3", r"\sqrt{8}")]
+        with ThreadPoolExecutor(4) as threads:
+            verdicts = list(threads.map(lambda p: pool.equivalent(*p, 5.0), pairs * 2))
+        assert verdicts == [True] * 6 + [False] + [True] * 6 + [False]
+        assert set(pool._cache) == set(pairs) and not pool._pending
+        assert {w._process.pid for w in pool._workers} == pids  # no worker was replaced
+    finally:
+        pool.close()
+
+
+def test_a_timeout_is_not_cached_and_the_worker_memory_is_capped() -> None:
+    pool = math_reward._VerifyPool()
+    try:
+        hostile = ("10", r"9^{9^{9^{9^{9}}}}")
+        assert pool.equivalent(*hostile, 0.5) is None  # killed past the limit: no verdict, nothing cached
+        assert hostile not in pool._cache
+        assert pool.equivalent("2", r"\sqrt{4}", 5.0) is True
+        limits = Path(f"/proc/{pool._workers[0]._process.pid}/limits").read_text()
+        (line,) = [x for x in limits.splitlines() if x.startswith("Max address space")]
+        assert line.split()[3] == str(math_reward.VERIFY_MEMORY_MB * 1024 * 1024)
+    finally:
+        pool.close()

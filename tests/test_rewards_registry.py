@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from archer.data.parquet import read_rl_parquet
 from archer.errors import ArcherError
-from archer.rewards.registry import default_compute_score, known_data_sources
+from archer.rewards.registry import check_routes, default_compute_score, known_data_sources
 
 QA_OK = "<think>t</think><answer>\\boxed{Eleanor Of Lancaster}</answer>"
 
@@ -85,3 +88,52 @@ def test_a_built_in_reward_refuses_a_row_without_ground_truth() -> None:
     # data.require_ground_truth=false lets such rows through for custom rewards; "None" is never an answer
     with pytest.raises(ArcherError, match="has none"):
         default_compute_score("openai/gsm8k", "\\boxed{None}", None)
+
+
+@pytest.mark.parametrize("source", ["gsm8k", "math", "math500", "MATH500", "amc23"])
+def test_arpo_math_benchmarks_route_to_math(source: str) -> None:
+    assert default_compute_score(source, "so \\boxed{18}", "Janet sells 9 eggs... #### 18") == 1.0
+    assert default_compute_score(source, "so \\boxed{17}", "18") == 0.0
+
+
+@pytest.mark.parametrize("source", ["bamboogle", "hotpotqa", "2wiki", "musique", "gaia", "hle", "webwalker",
+                                    "SimpleQA", "xbench", "nq", "searchR1_bamboogle", "searchR1_2wikimultihopqa"])
+def test_arpo_qa_benchmarks_route_to_the_deep_research_reward(source: str) -> None:
+    # the benchmarks' answer lists: F1 against the best reference (1.0 for an exact one); a malformed answer is -1
+    qa = default_compute_score(source, QA_OK, ["Eleanor of Lancaster", "Eleanor"])
+    assert qa["score"] == 1.0 and qa["f1"] == 1.0
+    assert default_compute_score(source, "Eleanor", ["Eleanor"])["score"] == -1.0
+
+
+def test_search_r1_prefix_routes_only_qa_names() -> None:
+    with pytest.raises(ArcherError, match="no built-in reward for data_source 'searchR1_gsm8k'"):
+        default_compute_score("searchR1_gsm8k", "\\boxed{1}", "1")
+
+
+def test_check_routes_names_every_source_without_a_reward_and_the_routes() -> None:
+    check_routes([("DR_grpo_mix", "math"), ("DR_grpo_mix", "qa"), ("bamboogle", ""), ("DR_gaia", ""),
+                  ("archer/countdown", "")], "train.parquet")
+    with pytest.raises(ArcherError) as info:
+        check_routes([("bamboogle", ""), ("my_set", ""), ("other", None), ("mix", "code"), ("my_set", "")],
+                     "data.train_files")
+    message = str(info.value)
+    assert message.startswith("data.train_files: no built-in reward for data_source 'mix' (ability 'code'), "
+                              "'my_set', 'other'; known data sources: [")
+    assert "'bamboogle'" in message and "'openai/gsm8k'" in message and "DR_* sources" in message
+    assert "custom_reward_function.path=FILE" in info.value.fix
+
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "arpo").is_dir(), reason="shared ARPO data not present")
+def test_every_source_of_arpos_data_and_benchmarks_has_a_route() -> None:
+    files = sorted((SHARED_DATA / "arpo").glob("*.parquet"))
+    assert len(files) == 5
+    for path in files:
+        check_routes(((r["data_source"], r["ability"]) for r in read_rl_parquet(path)), str(path))
+    benchmarks = sorted(p.name for p in (SHARED_DATA / "benchmarks").iterdir())
+    assert benchmarks == ["2wiki", "SimpleQA", "aime24", "gaia", "gsm8k", "hotpotqa", "math500", "webwalker"]
+    # the benchmark names of ARPO's evaluation (evaluation/evaluate_passk.sh), the shared ones among them
+    check_routes([(name, "") for name in [*benchmarks, "aime25", "math", "bamboogle", "musique", "hle", "xbench"]],
+                 "ARPO's benchmarks")

@@ -353,3 +353,37 @@ def test_the_loop_needs_a_seed():
 def test_segment_entropies_and_log_probs_keep_their_float_values():
     out = run(arpo_loop(calls_then_answer(0)))
     assert out.log_probs.dtype == torch.float32 and out.entropies.dtype == torch.float32
+
+
+# -- per-row tools (the data's ``tools``) ---------------------------------------------------------------------
+SEARCH_CALL = "<think>look it up</think> <search>six times seven</search>"
+
+
+def test_a_prompt_runs_only_the_tools_its_row_allows():
+    python, search = Echo(answer="42"), Echo("search", trigger_tag="search", answer="Page 1: 42")
+
+    def script(state, session):
+        if state.turns == 0:
+            return Turn(CALL)
+        return Turn(SEARCH_CALL) if state.turns == 1 else Turn(ANSWER, eos=True)
+
+    loop = arpo_loop(script, python, search)
+    prompts = ["What is six times seven?", "Who wrote it?", "The answer is here."]
+    out = loop.generate([enc(p) for p in prompts], SamplingParams(n=1, seed=0, max_new_tokens=8), None,
+                        allowed_tools=[["search"], None, []])
+    texts = [TOK.decode(present(out, row), skip_special_tokens=True) for row in range(3)]
+    refused_python = "<result>\nError: the tool 'python' is not available for this question (its tools: search)."
+    assert refused_python in texts[0] and "<result>\nPage 1: 42\n</result>" in texts[0]
+    assert "<result>\n42\n</result>" in texts[1] and "<result>\nPage 1: 42\n</result>" in texts[1]
+    assert "(its tools: none).\n</result>" in texts[2] and texts[2].count("is not available") == 2
+    assert python.calls == ["print(6 * 7)"] and search.calls == ["six times seven"] * 2  # only the allowed ran
+    assert out.num_tool_calls == [2, 2, 2]  # refused calls are answered and count toward call_limit
+    assert out.stats.invalid_calls == 3 and out.stats.disallowed_calls == 3
+    metrics = out.stats.metrics()
+    assert metrics["tools/disallowed_calls"] == 3.0 and metrics["tools/invalid_calls"] == 3.0
+    assert metrics["tools/python/calls"] == 1.0 and metrics["tools/search/calls"] == 2.0
+
+
+def test_allowed_tools_need_one_entry_per_prompt():
+    with pytest.raises(ValueError, match="allowed_tools has 2 entries for 1 prompts"):
+        arpo_loop(calls_then_answer(0)).generate([enc("x")], SamplingParams(n=1, seed=0), None, [None, None])

@@ -11,7 +11,13 @@ from agentic_support import ScriptedEngine, Turn, tokenizer
 from archer.batch import Batch, response_attention
 from archer.config.loader import load_config
 from archer.errors import ArcherError
-from archer.rollout.agentic_config import branch_settings, check_agentic_config, loop_settings, uses_tools
+from archer.rollout.agentic_config import (
+    branch_settings,
+    check_agentic_config,
+    check_row_tools,
+    loop_settings,
+    uses_tools,
+)
 from archer.rollout.base import SamplingParams
 from archer.rollout.branching import BranchSettings
 from archer.trainer.config_check import check_config
@@ -127,3 +133,31 @@ def test_the_rollout_worker_lays_out_tool_output_as_attended_context():
 def test_a_worker_with_tools_needs_the_tokenizer():
     with pytest.raises(ValueError, match="tokenizer"):
         RolloutWorker(ScriptedEngine(lambda s, _: Turn("x")), rollout_cfg(*ECHO), device=torch.device("cpu"))
+
+
+def test_the_rollout_worker_gives_each_prompt_its_rows_tools():
+    tok = tokenizer()
+
+    def script(state, session):
+        return Turn("<python>print(1)</python>") if state.turns == 0 else Turn(" done", eos=True)
+
+    cfg = rollout_cfg(*ECHO, "data.max_response_length=256")
+    worker = RolloutWorker(ScriptedEngine(script, tok), cfg, device=torch.device("cpu"), tokenizer=tok)
+    ids = tok.encode("q")
+    prompts = Batch({"input_ids": torch.tensor([ids, ids]), "attention_mask": torch.ones(2, len(ids), dtype=torch.long),
+                     "position_ids": torch.arange(len(ids)).repeat(2, 1)}, {"tools": [None, []]})
+    batch = worker.generate_sequences(prompts, sampling_params(cfg, validate=False, seed=0))
+    texts = [tok.decode(r[:int(m.sum())], skip_special_tokens=True)
+             for r, m in zip(batch["responses"], response_attention(batch), strict=True)]
+    assert "<result>\n7\n</result>" in texts[0]
+    assert "Error: the tool 'python' is not available for this question (its tools: none)." in texts[1]
+    assert batch.info[ROLLOUT_STATS].metrics()["tools/disallowed_calls"] == 1.0
+
+
+def test_rows_may_name_only_configured_tools():
+    check_row_tools([["python"], None, []], rollout_cfg(*ECHO), "train.jsonl")
+    check_row_tools([["search"]], rollout_cfg(), "train.jsonl")  # no tools configured: nothing runs
+    with pytest.raises(ArcherError, match=r"train.jsonl: rows name tool\(s\) \['bing', 'search'\] in their tools, "
+                                          r"which actor_rollout_ref.rollout.tools.tool_instances does not configure "
+                                          r"\(its tools: \['python'\]\)"):
+        check_row_tools([["python", "search"], ["bing"]], rollout_cfg(*ECHO), "train.jsonl")

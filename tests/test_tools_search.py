@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -15,7 +16,7 @@ from archer.errors import ArcherError
 from archer.tools import ToolCall, ToolExecutor
 from archer.tools.bm25_index import BM25Index, Passage, build_index
 from archer.tools.search import SearchTool, cut_pages, format_pages
-from archer.tools.search_cache import SearchCacheFile
+from archer.tools.search_cache import MAX_QUERY_CHARS, SearchCacheFile
 
 ARPO_CACHE = Path(__file__).resolve().parents[2] / "shared" / "data" / "arpo" / "search_cache.json"
 needs_arpo_cache = pytest.mark.skipif(not ARPO_CACHE.is_file(), reason="shared ARPO data not present")
@@ -228,18 +229,43 @@ def test_write_through_cache_file_receives_new_results(index_dir: Path, tmp_path
     cache = tmp_path / "cache.json"
     tool = SearchTool(backend="bm25", index_dir=str(index_dir), cache_file=str(cache), cache_writable=True)
     text = tool.execute('"Python" programming language').text
-    assert json.loads(cache.read_text()) == {"Python programming language": text}
+    log = Path(f"{cache}.log")
+    assert [json.loads(line) for line in log.read_text().splitlines()] == [
+        {"query": "Python programming language", "text": text}]
     other = SearchCacheFile(cache, writable=True)  # a second trainer sharing the file
     other.put("nile", "Page 1: Nile.")
     tool.execute("Eiffel Tower")
-    on_disk = json.loads(cache.read_text())
-    assert set(on_disk) == {"Python programming language", "nile", "Eiffel Tower"}
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")] == []
-    # a read-only cache in front of the index answers what it has and asks the index for the rest
+    on_disk = [json.loads(line)["query"] for line in log.read_text().splitlines()]
+    assert on_disk == ["Python programming language", "nile", "Eiffel Tower"]
+    assert tool.cache.get("nile") == "Page 1: Nile."  # the other trainer's line, read on the miss
+    # a read-only cache in front of the index answers what it has (file and log) and asks the index for the rest
     reader = SearchTool(backend="bm25", index_dir=str(index_dir), cache_file=str(cache))
     assert reader.execute("nile").text == "Page 1: Nile."
     assert reader.execute("Louvre museum").text.startswith("Page 1: Louvre.")
-    assert set(json.loads(cache.read_text())) == set(on_disk)
+    assert len(log.read_text().splitlines()) == 3
+
+
+def test_a_new_result_appends_one_line_instead_of_rewriting_the_cache(tmp_path: Path) -> None:
+    cache = tmp_path / "cache.json"
+    cache.write_text(json.dumps({f"query {i}": "Page 1: " + "x" * 1000 for i in range(5000)}))  # 5 MB
+    before = cache.read_bytes()
+    writer = SearchCacheFile(cache, writable=True)
+    start = time.perf_counter()
+    for i in range(200):
+        writer.put(f"new {i}", "Page 1: y")
+    assert time.perf_counter() - start < 1.0  # rewriting 5 MB per query took seconds for these 200
+    assert cache.read_bytes() == before and len(Path(f"{cache}.log").read_text().splitlines()) == 200
+    assert SearchCacheFile(cache).get("new 199") == "Page 1: y" and len(SearchCacheFile(cache)) == 5200
+    with Path(f"{cache}.log").open("a") as f:
+        f.write('{"query": "torn')  # a writer killed mid-line: the line is skipped
+    assert len(SearchCacheFile(cache)) == 5200
+
+
+def test_over_long_queries_are_neither_cached_nor_looked_up(tmp_path: Path) -> None:
+    writer = SearchCacheFile(tmp_path / "cache.json", writable=True)
+    huge = "q" * (MAX_QUERY_CHARS + 1)
+    writer.put(huge, "Page 1: z")
+    assert writer.get(huge) is None and not Path(f"{tmp_path / 'cache.json'}.log").exists()
 
 
 # --- (c) HTTP retriever (Search-R1's /retrieve) ---

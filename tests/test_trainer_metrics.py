@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from archer.batch import Batch
+from archer.eval.metrics import validation_metrics
 from archer.rewards.extras import REWARD_EXTRAS
 from archer.trainer import metrics as metrics_module
-from archer.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer, validation_metrics
+from archer.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer
 
 X = 99.0  # a value under the response mask's zeros: must never reach a metric
 
@@ -130,6 +131,11 @@ def test_validation_metrics_mean_and_best_at_n() -> None:
         "val-core/gsm8k/acc/best@2/mean": 1 / 3,
         "val-core/math/acc/best@2/mean": 2 / 2,
         "val-core/all/acc/best@2/mean": 3 / 5,
+        # the first answer of each prompt: gsm8k 1, 0, 0; math 1, 0
+        **{f"val-core/{ds}/acc/best@1/mean": v for ds, v in (("gsm8k", 1 / 3), ("math", 1 / 2), ("all", 2 / 5))},
+        # unbiased pass@k with n=2: pass@1 = c/2, pass@2 = (c > 0)
+        **{f"val-core/{ds}/acc/pass@1": v for ds, v in (("gsm8k", 1 / 6), ("math", 3 / 4), ("all", 4 / 10))},
+        **{f"val-core/{ds}/acc/pass@2": v for ds, v in (("gsm8k", 1 / 3), ("math", 1.0), ("all", 3 / 5))},
     }
     assert set(m) == set(expected)
     for key, value in expected.items():

@@ -6,11 +6,17 @@ typo is never silently ignored. Free-form mappings (keys whose default is ``{}``
 A single value given for a list key is a one-element list, as verl takes it (``trainer.logger=console`` is
 ``[console]``): the list keys are those whose default is a list, and those whose default is null listed in
 ``NULL_DEFAULT_LIST_KEYS`` (marked "(list)" in their YAML comment).
+
+A user's own full YAML in verl's layout (``user_config``, from ``--config-path/--config-name``) replaces the
+defaults' values; it and the overrides pass through verl_compat.py for the verl keys archer lacks. An empty value
+(``key=``, as an unset shell variable leaves it) of a boolean key is false, as verl reads it.
 """
 
 from __future__ import annotations
 
 import difflib
+import logging
+import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,14 +28,17 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from archer.atomic_files import write_text_atomically
+from archer.config.verl_compat import is_verl_key, translate
 from archer.errors import ArcherError
+
+log = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).resolve().parent
 
 # List keys whose default is null (so the YAML cannot show that they take a list); each is marked "(list)"
 # in its YAML comment. A key whose default is a list needs no entry here.
 NULL_DEFAULT_LIST_KEYS: dict[str, frozenset[str]] = {
-    "ppo_trainer": frozenset({"trainer.influence_trace.layers"}),
+    "ppo_trainer": frozenset({"trainer.influence_trace.layers", "eval.k"}),
 }
 
 
@@ -72,9 +81,13 @@ def _defaults(config_name: str) -> DictConfig:
     return OmegaConf.load(CONFIG_DIR / f"{config_name}.yaml")
 
 
+LOOKUP_FOLDERS = frozenset({"benchmark"})  # YAML folders archer reads by name itself (archer eval), not Hydra groups
+
+
 def config_groups() -> set[str]:
-    """Hydra config groups (sub-folders of archer/config holding YAML options)."""
-    return {p.name for p in CONFIG_DIR.iterdir() if p.is_dir() and any(p.glob("*.yaml"))}
+    """Hydra config groups (sub-folders of archer/config holding YAML options, but LOOKUP_FOLDERS)."""
+    return {p.name for p in CONFIG_DIR.iterdir()
+            if p.is_dir() and p.name not in LOOKUP_FOLDERS and any(p.glob("*.yaml"))}
 
 
 def group_options(group: str) -> list[str]:
@@ -115,6 +128,9 @@ def normalize_overrides(config_name: str, overrides: Sequence[str]) -> list[str]
             raise ArcherError(f"override {raw!r} deletes a key; archer's schema keys cannot be removed",
                               "set the key to null instead, e.g. key=null")
         value = raw.split("=", 1)[1] if "=" in raw else ""
+        if value == "" and isinstance(OmegaConf.select(_defaults(config_name), key, default=None), bool):
+            log.warning("override %r has an empty value (an unset shell variable?): read as false, as verl does", raw)
+            value = "false"
         if key in groups and value != "null" and value not in group_options(key):
             options = group_options(key)
             near = difflib.get_close_matches(value, options, n=1)
@@ -157,12 +173,93 @@ def _missing_keys(node: DictConfig, prefix: str = "") -> list[str]:
     return out
 
 
-def load_config(config_name: str, overrides: Sequence[str] = ()) -> DictConfig:
-    """Compose ``archer/config/<config_name>.yaml`` with overrides; resolved and validated (struct: unknown keys cannot be added)."""
-    normalized = normalize_overrides(config_name, overrides)
+def _split_verl_overrides(config_name: str, overrides: Sequence[str]) -> tuple[list[str], list[tuple[str, Any]]]:
+    """Overrides of archer's keys (as given) and of the verl keys archer lacks (key, parsed value)."""
+    keys, open_maps = known_keys(config_name)
+    archer_overrides: list[str] = []
+    verl: list[tuple[str, Any]] = []
+    for raw in overrides:
+        key = raw.split("=", 1)[0].lstrip("+")
+        known = key in keys or key in config_groups() or any(key.startswith(m + ".") for m in open_maps)
+        if known or not is_verl_key(key) or "=" not in raw:
+            archer_overrides.append(raw)
+            continue
+        try:
+            parsed = OverridesParser.create().parse_overrides([raw.lstrip("+")])[0]
+        except HydraException as e:
+            raise ArcherError(f"cannot parse override: {e}", "write overrides as key=value") from None
+        verl.append((key, parsed.value()))
+    return archer_overrides, verl
+
+
+HYDRA_KEYS = ("hydra.run.dir", "hydra.job.chdir")
+
+
+def hydra_settings(overrides: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """The overrides without Hydra's own (``hydra.run.dir=D``, ``hydra.job.chdir=B``), and those as a mapping."""
+    rest: list[str] = []
+    settings: dict[str, str] = {}
+    for raw in overrides:
+        key, _, value = raw.lstrip("+").partition("=")
+        if not key.startswith("hydra."):
+            rest.append(raw)
+        elif key in HYDRA_KEYS:
+            settings[key] = value
+        else:
+            raise ArcherError(f"Hydra setting {raw!r} is not supported by archer",
+                              f"archer reads only {', '.join(HYDRA_KEYS)} of Hydra's own settings; drop it")
+    return rest, settings
+
+
+def _user_tree(user_config: Path | None) -> DictConfig:
+    """A user's YAML (verl's layout), or an empty config."""
+    if user_config is None:
+        return OmegaConf.create({})
+    if not user_config.is_file():
+        raise ArcherError(f"config file {user_config} does not exist",
+                          "pass --config-path=DIR --config-name=NAME.yaml naming an existing YAML file")
     try:
+        user = OmegaConf.load(user_config)
+    except (OSError, OmegaConfBaseException, ValueError) as e:
+        raise ArcherError(f"config file {user_config} cannot be read: {e}", "fix the YAML") from None
+    if not isinstance(user, DictConfig):
+        raise ArcherError(f"config file {user_config} is not a mapping of config sections", "fix the YAML")
+    for key in ("defaults", "hydra"):
+        if key in user:
+            raise ArcherError(f"config file {user_config} has a {key!r} section: archer reads one self-contained "
+                              "config file without Hydra's defaults list or settings",
+                              "save the composed config (verl: python3 -m verl.trainer.main_ppo --cfg job > F.yaml)"
+                              f" and pass that file; drop the {key!r} section")
+    return user
+
+
+def _compose(config_name: str, normalized: list[str], base: DictConfig | None) -> DictConfig:
+    """Hydra's composition of the defaults (or of the defaults with ``base``'s values over them) and overrides."""
+    if base is None:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-            cfg = compose(config_name=config_name, overrides=normalized)
+            return compose(config_name=config_name, overrides=normalized)
+    with tempfile.TemporaryDirectory(prefix="archer-config-") as tmp:
+        merged = OmegaConf.merge(_defaults(config_name), base)
+        (Path(tmp) / f"{config_name}.yaml").write_text(OmegaConf.to_yaml(merged), encoding="utf-8")
+        for group in config_groups():
+            (Path(tmp) / group).symlink_to(CONFIG_DIR / group, target_is_directory=True)
+        with initialize_config_dir(config_dir=tmp, version_base=None):
+            return compose(config_name=config_name, overrides=normalized)
+
+
+def load_config(config_name: str, overrides: Sequence[str] = (), user_config: Path | None = None) -> DictConfig:
+    """Compose ``archer/config/<config_name>.yaml`` (with a user's verl-layout YAML over it) and overrides;
+    resolved and validated (struct: unknown keys cannot be added)."""
+    archer_overrides, verl_overrides = _split_verl_overrides(config_name, overrides)
+    user = _user_tree(user_config)
+    for key, value in verl_overrides:
+        OmegaConf.update(user, key, value, force_add=True, merge=False)
+    keys, open_maps = known_keys(config_name)
+    source = str(user_config) if user_config is not None else "override"
+    base = translate(user, keys, open_maps, lambda key: _closest(key, keys), source)
+    normalized = normalize_overrides(config_name, archer_overrides)
+    try:
+        cfg = _compose(config_name, normalized, base if user_config is not None or len(base) else None)
     except (HydraException, OmegaConfBaseException) as e:
         raise ArcherError(f"invalid override: {e}", "check the value's type against the default in "
                           f"archer/config/{config_name}.yaml") from None
@@ -208,8 +305,14 @@ def _type_ok(default: Any, value: Any) -> bool:
     return not isinstance(value, DictConfig)
 
 
+def _whole_float_for_int(default: Any, value: Any) -> bool:
+    return (isinstance(default, int) and not isinstance(default, bool) and isinstance(value, float)
+            and value.is_integer())
+
+
 def _check_types(defaults: DictConfig, cfg: DictConfig, config_name: str, prefix: str = "") -> None:
-    """A value must keep its default's type (an int stays an int, a mapping stays a mapping)."""
+    """A value must keep its default's type (an int stays an int, a mapping stays a mapping; a whole float given
+    for an int, such as 1., becomes that int)."""
     for k in defaults.keys():
         path = f"{prefix}.{k}" if prefix else str(k)
         node = defaults._get_node(k)
@@ -217,6 +320,8 @@ def _check_types(defaults: DictConfig, cfg: DictConfig, config_name: str, prefix
             continue
         default = defaults[k]
         value = cfg._get_node(k) if OmegaConf.is_config(cfg._get_node(k)) else cfg[k]
+        if _whole_float_for_int(default, value):  # verl's YAMLs write some counts as 1. (ARPO's beam_size)
+            value = cfg[k] = int(value)
         if not _type_ok(default, value):
             kind = "a mapping" if isinstance(default, DictConfig) else type(default).__name__
             shown = "a mapping" if isinstance(default, DictConfig) else repr(default)

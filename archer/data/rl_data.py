@@ -28,13 +28,14 @@ from archer.models.loading import load_tokenizer
 @dataclass
 class RLData:
     tokenizer: PreTrainedTokenizerBase
-    train: RLDataset
+    train: RLDataset | None  # None when data.train_files is not set (trainer.val_only)
     val: RLDataset | None  # None when data.val_files is not set
-    loader: PromptLoader  # batches of train prompts
+    loader: PromptLoader | None  # batches of train prompts (None without them)
 
 
 def build_rl_data(data: DictConfig, *, model_path: Any, chat_template: str | None) -> RLData:
-    """The tokenizer (``data.tokenizer``, else the model's), both datasets and the train prompt loader."""
+    """The tokenizer (``data.tokenizer``, else the model's), the datasets of the files given and the train prompt
+    loader."""
     tokenizer = load_tokenizer(data.tokenizer) if data.tokenizer else load_tokenizer(model_path, role="model")
 
     def dataset(files: list) -> RLDataset:
@@ -45,9 +46,9 @@ def build_rl_data(data: DictConfig, *, model_path: Any, chat_template: str | Non
                          reward_fn_key=data.reward_fn_key, chat_template=chat_template,
                          apply_chat_template_kwargs=OmegaConf.to_container(data.apply_chat_template_kwargs))
 
-    train = dataset(as_list(data.train_files))
-    val_files = as_list(data.val_files)
+    train_files, val_files = as_list(data.train_files), as_list(data.val_files)
+    train = dataset(train_files) if train_files else None
     val = dataset(val_files) if val_files else None
-    loader = PromptLoader(train, int(data.gen_batch_size or data.train_batch_size), shuffle=bool(data.shuffle),
-                          seed=int(data.seed))
+    loader = None if train is None else PromptLoader(train, int(data.gen_batch_size or data.train_batch_size),
+                                                     shuffle=bool(data.shuffle), seed=int(data.seed))
     return RLData(tokenizer, train, val, loader)

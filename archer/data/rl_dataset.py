@@ -33,9 +33,9 @@ def truncate_ids(ids: list[int], max_length: int, mode: str) -> list[int]:
 
 class RLDataset:
     """Tokenised RL prompts; item ``i`` is a dict with prompt_ids, raw_prompt, data_source, ability,
-    ground_truth (``reward_model.ground_truth``, None when the row has none), extra_info, index (the row's
-    position in the rows given) and, when it is another column, the ``reward_fn_key`` column the reward
-    routes on."""
+    ground_truth (``reward_model.ground_truth``, None when the row has none), extra_info, tools (the tool names
+    the row may call, None for every tool), index (the row's position in the rows given) and, when it is
+    another column, the ``reward_fn_key`` column the reward routes on."""
 
     def __init__(
         self,
@@ -162,6 +162,7 @@ def _item(row: dict[str, Any], ids: list[int], index: int, prompt_key: str, rewa
         "ability": row.get("ability") or "",
         "ground_truth": reward_model.get("ground_truth"),
         "extra_info": row.get("extra_info") or {},
+        "tools": row.get("tools"),
         "index": index,
     }
     item.setdefault(reward_fn_key, row[reward_fn_key])

@@ -1,12 +1,11 @@
-"""SFT data: reading prompt/response or multi-turn message files, and tokenising them with the chat
-template so that only the assistant's tokens carry loss (``loss_mask`` 1), as verl's SFT datasets do.
+"""SFT data: reading files, and tokenising conversations (``sft_formats.Conversation``: prompt/response, alpaca,
+sharegpt rows) with the chat template so that only the assistant's tokens carry loss (``loss_mask`` 1), as
+verl's SFT datasets do.
 
-Single-turn rows hold a prompt (a message list, its Python/JSON string, or plain text for one user message)
-and a response string; the response is trained as the template renders an assistant turn, i.e. the text
-followed by the template's end-of-turn token (``<|im_end|>`` for ChatML). Multi-turn rows hold a message
-list (``role``/``content``, or ShareGPT's ``from``/``value``; LLaMA-Factory's ``function_call`` speaker is an
-assistant turn, its ``observation`` a tool turn) and every assistant turn is trained; a row's tool schemas
-(``data.multiturn.tools_key``) go to the chat template as ``tools``.
+A trained assistant turn is the text the template adds after the generation prompt, up to its end-of-turn token
+(``<|im_end|>`` for ChatML). Tool calls (a message's ``tool_calls``) render through the chat template when it
+renders them (Qwen2.5's ``<tool_call>`` blocks); with a template that ignores ``tool_calls`` the calls are written
+as JSON text in the message. Tool answers (``tool`` messages, LLaMA-Factory's observations) are context only.
 
 Tool output inside an assistant turn carries no loss: each `` <result>\\n...\\n</result>`` span (ARPO's format,
 the tag named by ``data.tool_result_tag``; the space before it included) is what a rollout loop appends after a
@@ -16,7 +15,6 @@ never merged with the model's own text), with ``loss_mask`` 0.
 
 from __future__ import annotations
 
-import ast
 import json
 import logging
 import re
@@ -34,13 +32,13 @@ from transformers import PreTrainedTokenizerBase
 from archer.batch import Batch
 from archer.config.loader import as_list
 from archer.data.rl_dataset import truncate_ids
+from archer.data.sft_formats import Conversation, RowFormat, detect_format, read_dataset_info
 from archer.errors import ArcherError
 
 logger = logging.getLogger("archer.data")
 
 TRUNCATION_MODES = ("error", "left", "right")
-SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system",
-                  "function_call": "assistant", "observation": "tool"}
+_PROBE = "archer_probe_7f3a"  # a tool name no template writes on its own
 
 
 # -- reading files ---------------------------------------------------------------------------------
@@ -53,6 +51,37 @@ def read_sft_rows(paths: str | Path | Sequence[str | Path]) -> list[dict[str, An
     for path in path_list:
         rows.extend(_read_file(Path(str(path)).expanduser()))
     return rows
+
+
+def read_sft_conversations(files: Any, *, dataset_info: str | None = None, data_format: str = "auto",
+                           prompt_key: str = "prompt", response_key: str = "response", multiturn: bool = False,
+                           messages_key: str = "messages", tools_key: str = "tools"
+                           ) -> tuple[list[Conversation], list[str]]:
+    """The conversations of SFT files (each file's format as ``data_row_format`` picks it), or of the datasets
+    ``files`` names in a LLaMA-Factory ``dataset_info`` json (each with its formatting, columns and tags); and
+    where each came from (``row i of FILE``)."""
+    names = [str(f) for f in as_list(files)]
+    if not names:
+        raise ArcherError("no SFT data files were given", "set data.train_files to a .parquet/.jsonl/.json path")
+    if dataset_info is not None:
+        if data_format != "auto" or multiturn:
+            raise ArcherError("data.format / data.multiturn.enable apply to data files, but data.dataset_info is set "
+                              "(its datasets carry their own formatting, columns and tags)",
+                              "leave data.format=auto and data.multiturn.enable=false, or drop data.dataset_info")
+        sources = [(entry.path, entry.row_format) for entry in read_dataset_info(dataset_info, names)]
+    else:
+        sources = [(Path(name).expanduser(), None) for name in names]
+    conversations: list[Conversation] = []
+    where: list[str] = []
+    for path, row_format in sources:
+        rows = _read_file(path)
+        fmt = row_format or data_row_format(rows[0], data_format, where=f"row 0 of {path}", prompt_key=prompt_key,
+                                            response_key=response_key, multiturn=multiturn,
+                                            messages_key=messages_key, tools_key=tools_key)
+        for i, row in enumerate(rows):
+            where.append(f"row {i} of {path}")
+            conversations.append(fmt.conversation(row, where[-1]))
+    return conversations, where
 
 
 def _read_file(path: Path) -> list[dict[str, Any]]:
@@ -110,68 +139,21 @@ def _read_json(path: Path) -> list[Any]:
     return data
 
 
-# -- messages --------------------------------------------------------------------------------------
-def to_messages(value: Any, *, plain_text_ok: bool, where: str) -> list[dict[str, Any]]:
-    """A message list from a list of dicts, its Python/JSON string, or (if allowed) plain text."""
-    if isinstance(value, str):
-        text = value.strip()
-        if not (text.startswith("[") and text.endswith("]")):
-            if plain_text_ok:
-                return [{"role": "user", "content": value}]
-            raise _messages_error(where, "it is plain text, not a list of messages")
-        value = _parse_literal(text, where)
-    if not isinstance(value, list) or not value:
-        raise _messages_error(where, f"it is a {type(value).__name__}, not a non-empty list of messages")
-    return [_to_message(m, where) for m in value]
-
-
-def _parse_literal(text: str, where: str) -> Any:
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise _messages_error(where, f"its text looks like a message list but does not parse ({exc})") from exc
-
-
-def _to_message(message: Any, where: str) -> dict[str, Any]:
-    if isinstance(message, dict) and "from" in message and "role" not in message:
-        role = SHAREGPT_ROLES.get(message["from"])
-        if role is None:
-            raise _messages_error(where, f"ShareGPT speaker {message['from']!r} is not one of {sorted(SHAREGPT_ROLES)}")
-        message = {"role": role, "content": message.get("value")}
-    if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
-        raise _messages_error(where, f"message {message!r} has no string 'role'")
-    content = message.get("content")
-    if not (content is None or isinstance(content, str)):
-        raise _messages_error(where, f"message {message!r} has a non-string 'content'")
-    return {**message, "content": content or ""}
-
-
-def _messages_error(where: str, why: str) -> ArcherError:
-    return ArcherError(f"cannot read the messages of {where}: {why}",
-                       "store messages as a list of {'role': ..., 'content': ...} dicts (or its JSON/Python string)")
-
-
 # -- tokenising ------------------------------------------------------------------------------------
 class SFTDataset:
     """Tokenised SFT examples; item ``i`` is ``{"input_ids", "loss_mask"}`` (1-D int64 tensors), where
-    ``loss_mask[t] = 1`` marks a token the model learns to produce (an assistant token)."""
+    ``loss_mask[t] = 1`` marks a token the model learns to produce (an assistant token). ``where[i]`` names
+    example ``i`` in messages (its row and file)."""
 
     def __init__(
         self,
-        rows: Sequence[dict[str, Any]],
+        conversations: Sequence[Conversation],
         tokenizer: PreTrainedTokenizerBase,
         *,
         max_length: int,
         truncation: str = "error",
-        prompt_key: str = "prompt",
-        response_key: str = "response",
-        multiturn: bool = False,
-        messages_key: str = "messages",
-        tools_key: str = "tools",
         tool_result_tag: str | None = "result",
+        where: Sequence[str] | None = None,
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ArcherError(f"data.truncation={truncation!r} is not a truncation mode",
@@ -182,19 +164,37 @@ class SFTDataset:
         if not tokenizer.chat_template:
             raise ArcherError(f"the tokenizer ({tokenizer.name_or_path or type(tokenizer).__name__}) has no chat template",
                               "start from a chat/instruct model (model.partial_pretrain) whose tokenizer has one")
-        self.tokenizer = tokenizer
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if tool_result_tag is not None and not re.fullmatch(r"[\w.-]+", str(tool_result_tag)):
             raise ArcherError(f"data.tool_result_tag={tool_result_tag!r} is not a tag name",
                               "use a name such as result (for <result>...</result>), or null to train on tool output")
-        keys = (messages_key,) if multiturn else (prompt_key, response_key)
-        segments = [split_tool_results(_row_segments(tokenizer, row, i, keys, multiturn, tools_key), tool_result_tag,
-                                       where=f"SFT row {i}") for i, row in enumerate(rows)]
+        self.tokenizer = tokenizer
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.where = list(where) if where is not None else [f"SFT row {i}" for i in range(len(conversations))]
+        calls_rendered = renders_tool_calls(tokenizer)
+        segments = []
+        for conversation, name in zip(conversations, self.where, strict=True):
+            messages = conversation.messages if calls_rendered else [_calls_as_text(m) for m in conversation.messages]
+            pieces = assistant_segments(tokenizer, messages, conversation.trained, where=name, tools=conversation.tools)
+            segments.append(split_tool_results(pieces, tool_result_tag, where=name))
         self.num_truncated = 0
-        self._items = [self._tokenise(segs, i, max_length, truncation) for i, segs in enumerate(segments)]
+        self._items = [self._tokenise(segs, name, max_length, truncation) for segs, name in zip(segments, self.where,
+                                                                                                 strict=True)]
         no_loss = sum(1 for item in self._items if not item["loss_mask"].any())
         logger.info("SFT dataset: %d examples, %d truncated (%s), %d without any response token left",
                     len(self._items), self.num_truncated, truncation, no_loss)
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, *,
+                  row_format: RowFormat | None = None, prompt_key: str = "prompt", response_key: str = "response",
+                  multiturn: bool = False, messages_key: str = "messages", tools_key: str = "tools",
+                  **kwargs: Any) -> SFTDataset:
+        """The dataset of rows in ``row_format`` (default: as ``data_row_format`` picks from the keys)."""
+        where = [f"SFT row {i}" for i in range(len(rows))]
+        fmt = row_format or data_row_format(rows[0] if rows else {}, "auto", where="SFT row 0", prompt_key=prompt_key,
+                                            response_key=response_key, multiturn=multiturn,
+                                            messages_key=messages_key, tools_key=tools_key)
+        return cls([fmt.conversation(row, name) for row, name in zip(rows, where, strict=True)], tokenizer,
+                   where=where, **kwargs)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -206,7 +206,7 @@ class SFTDataset:
         """Right-padded batch: input_ids, attention_mask, position_ids, loss_mask (all [B, T] int64)."""
         return collate_sft(items, self.pad_token_id)
 
-    def _tokenise(self, segments: list[tuple[str, bool]], index: int, max_length: int,
+    def _tokenise(self, segments: list[tuple[str, bool]], where: str, max_length: int,
                   truncation: str) -> dict[str, torch.Tensor]:
         ids: list[int] = []
         mask: list[int] = []
@@ -216,53 +216,54 @@ class SFTDataset:
             mask.extend([int(trained)] * len(piece))
         if len(ids) > max_length:
             if truncation == "error":
-                raise ArcherError(f"SFT row {index} is {len(ids)} tokens long, more than data.max_length={max_length}",
+                raise ArcherError(f"{where} is {len(ids)} tokens long, more than data.max_length={max_length}",
                                   "raise data.max_length, or set data.truncation=left|right to cut over-long rows")
             self.num_truncated += 1
             ids, mask = truncate_ids(ids, max_length, truncation), truncate_ids(mask, max_length, truncation)
         return {"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long)}
 
 
-def _row_segments(tokenizer: PreTrainedTokenizerBase, row: dict[str, Any], index: int,
-                  keys: tuple[str, ...], multiturn: bool, tools_key: str) -> list[tuple[str, bool]]:
-    missing = [k for k in keys if k not in row]
-    if missing:
-        key_names = "data.multiturn.messages_key" if multiturn else "data.prompt_key / data.response_key"
-        raise ArcherError(f"SFT row {index} has no field(s) {missing}; its fields are {sorted(row)}",
-                          f"point {key_names} at the fields that hold the data")
-    where = f"SFT row {index}"
+def data_row_format(first_row: dict[str, Any], data_format: str, *, where: str, prompt_key: str, response_key: str,
+                    multiturn: bool, messages_key: str, tools_key: str) -> RowFormat:
+    """How a file's rows read under the data.* keys: ``data.format`` when set; with ``auto``, a message list
+    under ``messages_key`` when data.multiturn.enable, else what the first row's fields show."""
+    if multiturn and data_format in ("auto", "sharegpt"):
+        return RowFormat.of("sharegpt", {"messages": messages_key, "tools": tools_key, "system": ""})
     if multiturn:
-        messages = to_messages(row[keys[0]], plain_text_ok=False, where=where)
-        trained = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        if not trained:
-            raise ArcherError(f"{where} has no assistant message, so nothing would be learned from it",
-                              "add the assistant turns to train on, or remove the row")
-    else:
-        response = row[keys[1]]
-        if not isinstance(response, str):
-            raise ArcherError(f"the response of {where} is a {type(response).__name__}, not a string",
-                              "store each response as text")
-        messages = [*to_messages(row[keys[0]], plain_text_ok=True, where=where),
-                    {"role": "assistant", "content": response}]
-        trained = [len(messages) - 1]
-    tools = _tools(row.get(tools_key), where) if multiturn else None
-    return assistant_segments(tokenizer, messages, trained, where=where, tools=tools)
+        raise ArcherError(f"data.multiturn.enable=true reads message lists, but data.format={data_format}",
+                          "set data.format=auto (or sharegpt), or data.multiturn.enable=false")
+    if data_format == "auto":
+        return detect_format(first_row, prompt_key=prompt_key, response_key=response_key, messages_key=messages_key,
+                             where=where)
+    if data_format == "prompt_response":
+        return RowFormat.of("prompt_response", {"prompt": prompt_key, "response": response_key})
+    if data_format == "sharegpt":
+        return RowFormat.of("sharegpt", {"messages": messages_key if messages_key in first_row else "conversations",
+                                         "tools": tools_key})
+    return RowFormat.of(data_format, where="data.format")
 
 
-def _tools(value: Any, where: str) -> list[dict[str, Any]] | None:
-    """A row's tool schemas (a list of dicts or its JSON text, as LLaMA-Factory stores them); None when absent."""
-    if value is None or value == "" or value == []:
-        return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ArcherError(f"the tools of {where} are not valid JSON ({exc})",
-                              "store the tool schemas as a JSON list of objects (or leave the field empty)") from exc
-    if not (isinstance(value, list) and all(isinstance(t, dict) for t in value)):
-        raise ArcherError(f"the tools of {where} are a {type(value).__name__}, not a list of tool schemas",
-                          "store the tool schemas as a list of objects (or its JSON text)")
-    return value
+def renders_tool_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the chat template writes an assistant message's ``tool_calls`` (a probe call's name shows)."""
+    call = {"type": "function", "function": {"name": _PROBE, "arguments": {}}}
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "u"},
+                                              {"role": "assistant", "content": "", "tool_calls": [call]}],
+                                             tokenize=False)
+    except (jinja2.TemplateError, TypeError, ValueError):
+        return False
+    return _PROBE in text
+
+
+def _calls_as_text(message: dict[str, Any]) -> dict[str, Any]:
+    """For a template that ignores ``tool_calls``: the calls as JSON lines after the message's text."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    lines = [json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]}, ensure_ascii=False)
+             for c in calls]
+    text = "\n".join([message["content"], *lines] if message.get("content") else lines)
+    return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": text}
 
 
 def split_tool_results(segments: list[tuple[str, bool]], tag: str | None, *, where: str) -> list[tuple[str, bool]]:
@@ -334,3 +335,51 @@ def collate_sft(items: Sequence[dict[str, torch.Tensor]], pad_token_id: int) -> 
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0) * attention_mask
     return Batch(tensors={"input_ids": input_ids, "attention_mask": attention_mask,
                           "position_ids": position_ids, "loss_mask": loss_mask})
+
+
+def pack_sft(items: Sequence[dict[str, torch.Tensor]], pad_token_id: int, capacity: int, *,
+             unpacked_micro_batch_size: int = 1) -> Batch:
+    """Several examples per row (``data.packing``): the items, longest first, each into the first row with room
+    for it (rows of at most ``capacity`` tokens), right-padded to the longest row. ``position_ids`` restart at 0
+    with every example (and on the padding), which is how the model keeps each example's attention to itself:
+    run without an attention mask, transformers reads the restarts as sequence boundaries (a block-diagonal
+    causal mask with SDPA or eager attention, varlen kernels with flash attention). ``info["packed"]`` says so;
+    ``info["token_slots_unpacked"]`` is what the items would cost unpacked, ``unpacked_micro_batch_size`` rows a
+    forward pass (``token_slots``)."""
+    lengths = [len(it["input_ids"]) for it in items]
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(items)), key=lambda i: -lengths[i]):
+        if lengths[i] > capacity:
+            raise ValueError(f"an example of {lengths[i]} tokens does not fit a packed row of {capacity}")
+        row = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
+        if row is None:
+            rows.append([])
+            room.append(capacity)
+            row = len(rows) - 1
+        rows[row].append(i)
+        room[row] -= lengths[i]
+    width = max(capacity - free for free in room)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, members in enumerate(rows):
+        cursor = 0
+        for i in members:
+            span = slice(cursor, cursor + lengths[i])
+            input_ids[r, span], loss_mask[r, span] = items[i]["input_ids"], items[i]["loss_mask"]
+            attention_mask[r, span] = 1
+            position_ids[r, span] = torch.arange(lengths[i])
+            cursor += lengths[i]
+        position_ids[r, cursor:] = torch.arange(width - cursor)
+    return Batch(tensors={"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                          "loss_mask": loss_mask},
+                 info={"packed": True, "token_slots_unpacked": token_slots(lengths, unpacked_micro_batch_size)})
+
+
+def token_slots(lengths: Sequence[int], micro_batch_size: int) -> int:
+    """Token positions the model computes for rows of these lengths, ``micro_batch_size`` rows a forward pass,
+    each padded to the longest of its micro-batch."""
+    chunks = [lengths[i:i + micro_batch_size] for i in range(0, len(lengths), micro_batch_size)]
+    return sum(len(chunk) * max(chunk) for chunk in chunks)

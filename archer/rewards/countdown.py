@@ -14,16 +14,15 @@ from __future__ import annotations
 import ast
 import json
 import operator
-import re
 from collections.abc import Callable, Mapping
 from fractions import Fraction
 from typing import Any
 
 from archer.errors import ArcherError
+from archer.tagged_text import last_tag_block
 
 FORMAT_SCORE = 0.1
 _MAX_EQUATION_CHARS = 1000
-_ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _OPERATORS: dict[type[ast.operator], Callable[[Fraction, Fraction], Fraction]] = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -92,9 +91,9 @@ def compute_countdown_score(
 ) -> dict[str, float]:
     """{"score": 1.0 | format_score | 0.0, "acc": 1.0 | 0.0} for the equation in the last answer block."""
     target, numbers = parse_countdown_ground_truth(ground_truth)
-    blocks = _ANSWER_BLOCK.findall(solution_str)
-    if not blocks:
+    block = last_tag_block(solution_str, "<answer>", "</answer>")
+    if block is None:
         return {"score": 0.0, "acc": 0.0}
-    if _equation_is_correct(blocks[-1], target, numbers):
+    if _equation_is_correct(block, target, numbers):
         return {"score": 1.0, "acc": 1.0}
     return {"score": format_score, "acc": 0.0}

@@ -1,8 +1,8 @@
 """The reward stage of the RL step: decode responses, score each row, place scores on tokens.
 
-Each row is scored by ``compute_score`` (a custom function, used for every row as in verl) or by the
-built-in routing of archer.rewards.registry on the text of the whole response (tool output included). The
-row's score lands on its last learned token (``response_mask``) of ``token_level_scores``; a row with no such
+Rows are scored by a reward manager (archer.rewards.managers: naive, batch, dapo, prime) that calls
+``compute_score`` (a custom function, used for every row as in verl) or the built-in routing of
+archer.rewards.registry on the text of the whole response (tool output included). The row's score lands on its last learned token (``response_mask``) of ``token_level_scores``; a row with no such
 token keeps an all-zero row (its score is still in ``scores``). Rows are scored in order, so the output is deterministic. Shaping (rewards/shaping.py) comes
 after scoring: a built-in rule reward's wrong answers get ``wrong_answer_score``, and the overlong buffer
 adds its penalty (``overlong_penalty``); accuracy is that of the unshaped answer.
@@ -20,11 +20,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import DictConfig, OmegaConf
 
 from archer.batch import Batch, response_attention
 from archer.errors import ArcherError
+from archer.rewards.custom import load_custom_reward_fn
 from archer.rewards.extras import REWARD_EXTRAS, as_number
-from archer.rewards.registry import default_compute_score
+from archer.rewards.managers import ManagerContext, RowScorer, ScoreRows, build_row_scorer
 from archer.rewards.shaping import OverlongBuffer, apply_wrong_answer_score
 
 _REQUIRED_ROWS = ("ground_truth",)
@@ -58,7 +60,8 @@ class RewardOutput:
 
 
 class RewardManager:
-    """Turns a batch of responses into token-level scores (verl's naive reward manager)."""
+    """Turns a batch of responses into token-level scores with the reward manager named ``manager`` (its
+    ``manager_kwargs`` are verl's reward_model.reward_kwargs; ``max_response_length`` is dapo's default)."""
 
     def __init__(
         self,
@@ -67,11 +70,22 @@ class RewardManager:
         reward_fn_key: str = "data_source",
         overlong: OverlongBuffer | None = None,
         wrong_answer_score: float = 0.0,
+        manager: str = "naive",
+        manager_kwargs: Mapping[str, Any] | None = None,
+        max_response_length: int = 0,
+        score_workers: int = 1,
     ) -> None:
         self.tokenizer = tokenizer
         self.compute_score = compute_score
         self.reward_fn_key = reward_fn_key
-        self.overlong = overlong
+        self.scorer: RowScorer = build_row_scorer(manager, compute_score, manager_kwargs or {},
+                                                  ManagerContext(tokenizer, max_response_length, score_workers))
+        if overlong is not None and self.scorer.overlong is not None:
+            raise ArcherError(
+                "two overlong buffers are set: reward_model.overlong_buffer and "
+                "reward_model.reward_kwargs.overlong_buffer_cfg (reward_manager=dapo)",
+                "keep one of them (reward_model.overlong_buffer.enable=false, or drop the reward_kwargs one)")
+        self.overlong = overlong or self.scorer.overlong
         self.wrong_answer_score = wrong_answer_score
 
     def _check_fields(self, batch: Batch) -> None:
@@ -89,32 +103,21 @@ class RewardManager:
         ]
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
-    def _score_row(self, batch: Batch, i: int, text: str) -> tuple[float, float, dict[str, Any]]:
-        data_source = batch[self.reward_fn_key][i]
-        extra_info = batch["extra_info"][i] if "extra_info" in batch else None
-        kwargs = {"data_source": data_source, "solution_str": text, "ground_truth": batch["ground_truth"][i]}
-        try:
-            if self.compute_score is not None:
-                result = self.compute_score(**kwargs, extra_info=extra_info)
-            else:
-                ability = batch["ability"][i] if "ability" in batch else None
-                result = default_compute_score(**kwargs, extra_info=extra_info, ability=ability)
-        except ArcherError:
-            raise
-        except Exception as exc:
-            raise ArcherError(
-                f"the reward function failed on row {i} (data_source {data_source!r}): {type(exc).__name__}: {exc}",
-                "fix the reward function or that row's ground truth; a custom reward is set with "
-                "custom_reward_function.path=FILE custom_reward_function.name=FN",
-            ) from exc
-        return _row_score(result, f"row {i} (data_source {data_source!r}, response {_excerpt(text)})")
+    def _rows(self, batch: Batch, texts: list[str]) -> ScoreRows:
+        n = len(texts)
+        return ScoreRows(data_sources=list(batch[self.reward_fn_key]), texts=texts,
+                         ground_truths=list(batch["ground_truth"]),
+                         extra_infos=list(batch["extra_info"]) if "extra_info" in batch else [None] * n,
+                         abilities=list(batch["ability"]) if "ability" in batch else [None] * n)
 
     def __call__(self, batch: Batch) -> RewardOutput:
         self._check_fields(batch)
         responses, mask = batch["responses"], batch["response_mask"]
         present = response_attention(batch)  # the reward reads the whole response, tool output included
         texts = self._decode(responses, present)
-        results = [self._score_row(batch, i, text) for i, text in enumerate(texts)]
+        rows = self._rows(batch, texts)
+        results = [_row_score(result, f"row {i} (data_source {rows.data_sources[i]!r}, response {_excerpt(text)})")
+                   for i, (result, text) in enumerate(zip(self.scorer.score(rows), texts, strict=True))]
         scores = np.array([score for score, _, _ in results], dtype=np.float64)
         acc = np.array([a for _, a, _ in results], dtype=np.float64)
         extras = np.empty(len(results), dtype=object)
@@ -178,3 +181,21 @@ def _row_score(result: Any, where: str) -> tuple[float, float, dict[str, Any]]:
         )
     score = _finite(result, "score", result, where)
     return score, float(score > 0), {}
+
+
+def build_reward_manager(cfg: DictConfig, tokenizer: Any) -> RewardManager:
+    """The reward stage an RL config describes (custom_reward_function, reward_model.*, eval.score_workers): the
+    same for training, its validation and ``archer eval``."""
+    custom = cfg.custom_reward_function
+    fn = None
+    if custom.path:
+        fn = load_custom_reward_fn(custom.path, custom.name, **dict(custom.reward_kwargs))
+    buffer = cfg.reward_model.overlong_buffer
+    overlong = (OverlongBuffer(int(cfg.data.max_response_length), int(buffer.len), float(buffer.penalty_factor))
+                if buffer.enable else None)
+    return RewardManager(tokenizer, compute_score=fn, reward_fn_key=cfg.data.reward_fn_key, overlong=overlong,
+                         wrong_answer_score=float(cfg.reward_model.wrong_answer_score),
+                         manager=str(cfg.reward_model.reward_manager),
+                         manager_kwargs=OmegaConf.to_container(cfg.reward_model.reward_kwargs, resolve=True),
+                         max_response_length=int(cfg.data.max_response_length),
+                         score_workers=int(cfg.eval.score_workers))

@@ -2,15 +2,20 @@
 
 Order of the routing:
 1. a data_source in the table below (exact name), or an AIME variant (any name containing "aime");
-2. a row that carries an ``ability`` (ARPO's ``DR_grpo_mix`` and other mixed sources): "math" -> math,
+2. the benchmark names of ARPO's evaluation (any case): math (gsm8k, math, math500, amc23) -> math; QA (hotpotqa,
+   2wiki, bamboogle, musique, gaia, hle, webwalker, simpleqa, xbench, nq, triviaqa, popqa, and Search-R1's
+   ``searchR1_<name>``) -> deep-research QA;
+3. a row that carries an ``ability`` (ARPO's ``DR_grpo_mix`` and other mixed sources): "math" -> math,
    "qa" -> deep-research QA;
-3. ARPO's deep-research evaluation sets (data_source ``DR_*`` without ability) -> QA.
-Anything else is an error that names the fix (a custom reward function).
+4. ARPO's deep-research evaluation sets (data_source ``DR_*`` without ability) -> QA.
+Anything else is an error that names the fix (a custom reward function). ``check_routes`` runs that routing
+over a dataset's (data_source, ability) pairs when the data loads, so a source without a reward stops the run
+before training.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from archer.errors import ArcherError
@@ -52,20 +57,39 @@ _ROUTES: dict[str, Callable[[str, Any], Score]] = {
     "countdown": compute_countdown_score,
     "archer/countdown": compute_countdown_score,
 }
+_BENCHMARK_MATH = ("gsm8k", "math", "math500", "amc23")
+_BENCHMARK_QA = ("hotpotqa", "2wiki", "2wikimultihopqa", "bamboogle", "musique", "gaia", "hle", "webwalker",
+                 "simpleqa", "xbench", "nq", "triviaqa", "popqa")
+_SEARCH_R1_PREFIX = "searchr1_"
+_BENCHMARK_ROUTES: dict[str, Callable[[str, Any], Score]] = {  # keyed by the lower-case name
+    **dict.fromkeys(_BENCHMARK_MATH, _math),
+    **dict.fromkeys(_BENCHMARK_QA, compute_qa_score),
+}
 _ABILITY_ROUTES: dict[str, Callable[[str, Any], Score]] = {"math": _math, "qa": compute_qa_score}
 _DEEP_RESEARCH_PREFIX = "DR_"
 
 
 def known_data_sources() -> list[str]:
-    """The data_source names with a built-in reward (AIME variants and DR_* sources are matched too)."""
-    return sorted(_ROUTES)
+    """The data_source names with a built-in reward (AIME variants, searchR1_* and DR_* sources are matched
+    too; benchmark names in any case)."""
+    return sorted({*_ROUTES, *_BENCHMARK_ROUTES})
+
+
+def _routes_text() -> str:
+    return (f"known data sources: {known_data_sources()} (benchmark names in any case), any name containing "
+            f"'aime', searchR1_<QA name>, {_DEEP_RESEARCH_PREFIX}* sources, and rows with ability "
+            f"{sorted(_ABILITY_ROUTES)}")
 
 
 def _route(data_source: str, ability: str | None) -> Callable[[str, Any], Score]:
     if data_source in _ROUTES:
         return _ROUTES[data_source]
-    if "aime" in data_source.lower():
+    lower = data_source.lower()
+    if "aime" in lower:
         return _math
+    benchmark = lower.removeprefix(_SEARCH_R1_PREFIX)
+    if benchmark in _BENCHMARK_ROUTES and (benchmark == lower or benchmark in _BENCHMARK_QA):
+        return _BENCHMARK_ROUTES[benchmark]
     if ability:
         if ability.lower() not in _ABILITY_ROUTES:
             raise ArcherError(
@@ -77,11 +101,26 @@ def _route(data_source: str, ability: str | None) -> Callable[[str, Any], Score]
     if data_source.startswith(_DEEP_RESEARCH_PREFIX):
         return compute_qa_score
     raise ArcherError(
-        f"no built-in reward for data_source {data_source!r}; known data sources: {known_data_sources()}, "
-        f"any name containing 'aime', {_DEEP_RESEARCH_PREFIX}* sources, and rows with ability "
-        f"{sorted(_ABILITY_ROUTES)}",
+        f"no built-in reward for data_source {data_source!r}; {_routes_text()}",
         "write a reward function and set custom_reward_function.path=FILE custom_reward_function.name=FN",
     )
+
+
+def check_routes(pairs: Iterable[tuple[str, str | None]], where: str) -> None:
+    """Every (data_source, ability) pair of a dataset has a built-in reward; else one error naming the sources
+    without one (and ``where`` they come from) and the routes there are."""
+    missing: set[str] = set()
+    for data_source, ability in set(pairs):
+        try:
+            _route(str(data_source), ability or None)
+        except ArcherError:
+            missing.add(f"{data_source!r}" + (f" (ability {ability!r})" if ability else ""))
+    if missing:
+        raise ArcherError(
+            f"{where}: no built-in reward for data_source {', '.join(sorted(missing))}; {_routes_text()}",
+            "rename the data_source to one of those, or write a reward function and set "
+            "custom_reward_function.path=FILE custom_reward_function.name=FN",
+        )
 
 
 def default_compute_score(

@@ -14,8 +14,11 @@ the HF engine (re-prefill per call) and an engine with real KV reuse run it alik
    frame of the answer fits, the trajectory ends with the call, unanswered. A segment that ends inside a call
    (an opening tag left unclosed at eos or at the budget) gets no answer for it: the call counts in
    ``tools/invalid_calls``, not in the response's ``num_tool_calls`` (calls answered). Without other calls the
-   response ends there with its finish reason; the closed calls of a Hermes turn before it still run. Token
-   ids stay as generated: the model's tokens are never re-tokenised;
+   response ends there with its finish reason; the closed calls of a Hermes turn before it still run. A prompt
+   may bring its own tools (the data's per-row ``tools``: the configured tools that row may use); a call to
+   another tool does not run: its answer is an error text naming the tools it may use, and it counts in
+   ``tools/invalid_calls`` and ``tools/disallowed_calls`` (and toward call_limit). Token ids stay as generated:
+   the model's tokens are never re-tokenised;
 4. right after an answer, while its prompt has free slots, the loop keeps a fork of the trajectory (a branch
    point). The next segment's first ``entropy_window`` tokens give H; the branch rule decides how many
    branches start from that point, each sampling with its own seed;
@@ -28,6 +31,7 @@ the HF engine (re-prefill per call) and an engine with real KV reuse run it alik
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -38,7 +42,7 @@ from archer.rollout.base import RolloutEngine, SamplingParams, Segment
 from archer.rollout.branching import BranchSettings, branch_probability, global_samples, segment_entropy
 from archer.rollout.call_formats import CallFormat, ParsedCall
 from archer.rollout.rollout_stats import RolloutStats
-from archer.rollout.tool_text import clip_text, cut_ids, share_room
+from archer.rollout.tool_text import clip_text, cut_ids, encode_plain, share_room
 from archer.tools import ToolRegistry
 
 _SAMPLE, _BRANCH_DRAWS, _PROBE = 0, 1, 2  # seed streams of a call
@@ -136,6 +140,8 @@ class AgenticRollout:
         self._frames: dict[int, list[list[int]]] = {}
 
     def encode(self, text: str) -> list[int]:
+        """archer's own template text (the call format's frames): its special tokens are meant. Tool answers go
+        through ``encode_plain`` instead."""
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def frame_ids(self, count: int) -> list[list[int]]:
@@ -144,8 +150,12 @@ class AgenticRollout:
         return self._frames[count]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 branching: BranchSettings | None = None) -> AgenticOutput:
-        """``params.n`` responses per prompt (``branching`` for a training rollout; None: independent samples)."""
+                 branching: BranchSettings | None = None,
+                 allowed_tools: Sequence[Collection[str] | None] | None = None) -> AgenticOutput:
+        """``params.n`` responses per prompt (``branching`` for a training rollout; None: independent samples).
+        ``allowed_tools`` gives each prompt the names of the tools it may call (None: every configured tool)."""
+        if allowed_tools is not None and len(allowed_tools) != len(prompts):
+            raise ValueError(f"allowed_tools has {len(allowed_tools)} entries for {len(prompts)} prompts")
         if params.seed is None:
             raise ValueError("the agentic loop needs a sampling seed")
         settings = branching or BranchSettings(n=params.n, initial_rollouts=params.n)
@@ -155,17 +165,18 @@ class AgenticRollout:
         params = replace(params, n=1, stop=stops)
         initial, probed = [settings.initial_rollouts] * len(prompts), None
         if settings.dynamic_rollouts:
-            initial, probed = self._probe(prompts, params, settings)
-        run = _Run(self, prompts, params, settings, params.seed)
+            initial, probed = self._probe(prompts, params, settings, allowed_tools)
+        run = _Run(self, prompts, params, settings, params.seed, allowed_tools)
         if probed is not None:
             run.stats.add_calls(probed)  # the probes' tool calls are the step's work; their responses are not
         return run.execute(initial)
 
-    def _probe(self, prompts: list[list[int]], params: SamplingParams,
-               settings: BranchSettings) -> tuple[list[int], RolloutStats]:
+    def _probe(self, prompts: list[list[int]], params: SamplingParams, settings: BranchSettings,
+               allowed_tools: Sequence[Collection[str] | None] | None) -> tuple[list[int], RolloutStats]:
         """AEPO's entropy pre-monitoring: one tool-using probe per prompt gives its number of global samples
         (returned with the probes' stats)."""
-        probe = _Run(self, prompts, params, BranchSettings(n=1, initial_rollouts=1), _seed(params.seed, _PROBE))
+        probe = _Run(self, prompts, params, BranchSettings(n=1, initial_rollouts=1), _seed(params.seed, _PROBE),
+                     allowed_tools)
         probe.execute([1] * len(prompts))
         out = []
         for (t,) in probe.trajectories:
@@ -179,9 +190,11 @@ class _Run:
     """The state of one ``generate`` call: its session, trajectories, branch draws and stats."""
 
     def __init__(self, loop: AgenticRollout, prompts: list[list[int]], params: SamplingParams,
-                 settings: BranchSettings, seed: int) -> None:
+                 settings: BranchSettings, seed: int,
+                 allowed_tools: Sequence[Collection[str] | None] | None = None) -> None:
         self.loop = loop
         self.prompts = prompts
+        self.allowed = list(allowed_tools) if allowed_tools is not None else [None] * len(prompts)
         self.params = params
         self.settings = settings
         self.seed = seed
@@ -289,16 +302,30 @@ class _Run:
             return True
         return False
 
+    def refusal(self, prompt: int, call: ParsedCall) -> str | None:
+        """The error text of a call that does not run: an unreadable one, or one to a configured tool the prompt
+        may not use (a tool that is not configured gets the executor's own error); None for a call that runs."""
+        allowed = self.allowed[prompt]
+        if call.error is not None or allowed is None or call.call.tool not in self.loop.registry.tools \
+                or call.call.tool in allowed:
+            return call.error
+        names = ", ".join(sorted(allowed)) or "none"
+        return f"Error: the tool {call.call.tool!r} is not available for this question (its tools: {names})."
+
     def answer(self, answering: list[tuple[Trajectory, list[ParsedCall]]]) -> None:
         """Run the round's calls together, append each trajectory's answers, and keep branch points."""
-        requests = [c.call for _, calls in answering for c in calls if c.error is None]
+        refusals = [[self.refusal(t.prompt, c) for c in calls] for t, calls in answering]
+        requests = [c.call for (_, calls), refused in zip(answering, refusals, strict=True)
+                    for c, error in zip(calls, refused, strict=True) if error is None]
         outcomes = iter(self.loop.registry.executor.run(requests))
-        for t, calls in answering:
+        for (t, calls), refused in zip(answering, refusals, strict=True):
             texts = []
-            for c in calls:
-                if c.error is not None:
-                    texts.append(c.error)
+            for c, error in zip(calls, refused, strict=True):
+                if error is not None:
+                    texts.append(error)
                     self.stats.invalid_calls += 1
+                    if c.error is None:
+                        self.stats.disallowed_calls += 1
                     continue
                 outcome = next(outcomes)
                 texts.append(outcome.text)
@@ -318,7 +345,8 @@ class _Run:
         most ``room`` tokens."""
         cfg = self.loop.settings
         frame = self.loop.frame_ids(len(texts))
-        ids = [self.loop.encode(clip_text(text, cfg.max_tool_response_length, cfg.tool_response_truncate_side))
+        ids = [encode_plain(self.loop.tokenizer,
+                            clip_text(text, cfg.max_tool_response_length, cfg.tool_response_truncate_side))
                for text in texts]
         keep = share_room([len(i) for i in ids], room - sum(map(len, frame)))
         tokens = list(frame[0])

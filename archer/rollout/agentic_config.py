@@ -1,7 +1,8 @@
 """The agentic keys of ``actor_rollout_ref.rollout``: their checks (before any model loads), and the loop and
 branch settings they give.
 
-The loop runs when ``tools.tool_instances`` names a tool, for training and validation alike. Its keys:
+The loop runs when ``tools.tool_instances`` names a tool, for training and validation alike (verl's
+``mode=sync_with_tool``, ARPO's switch for it, is accepted and requires a tool). Its keys:
 ``multi_turn.{format, max_tool_response_length, tool_response_truncate_side}``, ``tools.call_limit``,
 ``entropy_window``; ARPO's branching: ``n``, ``initial_rollouts`` (null: n), ``beam_size``,
 ``branch_probability``, ``entropy_weight``; AEPO's switches: ``enable_dynamic_rollouts`` (with
@@ -10,7 +11,7 @@ The loop runs when ``tools.tool_instances`` names a tool, for training and valid
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from omegaconf import DictConfig
@@ -23,6 +24,7 @@ from archer.rollout.branching import BranchSettings
 from archer.rollout.call_formats import CALL_FORMATS, build_call_format
 from archer.rollout.tool_text import TRUNCATE_SIDES
 from archer.tools import ToolRegistry
+from archer.tools.registry import check_tool_specs
 
 KEY = "actor_rollout_ref.rollout"
 
@@ -44,8 +46,17 @@ def _is_int(value: Any, low: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
+ROLLOUT_MODES = ("sync", "async", "sync_with_tool")  # verl's; archer generates every one synchronously
+
+
 def check_agentic_config(rollout: DictConfig) -> None:
-    """Values of the loop's and the branching keys, and branching without a tool to branch at."""
+    """Values of the loop's and the branching keys, branching without a tool to branch at, ARPO's
+    ``mode=sync_with_tool`` without a tool, and every tool's class and params (before any data or model loads)."""
+    _check(rollout.mode in ROLLOUT_MODES, f"unknown {KEY}.mode {rollout.mode!r}", f"use one of {', '.join(ROLLOUT_MODES)}")
+    _check(rollout.mode != "sync_with_tool" or uses_tools(rollout),
+           f"{KEY}.mode=sync_with_tool (ARPO: rollouts with tools) but no tool is configured",
+           f"configure the tools under {KEY}.tools.tool_instances (README \"Agentic RL\"), or set {KEY}.mode=sync")
+    check_tool_specs(rollout.tools)
     n, initial, beam = rollout.n, rollout.initial_rollouts, rollout.beam_size
     _check(initial is None or (_is_int(initial, 1) and initial <= n),
            f"{KEY}.initial_rollouts={initial!r} must be an integer from 1 to rollout.n={n}",
@@ -81,6 +92,19 @@ def check_agentic_config(rollout: DictConfig) -> None:
            f"enable_dynamic_rollouts={rollout.enable_dynamic_rollouts}) but no tool is configured, and branches "
            "start only after tool calls", f"configure the tools ({KEY}.tools.tool_instances, README \"Agentic "
            "RL\"), or set initial_rollouts=null, beam_size=1 and enable_dynamic_rollouts=false")
+
+
+def check_row_tools(row_tools: Iterable[Sequence[str] | None], rollout: DictConfig, where: str) -> None:
+    """The data's per-row ``tools`` name only configured tools (checked when the data loads; rows without tools,
+    or a run without tools, pass)."""
+    if not uses_tools(rollout):
+        return
+    configured = set(rollout.tools.tool_instances)
+    unknown = sorted({name for names in row_tools if names is not None for name in names} - configured)
+    _check(not unknown, f"{where}: rows name tool(s) {unknown} in their tools, which {KEY}.tools.tool_instances "
+           f"does not configure (its tools: {sorted(configured)})",
+           f"configure those tools under {KEY}.tools.tool_instances.<name>, or name only configured tools in the "
+           "rows' tools (leave a row's tools out for every tool)")
 
 
 def loop_settings(rollout: DictConfig) -> LoopSettings:

@@ -27,6 +27,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from archer.errors import ArcherError
+from archer.tagged_text import tag_blocks
 from archer.tools import ToolCall, ToolRegistry
 
 CALL_FORMATS = ("arpo", "hermes")
@@ -93,7 +94,6 @@ class ArpoTags(CallFormat):
         return list(self.RESULT_FRAME)
 
 
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _SENTINEL = "\x00ARCHER_TOOL_RESPONSE_{}\x00"
 
 
@@ -142,11 +142,14 @@ class HermesCalls(CallFormat):
         if finish_reason != "eos":
             return []
         calls = []
-        for body in _TOOL_CALL.findall(text):
+        for body in tag_blocks(text, "<tool_call>", "</tool_call>"):
             try:
                 message = json.loads(body)
             except json.JSONDecodeError as e:
                 calls.append(ParsedCall(ToolCall("", ""), error=f"Error: the tool call is not valid JSON ({e})."))
+                continue
+            except RecursionError:  # nesting deeper than the interpreter's stack: hostile or broken, not a call
+                calls.append(ParsedCall(ToolCall("", ""), error="Error: the tool call's JSON is nested too deeply."))
                 continue
             name = message.get("name") if isinstance(message, dict) else None
             if not isinstance(name, str) or not name:

@@ -91,7 +91,8 @@ class HFGenerateEngine(RolloutEngine):
         self._keeps_last_logits_only = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Nothing to copy: this engine generates with the actor's own module."""
+        """Nothing to copy: this engine generates with the actor's own module (with LoRA, its LoRA layers on:
+        ``W x + scaling * B A x``, the merged model's function, without a merged copy)."""
         if model is not self.model:
             raise ArcherError("the hf engine generates with the module it was built on; it cannot take another's "
                               "weights", "build the engine on the actor's model")

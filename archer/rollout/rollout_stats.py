@@ -13,7 +13,8 @@ count the calls of AEPO's probes, ``add_calls``, whose responses are discarded a
 - the tool metrics of archer.tools.tool_metrics (``tools/<name>/{calls, failures, mean_latency_s}``,
   ``tools/calls_per_response``, ``tools/call_limit_reached``) and ``tools/invalid_calls`` (calls that named no
   configured tool or could not be read, answered with an error and counted toward call_limit; and calls left
-  unclosed where a segment ended at eos or the budget, never answered, also after a Hermes turn's closed calls).
+  unclosed where a segment ended at eos or the budget, never answered, also after a Hermes turn's closed calls;
+  and calls to a tool the row's ``tools`` do not allow), of which ``tools/disallowed_calls`` are the last kind.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class RolloutStats:
     tools: tuple[str, ...] = ()
     records: list[CallRecord] = field(default_factory=list)
     invalid_calls: int = 0
+    disallowed_calls: int = 0  # of the invalid calls: to a configured tool the row may not use
     calls_per_response: list[int] = field(default_factory=list)
     limit_reached: list[bool] = field(default_factory=list)
     turns: list[int] = field(default_factory=list)
@@ -55,11 +57,13 @@ class RolloutStats:
         metrics; the per-response figures stay those of this record's responses."""
         self.records += other.records
         self.invalid_calls += other.invalid_calls
+        self.disallowed_calls += other.disallowed_calls
 
     def metrics(self) -> dict[str, float]:
         out = tool_metrics(self.records, tools=self.tools, calls_per_response=self.calls_per_response,
                            limit_reached=self.limit_reached)
         out["tools/invalid_calls"] = float(self.invalid_calls)
+        out["tools/disallowed_calls"] = float(self.disallowed_calls)
         out["rollout/branches"] = float(len(self.branch_entropies))
         out["rollout/refills"] = float(self.refills)
         for name, values in (("initial_rollouts", self.initial_rollouts), ("branch_depth_mean", self.depths),

@@ -1,6 +1,9 @@
-"""Fitting tool answers into a response.
+"""Fitting tool answers into a response, as plain text.
 
-First verl's character limit on each answer (``multi_turn.max_tool_response_length`` and
+Tool answers are text the policy did not write (a snippet's output, a retrieved page), so they are encoded as
+plain text (``encode_plain``): a special or added token's string in them (``<|im_end|>``, ``<|im_start|>``,
+``<|endoftext|>``, ``<tool_call>``) becomes ordinary tokens that decode to the same characters, never the control
+token, so a tool cannot end a sequence or forge a turn. Then verl's verl's character limit on each answer (``multi_turn.max_tool_response_length`` and
 ``tool_response_truncate_side``: ``left`` keeps the head, ``right`` the tail, ``middle`` both ends, each with a
 "(truncated)" mark). Then the response budget: when a turn's answers would leave the model no token of
 ``response_length``, they are cut in token space (same side) to the room there is, short answers whole and the
@@ -9,7 +12,35 @@ longer ones sharing the rest equally.
 
 from __future__ import annotations
 
+import re
+
+from transformers import PreTrainedTokenizerBase
+
 TRUNCATE_SIDES = ("left", "right", "middle")
+
+
+def encode_plain(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """``text`` as ordinary tokens: no id of the tokenizer's added vocabulary (special tokens included).
+
+    The tokenizer splits special tokens itself (``split_special_tokens``); an added token that is not special
+    (Qwen's ``<tool_call>``, ``<think>``) is matched by the tokenizer even then, so where one remains, each
+    occurrence of an added token's string is encoded one character at a time between plainly encoded pieces
+    (only a one-character added token can stay itself).
+    """
+    added = tokenizer.get_added_vocab()
+    ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    control = set(added.values())
+    if control.isdisjoint(ids):
+        return ids
+    pattern = "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True))
+    ids = []
+    for i, piece in enumerate(re.split(f"({pattern})", text)):
+        parts = list(piece) if i % 2 else [piece]  # odd pieces are the added tokens' strings
+        for part in filter(None, parts):
+            ids += tokenizer(part, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    if not set(tokenizer.all_special_ids).isdisjoint(ids):  # a one-character special token has no plain spelling
+        raise ValueError("the tokenizer has a one-character special token; tool text cannot be kept plain")
+    return ids
 
 
 def clip_text(text: str, limit: int | None, side: str) -> str:

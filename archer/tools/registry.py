@@ -1,7 +1,8 @@
 """Tools built from config (``actor_rollout_ref.rollout.tools``, ARPO's keys), and finding a round's calls.
 
-``tool_instances.<name>.class_path`` names a Tool class, either as a dotted path (``my_pkg.tools.Calc``)
-or by a built-in short name (``python``, ``search``); ``params`` are its keyword arguments. The registry
+``tool_instances.<name>.class_path`` names a Tool class, either as a dotted path (``my_pkg.tools.Calc``),
+by a built-in short name (``python``, ``search``) or by verl's/ARPO's class path (``VERL_TOOLS``); ``params``
+are its keyword arguments. ``check_tool_specs`` checks classes and params without building anything. The registry
 owns the tools and the executor for their calls, and knows the stop strings (``</tag>``) a rollout loop
 must generate with.
 """
@@ -23,10 +24,22 @@ BUILTIN_TOOLS = {
     "python": "archer.tools.python_tool.PythonTool",
     "search": "archer.tools.search.SearchTool",
 }
+# verl's and ARPO's tool classes, by the class_path their configs and scripts write, and archer's tool for each
+# (README "Porting from verl, Archer2.0 or ARPO" shows this table).
+VERL_TOOLS = {
+    "verl.workers.rollout.tools.python_tool.PythonTool": "archer.tools.python_tool.PythonTool",
+    "verl.workers.agent.tools.python_tool.PythonTool": "archer.tools.python_tool.PythonTool",
+    "verl.workers.rollout.tools.search_tool.BingSearchTool": "archer.tools.bing.BingSearchTool",
+    "verl.workers.agent.tools.search_tool.BingSearchTool": "archer.tools.bing.BingSearchTool",
+}
 
 
 def _tool_class(name: str, class_path: str) -> type[Tool]:
-    dotted = BUILTIN_TOOLS.get(class_path, class_path)
+    dotted = BUILTIN_TOOLS.get(class_path) or VERL_TOOLS.get(class_path, class_path)
+    if dotted.startswith("verl."):
+        raise ArcherError(f"tool {name!r}: verl's {dotted!r} has no archer counterpart",
+                          f"set tool_instances.{name}.class_path to one of {sorted(BUILTIN_TOOLS)}, one of verl's "
+                          f"{sorted(VERL_TOOLS)}, or module.ClassName of your own archer Tool")
     module_name, _, class_name = dotted.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module_name), class_name) if module_name else None
@@ -41,14 +54,32 @@ def _tool_class(name: str, class_path: str) -> type[Tool]:
     return cls
 
 
-def build_tool(name: str, class_path: str, params: Mapping[str, Any]) -> Tool:
-    cls = _tool_class(name, class_path)
+def _checked_class(name: str, spec: Any) -> type[Tool]:
+    """A tool spec's class, with its params bound to the class's signature (a wrong class_path or param key is
+    an error naming the tool)."""
+    if not isinstance(spec, Mapping) or not spec.get("class_path"):
+        raise ArcherError(f"tool {name!r} has no class_path",
+                          f"set tools.tool_instances.{name}.class_path (e.g. python or search)")
+    cls = _tool_class(name, spec["class_path"])
+    params = spec.get("params") or {}
     try:
         inspect.signature(cls).bind(name, **params)
     except TypeError as e:
         accepted = [p for p in inspect.signature(cls).parameters if p != "name"]
         raise ArcherError(f"tool {name!r}: bad params for {cls.__name__}: {e}",
                           f"use only these keys under tool_instances.{name}.params: {', '.join(accepted)}") from None
+    return cls
+
+
+def check_tool_specs(cfg: DictConfig | Mapping[str, Any]) -> None:
+    """Every tool's class_path imports to a Tool and its params fit it; nothing is built (config-check time)."""
+    cfg = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    for name, spec in (cfg.get("tool_instances") or {}).items():
+        _checked_class(name, spec)
+
+
+def build_tool(name: str, class_path: str, params: Mapping[str, Any]) -> Tool:
+    cls = _checked_class(name, {"class_path": class_path, "params": params})
     return cls(name, **params)
 
 
@@ -69,10 +100,7 @@ class ToolRegistry:
         cfg = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
         tools = []
         for name, spec in (cfg.get("tool_instances") or {}).items():
-            if not isinstance(spec, Mapping) or not spec.get("class_path"):
-                raise ArcherError(f"tool {name!r} has no class_path",
-                                  f"set tools.tool_instances.{name}.class_path (e.g. python or search)")
-            tools.append(build_tool(name, spec["class_path"], spec.get("params") or {}))
+            tools.append(_checked_class(name, spec)(name, **(spec.get("params") or {})))
         return cls(tools, call_limit=cfg.get("call_limit", 3), max_workers=cfg.get("max_workers", 64),
                    timeout=cfg.get("timeout", 120.0), retry_count=cfg.get("retry_count", 3))
 

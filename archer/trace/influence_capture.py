@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from omegaconf import DictConfig
+from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from archer.errors import ArcherError
@@ -92,8 +93,15 @@ def select_modules(model: nn.Module, name_filter: list[str], layers: list[int] |
 
     ``layers`` are indices into the decoder layers (negative counts from the end); None means all.
     ``max_modules`` > 0 keeps the last N matches (those closest to the output).
+    A layer with LoRA (peft's LoraLayer around the linear layer, under the linear layer's name) is hooked
+    whole: its input is the base layer's, and its output gradient is the base output's, so the captured
+    dy_t x_t^T is the per-token gradient of the effective (merged) weight; the modules inside it are not
+    candidates.
     """
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    lora = tuple(f"{name}." for name, m in model.named_modules() if isinstance(m, LoraLayer))
+    linears = {name: m for name, m in model.named_modules()
+               if (isinstance(m, nn.Linear) and not name.startswith(lora))
+               or (isinstance(m, LoraLayer) and isinstance(m.get_base_layer(), nn.Linear))}
     matched = {name: m for name, m in linears.items()
                if any(name == f or name.endswith("." + f) for f in name_filter)}
     if layers is not None:

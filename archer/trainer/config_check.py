@@ -12,6 +12,8 @@ from omegaconf import DictConfig, OmegaConf
 from archer.algorithms.policy_loss import POLICY_LOSSES
 from archer.config.loader import as_list
 from archer.errors import ArcherError
+from archer.models.lora import LoraSettings
+from archer.rewards.managers import check_manager
 from archer.rewards.shaping import OverlongBuffer
 from archer.rollout.agentic_config import check_agentic_config
 from archer.rollout.factory import check_engine_name
@@ -82,16 +84,25 @@ def check_config(cfg: DictConfig) -> None:
         raise ArcherError("reward_model.enable=True: model-based reward is not available in archer yet",
                           "use rule rewards or custom_reward_function.path=FILE (reward_model.enable=False)")
     check_engine_name(cfg.actor_rollout_ref.rollout.name)
+    LoraSettings.from_config(cfg.actor_rollout_ref.model)  # lora_rank, lora_alpha, target_modules
     actor = cfg.actor_rollout_ref.actor
     loss_switches(POLICY_LOSSES.lookup(actor.policy_loss.loss_mode), actor)  # a loss mode and switches it takes
     check_agentic_config(cfg.actor_rollout_ref.rollout)
     check_trainer_modes(cfg.trainer, has_val_files=bool(as_list(cfg.data.val_files)))
+    if not cfg.trainer.val_only and not as_list(cfg.data.train_files):
+        raise ArcherError("data.train_files is not set: training needs prompts",
+                          "set data.train_files to the training parquet file(s) (trainer.val_only=true needs none)")
+    if int(cfg.eval.score_workers) < 1:
+        raise ArcherError(f"eval.score_workers={cfg.eval.score_workers} must be at least 1", "set eval.score_workers=1 or more")
     train_bs, mini = int(cfg.data.train_batch_size), int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
     if mini > train_bs or train_bs % mini:
         raise ArcherError(f"actor.ppo_mini_batch_size={mini} must divide data.train_batch_size={train_bs}",
                           "pick a mini-batch size that divides the train batch size (both count prompts)")
     if cfg.trainer.influence_trace.enable:
         check_influence_settings(cfg.trainer.influence_trace)
+    check_manager(str(cfg.reward_model.reward_manager),
+                  OmegaConf.to_container(cfg.reward_model.reward_kwargs, resolve=True),
+                  has_custom_function=bool(cfg.custom_reward_function.path))
     buffer = cfg.reward_model.overlong_buffer
     if buffer.enable:
         OverlongBuffer(int(cfg.data.max_response_length), int(buffer.len), float(buffer.penalty_factor))

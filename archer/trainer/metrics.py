@@ -1,18 +1,15 @@
-"""Step metrics under verl's names: scores, rewards, advantages, lengths, entropy, timing, throughput,
-validation accuracy per data source, and the mean of every numeric reward extra (``reward/<key>/mean`` in
-training, ``val-aux/<data_source>/<key>/mean@n`` in validation)."""
+"""Step metrics under verl's names: scores, rewards, advantages, lengths, entropy, timing, throughput, and the
+mean of every numeric reward extra (``reward/<key>/mean``). Validation's metrics are archer.eval.metrics'."""
 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 
-from archer.algorithms.grouping import group_rows
 from archer.batch import Batch, response_attention
 from archer.rewards.extras import REWARD_EXTRAS, numeric_columns
 
@@ -65,36 +62,4 @@ def compute_timing_metrics(timings: dict[str, float], num_tokens: int) -> dict[s
     metrics["perf/total_num_tokens"] = float(num_tokens)
     metrics["perf/time_per_step"] = step_time
     metrics["perf/throughput"] = num_tokens / step_time if step_time > 0 else 0.0
-    return metrics
-
-
-def _means_by_source(sources: np.ndarray, values: np.ndarray) -> dict[str, float]:
-    """Mean of the values that are not NaN, per data source and over "all"; a source without any gets none."""
-    means = {}
-    for name, rows in [*((s, sources == s) for s in dict.fromkeys(sources)), ("all", slice(None))]:
-        kept = values[rows][~np.isnan(values[rows])]
-        if kept.size:
-            means[name] = float(np.mean(kept))
-    return means
-
-
-def validation_metrics(data_sources: np.ndarray, uids: np.ndarray, acc: np.ndarray, scores: np.ndarray,
-                       n: int, extras: Mapping[str, np.ndarray] | None = None) -> dict[str, float]:
-    """mean@n accuracy and score per data source, plus best@n (pass@n) when n > 1, and over all sources;
-    mean@n of each numeric reward extra (``extras``: key -> column, NaN where a row lacks it)."""
-    sources = np.asarray([str(ds) for ds in data_sources])
-    acc = np.asarray(acc, dtype=np.float64)
-    metrics: dict[str, float] = {}
-    for ds, mean in _means_by_source(sources, acc).items():
-        metrics[f"val-core/{ds}/acc/mean@{n}"] = mean
-    for name, column in {"score": scores, **(extras or {})}.items():
-        for ds, mean in _means_by_source(sources, np.asarray(column, dtype=np.float64)).items():
-            metrics[f"val-aux/{ds}/{name}/mean@{n}"] = mean
-    if n > 1:
-        best: dict[str, list[float]] = defaultdict(list)
-        for rows in group_rows(list(zip(sources, uids))):  # the n responses to one prompt of one source
-            best[sources[rows[0]]].append(float(np.max(acc[rows])))
-            best["all"].append(float(np.max(acc[rows])))
-        for ds, vals in best.items():
-            metrics[f"val-core/{ds}/acc/best@{n}/mean"] = float(np.mean(vals))
     return metrics

@@ -27,12 +27,14 @@ from archer.batch import Batch
 from archer.config.loader import as_list, save_config
 from archer.data.loader import collate_prompts
 from archer.data.rl_data import build_rl_data
+from archer.data.rl_dataset import RLDataset
 from archer.errors import ArcherError
+from archer.eval.evaluator import Evaluator, records_metrics
 from archer.models.loading import pick_device
-from archer.rewards.custom import load_custom_reward_fn
-from archer.rewards.extras import REWARD_EXTRAS, numeric_columns
-from archer.rewards.manager import RewardManager
-from archer.rewards.shaping import OverlongBuffer
+from archer.rewards.extras import REWARD_EXTRAS
+from archer.rewards.manager import build_reward_manager
+from archer.rewards.registry import check_routes
+from archer.rollout.agentic_config import check_row_tools
 from archer.rollout.rollout_stats import RolloutStats
 from archer.trace.entropy import EntropyTrace
 from archer.trace.influence import InfluenceTrace
@@ -50,12 +52,13 @@ from archer.trainer.group_filter import (
     too_many_batches_error,
     uniform_accuracy_rows,
 )
-from archer.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer, validation_metrics
+from archer.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer
 from archer.trainer.model_check import check_sequence_lengths
 from archer.trainer.plots import plot_metrics
 from archer.trainer.tracking import Tracking
 from archer.workers.actor import INFLUENCE_TOKENS, ActorWorker
 from archer.workers.critic import CriticWorker
+from archer.workers.generator import GenerationWorker
 from archer.workers.reference import ReferenceWorker
 from archer.workers.rollout import ROLLOUT_STATS, concat_sequences
 
@@ -67,22 +70,35 @@ TRAINER_STATE = "trainer_state.pt"
 VAL_ONLY_FILE = "val_only.jsonl"  # trainer.val_only: one line per validation, appended
 
 
+EVAL_ONLY_KEYS = ("benchmark", "data_dir", "output_dir", "limit")  # eval.* keys only `archer eval` reads
+
+
+def warn_eval_only_keys(eval_cfg: DictConfig) -> None:
+    """Training's validation reads eval.k and eval.score_workers; the other eval.* keys would change nothing here."""
+    set_keys = [f"eval.{k}" for k in EVAL_ONLY_KEYS if eval_cfg[k] not in (None, [])]
+    if eval_cfg.judge.url:
+        set_keys.append("eval.judge.url")
+    if set_keys:
+        log.warning("%s: read by `archer eval` only; training's validation scores data.val_files with the rule "
+                    "rewards and ignores them", ", ".join(set_keys))
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
 
 
-def build_reward_manager(cfg: DictConfig, tokenizer) -> RewardManager:
-    custom = cfg.custom_reward_function
-    fn = None
-    if custom.path:
-        fn = load_custom_reward_fn(custom.path, custom.name, **dict(custom.reward_kwargs))
-    buffer = cfg.reward_model.overlong_buffer
-    overlong = (OverlongBuffer(int(cfg.data.max_response_length), int(buffer.len), float(buffer.penalty_factor))
-                if buffer.enable else None)
-    return RewardManager(tokenizer, compute_score=fn, reward_fn_key=cfg.data.reward_fn_key, overlong=overlong,
-                         wrong_answer_score=float(cfg.reward_model.wrong_answer_score))
+def check_data_against_config(cfg: DictConfig, dataset: RLDataset | None, where: str) -> None:
+    """When the data loads, before training: without custom_reward_function every data_source has a built-in
+    reward (naming the ones without and the routes there are), and the rows' tools name configured tools."""
+    if dataset is None:
+        return
+    items = [dataset[i] for i in range(len(dataset))]
+    if not cfg.custom_reward_function.path:
+        key = cfg.data.reward_fn_key
+        check_routes(((item[key], item["ability"]) for item in items), where)
+    check_row_tools((item["tools"] for item in items), cfg.actor_rollout_ref.rollout, where)
 
 
 def write_generations(path: Path, batch: Batch, texts: list[str], scores: np.ndarray, step: int) -> None:
@@ -116,25 +132,32 @@ class PPOTrainer:
         ref_cfg = cfg.actor_rollout_ref
         data = build_rl_data(cfg.data, model_path=ref_cfg.model.path, chat_template=ref_cfg.model.custom_chat_template)
         self.tokenizer, self.train_set, self.val_set, self.loader = data.tokenizer, data.train, data.val, data.loader
+        for where, dataset in (("data.train_files", self.train_set), ("data.val_files", self.val_set)):
+            check_data_against_config(cfg, dataset, where)
         check_sequence_lengths(cfg, max(d.longest_prompt for d in (data.train, data.val) if d is not None))
+        warn_eval_only_keys(cfg.eval)
+        self.reward_fn = build_reward_manager(cfg, self.tokenizer)
+        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", cfg.trainer.max_actor_ckpt_to_keep)
+        self.global_step = 0
+        self.entropy_trace: EntropyTrace | None = None
+        self.influence_trace: InfluenceTrace | None = None
+        self.template_kwargs = OmegaConf.to_container(cfg.data.apply_chat_template_kwargs)
+        if cfg.trainer.val_only:  # a policy that only generates: no optimiser, reference, critic or train data
+            self.actor = self.ref = self.critic = None
+            return
         steps = cfg.trainer.total_training_steps
         self.total_steps = int(steps) if steps else self.loader.steps_per_epoch * int(cfg.trainer.total_epochs)
-
-        self.reward_fn = build_reward_manager(cfg, self.tokenizer)
         self.actor = ActorWorker(ref_cfg, device=self.device, total_steps=self.total_steps, tokenizer=self.tokenizer,
-                                 chat_template_kwargs=OmegaConf.to_container(cfg.data.apply_chat_template_kwargs))
+                                 chat_template_kwargs=self.template_kwargs)
         algo = cfg.algorithm
         self.use_ref = bool(ref_cfg.actor.use_kl_loss or algo.use_kl_in_reward)
-        self.ref = ReferenceWorker(ref_cfg, device=self.device) if self.use_ref else None
+        self.ref = (ReferenceWorker(ref_cfg, device=self.device, lora_policy=self.actor.peft)
+                    if self.use_ref else None)
         self.use_critic = algo.adv_estimator == "gae"
         self.critic = (CriticWorker(cfg.critic, rollout_n=int(ref_cfg.rollout.n), device=self.device,
                                     total_steps=self.total_steps) if self.use_critic else None)
         self.kl_ctrl = make_kl_controller(algo.kl_ctrl.type, float(algo.kl_ctrl.kl_coef),
                                           float(algo.kl_ctrl.target_kl), int(algo.kl_ctrl.horizon))
-        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", cfg.trainer.max_actor_ckpt_to_keep)
-        self.global_step = 0
-        self.entropy_trace: EntropyTrace | None = None
-        self.influence_trace: InfluenceTrace | None = None
 
     # -- the step -----------------------------------------------------------------------------------------
     def generate_batch(self, step: int, gen_index: int, timings: dict[str, float],
@@ -258,28 +281,28 @@ class PPOTrainer:
         return metrics
 
     # -- validation -----------------------------------------------------------------------------------------
-    def validate(self, dump_prefix: str = "") -> dict[str, float]:
-        """Generate for every validation prompt with rollout.val_kwargs and score it; the generations go to
+    def validate(self, dump_prefix: str = "", generator: Any = None) -> dict[str, float]:
+        """Generate for every validation prompt with rollout.val_kwargs and score it, through the Evaluator that
+        ``archer eval`` uses (``generator``: the policy that generates, default the actor); the generations go to
         <validation_data_dir>/<dump_prefix>step_N.jsonl when that key is set."""
         if self.val_set is None:
             return {}
+        n = int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
+        evaluator = Evaluator((generator or self.actor).generate_sequences, self.reward_fn, self.tokenizer.pad_token_id,
+                              n=n, seed=self.seed)
         size = int(self.cfg.data.val_batch_size or len(self.val_set))
         items = [self.val_set[i] for i in range(len(self.val_set))]
-        parts = []
+        parts, records = [], []
         start = time.perf_counter()
-        for offset in range(0, len(items), size):
-            prompts = collate_prompts(items[offset: offset + size], self.tokenizer.pad_token_id)
-            prompts["uid"] = [f"val-{offset + i}" for i in range(len(prompts))]
-            prompts.info.update(validate=True, seed=self.seed)
-            batch = self.actor.generate_sequences(prompts)
+        for b, offset in enumerate(range(0, len(items), size)):
+            batch, batch_records = evaluator.run_batch(items[offset: offset + size], b)
             batch.info.pop(ROLLOUT_STATS, None)
-            self.reward_fn(batch).add_to(batch)
+            records += batch_records
             parts.append(batch.select(["data_source", "uid", "raw_prompt", "ground_truth", "response_text", "score",
                                        "acc", REWARD_EXTRAS]))
         merged = Batch.concat(parts)
-        metrics = validation_metrics(merged["data_source"], merged["uid"], merged["acc"], merged["score"],
-                                     int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n),
-                                     numeric_columns(merged[REWARD_EXTRAS]))
+        ks = self.cfg.eval.k
+        metrics = records_metrics(records, n, None if ks is None else list(ks))
         metrics["timing_s/testing"] = time.perf_counter() - start
         if self.cfg.trainer.validation_data_dir:
             write_generations(Path(self.cfg.trainer.validation_data_dir) / f"{dump_prefix}step_{self.global_step}.jsonl",
@@ -400,10 +423,11 @@ class PPOTrainer:
         path = self.checkpoint_to_resume(read_only=True)
         validated = str(self.cfg.actor_rollout_ref.model.path)
         if path is not None:
-            self.actor.load(path / "actor")
             self.global_step = int(load_torch_state(path / TRAINER_STATE)["global_step"])
             validated = str(path / "actor")
-        metrics = self.validate(dump_prefix="val_only_")  # never replaces a training run's dump of that step
+        generator = GenerationWorker(self.cfg.actor_rollout_ref, validated, device=self.device, tokenizer=self.tokenizer,
+                                     chat_template_kwargs=self.template_kwargs)
+        metrics = self.validate(dump_prefix="val_only_", generator=generator)  # never replaces a training dump
         record = {"step": self.global_step, "model": validated,
                   **{k: v if math.isfinite(v) else None for k, v in metrics.items()}}
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -4,17 +4,21 @@ response tokens only, and write the run directory (config, metrics, plots, summa
 The loss of a step is the mean negative log-likelihood over all response tokens of the whole training
 batch, accumulated over micro-batches, so any micro-batch size gives the same gradient. Log-probs come
 from the backbone's hidden states at response positions only, in chunks (never full [tokens x vocab]).
+With ``model.lora_rank > 0`` only LoRA adapters on the frozen base are trained (models/lora.py); hf_model is
+then the merged model and hf_model/lora_adapter the adapters.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from peft import PeftModel
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 from transformers import (
@@ -29,17 +33,37 @@ from transformers import (
 from archer.atomic_files import write_json_atomically
 from archer.batch import Batch
 from archer.config.loader import as_list, save_config
-from archer.data.sft_dataset import SFTDataset, read_sft_rows
+from archer.data.loader import PromptLoader
+from archer.data.sft_dataset import SFTDataset, pack_sft, read_sft_conversations, token_slots
 from archer.errors import ArcherError
-from archer.models.loading import autocast_for, load_causal_lm, load_tokenizer, pick_device, save_hf
+from archer.models.loading import (
+    autocast_for,
+    default_dtype,
+    load_causal_lm,
+    load_tokenizer,
+    pick_device,
+)
 from archer.models.logprobs import backbone_of, logprobs_from_hidden
+from archer.models.lora import LoraSettings, add_lora, trainable_parameters
+from archer.trainer.checkpoint import (
+    CheckpointManager,
+    capture_rng_state,
+    load_torch_state,
+    restore_rng_state,
+    save_torch_state,
+)
 from archer.trainer.plots import plot_metrics
 from archer.trainer.tracking import METRICS_FILE, Tracking
-from archer.workers.optim import clip_and_step
+from archer.workers.actor import load_policy, save_policy
+from archer.workers.optim import clip_and_step, load_optim_state, save_optim_state
 
 LR_SCHEDULERS = ("cosine", "constant", "wsd")
+RESUME_MODES = ("auto", "disable", "resume_path")
+MODEL_DIR = "model"  # a checkpoint's HF model folder (with its optimiser state)
+TRAINER_STATE = "trainer_state.pt"
 WSD_STABLE_RATIO = 0.9  # share of the post-warmup steps held at the peak lr before the cosine decay (verl's)
 CHUNK_SIZE = 1024  # response tokens per chunk of the lm_head + log-softmax
+logger = logging.getLogger("archer.sft")
 KEY_METRICS = ("train/loss", "val/loss", "train/lr")
 PLOT_GROUPS = {"loss": ["train/loss", "val/loss"], "token_acc": ["val/token_acc"], "lr": ["train/lr"],
                "grad_norm": ["train/grad_norm"]}
@@ -55,44 +79,104 @@ def run_sft(cfg: DictConfig) -> Path:
     train_set = build_dataset(cfg, tokenizer, cfg.data.train_files)
     val_set = build_dataset(cfg, tokenizer, cfg.data.val_files) if as_list(cfg.data.val_files) else None
     loader = _train_loader(train_set, cfg)
-    total_steps = cfg.trainer.total_training_steps or len(loader) * cfg.trainer.total_epochs
-    model = load_causal_lm(cfg.model.partial_pretrain, device=device, dtype=torch.float32,
+    total_steps = cfg.trainer.total_training_steps or loader.steps_per_epoch * cfg.trainer.total_epochs
+    lora = LoraSettings.from_config(cfg.model, prefix="model")
+    # full fine-tuning trains float32 weights; LoRA a base in the device's dtype, adapters in float32
+    model = load_causal_lm(cfg.model.partial_pretrain, device=device,
+                           dtype=torch.float32 if lora is None else default_dtype(device),
                            gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
                            trust_remote_code=cfg.model.trust_remote_code)
+    peft_model = add_lora(model, lora) if lora is not None else None  # injects the LoRA layers into model
     model.train()
     run_dir = Path(cfg.trainer.default_local_dir)
     save_config(cfg, run_dir / "config.yaml")
-    last = _train(model, loader, val_set, cfg, total_steps, run_dir)
-    model_dir = save_hf(model, tokenizer, run_dir / "hf_model")
+    last = _train(model, peft_model, tokenizer, loader, val_set, cfg, total_steps, run_dir)
+    model_dir = run_dir / "hf_model"
+    save_policy(model, peft_model, tokenizer, model_dir)
     if cfg.trainer.plots:
         plot_metrics(run_dir / METRICS_FILE, run_dir / "plots", PLOT_GROUPS)
     _write_summary(run_dir, last, total_steps, time.perf_counter() - started, model_dir)
     return model_dir
 
 
-def _train(model: PreTrainedModel, loader: DataLoader, val_set: SFTDataset | None, cfg: DictConfig,
-           total_steps: int, run_dir: Path) -> dict[str, float]:
-    """The optimisation loop with its metrics; returns the latest value of every metric."""
+def _train(model: PreTrainedModel, peft_model: PeftModel | None, tokenizer: PreTrainedTokenizerBase,
+           loader: PromptLoader,
+           val_set: SFTDataset | None, cfg: DictConfig, total_steps: int, run_dir: Path) -> dict[str, float]:
+    """The optimisation loop with its metrics and checkpoints (resumed from one when trainer.resume_mode says
+    so); returns the latest value of every metric."""
     device = next(model.parameters()).device
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.optim.lr_scheduler, cfg.optim.warmup_steps_ratio, total_steps)
+    checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.trainer.max_ckpt_to_keep)
+    start = _resume(cfg.trainer, checkpoints, model, peft_model, optimizer, scheduler, loader)
     last: dict[str, float] = {}
     with Tracking(run_dir, backends=as_list(cfg.trainer.logger), project=cfg.trainer.project_name,
                   experiment=cfg.trainer.experiment_name, config=OmegaConf.to_container(cfg, resolve=True),
-                  total_steps=total_steps, key_metrics=KEY_METRICS) as tracking:
-        for step, batch, epoch_end in _steps(loader, total_steps):
-            metrics = train_step(model, optimizer, scheduler, batch.to(device),
-                                 micro_batch_size=cfg.data.micro_batch_size_per_gpu, clip_grad=cfg.optim.clip_grad)
+                  total_steps=total_steps, key_metrics=KEY_METRICS, start_step=start) as tracking:
+        for step in range(start + 1, total_steps + 1):
+            items, micro = loader.next_batch(), cfg.data.micro_batch_size_per_gpu
+            if cfg.data.packing:  # one packed row a forward pass, as many tokens as an unpacked micro-batch at most
+                batch = pack_sft(items, loader.dataset.pad_token_id, micro * cfg.data.max_length,
+                                 unpacked_micro_batch_size=micro)
+                micro = 1
+            else:
+                batch = loader.dataset.collate(items)
+            metrics = train_step(model, optimizer, scheduler, batch.to(device), micro_batch_size=micro,
+                                 clip_grad=cfg.optim.clip_grad)
+            epoch_end = loader.position == 0
             if val_set is not None and _should_validate(step, epoch_end, total_steps, cfg.trainer.test_freq):
                 metrics |= evaluate(model, val_set, cfg.data.micro_batch_size_per_gpu, device)
+            # logged before the checkpoint commits: a run killed in between redoes this step from the previous one
             tracking.log(metrics, step=step)
             last |= metrics
+            if cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or step == total_steps):
+                _save_checkpoint(checkpoints, step, model, peft_model, tokenizer, optimizer, scheduler, loader)
     return last
+
+
+def _save_checkpoint(checkpoints: CheckpointManager, step: int, model: PreTrainedModel, peft_model: PeftModel | None,
+                     tokenizer: PreTrainedTokenizerBase, optimizer: torch.optim.Optimizer, scheduler: LambdaLR,
+                     loader: PromptLoader) -> Path:
+    """``<run>/checkpoints/global_step_N``: the model as an HF folder with its optimiser and scheduler state, and
+    the step, data position and RNG states; written atomically, older ones pruned to trainer.max_ckpt_to_keep."""
+    def write(tmp: Path) -> None:
+        save_policy(model, peft_model, tokenizer, tmp / MODEL_DIR)
+        save_optim_state(tmp / MODEL_DIR, optimizer, scheduler)
+        save_torch_state(tmp / TRAINER_STATE, {"global_step": step, "loader": loader.state_dict(),
+                                               "rng": capture_rng_state()})
+
+    return checkpoints.save(step, write)
+
+
+def _resume(trainer: DictConfig, checkpoints: CheckpointManager, model: PreTrainedModel, peft_model: PeftModel | None,
+            optimizer: torch.optim.Optimizer, scheduler: LambdaLR, loader: PromptLoader) -> int:
+    """Restore the checkpoint trainer.resume_mode names (auto: the newest of the run, if any; resume_path:
+    trainer.resume_from_path; disable: none); returns the step to continue from."""
+    if trainer.resume_mode == "disable":
+        return 0
+    if trainer.resume_mode == "resume_path":
+        path = Path(str(trainer.resume_from_path))
+        if not (path / TRAINER_STATE).is_file():
+            raise ArcherError(f"trainer.resume_from_path={path} is not an archer sft checkpoint (no {TRAINER_STATE})",
+                              "point it at a <run>/checkpoints/global_step_N folder of an archer sft run")
+    else:
+        step = checkpoints.latest_step()
+        if step is None:
+            return 0
+        path = checkpoints.load_dir(step)
+    load_policy(model, peft_model, path / MODEL_DIR, "model")
+    load_optim_state(path / MODEL_DIR, optimizer, scheduler, next(model.parameters()).device)
+    state = load_torch_state(path / TRAINER_STATE)
+    loader.load_state_dict(state["loader"])
+    restore_rng_state(state["rng"])
+    logger.info("resumed from %s (step %d)", path, state["global_step"])
+    return int(state["global_step"])
 
 
 def check_sft_config(cfg: DictConfig) -> None:
     """Values of an SFT config that cannot train, reported before any data or model loads."""
+    LoraSettings.from_config(cfg.model, prefix="model")  # lora_rank, lora_alpha, target_modules
     checks = [
         (cfg.data.train_batch_size > 0, "data.train_batch_size must be positive", "e.g. data.train_batch_size=32"),
         (cfg.data.micro_batch_size_per_gpu > 0, "data.micro_batch_size_per_gpu must be positive",
@@ -107,6 +191,11 @@ def check_sft_config(cfg: DictConfig) -> None:
         (0.0 <= cfg.optim.warmup_steps_ratio <= 1.0, "optim.warmup_steps_ratio must be within [0, 1]",
          "e.g. optim.warmup_steps_ratio=0.1"),
         (cfg.optim.clip_grad > 0, "optim.clip_grad must be positive", "e.g. optim.clip_grad=1.0"),
+        (cfg.trainer.resume_mode in RESUME_MODES, f"trainer.resume_mode={cfg.trainer.resume_mode!r} is not known",
+         f"use one of {list(RESUME_MODES)}"),
+        (cfg.trainer.resume_mode != "resume_path" or cfg.trainer.resume_from_path,
+         "trainer.resume_mode=resume_path needs trainer.resume_from_path", "e.g. trainer.resume_from_path="
+         "runs/sft/checkpoints/global_step_100"),
     ]
     for ok, problem, fix in checks:
         if not ok:
@@ -114,33 +203,23 @@ def check_sft_config(cfg: DictConfig) -> None:
 
 
 def build_dataset(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, files: Any) -> SFTDataset:
-    """An SFTDataset over ``files`` with the data.* settings of ``cfg``."""
-    return SFTDataset(read_sft_rows(files), tokenizer, max_length=cfg.data.max_length,
-                      truncation=cfg.data.truncation, prompt_key=cfg.data.prompt_key,
-                      response_key=cfg.data.response_key, multiturn=cfg.data.multiturn.enable,
-                      messages_key=cfg.data.multiturn.messages_key, tools_key=cfg.data.multiturn.tools_key,
-                      tool_result_tag=cfg.data.tool_result_tag)
+    """An SFTDataset over ``files`` (paths, or dataset names of data.dataset_info) with the data.* settings of ``cfg``."""
+    data = cfg.data
+    conversations, where = read_sft_conversations(
+        files, dataset_info=data.dataset_info, data_format=data.format, prompt_key=data.prompt_key,
+        response_key=data.response_key, multiturn=data.multiturn.enable, messages_key=data.multiturn.messages_key,
+        tools_key=data.multiturn.tools_key)
+    return SFTDataset(conversations, tokenizer, max_length=data.max_length, truncation=data.truncation,
+                      tool_result_tag=data.tool_result_tag, where=where)
 
 
-def _train_loader(dataset: SFTDataset, cfg: DictConfig) -> DataLoader:
+def _train_loader(dataset: SFTDataset, cfg: DictConfig) -> PromptLoader:
+    """Batches of data.train_batch_size examples in a seeded order per epoch, resumable from its state_dict."""
     if len(dataset) < cfg.data.train_batch_size:
         raise ArcherError(f"the training data has {len(dataset)} examples, fewer than one batch "
                           f"(data.train_batch_size={cfg.data.train_batch_size})",
                           f"set data.train_batch_size to at most {len(dataset)}, or add examples")
-    generator = torch.Generator().manual_seed(cfg.trainer.seed)
-    return DataLoader(dataset, batch_size=cfg.data.train_batch_size, shuffle=True, drop_last=True,
-                      collate_fn=dataset.collate, generator=generator)
-
-
-def _steps(loader: DataLoader, total_steps: int) -> Iterator[tuple[int, Batch, bool]]:
-    """(step, batch, is the last batch of an epoch), cycling through epochs until ``total_steps``."""
-    step = 0
-    while True:
-        for i, batch in enumerate(loader):
-            step += 1
-            yield step, batch, i == len(loader) - 1
-            if step == total_steps:
-                return
+    return PromptLoader(dataset, cfg.data.train_batch_size, shuffle=True, seed=cfg.trainer.seed, drop_last=True)
 
 
 def _should_validate(step: int, epoch_end: bool, total_steps: int, test_freq: int) -> bool:
@@ -160,10 +239,12 @@ def build_scheduler(optimizer: torch.optim.Optimizer, name: str, warmup_ratio: f
 
 def response_hidden(model: PreTrainedModel, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """The backbone's hidden states [N, H] at the positions that predict the N tokens with loss_mask 1,
-    and those tokens [N]. Padding columns beyond the longest row are cut off first."""
+    and those tokens [N]. Padding columns beyond the longest row are cut off first. Packed rows (``pack_sft``)
+    run without an attention mask, so that the restarts of ``position_ids`` separate their examples."""
     length = int(batch["attention_mask"].sum(dim=1).max())
     input_ids, loss_mask = batch["input_ids"][:, :length], batch["loss_mask"][:, :length]
-    hidden = backbone_of(model)(input_ids=input_ids, attention_mask=batch["attention_mask"][:, :length],
+    attention_mask = None if batch.info.get("packed") else batch["attention_mask"][:, :length]
+    hidden = backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask,
                               position_ids=batch["position_ids"][:, :length], use_cache=False).last_hidden_state
     targets = loss_mask[:, 1:].bool()
     return hidden[:, :-1][targets], input_ids[:, 1:][targets]
@@ -195,13 +276,19 @@ def sft_backward(model: PreTrainedModel, batch: Batch, micro_batch_size: int) ->
 
 def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, scheduler: LambdaLR, batch: Batch, *,
                micro_batch_size: int, clip_grad: float) -> dict[str, float]:
-    """One optimizer step on ``batch``; a step whose gradient norm is not finite is skipped."""
+    """One optimizer step on ``batch``; a step whose gradient norm is not finite is skipped. ``train/token_slots``:
+    the token positions the forward passes computed (real and padding); for packed rows also what the same
+    examples unpacked would have cost (``train/token_slots_unpacked``)."""
     optimizer.zero_grad(set_to_none=True)
     loss, num_tokens = sft_backward(model, batch, micro_batch_size)
     lr = scheduler.get_last_lr()[0]
     grad_norm, _ = clip_and_step(model, optimizer, clip_grad)
     scheduler.step()
-    return {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "train/num_tokens": float(num_tokens)}
+    metrics = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "train/num_tokens": float(num_tokens),
+               "train/token_slots": float(token_slots(batch["attention_mask"].sum(dim=1).tolist(), micro_batch_size))}
+    if batch.info.get("packed"):
+        metrics["train/token_slots_unpacked"] = float(batch.info["token_slots_unpacked"])
+    return metrics
 
 
 @torch.no_grad()
@@ -230,5 +317,19 @@ def _write_summary(run_dir: Path, last: dict[str, float], steps: int, wall_time_
         "steps": steps,
         "wall_time_s": round(wall_time_s, 3),
         "model_path": str(model_dir),
+        **_token_slot_totals(run_dir / METRICS_FILE),
     }
     write_json_atomically(run_dir / "summary.json", summary)
+
+
+def _token_slot_totals(metrics_file: Path) -> dict[str, float]:
+    """The run's token positions computed (from every logged step, so a resumed run counts its first part too)
+    and, with packing, what unpacked rows would have cost and the share packing saved."""
+    lines = [json.loads(line) for line in metrics_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    totals = {"token_slots": sum(m.get("train/token_slots") or 0 for m in lines)}
+    unpacked = sum(m.get("train/token_slots_unpacked") or 0 for m in lines)
+    if unpacked:
+        totals |= {"token_slots_unpacked": unpacked, "packing_token_saving": round(1 - totals["token_slots"] / unpacked, 4)}
+        logger.info("packing: %d token positions instead of %d unpacked (%.1f%% saved)", totals["token_slots"],
+                    unpacked, 100 * totals["packing_token_saving"])
+    return totals

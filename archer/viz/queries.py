@@ -11,8 +11,6 @@ agentic loop grew (``branch_parent``, ``branch_position``).
 
 from __future__ import annotations
 
-import functools
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -21,6 +19,7 @@ import pandas as pd
 
 from archer.algorithms import grouping
 from archer.errors import ArcherError
+from archer.tagged_text import tag_spans
 from archer.trace.format import REWARD_EXTRA_PREFIX, value_stats
 
 Arrays = dict[str, np.ndarray]
@@ -155,26 +154,19 @@ def call_tags(summary: Mapping[str, Any]) -> CallTags:
     return tuple((opening, closing) for opening, closing in recorded)
 
 
-@functools.lru_cache(maxsize=8)
-def _call_pattern(tags: CallTags) -> re.Pattern[str]:
-    return re.compile("|".join(f"{re.escape(opening)}.*?{re.escape(closing)}" for opening, closing in tags),
-                      re.DOTALL)
-
-
 def call_tokens(texts: Sequence[str], written: np.ndarray, tags: CallTags = DEFAULT_CALL_TAGS) -> np.ndarray:
     """bool per token: inside a tool call (an opening tag of ``tags``, then its closing tag) within one run of
     tokens the model ``written``; a token the call's text only touches (a tag fused with other text) counts."""
     out = np.zeros(len(texts), dtype=bool)
     if not tags:
         return out
-    pattern = _call_pattern(tuple(tags))
     ends = np.cumsum([len(t) for t in texts])
     starts = ends - np.array([len(t) for t in texts], dtype=ends.dtype)
     edges = np.flatnonzero(np.diff(np.concatenate([[0], written.astype(np.int8), [0]])))
     for first, last in zip(edges[::2], edges[1::2]):  # each run of written tokens [first, last)
         offset = starts[first]
-        for match in pattern.finditer("".join(texts[first:last])):
-            a, b = match.start() + offset, match.end() + offset
+        for start, end, _ in tag_spans("".join(texts[first:last]), tags):  # linear: model text is hostile
+            a, b = start + offset, end + offset
             out[first:last] |= (starts[first:last] < b) & (ends[first:last] > a)
     return out
 

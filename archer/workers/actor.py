@@ -11,6 +11,10 @@ Log-probs and entropies come from the chunked kernel in models/logprobs.py (no f
 tensor). The update splits the batch into mini-batches (one optimiser step each) and micro-batches
 (gradient accumulation: a number of rows, or a token budget, padded or padding-free: workers/micro_batches.py);
 every loss is normalised over its whole mini-batch, so accumulation is exact whatever the micro-batches.
+
+With ``model.lora_rank > 0`` the policy is the base model with peft's LoRA layers (models/lora.py): only the
+adapters are trained and checkpointed (beside the merged HF folder), the engine takes the merged weights, and
+the reference worker uses the same module with the adapters off.
 """
 
 from __future__ import annotations
@@ -24,12 +28,23 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
+from peft import PeftModel
 from transformers import PreTrainedTokenizerBase
 
 from archer.algorithms.metrics import MetricSums
 from archer.batch import Batch
-from archer.models.loading import autocast_for, load_causal_lm, load_tokenizer, save_hf
+from archer.errors import ArcherError
+from archer.models.loading import autocast_for, default_dtype, load_causal_lm, load_tokenizer, save_hf
 from archer.models.logprobs import layout_logprobs
+from archer.models.lora import (
+    LoraSettings,
+    add_lora,
+    has_adapter,
+    load_adapter,
+    save_adapter,
+    save_merged,
+    trainable_parameters,
+)
 from archer.rollout.factory import build_engine
 from archer.trace.influence_capture import (
     CaptureSettings,
@@ -49,7 +64,7 @@ from archer.workers.optim import (
     load_optim_state,
     save_optim_state,
 )
-from archer.workers.rollout import RolloutWorker, sampling_params
+from archer.workers.rollout import RolloutWorker
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 INFLUENCE_TOKENS = "influence_tokens"  # info key of update_actor's input: the TracedTokens to capture
@@ -86,11 +101,16 @@ class ActorWorker:
         self.cfg = cfg
         self.actor_cfg = cfg.actor
         self.device = device
-        self.model = load_causal_lm(cfg.model.path, device=device, dtype=torch.float32,
+        lora = LoraSettings.from_config(cfg.model)
+        # full fine-tuning trains float32 master weights; LoRA a base in the device's dtype, adapters in float32
+        self.model = load_causal_lm(cfg.model.path, device=device,
+                                    dtype=torch.float32 if lora is None else default_dtype(device),
                                     gradient_checkpointing=bool(cfg.model.enable_gradient_checkpointing),
                                     trust_remote_code=bool(cfg.model.trust_remote_code))
+        # with LoRA, peft's wrapper; self.model is then the base model with the LoRA layers injected
+        self.peft: PeftModel | None = add_lora(self.model, lora) if lora is not None else None
         self.model.train()
-        self.optimizer = build_optimizer(self.model.parameters(), self.actor_cfg.optim)
+        self.optimizer = build_optimizer(trainable_parameters(self.model), self.actor_cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, self.actor_cfg.optim, total_steps)
         self.temperature = float(cfg.rollout.temperature)
         self.chunk_size = self.actor_cfg.logprob_chunk_size
@@ -113,18 +133,10 @@ class ActorWorker:
     def generate_sequences(self, prompts: Batch) -> Batch:
         """Responses to ``prompts`` (``info``: ``validate`` picks rollout.val_kwargs and turns branching off,
         ``seed`` the sampling seed); with tools configured, through the multi-turn tool loop."""
-        engine = self.rollout.engine
         if self._engine_is_stale:
-            engine.sync_weights(self.model)
+            self.rollout.engine.sync_weights(self.model)
             self._engine_is_stale = False
-        validate = bool(prompts.info.get("validate", False))
-        params = sampling_params(self.cfg.rollout, validate=validate, seed=int(prompts.info["seed"]))
-        engine.reclaim_memory()
-        try:
-            return self.rollout.generate_sequences(prompts, params, validate=validate)
-        finally:
-            if self.cfg.rollout.free_cache_engine:
-                engine.release_memory()
+        return self.rollout.generate_for(prompts)
 
     # -- inference -------------------------------------------------------------------------------------
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -242,7 +254,8 @@ class ActorWorker:
             return
         data = batch.select([*MODEL_INPUTS, "responses", "response_mask", "advantages"]).index(rows)
         data["row_id"] = rows
-        weights = [module.weight for module in influence.capture.modules.values()]
+        # the hooked modules' trainable parameters (LoRA: the adapters), so that the backward reaches every hook
+        weights = [p for module in influence.capture.modules.values() for p in trainable_parameters(module)]
         self.model.train()
         with influence.hooks():
             for part in self.update_micro.split(data["attention_mask"]):
@@ -260,14 +273,38 @@ class ActorWorker:
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def save(self, out_dir: Path, tokenizer) -> None:
-        """HF folder (loadable with from_pretrained) plus optimiser and scheduler state."""
-        save_hf(self.model, tokenizer, out_dir)
+        """HF folder (loadable with from_pretrained) plus optimiser and scheduler state. With LoRA the folder
+        holds the merged model, and ``lora_adapter/`` the adapters (what resuming loads)."""
+        save_policy(self.model, self.peft, tokenizer, out_dir)
         save_optim_state(out_dir, self.optimizer, self.scheduler)
 
     def load(self, in_dir: Path) -> None:
-        load_weights(self.model, in_dir)
+        load_policy(self.model, self.peft, in_dir, "actor_rollout_ref.model")
         load_optim_state(in_dir, self.optimizer, self.scheduler, self.device)
         self._engine_is_stale = True
+
+
+def save_policy(model: torch.nn.Module, peft: PeftModel | None, tokenizer, out_dir: Path) -> None:
+    """A policy's HF folder (loadable with from_pretrained): the model, or with LoRA the merged model plus
+    ``lora_adapter/`` (what resuming loads). Used by the RL actor and SFT checkpoints alike."""
+    if peft is None:
+        save_hf(model, tokenizer, out_dir)
+    else:
+        save_merged(model, tokenizer, out_dir)
+        save_adapter(peft, out_dir)
+
+
+def load_policy(model: torch.nn.Module, peft: PeftModel | None, in_dir: Path, model_key: str) -> None:
+    """Restore what ``save_policy`` wrote into the same kind of policy (exact, in place); a LoRA checkpoint
+    into a full fine-tuning policy is an error naming ``model_key``'s lora settings."""
+    if peft is not None:
+        load_adapter(peft, in_dir)
+    elif has_adapter(in_dir):
+        raise ArcherError(f"{in_dir} was written by a LoRA run, and {model_key}.lora_rank=0",
+                          "resume with the lora_rank, lora_alpha and target_modules of that run (its "
+                          f"config.yaml), or start from its merged model: {model_key}.path={in_dir}")
+    else:
+        load_weights(model, in_dir)
 
 
 def load_weights(model: torch.nn.Module, folder: Path) -> None:

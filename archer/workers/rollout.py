@@ -6,7 +6,8 @@ and the engine's per-token ``rollout_log_probs`` / ``rollout_entropies``. Rows a
 The actor worker owns it (the engine generates with the actor's weights).
 
 With tools configured (``rollout.tools.tool_instances``) it generates with the multi-turn tool loop
-(rollout/agentic.py), for training (with ARPO/AEPO branching) and validation alike, and adds ``tool_mask``
+(rollout/agentic.py), for training (with ARPO/AEPO branching) and validation alike, each prompt with the tools
+its row's ``tools`` allow (every tool when the row has none), and adds ``tool_mask``
 ([B, R], 1 on tool output), the rows ``num_tool_calls``, ``num_turns``, ``branch_parent`` (the row of the
 prompt's n it branched from, -1 for none), ``branch_position`` (the response position where it branched, -1
 for none) and ``info["rollout_stats"]`` (a RolloutStats: the step's
@@ -91,6 +92,19 @@ class RolloutWorker:
         """The (opening, closing) tags of the tool calls the model writes (multi_turn.format); () without tools."""
         return self.agentic.format.call_tags if self.agentic is not None else ()
 
+    def generate_for(self, prompts: Batch) -> Batch:
+        """Responses to ``prompts`` with the sampling of ``info`` (``validate`` picks rollout.val_kwargs and turns
+        branching off, ``seed`` the sampling seed); the engine's memory is reclaimed before and, with
+        rollout.free_cache_engine, released after."""
+        validate = bool(prompts.info.get("validate", False))
+        params = sampling_params(self.cfg, validate=validate, seed=int(prompts.info["seed"]))
+        self.engine.reclaim_memory()
+        try:
+            return self.generate_sequences(prompts, params, validate=validate)
+        finally:
+            if self.cfg.free_cache_engine:
+                self.engine.release_memory()
+
     def generate_sequences(self, prompts: Batch, params: SamplingParams, *, validate: bool = False) -> Batch:
         ids, mask = prompts["input_ids"], prompts["attention_mask"]
         prompt_lists = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
@@ -106,8 +120,10 @@ class RolloutWorker:
 
     def _generate_with_tools(self, prompts: Batch, prompt_lists: list[list[int]], params: SamplingParams,
                              validate: bool) -> Batch:
+        allowed = list(prompts["tools"]) if "tools" in prompts else None  # the data's per-row tools
         with autocast_for(self.device):
-            out = self.agentic.generate(prompt_lists, params, branch_settings(self.cfg, params, validate=validate))
+            out = self.agentic.generate(prompt_lists, params, branch_settings(self.cfg, params, validate=validate),
+                                        allowed_tools=allowed)
         batch = layout_sequences(prompts, out.responses, out.response_mask, params.n,
                                  present=out.response_mask + out.tool_mask)
         batch["tool_mask"] = out.tool_mask

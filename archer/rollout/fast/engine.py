@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from archer.errors import ArcherError
 from archer.models.loading import default_dtype
+from archer.models.lora import policy_weights
 from archer.rollout.base import EngineSession, RolloutEngine, RolloutOutput, SamplingParams, Segment
 from archer.rollout.fast import ops
 from archer.rollout.fast.model import FastModel
@@ -132,9 +133,10 @@ class FastEngine(RolloutEngine):
             torch.cuda.empty_cache()
 
     def sync_weights(self, model: nn.Module) -> None:
-        """Copy ``model``'s weights into the engine's, in place (its graphs stay valid). Session sequences'
+        """Copy ``model``'s weights (LoRA layers merged) into the engine's, in place (its graphs stay valid). Session sequences'
         keys/values were made by the old weights, so they are dropped and recomputed on next use."""
-        self.model.load(model)
+        self.model.check_source(model)
+        self.model.load(policy_weights(model))
         for seq in self.live:
             if self.cache is not None:
                 self.cache.release(seq)

@@ -2,14 +2,15 @@
 per-head q/k RMSNorm, LLaMA-style models: the same decoder shape), on its own weights.
 
 The weights live in tensors allocated once, with q/k/v and gate/up fused into one matrix each; ``load``
-copies an actor's weights into them in place, so their addresses (and the CUDA graphs that read them) stay
-valid across updates. RoPE tables come from the actor's own rotary module, so every static rope type
+copies a stream of the actor's named weights (plain or LoRA-merged, models/lora.py) into them in place, so
+their addresses (and the CUDA graphs that read them) stay valid across updates. RoPE tables come from the actor's own rotary module, so every static rope type
 (default, linear, llama3, yarn ...) gives the training forward's angles. An architecture outside this family
 is refused with an error that names the Hugging Face engine.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 
 from archer.errors import ArcherError
 from archer.models.logprobs import backbone_of
+from archer.models.lora import policy_weights
 from archer.rollout.fast import ops
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
@@ -111,27 +113,22 @@ class _Layer:
         self.gate_up_w = torch.empty(2 * inter, hidden, **kw)
         self.down_w = torch.empty(hidden, inter, **kw)
 
-    def load(self, layer: nn.Module) -> None:
-        attn, mlp = layer.self_attn, layer.mlp
-        self.ln1.copy_(layer.input_layernorm.weight)
-        self.ln2.copy_(layer.post_attention_layernorm.weight)
-        q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
-        rows = [q.weight.shape[0], k.weight.shape[0], v.weight.shape[0]]
-        for part, src in zip(self.qkv_w.split(rows), (q, k, v)):
-            part.copy_(src.weight)
+    def targets(self, prefix: str, spec: ModelSpec) -> dict[str, torch.Tensor]:
+        """The tensor (or fused slice) each of the layer's weights goes into, by its state-dict name."""
+        q_rows, kv_rows = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+        out = {"input_layernorm.weight": self.ln1, "post_attention_layernorm.weight": self.ln2,
+               "self_attn.o_proj.weight": self.o_w, "mlp.down_proj.weight": self.down_w}
+        for proj, part in zip(("q", "k", "v"), self.qkv_w.split([q_rows, kv_rows, kv_rows]), strict=True):
+            out[f"self_attn.{proj}_proj.weight"] = part
         if self.qkv_b is not None:
-            for part, src in zip(self.qkv_b.split(rows), (q, k, v)):
-                part.copy_(src.bias)
+            for proj, part in zip(("q", "k", "v"), self.qkv_b.split([q_rows, kv_rows, kv_rows]), strict=True):
+                out[f"self_attn.{proj}_proj.bias"] = part
         if self.q_norm is not None:
-            self.q_norm.copy_(attn.q_norm.weight)
-            self.k_norm.copy_(attn.k_norm.weight)
-        self.o_w.copy_(attn.o_proj.weight)
+            out["self_attn.q_norm.weight"], out["self_attn.k_norm.weight"] = self.q_norm, self.k_norm
         if self.o_b is not None:
-            self.o_b.copy_(attn.o_proj.bias)
-        gate, up = self.gate_up_w.chunk(2)
-        gate.copy_(mlp.gate_proj.weight)
-        up.copy_(mlp.up_proj.weight)
-        self.down_w.copy_(mlp.down_proj.weight)
+            out["self_attn.o_proj.bias"] = self.o_b
+        out["mlp.gate_proj.weight"], out["mlp.up_proj.weight"] = self.gate_up_w.chunk(2)
+        return {f"{prefix}.{name}": tensor for name, tensor in out.items()}
 
 
 class FastModel:
@@ -150,7 +147,8 @@ class FastModel:
         self.layers = [_Layer(spec, **kw) for _ in range(spec.layers)]
         self.cos, self.sin = self._rope_tables(model)
         self.scale = spec.head_dim ** -0.5
-        self.load(model)
+        self.names = self._weight_names(model)
+        self.load(policy_weights(model))
 
     def _rope_tables(self, model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 cos / sin [max_len, head_dim / 2] from the model's own rotary module."""
@@ -164,20 +162,49 @@ class FastModel:
         return (cos[0, :, :half].float().to(self.device).contiguous(),
                 sin[0, :, :half].float().to(self.device).contiguous())
 
-    @torch.no_grad()
-    def load(self, model: nn.Module) -> None:
-        """Copy ``model``'s weights into this model's tensors, in place."""
+    @staticmethod
+    def _weight_names(model: nn.Module) -> tuple[str, str, str]:
+        """The state-dict prefixes of the model's input embedding, LM head and backbone."""
+        names = {id(module): name for name, module in model.named_modules()}
+        return (names[id(model.get_input_embeddings())], names[id(model.get_output_embeddings())],
+                names[id(backbone_of(model))])
+
+    def targets(self) -> dict[str, torch.Tensor]:
+        """The engine tensor (or fused slice) each of the policy's weights goes into, by its state-dict name."""
+        embed, lm_head, backbone = self.names
+        out = {f"{embed}.weight": self.embed, f"{backbone}.norm.weight": self.norm}
+        if not self.spec.tied:
+            out[f"{lm_head}.weight"] = self.lm_head
+        for i, layer in enumerate(self.layers):
+            out.update(layer.targets(f"{backbone}.layers.{i}", self.spec))
+        return out
+
+    def check_source(self, model: nn.Module) -> None:
+        """An ArcherError when ``model`` is not of the shape this engine was built for."""
         spec = model_spec(model)
         if spec != self.spec:
             raise ArcherError(f"the fast engine was built for {self.spec} and was given weights of {spec}",
                               "sync the engine from the actor it was built on")
-        backbone = backbone_of(model)
-        self.embed.copy_(model.get_input_embeddings().weight)
-        if not spec.tied:
-            self.lm_head.copy_(model.get_output_embeddings().weight)
-        self.norm.copy_(backbone.norm.weight)
-        for mine, theirs in zip(self.layers, backbone.layers, strict=True):
-            mine.load(theirs)
+
+    @torch.no_grad()
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy the policy's weights, a stream of (state-dict name, tensor) pairs (models/lora.py's
+        ``policy_weights``: plain or LoRA-merged), into this model's tensors, in place."""
+        targets = self.targets()
+        missing = dict(targets)
+        for name, tensor in weights:
+            target = missing.pop(name, None)
+            if target is None:
+                raise ArcherError(f"the fast engine has no place for the weight {name!r}"
+                                  f"{' (given twice)' if name in targets else ''}",
+                                  "sync the engine from the actor it was built on; " + _FALLBACK)
+            if target.shape != tensor.shape:
+                raise ArcherError(f"the fast engine's {name} is {tuple(target.shape)}, the weight given is "
+                                  f"{tuple(tensor.shape)}", "sync the engine from the actor it was built on")
+            target.copy_(tensor)
+        if missing:
+            raise ArcherError(f"the weights given to the fast engine lack {len(missing)} tensors "
+                              f"({', '.join(sorted(missing)[:3])}, ...)", "sync the engine from the actor it was built on")
 
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: list[tuple],
                 attend) -> torch.Tensor:

@@ -1,0 +1,227 @@
+"""LoRA on a causal LM (peft): the adapters from verl's keys, the base policy with them switched off, the
+policy's weights as one stream of named tensors (adapters merged), and saving / loading the adapters.
+
+A LoRA policy is the base model (frozen, in the device's dtype: bfloat16 on a GPU, float32 on the CPU) with
+peft's LoRA layers injected in place (``lora_A`` / ``lora_B`` trainable, in float32). Everything that runs the
+policy (log-prob kernels, the hf engine, influence hooks) takes the injected transformers model itself
+(``PeftModelForCausalLM.get_base_model()``), so it needs no LoRA-specific code; what needs peft goes through
+here:
+
+- ``base_policy``: the reference policy, i.e. the same module with the adapters off (peft's
+  ``disable_adapter``), so that no second copy of the model is held;
+- ``policy_weights``: ``(name, tensor)`` pairs in the plain model's state-dict names, every LoRA layer merged
+  (``W + scaling * B @ A``, computed one layer at a time in float32 and given back in the base's dtype), which
+  the fast engine copies into its own weights and the HF export saves; the module itself is never modified
+  (no merge / unmerge round trip, which would change the base's bits);
+- ``save_adapter`` / ``load_adapter``: the adapters in peft's format (``adapter_config.json`` and
+  ``adapter_model.safetensors``, float32) in a ``lora_adapter/`` folder beside the merged HF export; loading
+  them into a freshly built policy resumes exactly, and ``model.lora_adapter_path`` starts a run from them
+  (e.g. an SFT run's adapters).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, ListConfig
+from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from peft.tuners.lora import LoraLayer
+from safetensors.torch import load_file
+from torch import nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from archer.errors import ArcherError
+
+log = logging.getLogger("archer.models")
+
+ADAPTER_DIR = "lora_adapter"  # the adapters' folder inside a saved model folder (from_pretrained ignores it)
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """verl's ``model.lora_rank`` / ``lora_alpha`` / ``target_modules`` (rank 0: LoRA off), or the adapters of
+    ``model.lora_adapter_path`` to start from (their rank, alpha and target modules, and their weights)."""
+
+    rank: int
+    alpha: float
+    target_modules: str | tuple[str, ...]
+    adapter_path: Path | None = None
+    exclude_modules: str | tuple[str, ...] | None = None  # verl's model.exclude_modules: a regex or name suffixes
+
+    @classmethod
+    def from_config(cls, model_cfg: DictConfig, prefix: str = "actor_rollout_ref.model") -> LoraSettings | None:
+        """The settings of a ``model`` config block, None when ``lora_rank`` is 0 and no ``lora_adapter_path``
+        is set; an ArcherError naming the key for a value LoRA cannot take."""
+        rank = model_cfg.get("lora_rank", 0)
+        alpha = model_cfg.get("lora_alpha", 16)
+        targets = model_cfg.get("target_modules", "all-linear")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise ArcherError(f"{prefix}.lora_rank={rank!r} must be an integer >= 0",
+                              f"set {prefix}.lora_rank=0 (full fine-tuning) or a LoRA rank such as 8, 32 or 64")
+        if model_cfg.get("lora_adapter_path"):
+            return cls.from_adapter(model_cfg.lora_adapter_path, f"{prefix}.lora_adapter_path", rank, alpha)
+        if rank == 0:
+            return None
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or alpha <= 0:
+            raise ArcherError(f"{prefix}.lora_alpha={alpha!r} must be a positive number",
+                              f"set {prefix}.lora_alpha, e.g. 16 or 2 x lora_rank (the update is scaled by "
+                              "lora_alpha / lora_rank)")
+        excluded = model_cfg.get("exclude_modules")
+        if excluded is not None and not _names(excluded):
+            raise ArcherError(f"{prefix}.exclude_modules={excluded!r} is neither a regex nor a list of names",
+                              f"set {prefix}.exclude_modules to a regex ('.*mlp.*') or a list of module name "
+                              "suffixes, or null")
+        if not _names(targets):
+            raise ArcherError(f"{prefix}.target_modules={targets!r} names no module",
+                              f"set {prefix}.target_modules=all-linear (every linear layer but the LM head) or a "
+                              "list of module name suffixes, e.g. [q_proj,k_proj,v_proj,o_proj]")
+        return cls(rank, float(alpha), _names(targets), exclude_modules=_names(excluded) if excluded else None)
+
+    @classmethod
+    def from_adapter(cls, path: str | Path, key: str, rank: int, alpha: float) -> LoraSettings:
+        """The settings saved with the adapters at ``path`` (a peft adapter folder, or a folder holding one in
+        ``lora_adapter/``, as archer's checkpoints and SFT output do). A lora_rank / lora_alpha that disagrees
+        with them is named in a warning: the saved ones are used, as verl does."""
+        folder = adapter_folder(path, key)
+        saved = LoraConfig.from_pretrained(str(folder))
+        targets = saved.target_modules
+        targets = targets if isinstance(targets, str) else tuple(sorted(targets))
+        settings = cls(int(saved.r), float(saved.lora_alpha), targets, folder)
+        prefix = key.rsplit(".", 1)[0]
+        if rank and (rank, float(alpha)) != (settings.rank, settings.alpha):
+            log.warning("%s: the adapters in %s have rank %d and alpha %g; they are used, not %s.lora_rank=%d "
+                        "and %s.lora_alpha=%g", key, folder, settings.rank, settings.alpha, prefix, rank, prefix,
+                        alpha)
+        return settings
+
+    def peft_config(self) -> LoraConfig:
+        def listed(names: str | tuple[str, ...] | None) -> str | list[str] | None:
+            return names if names is None or isinstance(names, str) else list(names)
+
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=listed(self.target_modules),
+                          exclude_modules=listed(self.exclude_modules), lora_dropout=0.0, bias="none",
+                          task_type="CAUSAL_LM")
+
+
+def _names(value: object) -> str | tuple[str, ...] | None:
+    """A module-name setting as peft takes it: a non-empty string (a regex, or all-linear) or a tuple of names;
+    None for anything else."""
+    if isinstance(value, str):
+        return value or None
+    if isinstance(value, ListConfig | list | tuple) and value and all(isinstance(v, str) for v in value):
+        return tuple(str(v) for v in value)
+    return None
+
+
+def add_lora(model: PreTrainedModel, settings: LoraSettings) -> PeftModel:
+    """Inject LoRA layers into ``model`` in place: its other weights frozen, the adapters in float32 whatever
+    the base's dtype (peft's autocast_adapter_dtype), fresh (B = 0: the policy starts as the base) or loaded
+    from ``settings.adapter_path``. Returns peft's wrapper, whose ``get_base_model()`` is ``model``."""
+    try:
+        peft_model = get_peft_model(model, settings.peft_config(), autocast_adapter_dtype=True)
+    except ValueError as err:  # peft: target modules not found in the base model
+        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ArcherError(f"LoRA target_modules={settings.target_modules!r} cannot be applied ({err})",
+                          f"use all-linear or suffixes of the model's linear layers: {', '.join(linear)}") from err
+    if settings.adapter_path is not None:
+        load_adapter(peft_model, settings.adapter_path)
+    return peft_model
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters an optimiser steps: all of a plain model, the adapters of a LoRA one."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def base_policy(peft_model: PeftModel | None) -> contextlib.AbstractContextManager:
+    """A context in which the LoRA policy computes as its base model (adapters off); nothing without LoRA."""
+    return peft_model.disable_adapter() if peft_model is not None else contextlib.nullcontext()
+
+
+def _lora_layers(model: nn.Module) -> dict[str, LoraLayer]:
+    return {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+
+
+@torch.no_grad()
+def policy_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights as (state-dict name, tensor) pairs named as in the plain model (tied weights
+    once). A LoRA layer gives its merged weight ``W + scaling * B @ A`` (made in float32, returned in W's
+    dtype, one layer at a time) and its base bias; plain parameters are given as they are (no copy)."""
+    layers = _lora_layers(model)
+    inside = tuple(f"{name}." for name in layers)
+    for name, param in model.named_parameters():
+        if not name.startswith(inside):
+            yield name, param.detach()
+    for name, layer in layers.items():
+        base = layer.get_base_layer()
+        merged = base.weight.float()
+        for adapter in layer.active_adapters:
+            if adapter in layer.lora_A:
+                merged = merged + layer.get_delta_weight(adapter).float()
+        yield f"{name}.weight", merged.to(base.weight.dtype)
+        if getattr(base, "bias", None) is not None:
+            yield f"{name}.bias", base.bias.detach()
+
+
+def save_merged(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path) -> Path:
+    """An ordinary HF folder (AutoModelForCausalLM.from_pretrained loads it) with the LoRA layers merged, in
+    the base's dtype; the module is left as it is."""
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {name: tensor.to("cpu", copy=True).contiguous() for name, tensor in policy_weights(model)}
+    model.save_pretrained(str(folder), state_dict=state)
+    tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+def save_adapter(peft_model: PeftModel, folder: str | Path) -> Path:
+    """The adapters (peft format, float32) in ``folder/lora_adapter``."""
+    target = Path(folder) / ADAPTER_DIR
+    peft_model.save_pretrained(str(target))
+    return target
+
+
+def adapter_folder(path: str | Path, key: str = "the adapter folder") -> Path:
+    """The peft adapter folder at ``path``: ``path`` itself when it holds adapter_config.json, else its
+    ``lora_adapter/``; an ArcherError naming ``key`` when neither does."""
+    path = Path(path).expanduser()
+    for folder in (path, path / ADAPTER_DIR):
+        if (folder / "adapter_config.json").is_file() and (folder / ADAPTER_WEIGHTS).is_file():
+            return folder
+    raise ArcherError(f"{key}: {path} holds no LoRA adapters (adapter_config.json and {ADAPTER_WEIGHTS}, "
+                      f"in it or in its {ADAPTER_DIR}/)",
+                      "point it at a peft adapter folder, or at a checkpoint's actor/ or an SFT run's hf_model "
+                      "written with LoRA on")
+
+
+def has_adapter(folder: str | Path) -> bool:
+    return (Path(folder) / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file()
+
+
+def load_adapter(peft_model: PeftModel, folder: str | Path) -> None:
+    """Load the adapters at ``folder`` (see ``adapter_folder``) into ``peft_model``'s, exactly; an ArcherError
+    when they do not fit (another rank or other target modules)."""
+    try:
+        found = adapter_folder(folder)
+    except ArcherError as err:
+        raise ArcherError(err.problem, "resume a checkpoint written with LoRA on, or set "
+                          "actor_rollout_ref.model.lora_rank=0 to resume a full fine-tuning checkpoint") from err
+    device = next(p for n, p in peft_model.named_parameters() if "lora_" in n).device
+    state = load_file(str(found / ADAPTER_WEIGHTS), device=str(device))
+    own = {k for k in peft_model.state_dict() if "lora_" in k}
+    fix = ("use the lora_rank and target_modules the adapters were written with "
+           f"(see {found}/adapter_config.json)")
+    try:
+        result = set_peft_model_state_dict(peft_model, state)
+    except RuntimeError as err:  # a shape mismatch: another rank
+        raise ArcherError(f"the LoRA adapters in {found} do not fit this model ({err})", fix) from err
+    missing = sorted(k for k in result.missing_keys if k in own)
+    if missing or result.unexpected_keys:
+        raise ArcherError(f"the LoRA adapters in {found} do not match this model's (missing "
+                          f"{missing[:3]}, unexpected {list(result.unexpected_keys)[:3]})", fix)

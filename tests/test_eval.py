@@ -1,0 +1,290 @@
+"""archer eval: pass@k / maj@k by hand, the benchmark configs on their files, bad input, the judge against a local
+HTTP server, and an end-to-end eval of the tiny model on two small benchmarks (with its resume)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from math import comb
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from archer import cli
+from archer.errors import ArcherError
+from archer.eval.answers import normalise
+from archer.eval.benchmarks import benchmark_names, load_rows, load_spec
+from archer.eval.judge import Judge, parse_verdict
+from archer.eval.metrics import ProblemSamples, majority_index, pass_at_k, problem_metrics
+from archer.rewards.registry import default_compute_score
+from archer.workers.generator import resolve_model_folder
+
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
+
+
+# -- pass@k and maj@k by hand -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(("n", "c", "k"), [(5, 2, 1), (5, 2, 3), (10, 3, 4), (8, 7, 2), (6, 1, 6)])
+def test_pass_at_k_is_one_minus_the_binomial_ratio(n: int, c: int, k: int) -> None:
+    assert pass_at_k(n, c, k) == pytest.approx(1 - comb(n - c, k) / comb(n, k))
+
+
+def test_pass_at_k_edge_cases() -> None:
+    assert pass_at_k(4, 0, 4) == 0.0  # c = 0
+    assert pass_at_k(4, 4, 1) == 1.0  # c = n
+    assert pass_at_k(4, 1, 4) == 1.0  # n = k with one right
+    assert pass_at_k(4, 2, 1) == pytest.approx(0.5)  # k = 1 is c / n
+    # large n: C(1000, 500) overflows a float, the product form does not: 1 - C(990, 10)/C(1000, 10)
+    assert pass_at_k(1000, 10, 10) == pytest.approx(1 - comb(990, 10) / comb(1000, 10), rel=1e-12)
+    with pytest.raises(ValueError):
+        pass_at_k(4, 1, 5)
+
+
+def test_majority_vote_ties_go_to_the_answer_seen_first() -> None:
+    assert majority_index(["7", "8", "8", "7"]) == 0  # 2 - 2: "7" came first
+    assert majority_index(["8", "7", "7", "8"]) == 0
+    assert majority_index([None, "3", "4", "4"]) == 2  # "4" has two votes; its earliest sample is 2
+    assert majority_index([None, None]) is None
+
+
+def test_problem_metrics_by_hand() -> None:
+    # answers 5 (right), 6, 6, 5 (right): maj@4 ties 2-2, "5" first -> 1; maj@3 "6" wins -> 0
+    m = problem_metrics(ProblemSamples("s", [1.0, 0.0, 0.0, 1.0], ["5", "6", "6", "5"]), [1, 3, 4])
+    assert m == pytest.approx({"mean@4": 0.5, "pass@1": 0.5, "best@1": 1.0, "maj@1": 1.0,
+                               "pass@3": 1 - comb(2, 3) / comb(4, 3), "best@3": 1.0, "maj@3": 0.0,
+                               "pass@4": 1.0, "best@4": 1.0, "maj@4": 1.0})
+
+
+def test_answers_normalise_for_votes() -> None:
+    assert normalise("1,000.50", "math") == normalise("1000.5", "math") == "1000.5"
+    assert normalise(r"\dfrac{1}{2}", "math") == normalise(r"\frac{1}{2} ", "math")
+    assert normalise("The Eiffel Tower!", "qa") == normalise("eiffel tower", "qa")
+    assert normalise(None, "qa") is None
+
+
+# -- the benchmark configs -----------------------------------------------------------------------------------
+RIGHT_WRONG = {  # what a right and a wrong response to the first problem look like, per answer type
+    "math": (lambda gold: f"So the answer is \\boxed{{{gold}}}.", "So the answer is \\boxed{-12345}."),
+    "qa": (lambda gold: f"<think>I know it.</think><answer>\\boxed{{{gold}}}</answer>",
+           "<think>A guess.</think><answer>\\boxed{zebra crossing}</answer>"),
+}
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data is not here")
+@pytest.mark.parametrize("name", benchmark_names())
+def test_each_benchmark_loads_and_scores_a_right_and_a_wrong_answer(name: str) -> None:
+    spec = load_spec(name)
+    rows = load_rows(spec, str(SHARED), limit=2)
+    assert len(rows) == 2
+    row = rows[0]
+    gold = row["reward_model"]["ground_truth"]
+    gold_answer = gold[0] if isinstance(gold, list) else gold.split("####")[-1].strip()
+    right, wrong = RIGHT_WRONG[spec.answer_type]
+
+    def acc(text: str) -> float:
+        result = default_compute_score(row["data_source"], text, gold, ability=row.get("ability"))
+        return float(result["acc"]) if isinstance(result, dict) else float(result)
+
+    assert acc(right(gold_answer)) == 1.0
+    assert acc(wrong) == 0.0
+
+
+def test_a_user_benchmark_yaml_points_at_any_jsonl(tmp_path: Path) -> None:
+    (tmp_path / "qs.jsonl").write_text('{"q": {"text": "2+2?"}, "sol": 4}\n', encoding="utf-8")
+    yaml_path = tmp_path / "mine.yaml"
+    yaml_path.write_text("file: qs.jsonl\nquestion_key: q.text\nanswer_key: sol\ndata_source: archer/arithmetic\n"
+                         "prompt: 'Q: {question}'\n", encoding="utf-8")
+    (row,) = load_rows(load_spec(str(yaml_path)), None)
+    assert row["prompt"] == [{"role": "user", "content": "Q: 2+2?"}]
+    assert row["reward_model"]["ground_truth"] == "4"
+
+
+def test_bad_input_gets_one_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ArcherError, match="unknown benchmark 'gsm9k'"):
+        load_spec("gsm9k")
+    with pytest.raises(ArcherError, match="data file benchmarks/gsm8k/test.jsonl not found") as err:
+        load_rows(load_spec("gsm8k"), str(tmp_path))
+    assert "data_dir" in err.value.fix
+    (tmp_path / "bad.jsonl").write_text('{"question": "a?", "answer": "1"}\n{"question": "b?"}\n', encoding="utf-8")
+    yaml_path = tmp_path / "bad.yaml"
+    yaml_path.write_text("file: bad.jsonl\ndata_source: openai/gsm8k\n", encoding="utf-8")
+    with pytest.raises(ArcherError, match="row 1 of .*bad.jsonl has no 'answer'"):
+        load_rows(load_spec(str(yaml_path)), None)
+    (tmp_path / "not_a_model").mkdir()
+    with pytest.raises(ArcherError, match="is not a model"):
+        resolve_model_folder(tmp_path / "not_a_model")
+
+
+def test_archer_eval_refuses_bad_input_with_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "not_a_model").mkdir()
+    assert cli.main(["eval", f"model={tmp_path / 'not_a_model'}", "benchmark=[gsm8k]"]) == 2
+    assert "is not a model: it has no config.json" in capsys.readouterr().err
+    assert cli.main(["eval", f"model={tmp_path}", "benchmark=[]"]) == 2
+    assert "no benchmark given" in capsys.readouterr().err
+    assert cli.main(["eval", f"model={tmp_path}", "benchmark=[gsm8k]", "n=2", "k=[1,4]"]) == 2
+    assert "k=[1, 4] holds [4], outside 1..n=2" in capsys.readouterr().err
+
+
+# -- the judge -----------------------------------------------------------------------------------------------
+class _JudgeServer(BaseHTTPRequestHandler):
+    """Says Correct when the judged answer is "Paris"; fails the first request of each prompt with HTTP 500."""
+
+    seen: dict[str, int] = {}
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompt = body["messages"][0]["content"]
+        count = self.seen[prompt] = self.seen.get(prompt, 0) + 1
+        if count == 1:
+            self.send_response(500)
+            self.end_headers()
+            return
+        verdict = "Correct." if "Answer to judge: Paris" in prompt else "Incorrect"
+        data = json.dumps({"choices": [{"message": {"content": verdict}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_judge_retries_caches_and_parses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("archer.eval.judge.BACKOFF_S", 0.0)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _JudgeServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        cfg = OmegaConf.create({"url": f"http://127.0.0.1:{server.server_port}/v1", "model": "judge", "timeout_s": 5.0,
+                                "max_retries": 2, "max_workers": 2, "api_key_env": None})
+        judge = Judge(cfg, tmp_path / "cache.jsonl")
+        prompts = ["Answer to judge: Paris", "Answer to judge: Lyon", None]
+        assert judge.judge(prompts) == [True, False, False]
+        asked = sum(_JudgeServer.seen.values())
+        assert Judge(cfg, tmp_path / "cache.jsonl").judge(prompts) == [True, False, False]  # from the cache file
+        assert sum(_JudgeServer.seen.values()) == asked
+        no_retries = Judge(OmegaConf.merge(cfg, {"max_retries": 0}), tmp_path / "other.jsonl")
+        with pytest.raises(ArcherError, match="failed after 1 attempt"):
+            no_retries.judge(["Answer to judge: Rome"])
+    finally:
+        server.shutdown()
+    assert parse_verdict("**Correct**") is True and parse_verdict("incorrect.") is False
+    assert parse_verdict("maybe") is None
+
+
+# -- end to end ----------------------------------------------------------------------------------------------
+def _tiny_benchmarks(tmp_path: Path) -> list[str]:
+    """Two small benchmarks: three sums (math) and two capitals (QA)."""
+    (tmp_path / "sums.jsonl").write_text("".join(json.dumps({"question": f"{a} + {a}?", "answer": str(2 * a)}) + "\n"
+                                                 for a in (3, 4, 5)), encoding="utf-8")
+    (tmp_path / "caps.jsonl").write_text('{"question": "Capital of France?", "answer": ["Paris"]}\n'
+                                         '{"question": "Capital of Italy?", "answer": ["Rome"]}\n', encoding="utf-8")
+    (tmp_path / "sums.yaml").write_text("file: sums.jsonl\ndata_source: archer/arithmetic\nprompt: '{question}'\n",
+                                        encoding="utf-8")
+    (tmp_path / "caps.yaml").write_text("file: caps.jsonl\ndata_source: DR_caps\nanswer_type: qa\n"
+                                        "prompt: 'Question: {question}'\n"
+                                        "judge_prompt: 'Q: {question} Reference: {reference} Answer to judge: {answer}'\n",
+                                        encoding="utf-8")
+    return [str(tmp_path / "sums.yaml"), str(tmp_path / "caps.yaml")]
+
+
+def test_archer_eval_end_to_end_and_resume(tiny_model_dir: Path, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    args = ["eval", f"model={tiny_model_dir}", f"benchmark=[{','.join(_tiny_benchmarks(tmp_path))}]", "n=4",
+            "k=[1,2,4]", "max_response_length=4", "max_prompt_length=64", f"output_dir={out}", "batch_size=2",
+            "device=cpu"]
+    assert cli.main(args) == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert results["model"] == str(tiny_model_dir) and results["n"] == 4 and results["k"] == [1, 2, 4]
+    assert results["benchmarks"]["caps"]["scored_by"] == "rule: exact match"
+    assert results["config"]["actor_rollout_ref"]["rollout"]["val_kwargs"]["temperature"] == 1.0
+    records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert sorted((r["benchmark"], r["index"]) for r in records) == [("caps", 0), ("caps", 1), ("sums", 0),
+                                                                     ("sums", 1), ("sums", 2)]
+    for record in records:
+        assert len(record["samples"]) == 4
+        assert set(record["samples"][0]) >= {"response", "score", "acc", "answer", "vote", "extras"}
+    metrics = results["metrics"]
+    for source in ("sums", "caps", "all"):
+        for key in ("mean@4", "pass@1", "pass@2", "pass@4", "best@4/mean", "maj@4/mean"):
+            assert f"val-core/{source}/acc/{key}" in metrics
+    assert "| sums | 3 | rule: math-verify |" in printed and (out / "results.md").read_text() in printed
+    assert (out / "results.png").read_bytes().startswith(b"\x89PNG")
+    # resume: a finished eval is not redone (the samples stay byte for byte), its figures are the same
+    before = (out / "samples.jsonl").read_bytes()
+    lines = before.decode().splitlines(keepends=True)
+    (out / "samples.jsonl").write_text("".join(lines[:3]) + lines[3][:20])  # killed while writing batch 2 of sums
+    assert cli.main(args) == 0
+    again = json.loads((out / "results.json").read_text())
+    assert again["metrics"] == results["metrics"]
+    assert sorted((out / "samples.jsonl").read_bytes().splitlines()) == sorted(before.splitlines())
+    # other sampling settings in the same folder are refused
+    assert cli.main([*args, "temperature=0.5"]) == 2
+    assert "holds an evaluation with other settings" in capsys.readouterr().err
+
+    # a judge on the finished eval (nothing is generated again): the sample that answered "Paris" is judged right
+    records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    caps0 = next(r for r in records if r["benchmark"] == "caps" and r["index"] == 0)
+    caps0["samples"][0]["answer"] = "Paris"
+    (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _JudgeServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        judged = [*args, f"judge.url=http://127.0.0.1:{server.server_port}/v1", "judge.model=m", "judge.max_retries=1"]
+        assert cli.main(judged) == 0
+    finally:
+        server.shutdown()
+    results = json.loads((out / "results.json").read_text())
+    assert results["benchmarks"]["caps"]["scored_by"] == "judge (m)"
+    assert results["benchmarks"]["sums"]["scored_by"] == "rule: math-verify"
+    assert results["metrics"]["val-core/caps/acc/best@1/mean"] == 0.5  # caps 0: its first sample judged right
+    assert results["metrics"]["val-aux/caps/rule_acc/mean@4"] == 0.0
+    judged_caps0 = next(r for r in map(json.loads, (out / "samples.jsonl").read_text().splitlines())
+                        if (r["benchmark"], r["index"]) == ("caps", 0))
+    assert judged_caps0["samples"][0]["judge"] is True and judged_caps0["samples"][0]["rule_acc"] == 0.0
+    assert cli.main(args) == 0  # without the judge again: the rule scores, as at first
+    assert json.loads((out / "results.json").read_text())["metrics"] == again["metrics"]
+
+
+def test_archer_eval_greedy(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "greedy"
+    sums = _tiny_benchmarks(tmp_path)[0]
+    assert cli.main(["eval", f"model={tiny_model_dir}", f"benchmark=[{sums}]", "max_response_length=4",
+                     "max_prompt_length=64", f"output_dir={out}", "device=cpu"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["n"] == 1 and results["k"] == [1]
+    assert results["config"]["actor_rollout_ref"]["rollout"]["val_kwargs"]["do_sample"] is False
+    assert {k for k in results["metrics"] if k.startswith("val-core/")} == {"val-core/sums/acc/mean@1",
+                                                                          "val-core/all/acc/mean@1"}
+
+
+def test_training_validation_and_archer_eval_agree(micro_model: Path, task_files: dict[str, Path],
+                                                   tmp_path: Path) -> None:
+    """trainer.val_only (no train files, no optimiser, reference or critic) and archer eval on the same prompts,
+    model, seed and sampling give the same val-core figures: one Evaluator serves both."""
+    from archer.config.loader import load_config
+    from archer.trainer.ppo import PPOTrainer
+
+    sampling = ["actor_rollout_ref.rollout.val_kwargs.n=4", "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+                "actor_rollout_ref.rollout.val_kwargs.do_sample=true", "data.max_response_length=8",
+                "data.max_prompt_length=64", "trainer.device=cpu", "trainer.seed=3"]
+    cfg = load_config("ppo_trainer", [f"actor_rollout_ref.model.path={micro_model}", f"data.val_files={task_files['val']}",
+                                      "trainer.val_only=true", f"trainer.default_local_dir={tmp_path / 'run'}",
+                                      "eval.k=[1,2,4]", *sampling])
+    trainer = PPOTrainer(cfg)
+    assert trainer.actor is None and trainer.ref is None and trainer.critic is None and trainer.train_set is None
+    train_metrics = trainer.fit()["val_after"]
+    spec = tmp_path / "arith.yaml"
+    spec.write_text(f"file: {task_files['val']}\nformat: verl\ndata_source: archer/arithmetic\n", encoding="utf-8")
+    out = tmp_path / "eval"
+    assert cli.main(["eval", f"model={micro_model}", f"benchmark=[{spec}]", "k=[1,2,4]", f"output_dir={out}",
+                     *sampling]) == 0
+    eval_metrics = json.loads((out / "results.json").read_text())["metrics"]
+    core = {k: v for k, v in train_metrics.items() if k.startswith("val-core/all/")}
+    assert {f"val-core/all/acc/{m}" for m in ("mean@4", "pass@4", "best@4/mean", "maj@4/mean")} <= set(core)
+    assert core == {k: v for k, v in eval_metrics.items() if k.startswith("val-core/all/")}
+    assert train_metrics["val-core/archer/arithmetic/acc/mean@4"] == eval_metrics["val-core/arith/acc/mean@4"]
