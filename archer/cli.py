@@ -15,6 +15,7 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -208,10 +209,10 @@ def _quickstart(args: argparse.Namespace) -> None:
 def _viz(args: argparse.Namespace) -> None:
     from archer.viz.explorer import existing_trace_dir
 
-    existing_trace_dir(args.trace_dir)  # a wrong path fails before Gradio's import
+    trace_dir = existing_trace_dir(args.trace_dir)  # a wrong path fails before Gradio's import
     from archer.viz.app import launch
 
-    launch(args.trace_dir, args.model_path, host=args.host, port=args.port)
+    launch(trace_dir, args.model_path, host=args.host, port=args.port)
 
 
 def _build_index(args: argparse.Namespace) -> None:
@@ -301,19 +302,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def quiet_libraries() -> None:
-    """archer shows its own progress; the libraries' loading/saving bars and notices are noise."""
+# Library notices a user cannot act on (transformers 5 renamed a keyword that torch's module call passes on).
+QUIET_WARNINGS = (r".*`past_key_values` is deprecated",)
+
+
+def setup_logging(verbose: bool) -> None:
+    """archer's own INFO lines; the libraries' (bm25s, the root logger, ...) only from WARNING up, unless ``-v``."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("archer").setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def quiet_libraries(verbose: bool = False) -> None:
+    """archer shows its own progress; the libraries' loading/saving bars and notices are noise (``-v`` keeps
+    their notices)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    if verbose:
+        return
     hf_logging.set_verbosity_error()
+    for message in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    setup_logging(args.verbose)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    quiet_libraries()
+    quiet_libraries(args.verbose)
     try:
         args.func(args)
     except ArcherError as e:

@@ -184,3 +184,39 @@ def test_train_refuses_unusable_prompt_files_at_load_time(case: str, tiny_model_
                 "no_rows": f"{path} has no rows"}[case]
     assert proc.stderr.startswith(f"archer: error: {expected}\n  fix: "), proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+LOGGING_PROBE = """
+import logging, sys, warnings
+from archer.cli import QUIET_WARNINGS, quiet_libraries, setup_logging
+verbose = sys.argv[1] == "-v"
+setup_logging(verbose)
+quiet_libraries(verbose)
+logging.getLogger("archer.data").info("archer's own line")
+logging.getLogger("bm25s").debug("Building index from IDs objects")
+logging.getLogger("bm25s").info("a library notice")
+logging.info("Closed file and mmap objects")
+warnings.warn("`past_key_values` is deprecated and will be removed in version 5.40.0", FutureWarning)
+"""
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_only_archers_own_lines_show_unless_verbose(verbose: bool) -> None:
+    """The issue's noise: bm25s's DEBUG/INFO, the root logger's INFO and the past_key_values FutureWarning."""
+    proc = subprocess.run([sys.executable, "-c", LOGGING_PROBE, "-v" if verbose else "-"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert "INFO archer.data: archer's own line" in lines
+    noise = ["DEBUG bm25s: Building index from IDs objects", "INFO bm25s: a library notice",
+             "INFO root: Closed file and mmap objects"]
+    assert all((line in lines) == verbose for line in noise), lines
+    assert ("past_key_values" in proc.stderr) == verbose
+
+
+def test_build_index_prints_no_library_lines(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "The Nile is a river in Africa."}\n')
+    proc = run_archer("build-index", "--corpus", str(corpus), "--out", str(tmp_path / "index"))
+    assert proc.returncode == 0 and proc.stdout == f"BM25 index of 1 passages: {tmp_path / 'index'}\n"
+    assert "bm25s" not in proc.stderr and "DEBUG" not in proc.stderr

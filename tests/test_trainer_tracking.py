@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from archer.errors import ArcherError
-from archer.trainer.tracking import Tracking
+from archer.trainer.tracking import StepClock, Tracking
 
 
 def _tracking(run_dir: Path, backends: list[str], start_step: int = 0, total_steps: int = 10) -> Tracking:
@@ -214,3 +214,31 @@ def test_tensorboard_resume_purges_steps_after_start(tmp_path: Path) -> None:
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     assert [(s.step, s.value) for s in acc.Scalars("a")] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+def test_eta_is_the_moving_average_of_step_times_from_the_second_step() -> None:
+    now = [0.0]
+    clock = StepClock(total_steps=200, clock=lambda: now[0])  # window: max(10, 200 // 10) = 20 steps
+    clock.tick(1)  # the first step's time includes start-up: not a rate
+    assert clock.remaining() is None
+    now[0] = 4.0
+    clock.tick(2)
+    assert clock.remaining() == 4.0 * 198
+    now[0] = 4.0
+    clock.tick(2)  # the same step logged again (its validation): no new duration
+    assert clock.remaining() == 4.0 * 198
+    now[0] = 10.0
+    clock.tick(4)  # two steps in 6 s: 3 s each
+    assert clock.remaining() == pytest.approx((4.0 + 3.0) / 2 * 196)
+    for step in range(5, 30):  # 25 steps of 1 s: the 20-step window forgets the slow start
+        now[0] += 1.0
+        clock.tick(step)
+    assert clock.remaining() == pytest.approx(1.0 * 171)
+
+
+def test_console_eta_shows_from_the_second_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with _tracking(tmp_path, ["console"], total_steps=3) as tracking:
+        tracking.log({"actor/entropy": 1.0}, step=1)
+        tracking.log({"actor/entropy": 1.0}, step=2)
+    lines = capsys.readouterr().out.splitlines()
+    assert "eta -:--:--" in lines[0] and "eta 0:00:00" in lines[1]  # 1 step left of ~0 s

@@ -99,7 +99,7 @@ def test_heatmaps_show_every_valid_token_and_mark_the_filtered_ones(explorer, to
     length = int(arrays["response_mask"][row].sum())
     for colour_by, html_text, vmax, colour in (
             ("entropy", result.entropy_html, data.entropy_vmax, render.entropy_colour),
-            ("influence", result.influence_html, data.influence_vmax, render.influence_colour)):
+            ("influence", result.influence_html, response_p99(arrays, row), render.influence_colour)):
         assert f'data-colour="{colour_by}" data-vmax="{vmax!r}" data-tokens="{length}"' in html_text
         for p in range(length):
             value = float(arrays[colour_by if colour_by == "influence" else "entropies"][row, p])
@@ -110,6 +110,33 @@ def test_heatmaps_show_every_valid_token_and_mark_the_filtered_ones(explorer, to
     assert 'data-pos="31"' not in result.entropy_html  # padding hidden
     with_padding = explorer.response(3, row, show_padding=True)
     assert with_padding.entropy_html.count('class="archer-tok') == arrays["response_mask"].shape[1]
+
+
+def response_p99(arrays: dict, row: int) -> float:
+    """p99 of |influence| over the row's learned tokens whose influence was computed, by hand."""
+    values = [abs(float(v)) for v, m in zip(arrays["influence"][row], arrays["response_mask"][row])
+              if m and not np.isnan(v)]
+    return float(np.percentile(values, 99))
+
+
+def test_the_influence_scale_is_the_responses_own_by_default_or_the_steps_and_says_which(explorer,
+                                                                                           tokenizer) -> None:
+    """The issue's case: one step's largest |influence| (402) left a response of +-1.4 all white."""
+    arrays = trace_support.step_arrays(tokenizer, 3, kind="influence")
+    data = explorer.step_data(3)
+    for row in range(arrays["response_mask"].shape[0]):
+        result = explorer.response(3, row)
+        own = response_p99(arrays, row)
+        assert f'data-colour="influence" data-vmax="{own!r}"' in result.influence_html
+        assert "influence (scale: p99 of |influence| over this response)" in result.influence_html
+        assert result.metadata.endswith(f"|influence| {own:.3g} (response)")
+        per_step = explorer.response(3, row, influence_scale="step")
+        assert f'data-colour="influence" data-vmax="{data.influence_vmax!r}"' in per_step.influence_html
+        assert "influence (scale: p99 of |influence| over this step)" in per_step.influence_html
+        assert per_step.metadata.endswith(f"|influence| {data.influence_vmax:.3g} (step)")
+    assert len({response_p99(arrays, r) for r in range(arrays["response_mask"].shape[0])}) > 1
+    with pytest.raises(ValueError, match="influence_scale"):
+        explorer.response(3, 0, influence_scale="run")
 
 
 def test_csv_exports_are_pruned_to_the_newest(explorer) -> None:
@@ -339,6 +366,23 @@ def test_cli_on_a_run_directory_names_its_trace_folders(tmp_path, tokenizer) -> 
     assert proc.stderr == (f"archer: error: {run} is not a trace directory (its summary.json has no format_version, "
                            "as a run's own has not); it holds the trace folder(s) entropy_trace\n"
                            f"  fix: pass --trace-dir {run / 'entropy_trace'}\n")
+
+
+@pytest.mark.parametrize("relative", [False, True])
+def test_viz_on_a_quickstart_folder_opens_the_trace_its_summary_names(tmp_path, tokenizer, capsys,
+                                                                     relative: bool) -> None:
+    """The issue's case: `archer viz --trace-dir OUT` on a quickstart's --out folder, whose traces lie in rl/."""
+    from archer.viz.explorer import existing_trace_dir
+
+    out = tmp_path / "qs"
+    for kind in ("entropy_trace", "influence_trace"):
+        trace_support.write_trace(out / "rl" / kind, tokenizer, steps=(1,), save_tokenizer=False)
+    named = "runs/qs" if relative else str(out)  # as the quickstart wrote it, maybe relative to where it ran
+    (out / "summary.json").write_text(json.dumps({"run_dir": named, "entropy_trace": f"{named}/rl/entropy_trace",
+                                                  "influence_trace": f"{named}/rl/influence_trace"}))
+    assert existing_trace_dir(out) == out / "rl" / "influence_trace"
+    assert capsys.readouterr().out == (f"{out} is a run folder: opening the trace its summary.json names, "
+                                       f"{out / 'rl' / 'influence_trace'}\n")
 
 
 def test_cli_serves_the_app_and_a_busy_port_exits_2(influence_trace) -> None:

@@ -165,6 +165,29 @@ def test_heatmap_spans_and_colours_match_the_data(page, tokenizer) -> None:
     assert any(s["text"].startswith("·") for s in spans)  # visible spaces
 
 
+def test_the_influence_scale_is_per_response_by_default_and_per_step_on_request(page, tokenizer) -> None:
+    step, row = 2, 4
+    open_response(page, step, row)
+    arrays = arrays_of(tokenizer, step)
+    valid = arrays["response_mask"][row] & ~np.isnan(arrays["influence"][row])
+    own = float(np.percentile(np.abs(arrays["influence"][row][valid].astype(np.float64)), 99))
+    both = arrays["response_mask"] & ~np.isnan(arrays["influence"])
+    of_step = float(np.percentile(np.abs(arrays["influence"][both].astype(np.float64)), 99))
+    assert own != pytest.approx(of_step)
+    legend = "#archer-heatmap-influence .archer-legend"
+    assert vmax_of(page, "archer-heatmap-influence") == pytest.approx(own, rel=1e-12)
+    assert page.inner_text(legend).startswith("influence (scale: p99 of |influence| over this response)")
+    page.locator("#archer-scale label", has_text="per step").click()
+    page.wait_for_function("() => document.querySelector('#archer-heatmap-influence .archer-legend')"
+                           "?.innerText.includes('over this step')")
+    assert vmax_of(page, "archer-heatmap-influence") == pytest.approx(of_step, rel=1e-12)
+    for s in heatmap_spans(page, "archer-heatmap-influence"):
+        assert s["colour"] == render.influence_colour(float(arrays["influence"][row, s["pos"]]), of_step)
+    page.locator("#archer-scale label", has_text="per response").click()
+    page.wait_for_function("() => document.querySelector('#archer-heatmap-influence .archer-legend')"
+                           "?.innerText.includes('over this response')")
+
+
 def test_filter_search_sort_and_csv_download(page, tokenizer, tmp_path) -> None:
     step, row = 2, 4
     open_response(page, step, row)
@@ -377,3 +400,21 @@ def test_picking_a_prompt_in_the_branch_tree_tab_draws_its_tree(tool_page, token
         "row"].tolist() == [4, 5, 6, 7]
     page.get_by_role("tab", name="Responses").click()
     wait_for_response(page, step, 4)  # the prompt's first response is open
+
+
+def test_wide_tables_and_the_group_panels_are_not_cut_off_on_the_right(page, tool_page) -> None:
+    """The issue's case: the stats table and the overview hid their last columns (num_val..., num_tool_call...)
+    behind the right edge, and the group view's fourth panel was cut off."""
+    right_edges = ("(e) => { const box = e.getBoundingClientRect();"
+                   " return [box.right, [...e.querySelectorAll('thead th')].map(th => th.getBoundingClientRect().right)]; }")
+    for shown in (page, tool_page):  # an influence trace (most statistics), a tool run (most overview columns)
+        for elem_id in ("archer-stats", "archer-overview"):
+            box_right, header_rights = shown.eval_on_selector(f"#{elem_id}", right_edges)
+            assert len(header_rights) >= 9 and max(header_rights) <= box_right + 1, (elem_id, box_right, header_rights)
+    tool_page.get_by_role("tab", name="Prompt group").click()
+    tool_page.wait_for_selector("#archer-group .archer-panel .archer-tok")
+    box_right, panel_rights = tool_page.eval_on_selector(
+        "#archer-group", "(e) => [e.getBoundingClientRect().right,"
+        " [...e.querySelectorAll('.archer-panel')].map(p => p.getBoundingClientRect().right)]")
+    assert len(panel_rights) == 4 and max(panel_rights) <= box_right + 1, (box_right, panel_rights)
+    tool_page.get_by_role("tab", name="Responses").click()

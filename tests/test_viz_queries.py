@@ -92,14 +92,14 @@ def test_colour_scales_fall_back_to_one() -> None:
 
 def test_overview_table_row_by_row() -> None:
     table = queries.overview_table(influence_step())
-    assert list(table.columns) == ["row", "response_index", "uid", "sample_index", "data_source", "length",
+    assert list(table.columns) == ["row", "response_index", "uid", "sample_index", "data_source", "learned_tokens",
                                    "reward", "advantage", "accepted", "group_id", "entropy_mean", "entropy_max",
                                    "influence_mean"]
     assert table["row"].tolist() == [0, 1, 2]
     assert table["response_index"].tolist() == [5, 6, 7]
     assert table["uid"].tolist() == ["a", "a", "b"] and table["sample_index"].tolist() == [1, 0, 0]
     assert table["data_source"].tolist() == ["x", "y", "x"]
-    assert table["length"].tolist() == [3, 2, 4]
+    assert table["learned_tokens"].tolist() == [3, 2, 4]
     assert table["reward"].tolist() == [1.0, 0.0, 1.0] and table["advantage"].tolist() == [0.5, -0.5, 0.25]
     assert table["accepted"].tolist() == [True, False, True] and table["group_id"].tolist() == [0, 0, 1]
     # (0.5+1+2)/3, (0.25+3)/2, (1.5+0.75+0.5+2.5)/4; padding never counts.
@@ -114,7 +114,7 @@ def test_overview_of_an_entropy_step_has_no_influence_columns_and_empty_rows_are
     arrays["response_mask"][1] = False
     table = queries.overview_table(arrays)
     assert "influence_mean" not in table and "accepted" not in table and "group_id" not in table
-    assert table["length"].tolist() == [3, 0, 4]
+    assert table["learned_tokens"].tolist() == [3, 0, 4]
     assert math.isnan(table["entropy_mean"][1]) and math.isnan(table["entropy_max"][1])
 
 
@@ -122,14 +122,14 @@ def test_overview_shows_each_reward_extra_under_its_key() -> None:
     arrays = entropy_step()
     arrays["reward_extra/f1"] = np.array([0.5, NAN, 0.25], np.float32)
     arrays["reward_extra/format_ok"] = np.array([1, 0, 1], np.float32)
-    arrays["reward_extra/length"] = np.array([7, 8, 9], np.float32)  # "length" is taken: the field name shows
+    arrays["reward_extra/reward"] = np.array([7, 8, 9], np.float32)  # "reward" is taken: the field name shows
     table = queries.overview_table(arrays)
-    assert list(table.columns) == ["row", "response_index", "uid", "sample_index", "data_source", "length",
-                                   "reward", "advantage", "f1", "format_ok", "reward_extra/length", "entropy_mean",
+    assert list(table.columns) == ["row", "response_index", "uid", "sample_index", "data_source", "learned_tokens",
+                                   "reward", "advantage", "f1", "format_ok", "reward_extra/reward", "entropy_mean",
                                    "entropy_max"]
     assert table["f1"].tolist()[::2] == [0.5, 0.25] and math.isnan(table["f1"][1])
     assert table["format_ok"].tolist() == [1.0, 0.0, 1.0]
-    assert table["length"].tolist() == [3, 2, 4] and table["reward_extra/length"].tolist() == [7.0, 8.0, 9.0]
+    assert table["learned_tokens"].tolist() == [3, 2, 4] and table["reward_extra/reward"].tolist() == [7.0, 8.0, 9.0]
 
 
 def test_prompt_and_response_ids_drop_padding() -> None:
@@ -373,10 +373,10 @@ def test_the_view_of_a_tool_run_keeps_tool_output_out_of_entropy_filters_and_sor
 
 def test_overview_of_a_tool_run() -> None:
     table = queries.overview_table(tool_step())
-    assert list(table.columns) == ["row", "response_index", "uid", "sample_index", "length", "tool_tokens",
+    assert list(table.columns) == ["row", "response_index", "uid", "sample_index", "learned_tokens", "tool_tokens",
                                    "reward", "num_tool_calls", "num_turns", "branch_parent", "branch_position",
                                    "finish_reason", "entropy_mean", "entropy_max"]
-    assert table["length"].tolist() == [4, 4, 5, 4, 2] and table["tool_tokens"].tolist() == [3, 3, 2, 3, 0]
+    assert table["learned_tokens"].tolist() == [4, 4, 5, 4, 2] and table["tool_tokens"].tolist() == [3, 3, 2, 3, 0]
     assert table["finish_reason"].tolist() == ["eos", "eos", "length", "eos", "eos"]
     # row 0: the model's entropies at 0, 1, 2 and 6 (tool output at 3-5 never counts): 0, 0.25, 0.5, 1.5
     assert table["entropy_mean"][0] == pytest.approx(2.25 / 4) and table["entropy_max"][0] == 1.5
@@ -394,12 +394,12 @@ def test_branch_tree_of_a_prompt_by_hand() -> None:
     assert np.isnan(tree["branch_token_entropy"][0]) and np.isnan(tree["branch_token_entropy"][3])
     assert tree["branch_token_entropy"].tolist()[1:3] == [3.25, 6.75]
     assert tree["depth"].tolist() == [0, 1, 1, 0] and tree["branches"].tolist() == [2, 0, 0, 0]
-    assert tree["length"].tolist() == [7, 7, 7, 7] and tree["tool_tokens"].tolist() == [3, 3, 3, 2]
+    assert tree["all_tokens"].tolist() == [7, 7, 7, 7] and tree["tool_tokens"].tolist() == [3, 3, 3, 2]
     assert tree["reward"].tolist() == [1.0, 0.0, 1.0, 0.5]
     assert tree["num_tool_calls"].tolist() == [1, 1, 1, 1]
     assert tree["finish_reason"].tolist() == ["eos", "eos", "eos", "length"]
     lone = queries.branch_tree(arrays, "h")  # parent 0 is not an earlier response of its group: a root
-    assert lone[["row", "parent", "parent_row", "branch_position", "depth", "length"]].values.tolist() == [
+    assert lone[["row", "parent", "parent_row", "branch_position", "depth", "all_tokens"]].values.tolist() == [
         [4, -1, -1, -1, 0, 2]]
     assert queries.branch_tree(arrays, "zzz").empty
 
@@ -412,7 +412,7 @@ def test_branch_tree_of_a_deeper_tree_and_of_a_run_without_tools() -> None:
     assert tree["branches"].tolist() == [1, 1, 0, 0] and tree["parent"].tolist() == [-1, 0, 1, -1]
     plain = queries.branch_tree(entropy_step(), "a")  # no branch fields: every response is a root
     assert plain["row"].tolist() == [1, 0] and plain["parent"].tolist() == [-1, -1]
-    assert plain["length"].tolist() == [2, 3] and plain["tool_tokens"].tolist() == [0, 0]
+    assert plain["all_tokens"].tolist() == [2, 3] and plain["tool_tokens"].tolist() == [0, 0]
     assert "num_tool_calls" not in plain and plain["reward"].tolist() == [0.0, 1.0]
 
 

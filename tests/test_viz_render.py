@@ -196,7 +196,7 @@ def tree_svg(selected: int | None = 1) -> ET.Element:
                          "parent_row": [-1, 0, -1], "branch_position": [-1, 6, -1],
                          "branch_token_entropy": [np.nan, 1.0, np.nan], "depth": [0, 1, 0],
                          "branches": [1, 0, 0],
-                         "length": [7, 14, 3], "tool_tokens": [3, 3, 0], "reward": [1.0, 0.0, 0.5],
+                         "all_tokens": [7, 14, 3], "tool_tokens": [3, 3, 0], "reward": [1.0, 0.0, 0.5],
                          "num_tool_calls": [1, 1, 0], "finish_reason": ["eos", "length", "eos"]})
     tool, call = np.zeros(14, bool), np.zeros(14, bool)
     tool[3:6], call[0:3] = True, True  # row 1 inherits them from row 0: its own part starts at 6

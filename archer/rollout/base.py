@@ -132,7 +132,8 @@ class RolloutEngine(ABC):
     def session(self) -> EngineSession:
         """A session for turn-by-turn generation (the agentic loop)."""
         raise ArcherError(f"the {type(self).__name__} engine has no turn-by-turn sessions",
-                          "use actor_rollout_ref.rollout.name=hf for multi-turn tool rollouts")
+                          "use actor_rollout_ref.rollout.name=hf or fast (both have sessions) for multi-turn tool "
+                          "rollouts, or give this engine a session()")
 
     @abstractmethod
     def sync_weights(self, model: torch.nn.Module) -> None:

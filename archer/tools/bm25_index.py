@@ -12,6 +12,7 @@ only its own files, and an index is replaced only when the caller asks (``--over
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import threading
 from collections.abc import Iterable
@@ -32,6 +33,14 @@ BM25S_FILES = ("params.index.json", "vocab.index.json", "data.csc.index.npy", "i
 class Passage:
     title: str
     text: str
+
+
+def _bm25s():
+    """The bm25s module, its logger following the application's levels (bm25s sets DEBUG on import)."""
+    import bm25s
+
+    logging.getLogger("bm25s").setLevel(logging.NOTSET)
+    return bm25s
 
 
 def read_corpus(path: Path) -> list[dict[str, str]]:
@@ -116,8 +125,7 @@ def build_index(corpus: Path, out: Path, *, overwrite: bool = False, show_progre
     ``out`` must pass ``check_output_folder`` (checked before any work and again before the index is put in
     place); an existing index there is replaced whole, atomically.
     """
-    import bm25s
-
+    bm25s = _bm25s()
     out = out.resolve()  # a symlinked folder: the folder it names is the one replaced, not the link
     check_output_folder(out, overwrite=overwrite)
     records = read_corpus(corpus)
@@ -140,8 +148,7 @@ def build_index(corpus: Path, out: Path, *, overwrite: bool = False, show_progre
 
 class BM25Index:
     def __init__(self, index_dir: str | Path) -> None:
-        import bm25s
-
+        bm25s = _bm25s()
         self.index_dir = Path(index_dir)
         if not (self.index_dir / META_FILE).is_file():
             raise _not_an_index(self.index_dir)

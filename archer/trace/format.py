@@ -347,8 +347,32 @@ def is_trace_dir(path: Path) -> bool:
 
 
 def trace_dirs_in(folder: Path) -> list[Path]:
-    """The trace folders directly inside ``folder`` (a run directory), by name."""
-    return sorted(p for p in folder.iterdir() if p.is_dir() and is_trace_dir(p)) if folder.is_dir() else []
+    """The trace folders of ``folder``: those its summary.json names (a quickstart's ``influence_trace`` and
+    ``entropy_trace``, which lie a level down), then those directly inside it (a run directory), by name."""
+    inside = sorted(p for p in folder.iterdir() if p.is_dir() and is_trace_dir(p)) if folder.is_dir() else []
+    named = [p for p in _named_traces(folder) if p not in inside]
+    return named + inside
+
+
+def _named_traces(folder: Path) -> list[Path]:
+    """The trace folders a quickstart's summary.json names; a relative name is read from where the quickstart
+    ran, else from ``folder`` (its ``run_dir``)."""
+    try:
+        summary = json.loads((folder / SUMMARY).read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(summary, dict):
+        return []
+    found = []
+    for key in ("influence_trace", "entropy_trace"):
+        value, run_dir = summary.get(key), summary.get("run_dir")
+        if not isinstance(value, str):
+            continue
+        candidates = [Path(value)]
+        if isinstance(run_dir, str) and Path(value).is_relative_to(run_dir):
+            candidates.append(folder / Path(value).relative_to(run_dir))
+        found += [c for c in candidates if c.is_dir() and is_trace_dir(c)][:1]
+    return found
 
 
 def _not_a_trace_dir(path: Path, reason: str) -> ArcherError:

@@ -4,7 +4,8 @@
 object per `log` call: {"step": N, <metric>: value, ...}. JSON has no NaN, so non-finite values (NaN,
 inf) are written as null. A resumed run (start_step > 0) first drops every line after start_step and any
 half-written line, so a run killed and resumed never holds duplicated or torn lines; a run that starts
-at step 0 starts a new file.
+at step 0 starts a new file. The console's ETA is the moving average of the last steps' durations times the
+steps left, shown from the second logged step on (a first step that includes start-up is not a rate).
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import time
 import uuid
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
@@ -26,7 +29,6 @@ from rich.progress import (
     Progress,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 from rich.table import Column
 from rich.text import Text
@@ -37,6 +39,7 @@ from archer.errors import ArcherError
 KNOWN_BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
 DEFAULT_KEY_METRICS = ("critic/score/mean", "actor/entropy", "response_length/mean")
 METRICS_FILE = "metrics.jsonl"
+ETA_WINDOW = 10  # steps whose mean duration the ETA extrapolates (a tenth of the run, when that is more)
 
 
 class _Backend(Protocol):
@@ -92,35 +95,59 @@ def _format_duration(seconds: float | None) -> str:
     return "-:--:--" if seconds is None else str(timedelta(seconds=int(seconds)))
 
 
+class StepClock:
+    """Time left from the mean duration of the last steps (None until two steps are logged)."""
+
+    def __init__(self, total_steps: int, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._total = total_steps
+        self._clock = clock
+        self._durations: deque[float] = deque(maxlen=max(ETA_WINDOW, total_steps // 10))
+        self._last: tuple[int, float] | None = None
+
+    def tick(self, step: int) -> None:
+        """Step ``step`` is done now (a repeated step, e.g. its validation logged apart, changes nothing)."""
+        now = self._clock()
+        if self._last is not None and step > self._last[0]:
+            self._durations.append((now - self._last[1]) / (step - self._last[0]))
+        if self._last is None or step > self._last[0]:
+            self._last = (step, now)
+
+    def remaining(self) -> float | None:
+        if not self._durations or self._last is None:
+            return None
+        return sum(self._durations) / len(self._durations) * max(self._total - self._last[0], 0)
+
+
 class _ConsoleBackend:
     """A progress bar (live on a terminal, printed once at the end otherwise) and one line per log call."""
 
-    def __init__(self, total_steps: int, start_step: int, key_metrics: tuple[str, ...]) -> None:
+    def __init__(self, total_steps: int, start_step: int, key_metrics: tuple[str, ...],
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self._keys = key_metrics
         self._total = total_steps
+        self._eta = StepClock(total_steps, clock=clock)
         self._progress = Progress(
             TextColumn("[bold]training"),
             BarColumn(bar_width=20),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
-            TextColumn("eta"),
-            TimeRemainingColumn(),
+            TextColumn("eta {task.fields[eta]}"),
             # ratio=1: the metrics take the remaining width and wrap, so the other columns keep theirs.
             TextColumn("{task.fields[summary]}", table_column=Column(ratio=1)),
             console=Console(),
         )
-        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, summary="")
+        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, summary="",
+                                             eta=_format_duration(None))
         self._progress.start()
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         summary = "  ".join(f"{k}={metrics[k]:.4g}" for k in self._keys if k in metrics)
         fields = {"summary": summary} if summary else {}  # a log without key metrics keeps the last ones
-        self._progress.update(self._task, completed=step, **fields)
+        self._eta.tick(step)
+        eta = _format_duration(self._eta.remaining())
+        self._progress.update(self._task, completed=step, eta=eta, **fields)
         task = self._progress.tasks[0]
-        line = (
-            f"step {step}/{self._total}  elapsed {_format_duration(task.elapsed)}  "
-            f"eta {_format_duration(task.time_remaining)}  {summary}"
-        )
+        line = f"step {step}/{self._total}  elapsed {_format_duration(task.elapsed)}  eta {eta}  {summary}"
         self._progress.console.print(Text(line.rstrip()), soft_wrap=True)
 
     def close(self) -> None:

@@ -31,6 +31,12 @@ RESPONSES_TAB, GROUP_TAB, COMPARE_TAB, TREE_TAB = "Responses", "Prompt group", "
 TREE_CLICK_JS = ("element.addEventListener('click', (event) => { const node = event.target.closest('[data-row]'); "
                  "if (node) trigger('click', {row: Number(node.dataset.row)}); });")
 SORT_CHOICES = list(zip(("position", "entropy ascending", "entropy descending"), queries.SORTS))
+INFLUENCE_SCALE_CHOICES = list(zip(("per response", "per step"), queries.INFLUENCE_SCALES))
+# Wide tables fit the page instead of hiding their right-hand columns behind a scroll: headers wrap (long
+# snake_case names anywhere), cells are a size smaller.
+TABLE_CSS = (".archer-table th, .archer-table th *{white-space:normal!important;overflow-wrap:anywhere!important}"
+             ".archer-table table{width:100%!important}"
+             ".archer-table th, .archer-table td{font-size:12px;padding:4px!important;min-width:0!important}")
 # Errors a view turns into a message: a missing/corrupt step, a row out of range, a bad user path.
 VIEW_ERRORS = (TraceError, IndexError, ArcherError)
 
@@ -101,13 +107,13 @@ def build_app(trace_dir: str | Path, model_path: str | Path | None = None, *,
             refresh = gr.Button("Refresh steps", elem_id="archer-refresh", scale=1)
         stats = gr.Dataframe(label="step statistics (entropy over valid tokens"
                              + (", influence over computed tokens)" if influence else ")"),
-                             interactive=False, elem_id="archer-stats")
+                             interactive=False, elem_id="archer-stats", elem_classes=["archer-table"])
         open_tab = gr.State(RESPONSES_TAB)
         drawn = gr.State("")  # the response view this browser session shows (see response_values)
         with gr.Tabs() as tabs:
             with gr.Tab(RESPONSES_TAB, id=RESPONSES_TAB):
                 overview = gr.Dataframe(label="responses (select a row to open it)", interactive=False,
-                                        max_height=300, elem_id="archer-overview")
+                                        max_height=300, elem_id="archer-overview", elem_classes=["archer-table"])
                 with gr.Row():
                     row = gr.Number(value=0, precision=0, minimum=0, label="response row", elem_id="archer-row")
                     low = gr.Textbox(placeholder="none", label="entropy min", elem_id="archer-emin")
@@ -116,6 +122,8 @@ def build_app(trace_dir: str | Path, model_path: str | Path | None = None, *,
                 with gr.Row():
                     sort = gr.Radio(SORT_CHOICES, value="position", label="sort", elem_id="archer-sort")
                     padding = gr.Checkbox(value=False, label="show padding", elem_id="archer-padding")
+                    scale = gr.Radio(INFLUENCE_SCALE_CHOICES, value="response", visible=influence,
+                                     label="influence colour scale (p99 of |influence|)", elem_id="archer-scale")
                 metadata = gr.Markdown(elem_id="archer-meta")
                 with gr.Row():
                     prompt = gr.Textbox(label="prompt (decoded)", lines=3, max_lines=12, elem_id="archer-prompt")
@@ -142,13 +150,13 @@ def build_app(trace_dir: str | Path, model_path: str | Path | None = None, *,
                     other = gr.Dropdown(choices=steps, value=steps[0] if steps else None, elem_id="archer-other",
                                         label="compare the selected response's prompt with step")
                     compare_tokens = gr.Slider(16, 4096, value=256, step=16, label="tokens shown per response")
-                compare_table = gr.Dataframe(interactive=False, elem_id="archer-compare-table")
+                compare_table = gr.Dataframe(interactive=False, elem_id="archer-compare-table", elem_classes=["archer-table"])
                 compare_map = gr.HTML(elem_id="archer-compare")
             with gr.Tab(TREE_TAB):
                 tree_uid = gr.Dropdown(label="prompt (uid)", elem_id="archer-tree-uid")
                 tree_map = gr.HTML(elem_id="archer-tree", js_on_load=TREE_CLICK_JS)
                 tree_table = gr.Dataframe(label="the prompt's responses in tree order (select a row to open it)",
-                                          interactive=False, elem_id="archer-tree-table")
+                                          interactive=False, elem_id="archer-tree-table", elem_classes=["archer-table"])
             with gr.Tab("Curves"):
                 curves = gr.Plot(format="png", elem_id="archer-curves")
             with gr.Tab("Histogram"):
@@ -175,13 +183,14 @@ def build_app(trace_dir: str | Path, model_path: str | Path | None = None, *,
 
             return run
 
-        response_inputs = [step, row, low, high, search, padding, sort, drawn]
+        response_inputs = [step, row, low, high, search, padding, sort, scale, drawn]
         response_outputs = [metadata, prompt, response, entropy_map, influence_map, view, csv, drawn, error]
 
         def response_values(step_value: Any, row_value: Any, low_value: Any, high_value: Any, search_value: str,
-                            padding_value: bool, sort_value: str, drawn_value: str) -> dict[Any, Any] | None:
+                            padding_value: bool, sort_value: str, scale_value: str,
+                            drawn_value: str) -> dict[Any, Any] | None:
             options = {"entropy_range": _entropy_range(low_value, high_value), "search": search_value or "",
-                       "show_padding": bool(padding_value), "sort": sort_value}
+                       "show_padding": bool(padding_value), "sort": sort_value, "influence_scale": scale_value}
             key = repr((step_value, id(explorer.step_data(step_value).arrays), _row(row_value), options))
             if key == drawn_value:  # a blur or a repeated event: the page already shows this view
                 return None
@@ -284,7 +293,8 @@ def build_app(trace_dir: str | Path, model_path: str | Path | None = None, *,
         chain(step.change, after_step)
         chain(row.change, [response_stage, group_stage, compare_stage, tree_stage], trigger_mode="always_last")
         chain(tabs.select, [(_tab_label, [], [open_tab]), group_stage, compare_stage, tree_stage])
-        gr.on([low.submit, low.blur, high.submit, high.blur, search.change, padding.change, sort.change],
+        gr.on([low.submit, low.blur, high.submit, high.blur, search.change, padding.change, sort.change,
+               scale.change],
               *response_stage, trigger_mode="always_last")
         k.release(*top_stage)
         bins.release(*hist_stage)
@@ -313,7 +323,7 @@ def launch(trace_dir: str | Path, model_path: str | Path | None = None, host: st
     app = build_app(trace_dir, model_path, poll_seconds=poll_seconds)
     try:
         app.launch(server_name=host, server_port=int(port), share=False, prevent_thread_lock=True,
-                   theme=theme(), footer_links=[], quiet=True,
+                   theme=theme(), css=TABLE_CSS, footer_links=[], quiet=True,
                    run_history=False)  # a saved run holds whole heatmaps: the browser would slow down and fill
     except OSError as e:
         raise ArcherError(f"cannot serve the explorer on {host}:{port} ({e})",

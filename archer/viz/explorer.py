@@ -23,7 +23,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from archer.errors import ArcherError
-from archer.trace.format import TraceReader, read_trace_summary
+from archer.trace.format import TraceReader, is_trace_dir, read_trace_summary, trace_dirs_in
 from archer.viz import queries, render
 
 STEP_CACHE = 4
@@ -31,12 +31,18 @@ CSV_KEEP = 32  # CSV exports kept in the private temporary folder
 
 
 def existing_trace_dir(trace_dir: str | Path) -> Path:
-    """The trace folder, or an ArcherError when it does not exist or is not a trace folder (one that names the
-    trace folders inside a run directory); checked before heavy imports."""
+    """The trace folder to open: ``trace_dir`` itself, or the trace that a quickstart folder's summary.json
+    names (its influence trace first); an ArcherError when it does not exist or holds no trace (naming the trace
+    folders inside a run directory). Checked before heavy imports."""
     path = Path(trace_dir).expanduser()
     if not path.is_dir():
         raise ArcherError(f"trace directory {path} does not exist",
                           "pass --trace-dir <run>/entropy_trace or <run>/influence_trace of a run")
+    if not is_trace_dir(path):
+        named = trace_dirs_in(path)
+        if named and (path / "summary.json").is_file() and named[0].parent != path:  # named one level down
+            print(f"{path} is a run folder: opening the trace its summary.json names, {named[0]}")
+            return named[0]
     read_trace_summary(path)
     return path
 
@@ -182,8 +188,13 @@ class Explorer:
         return self.step_data(step).overview
 
     def response(self, step: int, row: int, *, entropy_range: tuple[float | None, float | None] = (None, None),
-                 search: str = "", show_padding: bool = False, sort: str = "position") -> ResponseView:
-        """The response panel: metadata, decoded prompt and response, heatmap(s), the view table and its CSV."""
+                 search: str = "", show_padding: bool = False, sort: str = "position",
+                 influence_scale: str = "response") -> ResponseView:
+        """The response panel: metadata, decoded prompt and response, heatmap(s), the view table and its CSV.
+        The influence heatmap's colour scale is the response's own p99 of |influence| (``influence_scale``
+        "response") or the step's ("step")."""
+        if influence_scale not in queries.INFLUENCE_SCALES:
+            raise ValueError(f"influence_scale must be one of {queries.INFLUENCE_SCALES}, got {influence_scale!r}")
         data = self.step_data(step)
         arrays = data.arrays
         row = queries.check_row(arrays, row)
@@ -195,21 +206,28 @@ class Explorer:
         shown_tokens, shown_in_view = tokens[shown], in_view[shown]
         entropy_html = render.heatmap_html(shown_tokens, colour_by="entropy", vmax=data.entropy_vmax,
                                            in_view=shown_in_view)
-        influence_html = (render.heatmap_html(shown_tokens, colour_by="influence", vmax=data.influence_vmax,
-                                              in_view=shown_in_view) if "influence" in arrays else None)
+        influence_html, influence_vmax = None, data.influence_vmax
+        if "influence" in arrays:
+            if influence_scale == "response":
+                influence_vmax = queries.response_influence_scale(arrays, row)
+            influence_html = render.heatmap_html(
+                shown_tokens, colour_by="influence", vmax=influence_vmax, in_view=shown_in_view,
+                scale=f"p99 of |influence| over this {influence_scale}")
         return ResponseView(
-            metadata=self._metadata(data, row, int(in_view[tokens["valid"].to_numpy()].sum()), len(view), sort),
+            metadata=self._metadata(data, row, int(in_view[tokens["valid"].to_numpy()].sum()), len(view), sort,
+                                    influence_vmax, influence_scale),
             prompt=self._prompt_text(data, row),
             response=self.decode.text(queries.response_ids(arrays, row)),
             entropy_html=entropy_html, influence_html=influence_html, view=view,
             csv_path=self._write_csv(queries.view_csv(view, data.step, row), data.step, row))
 
-    def _metadata(self, data: StepData, row: int, matching: int, rows_in_view: int, sort: str) -> str:
+    def _metadata(self, data: StepData, row: int, matching: int, rows_in_view: int, sort: str,
+                  influence_vmax: float, influence_scale: str) -> str:
         record = data.overview.iloc[row].to_dict()
         cells = " | ".join(f"**{k}** {_fmt(v)}" for k, v in {"step": data.step, **record}.items())
         return (f"{cells}  \nview: {rows_in_view} rows (sort: {sort}); {matching} valid tokens match the filter "
-                f"and search; colour scale max: entropy {data.entropy_vmax:.3g}"
-                + (f", |influence| {data.influence_vmax:.3g}" if "influence" in data.arrays else ""))
+                f"and search; colour scale max: entropy {data.entropy_vmax:.3g} (step)"
+                + (f", |influence| {influence_vmax:.3g} ({influence_scale})" if "influence" in data.arrays else ""))
 
     def _write_csv(self, text: str, step: int, row: int) -> Path:
         digest = hashlib.sha1(text.encode("utf-8")).hexdigest()[:10]
@@ -246,7 +264,7 @@ class Explorer:
             tokens = tokens[queries.in_response(tokens)]
             record = overview.iloc[int(row)]
             title = f"step {data.step} · row {int(row)}" + "".join(
-                f" · {k} {_fmt(record[k])}" for k in ("sample_index", "reward", "advantage", "accepted", "length",
+                f" · {k} {_fmt(record[k])}" for k in ("sample_index", "reward", "advantage", "accepted", "learned_tokens",
                                                     "entropy_mean") if k in record)
             panels.append((title, render.heatmap_html(tokens, vmax=data.entropy_vmax, max_tokens=max_tokens,
                                                       legend=False)))
@@ -329,7 +347,7 @@ def _group_summary(data: StepData, rows: np.ndarray) -> dict[str, Any]:
     table = data.overview.iloc[rows]
     out: dict[str, Any] = {"step": data.step, "responses": len(rows),
                            "rows": " ".join(str(int(r)) for r in rows)}
-    for name in ("reward", "advantage", "accepted", "length", "entropy_mean", "influence_mean"):
+    for name in ("reward", "advantage", "accepted", "learned_tokens", "entropy_mean", "influence_mean"):
         if name in table:
             out[f"{name}_mean" if not name.endswith("_mean") else name] = (
                 float(table[name].astype(np.float64).mean()) if len(rows) else float("nan"))

@@ -63,13 +63,23 @@ def step_stats(arrays: Arrays) -> dict[str, float]:
     return stats
 
 
+INFLUENCE_SCALES = ("response", "step")  # the influence heatmap's colour scale: p99 of |influence| over either
+
+
+def _positive(value: float | None) -> float:
+    return float(value) if value is not None and np.isfinite(value) and value > 0 else 1.0
+
+
 def colour_scales(stats: dict[str, float]) -> tuple[float, float]:
     """Heatmap scale maxima of a step: p99 of the entropy and of |influence| (1.0 when not positive)."""
+    return _positive(stats.get("entropy_p99")), _positive(stats.get("influence_abs_p99"))
 
-    def positive(value: float | None) -> float:
-        return float(value) if value is not None and np.isfinite(value) and value > 0 else 1.0
 
-    return positive(stats.get("entropy_p99")), positive(stats.get("influence_abs_p99"))
+def response_influence_scale(arrays: Arrays, row: int) -> float:
+    """p99 of |influence| over one response's computed tokens (1.0 when not positive): a step's largest values
+    can be hundreds of times a response's, which the step's scale would leave all white."""
+    values = arrays["influence"][row][influence_valid(arrays)[row]].astype(np.float64)
+    return _positive(float(np.percentile(np.abs(values), 99)) if values.size else None)
 
 
 def _row_means(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
@@ -80,7 +90,7 @@ def _row_means(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
 
 
 def overview_table(arrays: Arrays) -> pd.DataFrame:
-    """One row per response: its metadata, length (valid tokens), reward extras (each under its key, or its field
+    """One row per response: its metadata, learned_tokens (the policy's tokens: response_mask), reward extras (each under its key, or its field
     name when the key is taken) and mean/max entropy (and mean influence)."""
     mask = arrays["response_mask"]
     n = mask.shape[0]
@@ -88,7 +98,7 @@ def overview_table(arrays: Arrays) -> pd.DataFrame:
     for name in ("uid", "sample_index", "data_source"):
         if name in arrays:
             table[name] = arrays[name]
-    table["length"] = mask.sum(axis=1)
+    table["learned_tokens"] = mask.sum(axis=1)  # the policy's own tokens (the loss's); tool output not counted
     if "tool_mask" in arrays:
         table["tool_tokens"] = arrays["tool_mask"].sum(axis=1)
     for name in ("reward", "advantage", "accepted", "group_id", "num_tool_calls", "num_turns", "branch_parent",
@@ -330,7 +340,7 @@ def branch_tree(arrays: Arrays, uid: str) -> pd.DataFrame:
     row, sample_index, parent (the sample_index it branched from, -1 for a root), parent_row, branch_position
     (its first token of its own, -1 for a root), branch_token_entropy (the traced entropy of that one token,
     in nats: the distribution it and its parent both sampled from there; not the windowed, normalised H the
-    branching rule compares), depth, branches (responses that branched from it), length (its
+    branching rule compares), depth, branches (responses that branched from it), all_tokens (its
     tokens, tool output included), tool_tokens, reward, num_tool_calls, finish_reason (the last three when the
     trace has them). Without ``branch_parent`` (a run without tools), or when a parent is not an earlier response
     of the group, a response is a root.
@@ -367,7 +377,7 @@ def branch_tree(arrays: Arrays, uid: str) -> pd.DataFrame:
                            for r in ordered],
         "depth": [d for _, d in order],
         "branches": [len(children.get(r, [])) for r in ordered],
-        "length": [int(np.flatnonzero(content[r])[-1]) + 1 if content[r].any() else 0 for r in ordered],
+        "all_tokens": [int(np.flatnonzero(content[r])[-1]) + 1 if content[r].any() else 0 for r in ordered],
         "tool_tokens": [int(arrays["tool_mask"][r].sum()) if "tool_mask" in arrays else 0 for r in ordered],
     }
     for name in ("reward", "num_tool_calls", "finish_reason"):

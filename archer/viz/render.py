@@ -37,8 +37,8 @@ HEATMAP_CSS = (
     ".archer-tok--tool{color:#8a8a8a;font-style:italic}"
     f".archer-tok--call{{box-shadow:inset 0 -3px 0 {CALL};color:#3f1d6b;font-weight:600}}"
     ".archer-heatmap .archer-tok:hover{outline:1px solid #000}"
-    ".archer-panels{display:grid;gap:8px;grid-auto-flow:column;grid-auto-columns:minmax(320px,1fr);"
-    "overflow-x:auto}"
+    # side-by-side panels wrap onto further rows rather than run off the right edge
+    ".archer-panels{display:grid;gap:8px;grid-template-columns:repeat(auto-fill,minmax(280px,1fr))}"
     ".archer-panel-title{font-size:12px;margin:2px 0;color:#333}"
     ".archer-legend{font-size:12px;margin:2px 0 4px;color:#333}"
     "</style>"
@@ -97,8 +97,9 @@ def token_title(token: dict) -> str:
     return " | ".join(parts)
 
 
-def legend_html(colour_by: str, vmax: float, tools: bool = False) -> str:
-    """The colour scale of a heatmap in words and swatches (with the tool marks when ``tools``)."""
+def legend_html(colour_by: str, vmax: float, tools: bool = False, scale: str = "") -> str:
+    """The colour scale of a heatmap in words and swatches (with the tool marks when ``tools``); ``scale`` says
+    what the maximum is taken over."""
     if colour_by == "entropy":
         stops = [(0.0, "0"), (vmax / 2, f"{vmax / 2:.3g}"), (vmax, f"≥ {vmax:.3g}")]
         swatches = "".join(f'<span style="background-color:{entropy_colour(v, vmax)}">&nbsp;{label}&nbsp;</span>'
@@ -109,6 +110,8 @@ def legend_html(colour_by: str, vmax: float, tools: bool = False) -> str:
         swatches = "".join(f'<span style="background-color:{influence_colour(v, vmax)}">&nbsp;{label}&nbsp;</span>'
                            for v, label in stops)
         title = "influence"
+    if scale:
+        title += f" (scale: {scale})"
     if tools:
         swatches += (f' &nbsp;<span class="archer-tok--tool" style="background-color:{TOOL}">&nbsp;tool output&nbsp;'
                      '</span> <span class="archer-tok--call">&nbsp;tool call&nbsp;</span>')
@@ -116,13 +119,14 @@ def legend_html(colour_by: str, vmax: float, tools: bool = False) -> str:
 
 
 def heatmap_html(tokens: pd.DataFrame, *, colour_by: str = "entropy", vmax: float = 1.0,
-                 in_view: np.ndarray | None = None, max_tokens: int | None = None, legend: bool = True) -> str:
+                 in_view: np.ndarray | None = None, max_tokens: int | None = None, legend: bool = True,
+                 scale: str = "") -> str:
     """One span per row of ``tokens`` (a token table, in its order), coloured by entropy or influence.
 
     Tokens where ``in_view`` is False get the class ``archer-tok--out`` (grey, no colour); padding tokens get
     ``archer-tok--pad``; tool output (``tool``) gets ``archer-tok--tool`` and the grey ``TOOL`` background,
     the model's tool calls (``tool_call``) ``archer-tok--call``. ``max_tokens`` cuts the heatmap and says how
-    many tokens were left out; ``legend`` puts the colour scale above it.
+    many tokens were left out; ``legend`` puts the colour scale above it (``scale`` naming what it spans).
     """
     if colour_by not in ("entropy", "influence"):
         raise ValueError(f"colour_by must be 'entropy' or 'influence', got {colour_by!r}")
@@ -131,7 +135,7 @@ def heatmap_html(tokens: pd.DataFrame, *, colour_by: str = "entropy", vmax: floa
     keep = np.ones(len(shown), dtype=bool) if in_view is None else np.asarray(in_view)[: len(shown)]
     has_influence = "influence" in shown.columns
     tools = "tool" in shown.columns and bool(shown["tool"].any())
-    parts = [HEATMAP_CSS, legend_html(colour_by, vmax, tools) if legend else "",
+    parts = [HEATMAP_CSS, legend_html(colour_by, vmax, tools, scale) if legend else "",
              f'<div class="archer-heatmap" data-colour="{colour_by}" data-vmax="{float(vmax)!r}" '
              f'data-tokens="{len(shown)}">']
     for token, inside in zip(shown.to_dict("records"), keep):
@@ -206,7 +210,7 @@ def branch_tree_svg(tree: pd.DataFrame, marks: dict[int, tuple[np.ndarray, np.nd
     reason. Every mark of a response is in a ``<g class="archer-tree-node" data-row=ROW>``; ``selected`` is
     highlighted."""
     n = len(tree)
-    longest = max(int(tree["length"].max()) if n else 0, 1)
+    longest = max(int(tree["all_tokens"].max()) if n else 0, 1)
     span = TREE_WIDTH - TREE_LEFT - TREE_RIGHT
     height = TREE_TOP + n * TREE_LANE + 8
 
@@ -231,7 +235,7 @@ def branch_tree_svg(tree: pd.DataFrame, marks: dict[int, tuple[np.ndarray, np.nd
     branch_marks = []
     for record, reward in zip(tree.to_dict("records"), rewards):
         row, y = int(record["row"]), lane[int(record["row"])]
-        start, end = max(int(record["branch_position"]), 0), int(record["length"])
+        start, end = max(int(record["branch_position"]), 0), int(record["all_tokens"])
         tool, call = marks.get(row, (np.zeros(0, bool), np.zeros(0, bool)))
         summary = _lane_summary(record, reward)
         origin = (f"branched from #{record['parent']} (row {record['parent_row']}) at position {start}, "
