@@ -63,6 +63,8 @@ def build_random_model(out: Path, shape: str, vocab_size: int | None = None, *, 
         model = model_class(config)
     model.to(dtype or torch.float32).save_pretrained(model_dir)
     del model
+    if torch.device(device).type == "cuda":  # the run that loads it is another process: give the card back
+        torch.cuda.empty_cache()
     tokenizer.save_pretrained(model_dir)
     return model_dir
 

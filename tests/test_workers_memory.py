@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from workers_support import ppo_config
 
 from archer.errors import ArcherError
@@ -17,6 +17,8 @@ from archer.workers.memory import (
     GIB,
     MemoryPlan,
     activation_bytes,
+    card_figures,
+    held_elsewhere,
     micro_batch_tokens,
     plan_actor_memory,
 )
@@ -52,11 +54,14 @@ class Card:
     """torch.cuda's memory calls on a card of ``total`` bytes where ``in_use`` bytes are taken, ``cached`` of them
     by the caching allocator's free blocks (given back by empty_cache)."""
 
-    def __init__(self, monkeypatch, in_use_gib: float, held_gib: float) -> None:
+    def __init__(self, monkeypatch, in_use_gib: float, held_gib: float, own_gib: float | None = None) -> None:
+        """``own_gib``: what this process's allocator reserves once released (default: all that is held)."""
         self.in_use, self.held = int(in_use_gib * GIB), int(held_gib * GIB)
+        self.own = self.held if own_gib is None else int(own_gib * GIB)
         self.released = False
         monkeypatch.setattr(torch.cuda, "empty_cache", self.empty_cache)
         monkeypatch.setattr(torch.cuda, "mem_get_info", self.mem_get_info)
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: self.own)
 
     def empty_cache(self) -> None:
         self.released = True
@@ -202,3 +207,69 @@ def test_free_cache_engine_false_keeps_the_engine_in_the_update(tiny_model_dir):
 
 def test_model_spec_of_the_meta_model_matches_the_hand_spec():
     assert model_spec(meta_model("qwen2.5-1.5b")) == spec("qwen2.5-1.5b")
+
+
+def lora_llama_8b() -> LlamaForCausalLM:
+    """LLaMA 3.1 8B's shape (bench/model_sizes.py's row) on the meta device: a bf16 base with rank-64 adapters."""
+    from archer.models.lora import LoraSettings, add_lora
+
+    config = LlamaConfig(vocab_size=128256, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, intermediate_size=14336, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(BF16)
+    add_lora(model, LoraSettings(64, 32.0, "all-linear"))
+    return model
+
+
+def test_the_8b_lora_failure_is_another_process_memory_named_at_run_time(monkeypatch):
+    """Issue 14's 8B LoRA row stopped with "the fast engine's KV cache (19.2 GiB) and activations (5.4 GiB) do not
+    fit in the 11.4 GiB the GPU has free (... 67.7 GiB are held by the policy, its optimiser and other models)".
+    The run itself held 31.2 GiB (bf16 base 15.0, adapters 0.6, the engine's bf16 copy 15.0, rope tables and
+    rounding); the rest was bench/model_sizes.py's own process, whose caching allocator kept the blocks of the
+    model it had drawn on the GPU (measured: 30.9 GiB reserved after drawing the 8B shape). The error now says
+    which is which."""
+    model = lora_llama_8b()
+    s = model_spec(model)
+    workspace = workspace_bytes(s, BF16, 1024, 8192)
+    assert round(workspace / GIB, 1) == 5.4
+    assert round((0.5 * H100 - weight_bytes(s, BF16) - workspace) / GIB, 1) == 19.2  # the KV cache of the error
+    Card(monkeypatch, 67.8, 67.8, own_gib=31.2)
+    with pytest.raises(ArcherError, match=r"do not fit in the 11\.4 GiB the GPU has free") as err:
+        budget_pages(s, 32, BF16, CUDA, 0.5, workspace, max_pages=10**9)
+    assert "31.2 GiB are held by this process's tensors" in err.value.problem
+    assert "36.6 GiB by CUDA contexts and other processes" in err.value.problem
+    assert "nvidia-smi" in err.value.fix
+
+
+def test_held_elsewhere_by_hand():
+    # the fixed 8B run on the H100 at the actor's plan: 62.34 GiB free, 15.64 reserved by the run's allocator
+    assert round(held_elsewhere(total=H100, free=int(62.34 * GIB), reserved=int(15.64 * GIB)) / GIB, 2) == 0.22
+    assert held_elsewhere(total=H100, free=int(70 * GIB), reserved=int(15 * GIB)) == 0  # never negative
+
+
+def test_card_figures_give_back_the_cache_first(monkeypatch):
+    card = Card(monkeypatch, 60.0, 48.0, own_gib=15.0)
+    total, elsewhere = card_figures(CUDA)
+    assert card.released and total == H100
+    assert elsewhere == int(48.0 * GIB) - int(15.0 * GIB) - CONTEXT_BYTES
+
+
+def test_the_8b_lora_plan_counts_other_processes_and_refuses_what_would_fail_at_run_time(tiny_model_dir):
+    """A plan that passes must not fail at run time: with the bench's drawing process holding 31.5 GiB (30.9
+    reserved and its context) the 8B LoRA row cannot fit, and the plan says so before any step, naming the
+    other processes; on a card of its own (0.2 GiB elsewhere, as measured) it fits, as it ran (52.6 GiB peak)."""
+    cfg = ppo_config(tiny_model_dir, *WORKLOAD, "actor_rollout_ref.model.lora_rank=64",
+                     "actor_rollout_ref.model.lora_alpha=32").actor_rollout_ref
+    model = lora_llama_8b()
+    alone = plan_actor_memory(cfg, model, total=H100, fast_engine=True, elsewhere=int(0.2 * GIB))
+    alone.check()
+    adapters = 32 * 64 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336))
+    assert alone.optimizer == 8 * adapters and alone.gradients == 4 * adapters
+    assert alone.policy == 2 * 8030261248 + 4 * adapters  # the bf16 base (LLaMA 3.1 8B) and fp32 adapters
+    generation = sum(alone.generation().values())
+    assert 52.6 * GIB < generation < 60 * GIB  # the measured peak, under the plan
+    shared = plan_actor_memory(cfg, model, total=H100, fast_engine=True, elsewhere=int(31.5 * GIB))
+    with pytest.raises(ArcherError, match="cannot hold generation") as err:
+        shared.check()
+    assert "other processes 31.5" in err.value.problem
+    assert "other processes do not use (they hold 31.5 GiB" in err.value.fix

@@ -59,7 +59,7 @@ from archer.trace.influence_capture import (
     select_modules,
 )
 from archer.workers.actor_objective import ActorObjective
-from archer.workers.memory import MemoryPlan, plan_actor_memory, release_cached_blocks
+from archer.workers.memory import MemoryPlan, card_figures, plan_actor_memory, release_cached_blocks
 from archer.workers.micro_batches import MicroBatching
 from archer.workers.offload import Offload
 from archer.workers.optim import (
@@ -141,8 +141,9 @@ class ActorWorker:
         if device.type == "cuda":
             params = sum(p.numel() for p in self.model.parameters())
             others = {name: int(per_param * params) for name, per_param in (other_models or {}).items()}
-            self.memory_plan = plan_actor_memory(cfg, self.model, total=torch.cuda.mem_get_info(device)[1],
-                                                 fast_engine=fast, others=others)
+            total, elsewhere = card_figures(device)
+            self.memory_plan = plan_actor_memory(cfg, self.model, total=total, fast_engine=fast, others=others,
+                                                 elsewhere=elsewhere)
             self.memory_plan.check()
         if self.offload.param_offload and not fast:
             log.warning("actor.fsdp_config.param_offload=true has no effect with the hf engine, which generates "

@@ -7,7 +7,9 @@ KV cache and workspace). Everything else the process keeps on the card must fit 
   other models (reference, critic) and the engine's share;
 - update: policy, gradients, the activations of one micro-batch, Adam's states (with ``optimizer_offload`` only
   during the optimiser step, after the activations are gone), the other models, and the engine's share unless
-  ``rollout.free_cache_engine`` releases it (weights and KV cache) for the update.
+  ``rollout.free_cache_engine`` releases it (weights and KV cache) for the update;
+- both: what other processes hold on the card when the plan is made (``held_elsewhere``: another job, or a parent
+  process whose caching allocator kept the blocks of a model it drew there), which the engine cannot take either.
 
 ``MemoryPlan.check`` raises one ArcherError with every figure in GiB and the knobs that help. The activation
 figure is an estimate (docs/memory.md gives the rule and how it was checked against the GPU).
@@ -76,6 +78,7 @@ class MemoryPlan:
     param_offload: bool = False
     optimizer_offload: bool = False
     free_cache_engine: bool = True
+    elsewhere: int = 0  # held on the card by other processes when the plan was made (held_elsewhere)
 
     @property
     def kv_cache(self) -> int:
@@ -94,7 +97,7 @@ class MemoryPlan:
         if self.engine_share:
             held.update({"engine weights": self.engine_weights, "engine workspace": self.engine_workspace,
                          "KV cache": max(self.kv_cache, 0)})
-        return {**held, "CUDA context": CONTEXT_BYTES}
+        return {**held, **self._shared()}
 
     def update(self) -> dict[str, int]:
         """What the card holds at the peak of the policy update."""
@@ -105,7 +108,11 @@ class MemoryPlan:
             held.update({"optimizer states": self.optimizer, "activations": self.activations})
         if not self.free_cache_engine and self.engine_share:
             held["engine (free_cache_engine=false)"] = self.engine
-        return {**held, "CUDA context": CONTEXT_BYTES}
+        return {**held, **self._shared()}
+
+    def _shared(self) -> dict[str, int]:
+        """What every stage has beside this process's tensors: its CUDA context, and other processes' memory."""
+        return {"CUDA context": CONTEXT_BYTES, "other processes": self.elsewhere}
 
     def check(self) -> None:
         """One ArcherError naming the stage that does not fit, its figures and the knobs that help."""
@@ -142,6 +149,9 @@ class MemoryPlan:
             if not self.free_cache_engine and self.engine_share:
                 options.append((self.engine, f"{prefix}rollout.free_cache_engine=true"))
         options.append((self.policy, f"LoRA ({prefix}model.lora_rank > 0) or a smaller model"))
+        if self.elsewhere:
+            options.append((self.elsewhere, f"a GPU that other processes do not use (they hold {gib(self.elsewhere)} "
+                                            "GiB of it: nvidia-smi lists them)"))
         return "try " + "; or ".join(text for _, text in sorted(options, key=lambda o: -o[0]))
 
 
@@ -152,10 +162,26 @@ def model_bytes(model: torch.nn.Module) -> tuple[int, int]:
             sum(p.numel() for p in params if p.requires_grad))
 
 
+def held_elsewhere(*, total: int, free: int, reserved: int) -> int:
+    """Bytes of a card of ``total`` bytes, ``free`` of them free, that neither this process's caching allocator
+    (``reserved``, after its free blocks were given back) nor its CUDA context (CONTEXT_BYTES) holds: other
+    processes' memory."""
+    return max(0, total - free - reserved - CONTEXT_BYTES)
+
+
+def card_figures(device: torch.device) -> tuple[int, int]:
+    """(the card's total bytes, bytes other processes hold on it: held_elsewhere) once this process's cached
+    blocks are given back."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return total, held_elsewhere(total=total, free=free, reserved=torch.cuda.memory_reserved(device))
+
+
 def plan_actor_memory(cfg: DictConfig, model: torch.nn.Module, *, total: int, fast_engine: bool,
-                      others: dict[str, int] | None = None) -> MemoryPlan:
+                      others: dict[str, int] | None = None, elsewhere: int = 0) -> MemoryPlan:
     """The plan of an actor (``actor_rollout_ref`` config ``cfg``) whose policy is ``model``, on a card of ``total``
-    bytes; ``fast_engine``: the engine holds its own weights and KV cache (rollout.gpu_memory_utilization)."""
+    bytes of which other processes hold ``elsewhere``; ``fast_engine``: the engine holds its own weights and KV
+    cache (rollout.gpu_memory_utilization)."""
     from archer.rollout.fast.engine import PAGE_SIZE, workspace_bytes
     from archer.rollout.fast.model import model_spec, weight_bytes
     from archer.rollout.fast.pages import page_bytes
@@ -180,9 +206,10 @@ def plan_actor_memory(cfg: DictConfig, model: torch.nn.Module, *, total: int, fa
     offload = cfg.actor.fsdp_config
     return MemoryPlan(total=total, policy=policy, gradients=4 * trainable, optimizer=8 * trainable,
                       activations=activations, engine_share=share, engine_weights=weights, engine_workspace=workspace,
-                      others=dict(others or {}), kv_limit=kv_limit, utilization=utilization, param_offload=bool(offload.param_offload),
+                      others=dict(others or {}), kv_limit=kv_limit, utilization=utilization,
+                      param_offload=bool(offload.param_offload),
                       optimizer_offload=bool(offload.optimizer_offload),
-                      free_cache_engine=bool(rollout.free_cache_engine))
+                      free_cache_engine=bool(rollout.free_cache_engine), elsewhere=elsewhere)
 
 
 def release_cached_blocks(device: torch.device) -> None:

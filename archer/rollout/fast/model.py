@@ -79,13 +79,16 @@ def model_spec(model: nn.Module) -> ModelSpec:
     if heads % kv_heads:
         raise _unsupported(f"{heads} attention heads over {kv_heads} key/value heads")
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    # one tensor (or one storage); on the meta device (the memory plan's tests) every data_ptr is 0
+    tied = head.weight is embed.weight or (not head.weight.is_meta
+                                           and head.weight.data_ptr() == embed.weight.data_ptr())
     if getattr(head, "bias", None) is not None:
         raise _unsupported("an LM head with a bias")
     return ModelSpec(
         model_type=model_type, layers=config.num_hidden_layers, hidden=config.hidden_size, heads=heads,
         kv_heads=kv_heads, head_dim=head_dim, intermediate=config.intermediate_size, vocab=embed.weight.shape[0],
         eps=float(config.rms_norm_eps), qkv_bias=attn.q_proj.bias is not None, o_bias=attn.o_proj.bias is not None,
-        qk_norm=hasattr(attn, "q_norm"), tied=head.weight.data_ptr() == embed.weight.data_ptr(),
+        qk_norm=hasattr(attn, "q_norm"), tied=tied,
     )
 
 

@@ -67,13 +67,16 @@ def budget_pages(spec: ModelSpec, page_size: int, dtype: torch.dtype, device: to
                 "rollout.max_num_batched_tokens")
         pages = min(int(share // page), max_pages)
         if pages * page + workspace > free:
+            own = torch.cuda.memory_reserved(device)
             raise ArcherError(
                 f"the fast engine's KV cache ({pages * page / _GIB:.1f} GiB) and activations "
                 f"({workspace / _GIB:.1f} GiB) do not fit in the {free / _GIB:.1f} GiB the GPU has free (of "
-                f"{total / _GIB:.1f} GiB; {(total - free) / _GIB:.1f} GiB are held by the policy, its optimiser "
-                "and other models)",
+                f"{total / _GIB:.1f} GiB; {own / _GIB:.1f} GiB are held by this process's tensors: the policy, its "
+                f"optimiser, other models and the engine's weights; {(total - free - own) / _GIB:.1f} GiB by CUDA "
+                "contexts and other processes)",
                 "lower actor_rollout_ref.rollout.gpu_memory_utilization, or set "
-                "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true / param_offload=true")
+                "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true / param_offload=true, or free the GPU "
+                "of other processes (nvidia-smi lists them)")
         return pages
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     pages = min(int((utilization * free - workspace) // page), max_pages)
