@@ -237,3 +237,11 @@ def test_every_default_figure_labels_both_axes(tmp_path: Path) -> None:
     written = plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "plots",
                            {**DEFAULT_GROUPS, "train_loss": ["train/loss"]})
     assert [p.name for p in written] == ["reward_extras.png", "train_loss.png"]
+
+
+def test_keys_with_the_same_points_share_one_labelled_line() -> None:
+    groups = {"train/num_candidate_groups": {1: 32.0, 2: 64.0, 3: 32.0}, "train/num_kept_groups": {1: 32.0, 2: 64.0, 3: 32.0},
+              "train/num_gen_batches": {1: 1.0, 2: 2.0, 3: 1.0}}
+    lines = _lines(figure("group_sampling", groups, sorted(groups), 3, "prompt groups"))
+    assert set(lines) == {"train/num_candidate_groups\n= train/num_kept_groups", "train/num_gen_batches"}
+    assert list(lines["train/num_gen_batches"].get_ydata()) == [1.0, 2.0, 1.0]

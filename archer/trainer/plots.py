@@ -1,17 +1,18 @@
 """Training curves: PNG figures drawn from a run's metrics.jsonl into `<run>/plots/`.
 
-Each group of metric keys becomes one figure with a line per key over the steps where that key was
-logged, both axes labelled, integer ticks on the step axis and the legend outside the axes (right), so it
-never covers a line. Keys logged only at some steps (validation) are drawn with markers. No two lines of a
-figure share a colour and line style; an aggregate over all data sources (``.../all/...``) is drawn in
-black, dashed (then dash-dotted, dotted), with hollow markers and above the others, so a per-source line with
-the same values never hides it. A key logged at two or more steps whose value never changes carries no
-curve: it is named ("all zero: ...", "constant 32: ...") under the legend's lines, or in the middle of the
-axes when nothing else is drawn, instead of drawn over the others. Group entries are exact keys
-or glob patterns ("timing_s/*"); a group may be a dict of panels (y label -> patterns), drawn one above the
-other on a shared step axis; a group none of whose keys appear in the file gets no figure. ``timing`` is
-drawn as a stack of the stages under the step total (small stages summed into one band). Figures are drawn
-on matplotlib's Agg canvas without pyplot, so no global backend is switched.
+Each group of metric keys becomes one figure with a line per key over the steps where that key was logged,
+both axes labelled, integer ticks on the step axis and the legend outside the axes (right), so it never
+covers a line. Keys logged only at some steps (validation) are drawn with markers. No two lines of a figure
+share a colour and line style; an aggregate over all data sources (``.../all/...``) is drawn in black,
+dashed (then dash-dotted, dotted), with hollow markers and above the others, so a per-source line with the
+same values never hides it; other keys with the same points share one line, labelled "a = b". A key logged
+at two or more steps whose value never changes carries no curve: it is named ("all zero: ...", "constant 32:
+...") under the legend's lines, or in the middle of the axes when nothing else is drawn, instead of drawn
+over the others. Group entries are exact keys or glob patterns ("timing_s/*"); a group may be a dict of
+panels (y label -> patterns), drawn one above the other on a shared step axis; a group none of whose keys
+appear in the file gets no figure. ``timing`` is drawn as a stack of the stages under the step total (small
+stages summed into one band). Figures are drawn on matplotlib's Agg canvas without pyplot, so no global
+backend is switched.
 """
 
 from __future__ import annotations
@@ -137,12 +138,16 @@ def _finish(ax: Axes, ylabel: str, notes: list[str], steps: list[int], xlabel: b
 def _draw_lines(ax: Axes, series: Series, keys: list[str], dense_len: int) -> list[str]:
     """A line per changing key (see the module docstring); returns the notes naming the constant keys."""
     constant = {key: value for key in keys if (value := _constant(series[key])) is not None}
-    others = [key for key in keys if AGGREGATE not in key and key not in constant]
-    for i, key in enumerate(others):
-        steps = sorted(series[key])
+    same: dict[tuple[tuple[int, float], ...], list[str]] = {}  # per-source keys with equal points share a line
+    for key in keys:
+        if AGGREGATE not in key and key not in constant:
+            same.setdefault(tuple(sorted(series[key].items())), []).append(key)
+    for i, names in enumerate(same.values()):
+        steps = sorted(series[names[0]])
         marker = "o" if len(steps) < dense_len else None
-        ax.plot(steps, [series[key][s] for s in steps], color=COLOURS[i % len(COLOURS)],
-                linestyle=LINE_STYLES[i // len(COLOURS) % len(LINE_STYLES)], marker=marker, markersize=4, label=key)
+        ax.plot(steps, [series[names[0]][s] for s in steps], color=COLOURS[i % len(COLOURS)],
+                linestyle=LINE_STYLES[i // len(COLOURS) % len(LINE_STYLES)], marker=marker, markersize=4,
+                label="\n= ".join(names))
     for i, key in enumerate(key for key in keys if AGGREGATE in key and key not in constant):
         steps = sorted(series[key])
         ax.plot(steps, [series[key][s] for s in steps], color="black", linestyle=LINE_STYLES[(i + 1) % len(LINE_STYLES)],
