@@ -71,7 +71,7 @@ STEP_TOTAL = "timing_s/step"
 OUTSIDE_STEP = ("timing_s/testing",)  # validation runs outside the step's timer: not part of its stack
 MAX_STAGE_BANDS = 6  # the largest stages get a band each; the rest share one "other stages" band
 MIN_STAGE_SHARE = 0.05  # ... and so does any stage under this share of the step total
-PANEL_HEIGHT = 2.6  # inches per panel of a multi-panel figure (one panel: the 8 x 4.5 figure)
+PANEL_HEIGHT = 2.6  # inches per panel of a figure of panels (at least the 4.5 inches of one figure)
 
 Series = dict[str, dict[int, float]]
 
@@ -202,7 +202,7 @@ def figure(title: str, series: Series, keys: list[str], dense_len: int, ylabel: 
 
 def panel_figure(title: str, series: Series, panels: dict[str, list[str]], dense_len: int) -> Figure:
     """One panel per (y label, keys) with keys, stacked on a shared step axis."""
-    fig = Figure(figsize=(8, PANEL_HEIGHT * len(panels)), layout="constrained")
+    fig = Figure(figsize=(8, max(4.5, PANEL_HEIGHT * len(panels))), layout="constrained")
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
     for i, (ax, (ylabel, keys)) in enumerate(zip(axes, panels.items())):
         _finish(ax, ylabel, _draw_lines(ax, series, keys, dense_len), _steps(series, keys), i == len(axes) - 1)
