@@ -366,3 +366,18 @@ def test_a_lora_run_checkpoints_its_adapters_and_resumes_exactly(
         [{k: m[k] for k in keys} for m in _metrics(tmp_path / "whole" / "run")]
     expected, got = (load_file(str(folder / ADAPTER_DIR / ADAPTER_WEIGHTS)) for folder in (whole, resumed))
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_sft_visits_examples_in_the_order_torch_dataloader_did() -> None:
+    """The resumable SFT loader keeps the order that archer's SFT had with a seeded torch DataLoader, epoch after
+    epoch, so the same seed still gives the same warm start."""
+    from torch.utils.data import DataLoader
+
+    from archer.trainer.sft import torch_dataloader_order
+
+    for n, batch, seed in ((1500, 32, 1), (50, 8, 3)):
+        loader = DataLoader(list(range(n)), batch_size=batch, shuffle=True, drop_last=True,
+                            generator=torch.Generator().manual_seed(seed), collate_fn=lambda items: items)
+        for epoch in range(3):
+            seen = [i for b in loader for i in b]
+            assert seen == torch_dataloader_order(n, seed, epoch)[:len(seen)].tolist()
