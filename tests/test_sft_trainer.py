@@ -235,6 +235,21 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "model.safetensors"))
 
 
+def _run_until_interrupted_in_step(cfg, step: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run SFT with ``cfg`` and stop it (KeyboardInterrupt) as its ``step``-th optimisation step begins."""
+    real_step, calls = sft.train_step, []
+
+    def dies(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == step:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(sft, "train_step", dies)
+    with pytest.raises(KeyboardInterrupt):
+        run_sft(cfg)
+
+
 def test_checkpoints_every_save_freq_and_an_interrupted_run_resumes_exactly(
         tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # 6 steps with a cosine schedule after warmup (so a wrong resumed lr or optimiser state would show), a
@@ -243,17 +258,7 @@ def test_checkpoints_every_save_freq_and_an_interrupted_run_resumes_exactly(
                 "optim.warmup_steps_ratio": 0.2, "model.enable_gradient_checkpointing": False}
     whole = run_sft(_cfg(tmp_path / "whole", tiny_model_dir, **settings))
     cfg = _cfg(tmp_path / "cut", tiny_model_dir, **settings)
-    real_step, calls = sft.train_step, []
-
-    def dies_in_step_4(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(sft, "train_step", dies_in_step_4)
-    with pytest.raises(KeyboardInterrupt):
-        run_sft(cfg)
+    _run_until_interrupted_in_step(cfg, 4, monkeypatch)
     checkpoints = tmp_path / "cut" / "run" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["global_step_2", "latest"]
     assert [m["step"] for m in _metrics(tmp_path / "cut" / "run")] == [1, 2, 3]  # step 3 logged, not checkpointed
@@ -346,17 +351,7 @@ def test_a_lora_run_checkpoints_its_adapters_and_resumes_exactly(
                 "model.enable_gradient_checkpointing": False}
     whole = run_sft(_cfg(tmp_path / "whole", tiny_model_dir, **settings))
     cfg = _cfg(tmp_path / "cut", tiny_model_dir, **settings)
-    real_step, calls = sft.train_step, []
-
-    def dies_in_step_4(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(sft, "train_step", dies_in_step_4)
-    with pytest.raises(KeyboardInterrupt):
-        run_sft(cfg)
+    _run_until_interrupted_in_step(cfg, 4, monkeypatch)
     saved = tmp_path / "cut" / "run" / "checkpoints" / "global_step_2" / "model"
     assert (saved / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file() and (saved / "model.safetensors").is_file()
     monkeypatch.undo()
@@ -366,3 +361,18 @@ def test_a_lora_run_checkpoints_its_adapters_and_resumes_exactly(
         [{k: m[k] for k in keys} for m in _metrics(tmp_path / "whole" / "run")]
     expected, got = (load_file(str(folder / ADAPTER_DIR / ADAPTER_WEIGHTS)) for folder in (whole, resumed))
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_sft_visits_examples_in_the_order_torch_dataloader_did() -> None:
+    """The resumable SFT loader keeps the order that archer's SFT had with a seeded torch DataLoader, epoch after
+    epoch, so the same seed still gives the same warm start."""
+    from torch.utils.data import DataLoader
+
+    from archer.trainer.sft import torch_dataloader_order
+
+    for n, batch, seed in ((1500, 32, 1), (50, 8, 3)):
+        loader = DataLoader(list(range(n)), batch_size=batch, shuffle=True, drop_last=True,
+                            generator=torch.Generator().manual_seed(seed), collate_fn=lambda items: items)
+        for epoch in range(3):
+            seen = [i for b in loader for i in b]
+            assert seen == torch_dataloader_order(n, seed, epoch)[:len(seen)].tolist()

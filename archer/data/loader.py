@@ -3,7 +3,7 @@ dataset items to a left-padded Batch the rollout engines take, every item field 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -20,7 +20,8 @@ class ItemDataset(Protocol):
 
 
 class PromptLoader:
-    """Batches of dataset items in a per-epoch order drawn from numpy ``Generator(seed + epoch)``.
+    """Batches of dataset items in a per-epoch order drawn from numpy ``Generator(seed + epoch)`` (or given by
+    ``order(epoch)``, a permutation of the dataset's indices).
 
     ``next_batch()`` returns the next batch and moves into the next epoch after the last one;
     iterating over the loader yields the batches left in the current epoch. ``state_dict()`` /
@@ -35,6 +36,7 @@ class PromptLoader:
         shuffle: bool = True,
         seed: int = 1,
         drop_last: bool = True,
+        order: Callable[[int], np.ndarray] | None = None,
     ) -> None:
         if batch_size <= 0:
             raise ArcherError(f"batch size {batch_size} must be positive", "set data.train_batch_size to 1 or more")
@@ -43,6 +45,7 @@ class PromptLoader:
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
+        self.order = order
         if self.steps_per_epoch == 0:
             raise ArcherError(
                 f"the dataset has {len(dataset)} prompts, fewer than one batch of {batch_size}",
@@ -100,7 +103,12 @@ class PromptLoader:
     def _epoch_order(self) -> np.ndarray:
         if self._order_epoch != self.epoch:
             n = len(self.dataset)
-            self._order = np.random.default_rng(self.seed + self.epoch).permutation(n) if self.shuffle else np.arange(n)
+            if not self.shuffle:
+                self._order = np.arange(n)
+            elif self.order is not None:
+                self._order = self.order(self.epoch)
+            else:
+                self._order = np.random.default_rng(self.seed + self.epoch).permutation(n)
             self._order_epoch = self.epoch
         return self._order
 

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from peft import PeftModel
@@ -227,7 +228,22 @@ def _train_loader(dataset: SFTDataset, cfg: DictConfig) -> PromptLoader:
         raise ArcherError(f"the training data has {len(dataset)} examples, fewer than one batch "
                           f"(data.train_batch_size={cfg.data.train_batch_size})",
                           f"set data.train_batch_size to at most {len(dataset)}, or add examples")
-    return PromptLoader(dataset, cfg.data.train_batch_size, shuffle=True, seed=cfg.trainer.seed, drop_last=True)
+    n, seed = len(dataset), int(cfg.trainer.seed)
+    return PromptLoader(dataset, cfg.data.train_batch_size, shuffle=True, seed=seed, drop_last=True,
+                        order=lambda epoch: torch_dataloader_order(n, seed, epoch))
+
+
+def torch_dataloader_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The order in which ``DataLoader(shuffle=True, generator=torch.Generator().manual_seed(seed))`` visits ``n``
+    examples in ``epoch`` (counting from 0), as archer's SFT drew it before its loader became resumable: the same
+    seed still gives the same warm start (the quickstarts' recorded figures). Each epoch of that DataLoader draws
+    its iterator's base seed, the permutation, and one more permutation for the (empty) remainder."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(epoch + 1):
+        torch.empty((), dtype=torch.int64).random_(generator=generator)
+        order = torch.randperm(n, generator=generator)
+        torch.randperm(n, generator=generator)
+    return order.numpy()
 
 
 def _should_validate(step: int, epoch_end: bool, total_steps: int, test_freq: int) -> bool:
