@@ -164,7 +164,9 @@ def merged_model(actor, folder: Path):
 
 @pytest.mark.parametrize("engine_kind", ["hf", "fast"])
 def test_engine_generates_what_the_merged_model_generates(engine_kind, tiny_model_dir, tmp_path):
-    actor = lora_actor(tiny_model_dir, f"actor_rollout_ref.rollout.name={engine_kind}")
+    # free_cache_engine=false: the engine keeps its weights between steps, so the sync is in place
+    actor = lora_actor(tiny_model_dir, f"actor_rollout_ref.rollout.name={engine_kind}",
+                       "actor_rollout_ref.rollout.free_cache_engine=false")
     engine = actor.rollout.engine
     assert isinstance(engine, HFGenerateEngine if engine_kind == "hf" else FastEngine)
     tokenizer = load_tokenizer(tiny_model_dir)
