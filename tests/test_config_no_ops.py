@@ -40,7 +40,7 @@ def test_the_table_lists_every_marked_key_once():
     keys = [entry.key for entry in NO_OPS]
     assert len(keys) == len(set(keys))
     assert set(keys) == marked_keys()
-    assert len(keys) == 69
+    assert len(keys) == 68
 
 
 def test_defaults_and_every_algorithm_preset_are_silent(caplog):
@@ -52,20 +52,20 @@ def test_defaults_and_every_algorithm_preset_are_silent(caplog):
 def test_another_value_warns_once_naming_the_key(caplog):
     cfg = load_config("ppo_trainer", [*REQUIRED, "data.dataloader_num_workers=4",
                                       "actor_rollout_ref.actor.use_torch_compile=false",
-                                      "actor_rollout_ref.rollout.prompt_length=100"])
+                                      "critic.rollout_n=3"])
     with caplog.at_level(logging.WARNING, logger="archer.config"):
         check_config(cfg)
     messages = [r.getMessage() for r in caplog.records if r.name == "archer.config"]
     assert messages == [
         "data.dataloader_num_workers=4 has no effect in archer: prompts are collated in the trainer's process",
         "actor_rollout_ref.actor.use_torch_compile=False has no effect in archer: the update runs eagerly",
-        "actor_rollout_ref.rollout.prompt_length=100 has no effect in archer: data.max_prompt_length governs",
+        "critic.rollout_n=3 has no effect in archer: actor_rollout_ref.rollout.n governs",
     ]
 
 
 def test_an_interpolated_default_follows_its_source():
-    cfg = load_config("ppo_trainer", [*REQUIRED, "data.max_prompt_length=100"])
-    assert cfg.actor_rollout_ref.rollout.prompt_length == 100 and set_no_ops(cfg) == []
+    cfg = load_config("ppo_trainer", [*REQUIRED, "actor_rollout_ref.rollout.n=3"])
+    assert cfg.critic.rollout_n == 3 and set_no_ops(cfg) == []
 
 
 @pytest.mark.parametrize(("override", "fix"), [

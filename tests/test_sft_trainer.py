@@ -336,7 +336,10 @@ def test_run_sft_with_packing_matches_the_unpacked_run_and_reports_the_tokens_sa
     slots, unpacked = sum(m["train/token_slots"] for m in packed), sum(m["train/token_slots"] for m in plain)
     assert (summary["token_slots"], summary["token_slots_unpacked"]) == (slots, unpacked)
     assert summary["packing_token_saving"] == pytest.approx(1 - slots / unpacked, abs=1e-4)
-    assert slots == 3 * 138 < unpacked  # every step's 4 examples hold 138 tokens
+    # packed, a step computes exactly the tokens of its 4 examples (the batches the SFT loader hands out)
+    cfg = _cfg(tmp_path / "packed", tiny_model_dir, **settings)
+    loader = sft._train_loader(sft.build_dataset(cfg, load_tokenizer(tiny_model_dir), cfg.data.train_files), cfg)
+    assert slots == sum(len(item["input_ids"]) for _ in range(3) for item in loader.next_batch()) < unpacked
 
 
 def test_a_lora_run_checkpoints_its_adapters_and_resumes_exactly(

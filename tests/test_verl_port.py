@@ -23,6 +23,8 @@ needs_arpo = pytest.mark.skipif(not ARPO_YAML.is_file(), reason="ARPO's publishe
 ROLL = "actor_rollout_ref.rollout"
 REQUIRED = ["data.train_files=/nonexistent/train.parquet", "actor_rollout_ref.model.path=/nonexistent/model"]
 
+ONE_DEVICE = (f"{ROLL}.tensor_model_parallel_size=1", "trainer.n_gpus_per_node=1")
+
 
 def cfg_job(capsys, *args: str) -> tuple[int, dict | None, str]:
     """``archer train --cfg job ARGS``: exit status, the printed config, stderr."""
@@ -38,12 +40,17 @@ def user_yaml(tmp_path: Path, tree: dict, name: str = "mine.yaml") -> Path:
 
 @needs_arpo
 def test_arpo_published_config_loads_with_its_values(capsys, caplog) -> None:
+    # as published the file asks for 8 GPUs and a tensor-parallel engine of 2: refused until archer runs on many
+    code, _, err = cfg_job(capsys, f"--config-path={ARPO_YAML.parent}", "--config-name=ppo_trainer.yaml",
+                           *REQUIRED, f"{ROLL}.multi_turn.enable=")
+    assert code == 2 and "cannot be honoured" in err and "fix: set" in err
+    # with one device, as ARPO's launch script sets the engine (tensor_model_parallel_size=1) and N_GPUS_PER_NODE=1
     code, cfg, err = cfg_job(capsys, f"--config-path={ARPO_YAML.parent}", "--config-name=ppo_trainer.yaml",
-                             *REQUIRED, f"{ROLL}.multi_turn.enable=")
+                             *REQUIRED, *ONE_DEVICE, f"{ROLL}.multi_turn.enable=")
     assert code == 0, err
     rollout = cfg["actor_rollout_ref"]["rollout"]
     assert rollout["beam_size"] == 1 and isinstance(rollout["beam_size"], int)  # ARPO writes 1.
-    assert (rollout["name"], rollout["tensor_model_parallel_size"], rollout["enforce_eager"]) == ("vllm", 2, True)
+    assert (rollout["name"], rollout["tensor_model_parallel_size"], rollout["enforce_eager"]) == ("vllm", 1, True)
     assert rollout["multi_turn"]["format"] == "arpo"  # verl's chatml (multi_turn off) leaves ARPO's format
     tools = rollout["tools"]
     assert (tools["call_limit"], tools["timeout"]) == (3, 120)
@@ -58,8 +65,9 @@ def test_arpo_published_config_loads_with_its_values(capsys, caplog) -> None:
 
 @needs_arpo
 def test_the_spaced_and_short_forms_and_a_name_without_yaml(capsys) -> None:
-    spaced = cfg_job(capsys, "--config-path", str(ARPO_YAML.parent), "--config-name", "ppo_trainer.yaml", *REQUIRED)
-    short = cfg_job(capsys, "-cp", str(ARPO_YAML.parent), "-cn", "ppo_trainer", *REQUIRED)
+    spaced = cfg_job(capsys, "--config-path", str(ARPO_YAML.parent), "--config-name", "ppo_trainer.yaml", *REQUIRED,
+                     *ONE_DEVICE)
+    short = cfg_job(capsys, "-cp", str(ARPO_YAML.parent), "-cn", "ppo_trainer", *REQUIRED, *ONE_DEVICE)
     assert spaced[0] == short[0] == 0 and spaced[1] == short[1]
     assert spaced[1]["trainer"]["project_name"] == "verl_examples"
 

@@ -82,7 +82,6 @@ NO_OPS: tuple[NoOp, ...] = (
     NoOp(f"{AR}.ref.fsdp_config.reshard_after_forward", True, ONE_DEVICE),
     NoOp(f"{AR}.ref.fsdp_config.wrap_policy.min_num_params", 0, ONE_DEVICE),
     NoOp(f"{AR}.rollout.mode", "sync", "generation runs synchronously between the trainer's stages"),
-    NoOp(f"{AR}.rollout.prompt_length", "${data.max_prompt_length}", "data.max_prompt_length governs"),
     NoOp(f"{AR}.rollout.ignore_eos", False, "generation stops at the end-of-sequence token", _truthy,
          "drop actor_rollout_ref.rollout.ignore_eos (responses end at eos, as the reward expects)"),
     NoOp(f"{AR}.rollout.load_format", "dummy_dtensor", "the engine copies the actor's weights in place"),
