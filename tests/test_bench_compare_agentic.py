@@ -9,20 +9,19 @@ import json
 from pathlib import Path
 
 import pytest
+from bench_support import bench_module
 
 from archer.config.loader import load_config
 from archer.errors import ArcherError
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 ACC = "val-core/archer/tool_arithmetic/acc/mean@1"
 RATE = "val-aux/archer/tool_arithmetic/used_tool/mean@1"
 
 
 @pytest.fixture(scope="module")
 def cag():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(BENCH))
-        yield importlib.import_module("compare_agentic")
+    with bench_module("compare_agentic") as module:
+        yield module
 
 
 def method_config(cag, name: str):

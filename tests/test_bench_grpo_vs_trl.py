@@ -3,23 +3,20 @@ and the archer half on a tiny model."""
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from bench_support import bench_module
 
 from archer.models.loading import load_tokenizer
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 @pytest.fixture(scope="module")
 def gvt():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(BENCH))
-        yield importlib.import_module("grpo_vs_trl")
+    with bench_module("grpo_vs_trl") as module:
+        yield module
 
 
 def test_exact_prompts_are_distinct_and_of_the_exact_length(gvt, tiny_model_dir: Path) -> None:

@@ -4,19 +4,15 @@ the error, and the table."""
 from __future__ import annotations
 
 import argparse
-import importlib
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from bench_support import bench_module
 
 
 @pytest.fixture(scope="module")
 def ms():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(BENCH))
-        yield importlib.import_module("model_sizes")
+    with bench_module("model_sizes") as module:
+        yield module
 
 
 def test_a_row_that_runs_and_one_that_archer_refuses(ms, tmp_path):

@@ -4,24 +4,21 @@ run starts (issue 14: the engine used to size its KV cache before those went bac
 
 from __future__ import annotations
 
-import importlib
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from bench_support import bench_module
 
 from archer.config.loader import load_config
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
 @pytest.fixture(scope="module")
 def gvt():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(BENCH))
-        yield importlib.import_module("grpo_vs_trl")
+    with bench_module("grpo_vs_trl") as module:
+        yield module
 
 
 def test_05b_at_defaults_with_the_allocator_filled_by_an_update(gvt, tmp_path, monkeypatch):
