@@ -24,7 +24,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from archer.batch import Batch
 from archer.models.loading import autocast_for
 from archer.models.logprobs import backbone_of, layout_logprobs, logprobs_from_hidden
-from archer.workers.micro_batches import MicroBatching
+from archer.models.micro_batches import MicroBatching
 
 SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocabulary
     "cpu-small": (256, 4, 4, 2, 512, 4096),

@@ -7,10 +7,10 @@ import pytest
 import torch
 from workers_support import PAD, hand_batch, unequal_batch
 
+from archer.models.forward import MODEL_INPUTS
 from archer.models.loading import load_causal_lm
 from archer.models.logprobs import response_logprobs
 from archer.models.sequence_layout import SequenceLayout
-from archer.workers.actor import MODEL_INPUTS
 
 
 def test_padding_free_layout_by_hand():

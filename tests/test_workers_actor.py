@@ -13,12 +13,14 @@ import torch
 from transformers import AutoModelForCausalLM
 from workers_support import RESPONSE_MASK, float64_logprobs, hand_batch, ppo_config, unequal_batch, update
 
+import archer.models.forward as forward_module
 from archer.algorithms.token_selection import top_entropy_tokens
 from archer.batch import Batch
+from archer.models.forward import MODEL_INPUTS
 from archer.models.loading import load_tokenizer
 from archer.models.logprobs import response_logprobs
 from archer.workers import actor as actor_module
-from archer.workers.actor import MODEL_INPUTS, ActorWorker
+from archer.workers.actor import ActorWorker
 
 CPU = torch.device("cpu")
 VALID_TOKENS = sum(map(sum, RESPONSE_MASK))  # 6
@@ -265,7 +267,8 @@ def record_micro_batches(monkeypatch) -> list[tuple[int, int]]:
         shapes.append(tuple(layout.input_ids.shape))
         return forward(model, layout, **kwargs)
 
-    monkeypatch.setattr(actor_module, "layout_logprobs", recording)
+    monkeypatch.setattr(actor_module, "layout_logprobs", recording)  # the update's forwards
+    monkeypatch.setattr(forward_module, "layout_logprobs", recording)  # the log-prob passes'
     return shapes
 
 

@@ -10,8 +10,8 @@ import torch
 from workers_support import hand_batch, ppo_config, unequal_batch
 
 from archer.batch import Batch
+from archer.models.forward import MODEL_INPUTS
 from archer.models.loading import value_forward
-from archer.workers.actor import MODEL_INPUTS
 from archer.workers.critic import CriticWorker
 
 CPU = torch.device("cpu")

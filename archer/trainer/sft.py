@@ -43,6 +43,7 @@ from archer.data.loader import PromptLoader
 from archer.data.sft_dataset import SFTDataset, pack_sft, read_sft_conversations, token_slots
 from archer.data.sft_formats import FORMATS
 from archer.errors import ArcherError
+from archer.models.checkpoint import load_policy, save_policy
 from archer.models.loading import (
     autocast_for,
     default_dtype,
@@ -52,6 +53,7 @@ from archer.models.loading import (
 )
 from archer.models.logprobs import backbone_of, logprobs_from_hidden
 from archer.models.lora import LoraSettings, add_lora, trainable_parameters
+from archer.models.optim import clip_and_step, load_optim_state, save_optim_state
 from archer.trainer.checkpoint import (
     CheckpointManager,
     capture_rng_state,
@@ -61,8 +63,6 @@ from archer.trainer.checkpoint import (
 )
 from archer.trainer.plots import plot_metrics
 from archer.trainer.tracking import METRICS_FILE, Tracking
-from archer.workers.actor import load_policy, save_policy
-from archer.workers.optim import clip_and_step, load_optim_state, save_optim_state
 
 LR_SCHEDULERS = ("cosine", "constant", "wsd")
 RESUME_MODES = ("auto", "disable", "resume_path")

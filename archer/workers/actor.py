@@ -11,7 +11,7 @@ moves the policy's weights / Adam's states to host memory where verl's offload k
 
 Log-probs and entropies come from the chunked kernel in models/logprobs.py (no full float32 tokens x vocab
 tensor). The update splits the batch into mini-batches (one optimiser step each) and micro-batches
-(gradient accumulation: a number of rows, or a token budget, padded or padding-free: workers/micro_batches.py);
+(gradient accumulation: a number of rows, or a token budget, padded or padding-free: models/micro_batches.py);
 every loss is normalised over its whole mini-batch, so accumulation is exact whatever the micro-batches.
 
 With ``model.lora_rank > 0`` the policy is the base model with peft's LoRA layers (models/lora.py): only the
@@ -36,17 +36,18 @@ from transformers import PreTrainedTokenizerBase
 
 from archer.algorithms.metrics import MetricSums
 from archer.batch import Batch
-from archer.errors import ArcherError
-from archer.models.loading import autocast_for, default_dtype, load_causal_lm, load_tokenizer, save_hf
+from archer.models.checkpoint import load_policy, save_policy
+from archer.models.forward import MODEL_INPUTS, compute_log_probs
+from archer.models.loading import autocast_for, default_dtype, load_causal_lm, load_tokenizer
 from archer.models.logprobs import layout_logprobs
-from archer.models.lora import (
-    LoraSettings,
-    add_lora,
-    has_adapter,
-    load_adapter,
-    save_adapter,
-    save_merged,
-    trainable_parameters,
+from archer.models.lora import LoraSettings, add_lora, trainable_parameters
+from archer.models.micro_batches import MicroBatching
+from archer.models.optim import (
+    build_optimizer,
+    build_scheduler,
+    clip_and_step,
+    load_optim_state,
+    save_optim_state,
 )
 from archer.rollout.factory import build_engine, uses_fast_engine
 from archer.trace.influence_capture import (
@@ -60,43 +61,12 @@ from archer.trace.influence_capture import (
 )
 from archer.workers.actor_objective import ActorObjective
 from archer.workers.memory import MemoryPlan, card_figures, plan_actor_memory, release_cached_blocks
-from archer.workers.micro_batches import MicroBatching
 from archer.workers.offload import Offload
-from archer.workers.optim import (
-    build_optimizer,
-    build_scheduler,
-    clip_and_step,
-    load_optim_state,
-    save_optim_state,
-)
 from archer.workers.rollout import RolloutWorker
 
 log = logging.getLogger("archer.actor")
 
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 INFLUENCE_TOKENS = "influence_tokens"  # info key of update_actor's input: the TracedTokens to capture
-
-
-def compute_log_probs(model: torch.nn.Module, batch: Batch, *, temperature: float, micro: MicroBatching,
-                      chunk_size: int | None, device: torch.device, compute_entropy: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropies) of the batch's responses under ``model``, micro-batch by micro-batch."""
-    data = batch.select([*MODEL_INPUTS, "responses"])
-    shape = data["responses"].shape
-    logp = torch.zeros(shape)
-    ent = torch.zeros(shape) if compute_entropy else None
-    was_training = model.training
-    model.eval()
-    with torch.no_grad(), autocast_for(device):
-        for rows in micro.split(data["attention_mask"]):
-            layout = micro.layout(data.index(rows).to(device))
-            mb_logp, mb_ent = layout_logprobs(model, layout, temperature=temperature, chunk_size=chunk_size,
-                                              compute_entropy=compute_entropy)
-            logp[rows] = mb_logp.float().cpu()
-            if ent is not None:
-                ent[rows] = mb_ent.float().cpu()
-    model.train(was_training)
-    return logp, ent
 
 
 class ActorWorker:
@@ -319,39 +289,3 @@ class ActorWorker:
         self.offload.optimizer_to_host()
         self._engine_is_stale = True
 
-
-def save_policy(model: torch.nn.Module, peft: PeftModel | None, tokenizer, out_dir: Path) -> None:
-    """A policy's HF folder (loadable with from_pretrained): the model, or with LoRA the merged model plus
-    ``lora_adapter/`` (what resuming loads). Used by the RL actor and SFT checkpoints alike."""
-    if peft is None:
-        save_hf(model, tokenizer, out_dir)
-    else:
-        save_merged(model, tokenizer, out_dir)
-        save_adapter(peft, out_dir)
-
-
-def load_policy(model: torch.nn.Module, peft: PeftModel | None, in_dir: Path, model_key: str) -> None:
-    """Restore what ``save_policy`` wrote into the same kind of policy (exact, in place); a LoRA checkpoint
-    into a full fine-tuning policy is an error naming ``model_key``'s lora settings."""
-    if peft is not None:
-        load_adapter(peft, in_dir)
-    elif has_adapter(in_dir):
-        raise ArcherError(f"{in_dir} was written by a LoRA run, and {model_key}.lora_rank=0",
-                          "resume with the lora_rank, lora_alpha and target_modules of that run (its "
-                          f"config.yaml), or start from its merged model: {model_key}.path={in_dir}")
-    else:
-        load_weights(model, in_dir)
-
-
-def load_weights(model: torch.nn.Module, folder: Path) -> None:
-    """Load the safetensors weights that save_hf wrote into an existing model (exact, in place)."""
-    from safetensors.torch import load_file
-
-    state: dict[str, torch.Tensor] = {}
-    for shard in sorted(Path(folder).glob("*.safetensors")):
-        state.update(load_file(str(shard)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {k for k in missing if "lm_head" in k and getattr(model.config, "tie_word_embeddings", False)}
-    if set(missing) - tied or unexpected:
-        raise RuntimeError(f"checkpoint {folder} does not match the model: missing {sorted(set(missing) - tied)[:5]}, "
-                           f"unexpected {sorted(unexpected)[:5]}")

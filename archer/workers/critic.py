@@ -1,7 +1,7 @@
 """The critic worker: a value model (backbone + scalar head) for PPO with GAE, its values and its update.
 
 Both passes run in micro-batches of a number of rows or of a token budget, padded or padding-free
-(workers/micro_batches.py); the value loss is normalised over its whole mini-batch, so accumulation is exact.
+(models/micro_batches.py); the value loss is normalised over its whole mini-batch, so accumulation is exact.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from archer.algorithms.aggregation import mini_batch_totals
 from archer.algorithms.metrics import MetricSums, masked_mean_metric, total_metric
 from archer.algorithms.value_loss import compute_value_loss
 from archer.batch import Batch
+from archer.models.checkpoint import load_weights
+from archer.models.forward import MODEL_INPUTS
 from archer.models.loading import autocast_for, load_value_model, value_forward
-from archer.workers.actor import MODEL_INPUTS, load_weights
-from archer.workers.micro_batches import MicroBatching
-from archer.workers.optim import (
+from archer.models.micro_batches import MicroBatching
+from archer.models.optim import (
     build_optimizer,
     build_scheduler,
     clip_and_step,

@@ -8,10 +8,10 @@ from omegaconf import DictConfig
 from peft import PeftModel
 
 from archer.batch import Batch
+from archer.models.forward import compute_log_probs
 from archer.models.loading import default_dtype, load_causal_lm
 from archer.models.lora import base_policy
-from archer.workers.actor import compute_log_probs
-from archer.workers.micro_batches import MicroBatching
+from archer.models.micro_batches import MicroBatching
 
 
 class ReferenceWorker:

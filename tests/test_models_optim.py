@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from archer.errors import ArcherError
-from archer.workers.optim import build_optimizer, build_scheduler, clip_and_step, lr_multiplier, warmup_steps
+from archer.models.optim import build_optimizer, build_scheduler, clip_and_step, lr_multiplier, warmup_steps
 
 
 def optim_cfg(**kw: object):

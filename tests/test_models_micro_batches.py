@@ -7,7 +7,7 @@ import pytest
 import torch
 from workers_support import ppo_config
 
-from archer.workers.micro_batches import MicroBatching, token_budget_split
+from archer.models.micro_batches import MicroBatching, token_budget_split
 
 
 def as_lists(parts: list[torch.Tensor]) -> list[list[int]]:
