@@ -30,6 +30,7 @@ from archer.config.loader import load_config
 from archer.data.sft_dataset import SFTDataset
 from archer.data.sft_formats import RowFormat
 from archer.errors import ArcherError
+from archer.models import owner as owner_module
 from archer.models.loading import load_causal_lm, load_tokenizer
 from archer.models.lora import ADAPTER_DIR, LoraSettings, policy_weights
 from archer.rollout.base import SamplingParams
@@ -39,7 +40,6 @@ from archer.trace.format import TraceReader
 from archer.trace.influence_capture import CaptureSettings, TracedTokens, select_modules
 from archer.trainer.ppo import PPOTrainer
 from archer.trainer.sft import response_logprobs, run_sft
-from archer.workers import actor as actor_module
 from archer.workers.actor import INFLUENCE_TOKENS
 from archer.workers.generator import GenerationWorker
 from archer.workers.reference import ReferenceWorker
@@ -127,7 +127,7 @@ def test_a_lora_step_changes_only_the_adapters(tiny_model_dir):
 def test_gpu_dtype_policy_bf16_base_and_float32_adapters(tiny_model_dir, monkeypatch):
     """On a GPU the base is loaded in bf16 (default_dtype), the adapters stay float32; here on the CPU with the
     GPU's dtype forced: the update runs, moves only the adapters, and the engine takes the merged weights."""
-    monkeypatch.setattr(actor_module, "default_dtype", lambda device: torch.bfloat16)
+    monkeypatch.setattr(owner_module, "default_dtype", lambda device: torch.bfloat16)
     actor = lora_actor(tiny_model_dir)
     dtypes = {is_adapter(k): v.dtype for k, v in actor.model.named_parameters()}
     assert dtypes == {True: torch.float32, False: torch.bfloat16}
@@ -144,7 +144,7 @@ def test_gpu_dtype_policy_bf16_base_and_float32_adapters(tiny_model_dir, monkeyp
 def test_reference_is_the_base_model_with_the_adapters_off(tiny_model_dir):
     actor = trained_lora_actor(tiny_model_dir)
     cfg = actor.cfg
-    ref = ReferenceWorker(cfg, device=CPU, lora_policy=actor.peft)
+    ref = actor.make_reference()
     assert ref.model is actor.model  # no second copy
     plain = ReferenceWorker(cfg, device=CPU)  # its own copy of the base, loaded from model.path
     batch = hand_batch()

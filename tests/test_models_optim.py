@@ -9,7 +9,14 @@ import torch
 from omegaconf import OmegaConf
 
 from archer.errors import ArcherError
-from archer.models.optim import build_optimizer, build_scheduler, clip_and_step, lr_multiplier, warmup_steps
+from archer.models.optim import (
+    LRSchedule,
+    build_optimizer,
+    build_scheduler,
+    clip_and_step,
+    lr_multiplier,
+    warmup_steps,
+)
 
 
 def optim_cfg(**kw: object):
@@ -76,7 +83,7 @@ def test_build_optimizer_reads_lr_betas_and_weight_decay() -> None:
 def test_build_scheduler_drives_the_learning_rate() -> None:
     cfg = optim_cfg(lr=0.1, warmup_style="cosine", lr_warmup_steps_ratio=0.2, min_lr_ratio=0.1)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    sched = build_scheduler(opt, cfg, total_steps=10)  # 2 warmup steps
+    sched = build_scheduler(opt, LRSchedule.from_rl_optim(cfg, total_steps=10))  # 2 warmup steps
     lrs = [opt.param_groups[0]["lr"]]
     for _ in range(6):
         opt.step()
@@ -87,10 +94,50 @@ def test_build_scheduler_drives_the_learning_rate() -> None:
                                  0.055])
 
 
+def _lrs(scheduler: torch.optim.lr_scheduler.LRScheduler, steps: int) -> list[float]:
+    lrs = []
+    for _ in range(steps):
+        lrs.append(scheduler.get_last_lr()[0])
+        scheduler.optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+@pytest.mark.parametrize("name", ["cosine", "constant", "wsd"])
+def test_sft_schedules_equal_transformers_schedules_bit_for_bit(name: str) -> None:
+    """SFT's schedules (verl's SFT keys) are transformers' with warmup: the shared builder gives the same floats."""
+    from transformers import (
+        get_constant_schedule_with_warmup,
+        get_cosine_schedule_with_warmup,
+        get_wsd_schedule,
+    )
+
+    def sgd() -> torch.optim.SGD:
+        return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-4)
+
+    for total in (1, 2, 7, 20, 101):
+        for ratio in (0.0, 0.05, 0.1, 1 / 3, 0.5, 1.0):
+            warmup = int(ratio * total)
+            if name == "cosine":
+                want = get_cosine_schedule_with_warmup(sgd(), warmup, total)
+            elif name == "constant":
+                want = get_constant_schedule_with_warmup(sgd(), warmup)
+            else:
+                decay = total - warmup - int((total - warmup) * 0.9)
+                want = get_wsd_schedule(sgd(), warmup, decay, num_training_steps=total)
+            schedule = LRSchedule.from_sft_optim(OmegaConf.create({"lr_scheduler": name, "warmup_steps_ratio": ratio}),
+                                                 total)
+            assert _lrs(build_scheduler(sgd(), schedule), total) == _lrs(want, total), (total, ratio)
+
+
+def test_sft_schedule_refuses_an_unknown_scheduler() -> None:
+    with pytest.raises(ArcherError, match="optim.lr_scheduler='linear' is not known"):
+        LRSchedule.from_sft_optim(OmegaConf.create({"lr_scheduler": "linear", "warmup_steps_ratio": 0.1}), 10)
+
+
 def test_build_scheduler_refuses_an_unknown_style() -> None:
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     with pytest.raises(ArcherError, match="unknown optim.warmup_style 'linear'") as err:
-        build_scheduler(opt, optim_cfg(warmup_style="linear"), total_steps=10)
+        LRSchedule.from_rl_optim(optim_cfg(warmup_style="linear"), total_steps=10)
     assert "constant" in err.value.fix and "cosine" in err.value.fix
 
 

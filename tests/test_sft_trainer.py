@@ -18,8 +18,9 @@ from archer.config.loader import CONFIG_DIR, load_config
 from archer.data.sft_dataset import SFTDataset, pack_sft
 from archer.errors import ArcherError
 from archer.models.loading import load_causal_lm, load_tokenizer
+from archer.models.optim import LRSchedule, build_scheduler
 from archer.trainer import sft
-from archer.trainer.sft import build_scheduler, response_logprobs, run_sft, sft_backward
+from archer.trainer.sft import response_logprobs, run_sft, sft_backward
 
 PROBLEMS = [(2, 3), (4, 1), (7, 2), (3, 3), (6, 0), (1, 8), (5, 4), (9, 0)]
 
@@ -130,7 +131,8 @@ def test_accumulation_over_micro_batches_equals_the_full_batch(tok, model) -> No
 ])
 def test_schedules_by_hand(name: str, ratio: float, total: int, expected: list[float]) -> None:
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
-    scheduler = build_scheduler(optimizer, name, ratio, total)
+    schedule = LRSchedule.from_sft_optim(OmegaConf.create({"lr_scheduler": name, "warmup_steps_ratio": ratio}), total)
+    scheduler = build_scheduler(optimizer, schedule)
     lrs = []
     for _ in range(total):
         lrs.append(scheduler.get_last_lr()[0])

@@ -16,7 +16,7 @@ from archer.models.loading import save_hf
 from archer.models.lora import has_adapter, load_adapter, save_adapter, save_merged
 
 
-def save_policy(model: torch.nn.Module, peft: PeftModel | None, tokenizer: PreTrainedTokenizerBase,
+def save_policy(model: torch.nn.Module, peft: PeftModel | None, tokenizer: PreTrainedTokenizerBase | None,
                 out_dir: Path) -> None:
     """A policy's HF folder (loadable with from_pretrained): the model, or with LoRA the merged model plus
     ``lora_adapter/`` (what resuming loads). Used by the RL actor and SFT checkpoints alike."""

@@ -255,10 +255,11 @@ def value_forward(
     return out.logits.squeeze(-1).float()
 
 
-def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path) -> Path:
-    """Save model (safetensors) and tokenizer into one folder that from_pretrained loads."""
+def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path) -> Path:
+    """Save model (safetensors) and, when given, the tokenizer into one folder that from_pretrained loads."""
     folder = Path(out_dir)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(folder))
-    tokenizer.save_pretrained(str(folder))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
     return folder

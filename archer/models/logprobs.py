@@ -24,6 +24,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from archer.errors import ArcherError
+from archer.models.loading import autocast_for
 from archer.models.sequence_layout import SequenceLayout
 
 LOGITS_BYTES_PER_CHUNK = 256 * 2**20  # float32 logits of one chunk when chunk_size is None
@@ -199,6 +200,31 @@ def backbone_of(model: nn.Module) -> nn.Module:
         "use a Hugging Face causal LM (a ...ForCausalLM class) whose get_decoder() or base_model_prefix "
         "attribute gives the backbone",
     )
+
+
+def masked_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  position_ids: torch.Tensor, loss_mask: torch.Tensor, *, packed: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backbone's hidden states [N, H] at the positions that predict the N tokens with ``loss_mask`` 1, and
+    those tokens [N]. Padding columns beyond the longest row are cut off first. ``packed`` rows (several
+    examples a row, told apart by restarts of ``position_ids``) run without an attention mask."""
+    length = int(attention_mask.sum(dim=1).max())
+    input_ids, loss_mask = input_ids[:, :length], loss_mask[:, :length]
+    hidden = backbone_of(model)(input_ids=input_ids, attention_mask=None if packed else attention_mask[:, :length],
+                                position_ids=position_ids[:, :length], use_cache=False).last_hidden_state
+    targets = loss_mask[:, 1:].bool()
+    return hidden[:, :-1][targets], input_ids[:, 1:][targets]
+
+
+def masked_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    position_ids: torch.Tensor, loss_mask: torch.Tensor, *, packed: bool = False,
+                    chunk_size: int | None = None) -> torch.Tensor:
+    """Log-probs (float32, [N]) of the N tokens with ``loss_mask`` 1, each given the tokens before it (the SFT
+    loss's terms); the LM head sees only those N positions, in chunks (``masked_hidden`` for ``packed``)."""
+    with autocast_for(input_ids.device):
+        hidden, labels = masked_hidden(model, input_ids, attention_mask, position_ids, loss_mask, packed=packed)
+        return logprobs_from_hidden(hidden, model.get_output_embeddings(), labels, chunk_size=chunk_size,
+                                    compute_entropy=False)[0]
 
 
 def layout_logprobs(

@@ -169,14 +169,15 @@ def policy_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield f"{name}.bias", base.bias.detach()
 
 
-def save_merged(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path) -> Path:
+def save_merged(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path) -> Path:
     """An ordinary HF folder (AutoModelForCausalLM.from_pretrained loads it) with the LoRA layers merged, in
     the base's dtype; the module is left as it is."""
     folder = Path(out_dir)
     folder.mkdir(parents=True, exist_ok=True)
     state = {name: tensor.to("cpu", copy=True).contiguous() for name, tensor in policy_weights(model)}
     model.save_pretrained(str(folder), state_dict=state)
-    tokenizer.save_pretrained(str(folder))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
     return folder
 
 

@@ -1,9 +1,11 @@
-"""Optimiser and learning-rate schedule from verl's ``optim`` config block (AdamW, warmup, constant/cosine)."""
+"""Optimiser and learning-rate schedule from verl's ``optim`` config blocks (AdamW; warmup, then constant, cosine
+or warmup-stable-decay), their checkpointed state, and the clipped optimiser step."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -11,10 +13,13 @@ from omegaconf import DictConfig
 
 from archer.errors import ArcherError
 
-WARMUP_STYLES = ("constant", "cosine")
+WARMUP_STYLES = ("constant", "cosine")  # verl's actor / critic optim.warmup_style
+SFT_SCHEDULERS = ("cosine", "constant", "wsd")  # verl's SFT trainer optim.lr_scheduler
+WSD_STABLE_RATIO = 0.9  # wsd: share of the post-warmup steps held at the peak lr before the cosine decay (verl's)
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], optim: DictConfig) -> torch.optim.AdamW:
+    """AdamW from an optim block's lr, betas (default (0.9, 0.999)) and weight_decay."""
     betas = tuple(optim.get("betas", (0.9, 0.999)))
     return torch.optim.AdamW(params, lr=float(optim.lr), betas=betas, weight_decay=float(optim.weight_decay))
 
@@ -27,28 +32,65 @@ def warmup_steps(optim: DictConfig, total_steps: int) -> int:
     return int(float(optim.get("lr_warmup_steps_ratio", 0.0)) * total_steps)
 
 
-def lr_multiplier(step: int, *, warmup: int, total: int, style: str, min_lr_ratio: float, num_cycles: float) -> float:
-    """The factor applied to the base learning rate after ``step`` scheduler steps."""
+def lr_multiplier(step: int, *, warmup: int, total: int, style: str, min_lr_ratio: float, num_cycles: float,
+                  stable_ratio: float = WSD_STABLE_RATIO) -> float:
+    """The factor applied to the base learning rate after ``step`` scheduler steps: a linear warmup over
+    ``warmup`` steps, then constant, a cosine decay to ``min_lr_ratio``, or (wsd) ``stable_ratio`` of the
+    remaining steps at the peak and the cosine decay over the rest. With min_lr_ratio 0 and num_cycles 0.5
+    these are transformers' constant / cosine / wsd schedules with warmup, number for number."""
     if warmup > 0 and step < warmup:
-        return min_lr_ratio + (1.0 - min_lr_ratio) * step / warmup if style == "cosine" else step / warmup
+        return min_lr_ratio + (1.0 - min_lr_ratio) * step / warmup if style != "constant" else step / warmup
     if style == "constant":
         return 1.0
-    progress = (step - warmup) / max(1, total - warmup)
+    start, length = warmup, total - warmup
+    if style == "wsd":
+        stable = int(length * stable_ratio)
+        if step < warmup + stable:
+            return 1.0
+        start, length = warmup + stable, length - stable
+    progress = (step - start) / max(1, length)
     cosine = 0.5 * (1.0 + math.cos(math.pi * 2.0 * num_cycles * min(progress, 1.0)))
     return min_lr_ratio + (1.0 - min_lr_ratio) * cosine
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, optim: DictConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    style = str(optim.get("warmup_style", "constant"))
-    if style not in WARMUP_STYLES:
-        raise ArcherError(f"unknown optim.warmup_style {style!r}", f"use one of {', '.join(WARMUP_STYLES)}")
-    warmup = warmup_steps(optim, total_steps)
-    min_lr_ratio = float(optim.get("min_lr_ratio", 0.0) or 0.0)
-    num_cycles = float(optim.get("num_cycles", 0.5))
+@dataclass(frozen=True)
+class LRSchedule:
+    """A learning-rate schedule (``lr_multiplier``'s arguments); ``from_rl_optim`` / ``from_sft_optim`` read it
+    from the keys verl's RL and SFT trainers give it."""
 
-    def factor(step: int) -> float:
-        return lr_multiplier(step, warmup=warmup, total=total_steps, style=style, min_lr_ratio=min_lr_ratio,
-                             num_cycles=num_cycles)
+    style: str
+    warmup: int
+    total: int
+    min_lr_ratio: float = 0.0
+    num_cycles: float = 0.5
+
+    @classmethod
+    def from_rl_optim(cls, optim: DictConfig, total_steps: int) -> LRSchedule:
+        """An actor / critic ``optim`` block: warmup_style, lr_warmup_steps(_ratio), min_lr_ratio, num_cycles."""
+        style = str(optim.get("warmup_style", "constant"))
+        if style not in WARMUP_STYLES:
+            raise ArcherError(f"unknown optim.warmup_style {style!r}", f"use one of {', '.join(WARMUP_STYLES)}")
+        return cls(style, warmup_steps(optim, total_steps), total_steps,
+                   min_lr_ratio=float(optim.get("min_lr_ratio", 0.0) or 0.0),
+                   num_cycles=float(optim.get("num_cycles", 0.5)))
+
+    @classmethod
+    def from_sft_optim(cls, optim: DictConfig, total_steps: int) -> LRSchedule:
+        """The SFT trainer's ``optim`` block: lr_scheduler and a linear warmup over warmup_steps_ratio of the
+        steps, decaying to 0 (transformers' schedules, as verl's SFT trainer uses them)."""
+        if optim.lr_scheduler not in SFT_SCHEDULERS:
+            raise ArcherError(f"optim.lr_scheduler={optim.lr_scheduler!r} is not known",
+                              f"use one of {list(SFT_SCHEDULERS)}")
+        return cls(str(optim.lr_scheduler), int(float(optim.warmup_steps_ratio) * total_steps), total_steps)
+
+    def multiplier(self, step: int) -> float:
+        return lr_multiplier(step, warmup=self.warmup, total=self.total, style=self.style,
+                             min_lr_ratio=self.min_lr_ratio, num_cycles=self.num_cycles)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, schedule: LRSchedule) -> torch.optim.lr_scheduler.LambdaLR:
+    def factor(step: int) -> float:  # a plain function: the scheduler's state_dict stays steps and lrs only
+        return schedule.multiplier(step)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 

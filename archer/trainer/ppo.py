@@ -59,7 +59,6 @@ from archer.trainer.tracking import Tracking
 from archer.workers.actor import INFLUENCE_TOKENS, ActorWorker
 from archer.workers.critic import CriticWorker
 from archer.workers.generator import GenerationWorker
-from archer.workers.reference import ReferenceWorker
 from archer.workers.rollout import ROLLOUT_STATS, concat_sequences
 
 log = logging.getLogger("archer.trainer")
@@ -162,8 +161,7 @@ class PPOTrainer:
             others["critic"] = CRITIC_BYTES_PER_PARAM
         self.actor = ActorWorker(ref_cfg, device=self.device, total_steps=self.total_steps, tokenizer=self.tokenizer,
                                  chat_template_kwargs=self.template_kwargs, other_models=others)
-        self.ref = (ReferenceWorker(ref_cfg, device=self.device, lora_policy=self.actor.peft)
-                    if self.use_ref else None)
+        self.ref = self.actor.make_reference() if self.use_ref else None
         self.critic = (CriticWorker(cfg.critic, rollout_n=int(ref_cfg.rollout.n), device=self.device,
                                     total_steps=self.total_steps) if self.use_critic else None)
         self.kl_ctrl = make_kl_controller(algo.kl_ctrl.type, float(algo.kl_ctrl.kl_coef),

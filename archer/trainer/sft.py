@@ -9,7 +9,7 @@ then the merged model and hf_model/lora_adapter the adapters. With ``data.packin
 of whole examples kept apart by their position ids (``pack_sft``): the same loss, no padding.
 
 Checkpoints (``trainer.save_freq``) go through the RL trainer's CheckpointManager: ``global_step_N/model`` (the
-policy as ``save_policy`` writes it, with optimiser and scheduler state) and ``trainer_state.pt`` (step, data
+policy as ``ModelOwner.save`` writes it, with optimiser and scheduler state) and ``trainer_state.pt`` (step, data
 position, RNG states); ``trainer.resume_mode`` picks the one a run continues from, exactly.
 """
 
@@ -24,15 +24,11 @@ from typing import Any
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
-from peft import PeftModel
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
-    get_constant_schedule_with_warmup,
-    get_cosine_schedule_with_warmup,
-    get_wsd_schedule,
     set_seed,
 )
 
@@ -43,17 +39,15 @@ from archer.data.loader import PromptLoader
 from archer.data.sft_dataset import SFTDataset, pack_sft, read_sft_conversations, token_slots
 from archer.data.sft_formats import FORMATS
 from archer.errors import ArcherError
-from archer.models.checkpoint import load_policy, save_policy
 from archer.models.loading import (
     autocast_for,
-    default_dtype,
-    load_causal_lm,
     load_tokenizer,
     pick_device,
 )
-from archer.models.logprobs import backbone_of, logprobs_from_hidden
-from archer.models.lora import LoraSettings, add_lora, trainable_parameters
-from archer.models.optim import clip_and_step, load_optim_state, save_optim_state
+from archer.models.logprobs import logprobs_from_hidden, masked_hidden, masked_logprobs
+from archer.models.lora import LoraSettings
+from archer.models.optim import SFT_SCHEDULERS, LRSchedule, clip_and_step
+from archer.models.owner import ModelOwner
 from archer.trainer.checkpoint import (
     CheckpointManager,
     capture_rng_state,
@@ -64,11 +58,9 @@ from archer.trainer.checkpoint import (
 from archer.trainer.plots import plot_metrics
 from archer.trainer.tracking import METRICS_FILE, Tracking
 
-LR_SCHEDULERS = ("cosine", "constant", "wsd")
 RESUME_MODES = ("auto", "disable", "resume_path")
 MODEL_DIR = "model"  # a checkpoint's HF model folder (with its optimiser state)
 TRAINER_STATE = "trainer_state.pt"
-WSD_STABLE_RATIO = 0.9  # share of the post-warmup steps held at the peak lr before the cosine decay (verl's)
 CHUNK_SIZE = 1024  # response tokens per chunk of the lm_head + log-softmax
 logger = logging.getLogger("archer.sft")
 KEY_METRICS = ("train/loss", "val/loss", "train/lr")
@@ -87,36 +79,28 @@ def run_sft(cfg: DictConfig) -> Path:
     val_set = build_dataset(cfg, tokenizer, cfg.data.val_files) if as_list(cfg.data.val_files) else None
     loader = _train_loader(train_set, cfg)
     total_steps = cfg.trainer.total_training_steps or loader.steps_per_epoch * cfg.trainer.total_epochs
-    lora = LoraSettings.from_config(cfg.model, prefix="model")
-    # full fine-tuning trains float32 weights; LoRA a base in the device's dtype, adapters in float32
-    model = load_causal_lm(cfg.model.partial_pretrain, device=device,
-                           dtype=torch.float32 if lora is None else default_dtype(device),
-                           gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
-                           trust_remote_code=cfg.model.trust_remote_code)
-    peft_model = add_lora(model, lora) if lora is not None else None  # injects the LoRA layers into model
-    model.train()
+    owner = ModelOwner.policy(cfg.model.partial_pretrain, device=device,
+                              lora=LoraSettings.from_config(cfg.model, prefix="model"),
+                              gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
+                              trust_remote_code=cfg.model.trust_remote_code)
+    owner.attach_optimizer(cfg.optim, LRSchedule.from_sft_optim(cfg.optim, total_steps))
     run_dir = Path(cfg.trainer.default_local_dir)
     save_config(cfg, run_dir / "config.yaml")
-    last = _train(model, peft_model, tokenizer, loader, val_set, cfg, total_steps, run_dir)
+    last = _train(owner, tokenizer, loader, val_set, cfg, total_steps, run_dir)
     model_dir = run_dir / "hf_model"
-    save_policy(model, peft_model, tokenizer, model_dir)
+    owner.save_model(model_dir, tokenizer)
     if cfg.trainer.plots:
         plot_metrics(run_dir / METRICS_FILE, run_dir / "plots", PLOT_GROUPS)
     _write_summary(run_dir, last, total_steps, time.perf_counter() - started, model_dir)
     return model_dir
 
 
-def _train(model: PreTrainedModel, peft_model: PeftModel | None, tokenizer: PreTrainedTokenizerBase,
-           loader: PromptLoader,
-           val_set: SFTDataset | None, cfg: DictConfig, total_steps: int, run_dir: Path) -> dict[str, float]:
+def _train(owner: ModelOwner, tokenizer: PreTrainedTokenizerBase, loader: PromptLoader, val_set: SFTDataset | None, cfg: DictConfig, total_steps: int, run_dir: Path) -> dict[str, float]:
     """The optimisation loop with its metrics and checkpoints (resumed from one when trainer.resume_mode says
     so); returns the latest value of every metric."""
-    device = next(model.parameters()).device
-    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                  weight_decay=cfg.optim.weight_decay)
-    scheduler = build_scheduler(optimizer, cfg.optim.lr_scheduler, cfg.optim.warmup_steps_ratio, total_steps)
+    model, device = owner.model, owner.device
     checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.trainer.max_ckpt_to_keep)
-    start = _resume(cfg.trainer, checkpoints, model, peft_model, optimizer, scheduler, loader)
+    start = _resume(cfg.trainer, checkpoints, owner, loader)
     last: dict[str, float] = {}
     with Tracking(run_dir, backends=as_list(cfg.trainer.logger), project=cfg.trainer.project_name,
                   experiment=cfg.trainer.experiment_name, config=OmegaConf.to_container(cfg, resolve=True),
@@ -129,7 +113,7 @@ def _train(model: PreTrainedModel, peft_model: PeftModel | None, tokenizer: PreT
                 micro = 1
             else:
                 batch = loader.dataset.collate(items)
-            metrics = train_step(model, optimizer, scheduler, batch.to(device), micro_batch_size=micro,
+            metrics = train_step(model, owner.optimizer, owner.scheduler, batch.to(device), micro_batch_size=micro,
                                  clip_grad=cfg.optim.clip_grad)
             epoch_end = loader.position == 0
             if val_set is not None and _should_validate(step, epoch_end, total_steps, cfg.trainer.test_freq):
@@ -138,26 +122,23 @@ def _train(model: PreTrainedModel, peft_model: PeftModel | None, tokenizer: PreT
             tracking.log(metrics, step=step)
             last |= metrics
             if cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or step == total_steps):
-                _save_checkpoint(checkpoints, step, model, peft_model, tokenizer, optimizer, scheduler, loader)
+                _save_checkpoint(checkpoints, step, owner, tokenizer, loader)
     return last
 
 
-def _save_checkpoint(checkpoints: CheckpointManager, step: int, model: PreTrainedModel, peft_model: PeftModel | None,
-                     tokenizer: PreTrainedTokenizerBase, optimizer: torch.optim.Optimizer, scheduler: LambdaLR,
-                     loader: PromptLoader) -> Path:
+def _save_checkpoint(checkpoints: CheckpointManager, step: int, owner: ModelOwner,
+                     tokenizer: PreTrainedTokenizerBase, loader: PromptLoader) -> Path:
     """``<run>/checkpoints/global_step_N``: the model as an HF folder with its optimiser and scheduler state, and
     the step, data position and RNG states; written atomically, older ones pruned to trainer.max_ckpt_to_keep."""
     def write(tmp: Path) -> None:
-        save_policy(model, peft_model, tokenizer, tmp / MODEL_DIR)
-        save_optim_state(tmp / MODEL_DIR, optimizer, scheduler)
+        owner.save(tmp / MODEL_DIR, tokenizer)
         save_torch_state(tmp / TRAINER_STATE, {"global_step": step, "loader": loader.state_dict(),
                                                "rng": capture_rng_state()})
 
     return checkpoints.save(step, write)
 
 
-def _resume(trainer: DictConfig, checkpoints: CheckpointManager, model: PreTrainedModel, peft_model: PeftModel | None,
-            optimizer: torch.optim.Optimizer, scheduler: LambdaLR, loader: PromptLoader) -> int:
+def _resume(trainer: DictConfig, checkpoints: CheckpointManager, owner: ModelOwner, loader: PromptLoader) -> int:
     """Restore the checkpoint trainer.resume_mode names (auto: the newest of the run, if any; resume_path:
     trainer.resume_from_path; disable: none); returns the step to continue from."""
     if trainer.resume_mode == "disable":
@@ -172,8 +153,7 @@ def _resume(trainer: DictConfig, checkpoints: CheckpointManager, model: PreTrain
         if step is None:
             return 0
         path = checkpoints.load_dir(step)
-    load_policy(model, peft_model, path / MODEL_DIR, "model")
-    load_optim_state(path / MODEL_DIR, optimizer, scheduler, next(model.parameters()).device)
+    owner.load(path / MODEL_DIR, "model")
     state = load_torch_state(path / TRAINER_STATE)
     loader.load_state_dict(state["loader"])
     restore_rng_state(state["rng"])
@@ -193,8 +173,8 @@ def check_sft_config(cfg: DictConfig) -> None:
          "e.g. trainer.total_epochs=1"),
         (cfg.trainer.total_training_steps is None or cfg.trainer.total_training_steps > 0,
          "trainer.total_training_steps must be positive or null", "e.g. trainer.total_training_steps=100"),
-        (cfg.optim.lr_scheduler in LR_SCHEDULERS, f"optim.lr_scheduler={cfg.optim.lr_scheduler!r} is not known",
-         f"use one of {list(LR_SCHEDULERS)}"),
+        (cfg.optim.lr_scheduler in SFT_SCHEDULERS, f"optim.lr_scheduler={cfg.optim.lr_scheduler!r} is not known",
+         f"use one of {list(SFT_SCHEDULERS)}"),
         (0.0 <= cfg.optim.warmup_steps_ratio <= 1.0, "optim.warmup_steps_ratio must be within [0, 1]",
          "e.g. optim.warmup_steps_ratio=0.1"),
         (cfg.optim.clip_grad > 0, "optim.clip_grad must be positive", "e.g. optim.clip_grad=1.0"),
@@ -250,40 +230,18 @@ def _should_validate(step: int, epoch_end: bool, total_steps: int, test_freq: in
     return epoch_end or step == total_steps or (test_freq > 0 and step % test_freq == 0)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, name: str, warmup_ratio: float, total_steps: int) -> LambdaLR:
-    """Linear warmup over ``warmup_ratio * total_steps`` steps, then cosine decay to 0, constant, or WSD."""
-    warmup = int(warmup_ratio * total_steps)
-    if name == "cosine":
-        return get_cosine_schedule_with_warmup(optimizer, warmup, total_steps)
-    if name == "constant":
-        return get_constant_schedule_with_warmup(optimizer, warmup)
-    decay = total_steps - warmup - int((total_steps - warmup) * WSD_STABLE_RATIO)
-    return get_wsd_schedule(optimizer, warmup, decay, num_training_steps=total_steps)
-
-
 def response_hidden(model: PreTrainedModel, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backbone's hidden states [N, H] at the positions that predict the N tokens with loss_mask 1,
-    and those tokens [N]. Padding columns beyond the longest row are cut off first. Packed rows (``pack_sft``)
-    run without an attention mask, so that the restarts of ``position_ids`` separate their examples."""
-    length = int(batch["attention_mask"].sum(dim=1).max())
-    input_ids, loss_mask = batch["input_ids"][:, :length], batch["loss_mask"][:, :length]
-    attention_mask = None if batch.info.get("packed") else batch["attention_mask"][:, :length]
-    hidden = backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=batch["position_ids"][:, :length], use_cache=False).last_hidden_state
-    targets = loss_mask[:, 1:].bool()
-    return hidden[:, :-1][targets], input_ids[:, 1:][targets]
+    """``masked_hidden`` of an SFT batch: the hidden states that predict its loss_mask tokens, and those tokens."""
+    return masked_hidden(model, *_model_inputs(batch), packed=bool(batch.info.get("packed")))
 
 
 def response_logprobs(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
-    """Log-probs (float32, [N]) of the N tokens with loss_mask 1, each given the tokens before it; the
-    lm_head sees only those N positions, in chunks."""
-    with autocast_for(batch["input_ids"].device):
-        hidden, labels = response_hidden(model, batch)
-        return _logprobs(hidden, model.get_output_embeddings(), labels)
+    """``masked_logprobs`` of an SFT batch: log-probs (float32, [N]) of its N tokens with loss_mask 1."""
+    return masked_logprobs(model, *_model_inputs(batch), packed=bool(batch.info.get("packed")), chunk_size=CHUNK_SIZE)
 
 
-def _logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor) -> torch.Tensor:
-    return logprobs_from_hidden(hidden, lm_head, labels, chunk_size=CHUNK_SIZE, compute_entropy=False)[0]
+def _model_inputs(batch: Batch) -> tuple[torch.Tensor, ...]:
+    return tuple(batch[k] for k in ("input_ids", "attention_mask", "position_ids", "loss_mask"))
 
 
 def sft_backward(model: PreTrainedModel, batch: Batch, micro_batch_size: int) -> tuple[float, int]:
@@ -325,7 +283,8 @@ def evaluate(model: PreTrainedModel, dataset: SFTDataset, batch_size: int, devic
     for batch in DataLoader(dataset, batch_size=batch_size, collate_fn=dataset.collate):
         with autocast_for(device):
             hidden, labels = response_hidden(model, batch.to(device))
-            nll -= float(_logprobs(hidden, lm_head, labels).sum())
+            nll -= float(logprobs_from_hidden(hidden, lm_head, labels, chunk_size=CHUNK_SIZE,
+                                              compute_entropy=False)[0].sum())
             for h, y in zip(hidden.split(CHUNK_SIZE), labels.split(CHUNK_SIZE), strict=True):
                 hits += int((lm_head(h).argmax(dim=-1) == y).sum())
         count += len(labels)

@@ -31,24 +31,17 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
-from peft import PeftModel
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from archer.algorithms.metrics import MetricSums
 from archer.batch import Batch
-from archer.models.checkpoint import load_policy, save_policy
 from archer.models.forward import MODEL_INPUTS, compute_log_probs
-from archer.models.loading import autocast_for, default_dtype, load_causal_lm, load_tokenizer
+from archer.models.loading import autocast_for, load_tokenizer
 from archer.models.logprobs import layout_logprobs
-from archer.models.lora import LoraSettings, add_lora, trainable_parameters
+from archer.models.lora import LoraSettings, trainable_parameters
 from archer.models.micro_batches import MicroBatching
-from archer.models.optim import (
-    build_optimizer,
-    build_scheduler,
-    clip_and_step,
-    load_optim_state,
-    save_optim_state,
-)
+from archer.models.optim import LRSchedule, clip_and_step
+from archer.models.owner import ModelOwner
 from archer.rollout.factory import build_engine, uses_fast_engine
 from archer.trace.influence_capture import (
     CaptureSettings,
@@ -62,6 +55,7 @@ from archer.trace.influence_capture import (
 from archer.workers.actor_objective import ActorObjective
 from archer.workers.memory import MemoryPlan, card_figures, plan_actor_memory, release_cached_blocks
 from archer.workers.offload import Offload
+from archer.workers.reference import ReferenceWorker
 from archer.workers.rollout import RolloutWorker
 
 log = logging.getLogger("archer.actor")
@@ -81,17 +75,10 @@ class ActorWorker:
         self.cfg = cfg
         self.actor_cfg = cfg.actor
         self.device = device
-        lora = LoraSettings.from_config(cfg.model)
-        # full fine-tuning trains float32 master weights; LoRA a base in the device's dtype, adapters in float32
-        self.model = load_causal_lm(cfg.model.path, device=device,
-                                    dtype=torch.float32 if lora is None else default_dtype(device),
-                                    gradient_checkpointing=bool(cfg.model.enable_gradient_checkpointing),
-                                    trust_remote_code=bool(cfg.model.trust_remote_code))
-        # with LoRA, peft's wrapper; self.model is then the base model with the LoRA layers injected
-        self.peft: PeftModel | None = add_lora(self.model, lora) if lora is not None else None
-        self.model.train()
-        self.optimizer = build_optimizer(trainable_parameters(self.model), self.actor_cfg.optim)
-        self.scheduler = build_scheduler(self.optimizer, self.actor_cfg.optim, total_steps)
+        self.owner = ModelOwner.policy(cfg.model.path, device=device, lora=LoraSettings.from_config(cfg.model),
+                                       gradient_checkpointing=bool(cfg.model.enable_gradient_checkpointing),
+                                       trust_remote_code=bool(cfg.model.trust_remote_code))
+        self.owner.attach_optimizer(self.actor_cfg.optim, LRSchedule.from_rl_optim(self.actor_cfg.optim, total_steps))
         offload = self.actor_cfg.fsdp_config
         self.offload = Offload(self.model.parameters(), self.optimizer, device,
                                param_offload=bool(offload.param_offload),
@@ -125,6 +112,25 @@ class ActorWorker:
         self._engine_is_stale = False  # the weights changed since the engine last took them
         # the influence trace's settings, hooked modules and their projections (setup_influence)
         self.influence: tuple[CaptureSettings, dict[str, torch.nn.Linear], dict[str, ModuleProjection]] | None = None
+
+    @property
+    def model(self) -> PreTrainedModel:
+        """The policy module (with LoRA: the base model with peft's layers injected)."""
+        return self.owner.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.owner.optimizer
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
+        return self.owner.scheduler
+
+    def make_reference(self) -> ReferenceWorker:
+        """The reference worker beside this actor: with LoRA the policy's base (adapters off, no second copy),
+        else its own frozen copy of actor_rollout_ref.model.path."""
+        return ReferenceWorker(self.cfg, device=self.device,
+                               lora_policy=self.owner if self.owner.peft is not None else None)
 
     # -- generation --------------------------------------------------------------------------------------
     def generate_sequences(self, prompts: Batch) -> Batch:
@@ -277,15 +283,12 @@ class ActorWorker:
                     torch.autograd.grad(objective.sum(), weights)
 
     # -- checkpoints ---------------------------------------------------------------------------------------
-    def save(self, out_dir: Path, tokenizer) -> None:
+    def save(self, out_dir: Path, tokenizer: PreTrainedTokenizerBase) -> None:
         """HF folder (loadable with from_pretrained) plus optimiser and scheduler state. With LoRA the folder
         holds the merged model, and ``lora_adapter/`` the adapters (what resuming loads)."""
-        save_policy(self.model, self.peft, tokenizer, out_dir)
-        save_optim_state(out_dir, self.optimizer, self.scheduler)
+        self.owner.save(out_dir, tokenizer)
 
     def load(self, in_dir: Path) -> None:
-        load_policy(self.model, self.peft, in_dir, "actor_rollout_ref.model")
-        load_optim_state(in_dir, self.optimizer, self.scheduler, self.device)
+        self.owner.load(in_dir, "actor_rollout_ref.model")
         self.offload.optimizer_to_host()
         self._engine_is_stale = True
-

@@ -16,17 +16,11 @@ from archer.algorithms.aggregation import mini_batch_totals
 from archer.algorithms.metrics import MetricSums, masked_mean_metric, total_metric
 from archer.algorithms.value_loss import compute_value_loss
 from archer.batch import Batch
-from archer.models.checkpoint import load_weights
 from archer.models.forward import MODEL_INPUTS
-from archer.models.loading import autocast_for, load_value_model, value_forward
+from archer.models.loading import autocast_for, value_forward
 from archer.models.micro_batches import MicroBatching
-from archer.models.optim import (
-    build_optimizer,
-    build_scheduler,
-    clip_and_step,
-    load_optim_state,
-    save_optim_state,
-)
+from archer.models.optim import LRSchedule, clip_and_step
+from archer.models.owner import ModelOwner
 
 
 class CriticWorker:
@@ -36,11 +30,11 @@ class CriticWorker:
         self.cfg = cfg
         self.rollout_n = rollout_n
         self.device = device
-        self.model = load_value_model(cfg.model.path, device=device, dtype=torch.float32,
-                                      gradient_checkpointing=bool(cfg.model.enable_gradient_checkpointing),
-                                      trust_remote_code=bool(cfg.model.trust_remote_code))
-        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, total_steps)
+        self.owner = ModelOwner.value_model(cfg.model.path, device=device,
+                                            gradient_checkpointing=bool(cfg.model.enable_gradient_checkpointing),
+                                            trust_remote_code=bool(cfg.model.trust_remote_code))
+        self.owner.attach_optimizer(cfg.optim, LRSchedule.from_rl_optim(cfg.optim, total_steps))
+        self.model, self.optimizer, self.scheduler = self.owner.model, self.owner.optimizer, self.owner.scheduler
         micro = {"dynamic_key": "use_dynamic_bsz", "remove_padding": bool(cfg.model.use_remove_padding)}
         self.forward_micro = MicroBatching.from_config(cfg, size_key="forward_micro_batch_size",
                                                        budget_key="forward_max_token_len_per_gpu", **micro)
@@ -99,10 +93,8 @@ class CriticWorker:
         return metrics
 
     def save(self, out_dir: Path) -> None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out_dir)
-        save_optim_state(out_dir, self.optimizer, self.scheduler)
+        """The value model's HF folder (its ``score`` head included) plus optimiser and scheduler state."""
+        self.owner.save(out_dir)
 
     def load(self, in_dir: Path) -> None:
-        load_weights(self.model, in_dir)
-        load_optim_state(in_dir, self.optimizer, self.scheduler, self.device)
+        self.owner.load(in_dir, "critic.model")

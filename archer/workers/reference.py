@@ -1,40 +1,39 @@
 """The reference worker: the initial policy, frozen, that scores responses for KL. Without LoRA it holds its own
-copy of the model; with LoRA it is the actor's module with the adapters off (the base), so no second copy."""
+copy of the model; with LoRA it is the actor's module with the adapters off (the base), so no second copy: the
+actor builds it then (``ActorWorker.make_reference``), the two being colocated."""
 
 from __future__ import annotations
 
 import torch
 from omegaconf import DictConfig
-from peft import PeftModel
 
 from archer.batch import Batch
 from archer.models.forward import compute_log_probs
-from archer.models.loading import default_dtype, load_causal_lm
 from archer.models.lora import base_policy
 from archer.models.micro_batches import MicroBatching
+from archer.models.owner import ModelOwner
 
 
 class ReferenceWorker:
     """Holds the frozen reference model (bf16 on GPU) and computes ``ref_log_prob``. ``lora_policy``: the
     actor's LoRA policy, whose base (adapters off) is the reference."""
 
-    def __init__(self, cfg: DictConfig, *, device: torch.device, lora_policy: PeftModel | None = None) -> None:
+    def __init__(self, cfg: DictConfig, *, device: torch.device, lora_policy: ModelOwner | None = None) -> None:
         self.cfg = cfg
         self.device = device
         self.lora_policy = lora_policy
         if lora_policy is not None:
-            self.model = lora_policy.get_base_model()
+            self.model = lora_policy.peft.get_base_model()
         else:
-            self.model = load_causal_lm(cfg.model.path, device=device, dtype=default_dtype(device),
-                                        trust_remote_code=bool(cfg.model.trust_remote_code))
-            self.model.eval().requires_grad_(False)
+            self.model = ModelOwner.frozen_policy(cfg.model.path, device=device,
+                                                  trust_remote_code=bool(cfg.model.trust_remote_code)).model
         self.temperature = float(cfg.rollout.temperature)
         self.micro = MicroBatching.from_config(
             cfg.ref, size_key="log_prob_micro_batch_size", dynamic_key="log_prob_use_dynamic_bsz",
             budget_key="log_prob_max_token_len_per_gpu", remove_padding=bool(cfg.model.use_remove_padding))
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        with base_policy(self.lora_policy):
+        with base_policy(None if self.lora_policy is None else self.lora_policy.peft):
             logp, _ = compute_log_probs(self.model, batch, temperature=self.temperature, micro=self.micro,
                                         chunk_size=self.cfg.actor.logprob_chunk_size, device=self.device,
                                         compute_entropy=False)
