@@ -161,3 +161,21 @@ def test_rows_may_name_only_configured_tools():
                                           r"which actor_rollout_ref.rollout.tools.tool_instances does not configure "
                                           r"\(its tools: \['python'\]\)"):
         check_row_tools([["python", "search"], ["bing"]], rollout_cfg(*ECHO), "train.jsonl")
+
+
+def test_tool_call_tags_come_from_the_config_as_the_built_format_has_them(tiny_model_dir):
+    """The trainer reads the call tags from the config (no worker attribute): the same tags the rollout's own
+    call format has, for ARPO's tags (a param's trigger tag, a class default) and hermes."""
+    from archer.models.loading import load_tokenizer
+    from archer.rollout.agentic_config import build_agentic_rollout, tool_call_tags
+
+    assert tool_call_tags(rollout_cfg()) == ()
+    arpo = rollout_cfg(*ECHO, f"+{ROLLOUT}.tools.tool_instances.calc.class_path=agentic_support.Echo",
+                       f"+{ROLLOUT}.tools.tool_instances.calc.params.trigger_tag=calc")
+    tok = load_tokenizer(tiny_model_dir)
+    for cfg, want in ((arpo, (("<python>", "</python>"), ("<calc>", "</calc>"))),
+                      (rollout_cfg(*ECHO, f"{ROLLOUT}.multi_turn.format=hermes"), (("<tool_call>", "</tool_call>"),))):
+        assert tool_call_tags(cfg) == want
+        built = build_agentic_rollout(ScriptedEngine([]), tok, cfg,
+                                      chat_template=None if tok.chat_template else "{{ messages }}")
+        assert built.format.call_tags == want

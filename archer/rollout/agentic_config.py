@@ -21,16 +21,26 @@ from archer.errors import ArcherError
 from archer.rollout.agentic import AgenticRollout, LoopSettings
 from archer.rollout.base import RolloutEngine, SamplingParams
 from archer.rollout.branching import BranchSettings
-from archer.rollout.call_formats import CALL_FORMATS, build_call_format
+from archer.rollout.call_formats import CALL_FORMATS, HermesCalls, arpo_call_tags, build_call_format
 from archer.rollout.tool_text import TRUNCATE_SIDES
 from archer.tools import ToolRegistry
-from archer.tools.registry import check_tool_specs
+from archer.tools.registry import check_tool_specs, trigger_tags
 
 KEY = "actor_rollout_ref.rollout"
 
 
 def uses_tools(rollout: DictConfig) -> bool:
     return bool(rollout.tools.tool_instances)
+
+
+def tool_call_tags(rollout: DictConfig) -> tuple[tuple[str, str], ...]:
+    """The (opening, closing) tags of the tool calls the model writes under ``rollout`` (multi_turn.format and
+    the tools' trigger tags; what the trace explorer highlights), from the config alone; () without tools."""
+    if not uses_tools(rollout):
+        return ()
+    if str(rollout.multi_turn.format) == "hermes":
+        return HermesCalls.call_tags
+    return arpo_call_tags(trigger_tags(rollout.tools))
 
 
 def _initial_rollouts(rollout: DictConfig) -> int:

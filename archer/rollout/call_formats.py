@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +63,11 @@ class CallFormat(ABC):
         return start >= 0 and closing not in text[start:]
 
 
+def arpo_call_tags(trigger_tags: Iterable[str]) -> tuple[tuple[str, str], ...]:
+    """The (opening, closing) tags of ARPO's calls to tools with these trigger tags."""
+    return tuple((f"<{tag}>", f"</{tag}>") for tag in trigger_tags)
+
+
 class ArpoTags(CallFormat):
     """``<tag>content</tag>`` calls; each answer as `` <result>\\n{answer}\\n</result>`` (ARPO)."""
 
@@ -71,7 +76,7 @@ class ArpoTags(CallFormat):
     def __init__(self, registry: ToolRegistry) -> None:
         self.registry = registry
         self.stop_strings = tuple(registry.stop_strings)
-        self.call_tags = tuple((f"<{tag}>", f"</{tag}>") for tag in registry.by_tag)
+        self.call_tags = arpo_call_tags(registry.by_tag)
 
     def parse(self, text: str, finish_reason: str) -> list[ParsedCall]:
         if finish_reason != "stop":

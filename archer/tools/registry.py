@@ -83,6 +83,24 @@ def build_tool(name: str, class_path: str, params: Mapping[str, Any]) -> Tool:
     return cls(name, **params)
 
 
+def trigger_tags(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
+    """The trigger tag of each tool of ``cfg.tool_instances``, in order, read without building the tools: its
+    ``trigger_tag`` param, else its class's default; a class that sets its tag in code is built (and closed)."""
+    cfg = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    tags = []
+    for name, spec in (cfg.get("tool_instances") or {}).items():
+        cls, params = _checked_class(name, spec), spec.get("params") or {}
+        bound = inspect.signature(cls).bind(name, **params)
+        bound.apply_defaults()
+        tag = bound.arguments.get("trigger_tag")
+        if not isinstance(tag, str):
+            tool = cls(name, **params)
+            tag = tool.trigger_tag
+            tool.close()
+        tags.append(tag)
+    return tags
+
+
 class ToolRegistry:
     def __init__(self, tools: list[Tool], *, call_limit: int = 3, max_workers: int = 64, timeout: float = 120.0,
                  retry_count: int = 3) -> None:

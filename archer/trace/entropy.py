@@ -91,7 +91,7 @@ def trace_dir(trace_cfg: DictConfig, run_dir: Path, default_name: str) -> Path:
 
 class EntropyTrace:
     """Writes the entropy trace of a run (enabled by trainer.entropy_trace.enable); ``call_tags``: the rollout's
-    (RolloutWorker.call_tags)."""
+    (rollout/agentic_config.tool_call_tags)."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path, tokenizer: Any,
                  call_tags: Sequence[tuple[str, str]] = ()) -> None:

@@ -98,7 +98,7 @@ class InfluenceTrace:
 
     ``modules`` are the names of the linear layers the actor worker hooks (what its ``setup_influence``
     returned for ``capture_settings``); scores are computed on ``device`` (force_gpu_compute) or the CPU.
-    ``call_tags``: the rollout's (RolloutWorker.call_tags), recorded as the entropy trace records them.
+    ``call_tags``: the rollout's (rollout/agentic_config.tool_call_tags), recorded as the entropy trace records them.
     """
 
     def __init__(self, cfg: DictConfig, run_dir: Path, tokenizer: Any, modules: list[str], device: torch.device,

@@ -34,7 +34,7 @@ from archer.models.loading import pick_device
 from archer.rewards.extras import REWARD_EXTRAS
 from archer.rewards.manager import build_reward_manager
 from archer.rewards.registry import check_routes
-from archer.rollout.agentic_config import check_row_tools
+from archer.rollout.agentic_config import check_row_tools, tool_call_tags
 from archer.rollout.rollout_stats import RolloutStats
 from archer.trace.entropy import EntropyTrace
 from archer.trace.influence import InfluenceTrace
@@ -265,7 +265,7 @@ class PPOTrainer:
                     self.entropy_trace.record(step, batch)
             if self.critic is not None:
                 with timer("update_critic", timings, self.peaks):
-                    metrics.update(self.critic.update_critic(batch))
+                    metrics.update(self.critic.update_critic(batch).info["metrics"])
             if int(cfg.trainer.critic_warmup) <= step:  # verl: steps count from 1, so k skips k-1 updates
                 selection = None
                 if self.influence_trace is not None:
@@ -410,7 +410,7 @@ class PPOTrainer:
     def open_traces(self, start: int) -> None:
         """Trace writers of the enabled traces; steps after the resumed checkpoint are dropped (redone)."""
         cfg = self.cfg.trainer
-        call_tags = self.actor.rollout.call_tags  # what the explorer highlights as tool calls
+        call_tags = tool_call_tags(self.cfg.actor_rollout_ref.rollout)  # what the explorer highlights as tool calls
         if cfg.entropy_trace.enable:
             self.entropy_trace = EntropyTrace(self.cfg, self.run_dir, self.tokenizer, call_tags)
             self.entropy_trace.writer.truncate_after(start)

@@ -59,7 +59,9 @@ class CriticWorker:
         self.model.train()
         return Batch({"values": values})
 
-    def update_critic(self, batch: Batch) -> dict[str, float]:
+    def update_critic(self, batch: Batch) -> Batch:
+        """PPO epochs of the value loss over mini-batches. Returns ``info["metrics"]``: verl-named metrics
+        averaged over optimiser steps (as the actor's update_actor)."""
         c = self.cfg
         mini = int(c.ppo_mini_batch_size) * self.rollout_n
         data = batch.select([*MODEL_INPUTS, "responses", "response_mask", "values", "returns"])
@@ -90,7 +92,7 @@ class CriticWorker:
         metrics = {k: v / steps for k, v in sums.items()}
         metrics["critic/lr"] = self.scheduler.get_last_lr()[0]  # the lr of this update, as verl reports it
         self.scheduler.step()
-        return metrics
+        return Batch(info={"metrics": metrics})
 
     def save(self, out_dir: Path) -> None:
         """The value model's HF folder (its ``score`` head included) plus optimiser and scheduler state."""

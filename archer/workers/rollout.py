@@ -87,11 +87,6 @@ class RolloutWorker:
             self.agentic = build_agentic_rollout(engine, tokenizer, cfg, chat_template=chat_template,
                                                  template_kwargs=template_kwargs)
 
-    @property
-    def call_tags(self) -> tuple[tuple[str, str], ...]:
-        """The (opening, closing) tags of the tool calls the model writes (multi_turn.format); () without tools."""
-        return self.agentic.format.call_tags if self.agentic is not None else ()
-
     def generate_for(self, prompts: Batch, *, release_weights: bool = False) -> Batch:
         """Responses to ``prompts`` with the sampling of ``info`` (``validate`` picks rollout.val_kwargs and turns
         branching off, ``seed`` the sampling seed); the engine's memory is reclaimed before and, with
