@@ -22,7 +22,6 @@ the reference worker uses the same module with the adapters off.
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from collections.abc import Mapping
 from contextlib import nullcontext
 from pathlib import Path
@@ -54,6 +53,7 @@ from archer.trace.influence_capture import (
 )
 from archer.workers.actor_objective import ActorObjective
 from archer.workers.memory import MemoryPlan, card_figures, plan_actor_memory, release_cached_blocks
+from archer.workers.mini_batches import StepAverages, mini_batches
 from archer.workers.offload import Offload
 from archer.workers.reference import ReferenceWorker
 from archer.workers.rollout import RolloutWorker
@@ -204,19 +204,14 @@ class ActorWorker:
         keys += [k for k in ("ref_log_prob",) if k in batch.tensors]
         data = batch.select(keys)
         data["row_id"] = torch.arange(len(data))
-        generator = torch.Generator().manual_seed(int(a.get("data_loader_seed") or 0))
-        sums: dict[str, float] = defaultdict(float)
-        counts: dict[str, int] = defaultdict(int)
+        averages = StepAverages()
         self.model.train()
         with influence.hooks() if influence is not None else nullcontext():
-            for epoch in range(int(a.ppo_epochs)):
-                order = torch.randperm(len(data), generator=generator) if a.shuffle else torch.arange(len(data))
-                for mini_batch in data.index(order).split(mini):
-                    tracing = influence if epoch == 0 else None
-                    for k, v in self._update_mini_batch(mini_batch, tracing, step_optimizer).items():
-                        sums[k] += v
-                        counts[k] += 1
-        metrics = {k: sums[k] / counts[k] for k in sums}
+            for epoch, mini_batch in mini_batches(data, mini, epochs=int(a.ppo_epochs), shuffle=bool(a.shuffle),
+                                                  seed=int(a.get("data_loader_seed") or 0)):
+                tracing = influence if epoch == 0 else None
+                averages.add(self._update_mini_batch(mini_batch, tracing, step_optimizer))
+        metrics = averages.result()
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]  # the lr of this update, as verl reports it
         self.scheduler.step()
         return metrics

@@ -6,7 +6,6 @@ Both passes run in micro-batches of a number of rows or of a token budget, padde
 
 from __future__ import annotations
 
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ from archer.models.loading import autocast_for, value_forward
 from archer.models.micro_batches import MicroBatching
 from archer.models.optim import LRSchedule, clip_and_step
 from archer.models.owner import ModelOwner
+from archer.workers.mini_batches import StepAverages, mini_batches
 
 
 class CriticWorker:
@@ -65,31 +65,24 @@ class CriticWorker:
         c = self.cfg
         mini = int(c.ppo_mini_batch_size) * self.rollout_n
         data = batch.select([*MODEL_INPUTS, "responses", "response_mask", "values", "returns"])
-        generator = torch.Generator().manual_seed(0)
-        sums: dict[str, float] = defaultdict(float)
-        steps = 0
+        averages = StepAverages()
         self.model.train()
-        for _ in range(int(c.ppo_epochs)):
-            order = torch.randperm(len(data), generator=generator) if c.shuffle else torch.arange(len(data))
-            for mini_batch in data.index(order).split(mini):
-                agg_kwargs = mini_batch_totals(mini_batch["response_mask"].float())
-                mini_sums = MetricSums()
-                for rows in self.update_micro.split(mini_batch["attention_mask"]):
-                    mb = mini_batch.index(rows)
-                    vpreds = self._values(mb, self.update_micro)
-                    mask = mb["response_mask"].to(self.device).float()
-                    loss, clipfrac = compute_value_loss(
-                        vpreds, mb["values"].to(self.device), mb["returns"].to(self.device), mask,
-                        cliprange_value=float(c.cliprange_value), loss_agg_mode=c.loss_agg_mode, agg_kwargs=agg_kwargs)
-                    loss.backward()
-                    mini_sums.add({"critic/vf_loss": total_metric(loss), "critic/vf_clipfrac": clipfrac,
-                                   "critic/vpred_mean": masked_mean_metric(vpreds, mask)})
-                for name, value in mini_sums.result().items():
-                    sums[name] += value
-                grad_norm, _ = clip_and_step(self.model, self.optimizer, float(c.grad_clip))
-                sums["critic/grad_norm"] += grad_norm
-                steps += 1
-        metrics = {k: v / steps for k, v in sums.items()}
+        for _, mini_batch in mini_batches(data, mini, epochs=int(c.ppo_epochs), shuffle=bool(c.shuffle), seed=0):
+            agg_kwargs = mini_batch_totals(mini_batch["response_mask"].float())
+            mini_sums = MetricSums()
+            for rows in self.update_micro.split(mini_batch["attention_mask"]):
+                mb = mini_batch.index(rows)
+                vpreds = self._values(mb, self.update_micro)
+                mask = mb["response_mask"].to(self.device).float()
+                loss, clipfrac = compute_value_loss(
+                    vpreds, mb["values"].to(self.device), mb["returns"].to(self.device), mask,
+                    cliprange_value=float(c.cliprange_value), loss_agg_mode=c.loss_agg_mode, agg_kwargs=agg_kwargs)
+                loss.backward()
+                mini_sums.add({"critic/vf_loss": total_metric(loss), "critic/vf_clipfrac": clipfrac,
+                               "critic/vpred_mean": masked_mean_metric(vpreds, mask)})
+            grad_norm, _ = clip_and_step(self.model, self.optimizer, float(c.grad_clip))
+            averages.add({**mini_sums.result(), "critic/grad_norm": grad_norm})
+        metrics = averages.result()
         metrics["critic/lr"] = self.scheduler.get_last_lr()[0]  # the lr of this update, as verl reports it
         self.scheduler.step()
         return Batch(info={"metrics": metrics})
