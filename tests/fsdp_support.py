@@ -39,10 +39,11 @@ def batch(step: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids * mask, mask
 
 
-def load_model(model_dir: Path, *, lora: bool = False, checkpointing: bool = False) -> nn.Module:
-    """The tiny model in training mode, float32; with LoRA, adapters drawn from a fixed generator (B not
+def load_model(model_dir: Path, *, lora: bool = False, checkpointing: bool = False,
+               dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The tiny model in training mode, in ``dtype``; with LoRA (adapters in float32 whatever the base's), adapters drawn from a fixed generator (B not
     the zero start, so that the merge matters), the same in every process."""
-    model = load_causal_lm(model_dir, device="cpu", dtype=torch.float32, gradient_checkpointing=checkpointing)
+    model = load_causal_lm(model_dir, device="cpu", dtype=dtype, gradient_checkpointing=checkpointing)
     model.train()
     if not lora:
         return model
@@ -124,6 +125,10 @@ def rank_main(work: Path) -> None:
     optimizer = adamw(trainable_parameters(lora))
     out["lora_step"] = train_step(lora, optimizer, ctx, 0)
     out["lora_trained"] = list(full_weights(lora))
+    # LoRA as on a GPU: a bfloat16 base, float32 adapters, bfloat16 compute.
+    lora = shard_model(load_model(model_dir, lora=True, dtype=torch.bfloat16), ctx, param_dtype=torch.bfloat16)
+    out["bf16_initial"] = list(full_weights(lora))
+    out["bf16_step"] = train_step(lora, adamw(trainable_parameters(lora)), ctx, 0)
     if ctx.is_main:
         torch.save(out, work / "rank0.pt")
     else:

@@ -47,6 +47,9 @@ def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     lora_optimizer = adamw(trainable_parameters(lora))
     ref["lora_step"] = train_step(lora, lora_optimizer, SINGLE, 0)
     ref["lora_trained"] = [(name, tensor.clone()) for name, tensor in policy_weights(lora.get_base_model())]
+    bf16 = load_model(work / "model", lora=True, dtype=torch.bfloat16)
+    ref["bf16_initial"] = [(name, tensor.clone()) for name, tensor in policy_weights(bf16.get_base_model())]
+    ref["bf16_step"] = train_step(bf16, adamw(trainable_parameters(bf16)), SINGLE, 0)
     ref["seconds"] = run_ranks(work)
     return {"work": work, "ref": ref, "ranks": torch.load(work / "rank0.pt"), "rank1": torch.load(work / "rank1.pt")}
 
@@ -102,6 +105,17 @@ def test_lora_merged_stream_on_two_ranks_equals_policy_weights(runs):
         torch.testing.assert_close(got, want, **TOL, msg=name)
         changed += not torch.equal(want, before)
     assert changed >= 4  # the merged weights of the adapted layers moved
+
+
+def test_lora_on_a_bfloat16_base_trains_on_two_ranks_as_in_one_process(runs):
+    """The merged stream keeps the base's dtype and bits; loss and gradient norm agree to bfloat16 precision
+    (the weights after an Adam step are not compared: its first step is sign-like, so bfloat16 noise in
+    near-zero gradients moves some weights by a whole step)."""
+    ref, ranks = runs["ref"], runs["ranks"]
+    for (name, got), (_, want) in zip(ranks["bf16_initial"], ref["bf16_initial"], strict=True):
+        assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want), name
+    assert ranks["bf16_step"][0] == pytest.approx(ref["bf16_step"][0], rel=1e-3)
+    assert ranks["bf16_step"][1] == pytest.approx(ref["bf16_step"][1], rel=1e-2)
 
 
 def fresh(model_dir: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
