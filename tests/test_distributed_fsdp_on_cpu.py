@@ -19,8 +19,8 @@ from fsdp_support import MAX_NORM, adamw, load_model, optim_state, run_ranks, tr
 from transformers import AutoModelForCausalLM
 
 from archer.distributed.checkpoint import export_hf, load_sharded, save_sharded
-from archer.distributed.context import DistContext, shard_bounds
-from archer.distributed.fsdp import clip_grad_norm, full_weights, shard_model
+from archer.distributed.context import ENV_KEYS, DistContext, shard_bounds
+from archer.distributed.fsdp import clip_grad_norm, decoder_layers, full_weights, shard_model
 from archer.errors import ArcherError
 from archer.models.lora import policy_weights, trainable_parameters
 
@@ -205,8 +205,26 @@ def test_world_one_is_the_plain_model_and_shard_bounds_split_like_numpy(tiny_mod
         shard_bounds(4, 2, 2)
     with pytest.raises(ArcherError, match="no sharded checkpoint"):
         load_sharded(tmp_path, model, None, SINGLE)
-    names = dict(full_weights(model))
-    assert all(names[n] is not None for n in names) and "model.embed_tokens.weight" in names
+    stream = dict(full_weights(model))  # world 1: the plain parameters' own storage, no copy
+    assert all(stream[name].data_ptr() == param.data_ptr() for name, param in model.named_parameters())
+    assert [type(layer).__name__ for layer in decoder_layers(model)] == ["Qwen2DecoderLayer"] * 2
+    with pytest.raises(ArcherError, match="no decoder-layer classes"):
+        decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_init_from_env_names_what_is_missing(monkeypatch):
+    for key in ENV_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ArcherError, match="WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK are not set"):
+        DistContext.init_from_env("cpu", timeout_s=5)
+    for key, value in zip(ENV_KEYS, ("0", "1", "127.0.0.1", "29555", "0"), strict=True):
+        monkeypatch.setenv(key, value)
+    if not torch.cuda.is_available():
+        with pytest.raises(ArcherError, match="needs a CUDA device"):
+            DistContext.init_from_env("cuda", timeout_s=5)
+    with pytest.raises(ArcherError, match="unknown device kind"):
+        DistContext.init_from_env("tpu", timeout_s=5)  # type: ignore[arg-type]
 
 
 def test_checkpoint_of_another_model_is_one_clear_error(tmp_path, tiny_model_dir):
