@@ -111,6 +111,12 @@ def rank_main(work: Path) -> None:
     export_hf(model, load_tokenizer(model_dir), work / "hf2", ctx)
     out["step3"] = train_step(model, optimizer, ctx, 3)
     out["after_step3"] = weights(model)
+    # (c) 2 -> 2: the ranks' own checkpoint into a fresh sharded model.
+    model = shard_model(load_model(model_dir), ctx, param_dtype=torch.float32)
+    optimizer = adamw(model.parameters())
+    load_sharded(work / "ckpt2", model, optimizer, ctx)
+    out["same_world"] = weights(model)
+    out["same_world_optim"] = optim_state(model, optimizer)
     # (c) 1 -> 2: the reference's checkpoint into a fresh sharded model, then one more step.
     model = shard_model(load_model(model_dir), ctx, param_dtype=torch.float32)
     optimizer = adamw(model.parameters())

@@ -135,6 +135,12 @@ def test_two_rank_checkpoint_resumes_in_one_process_exactly(runs):
     assert_weights(weights(model), ranks["after_step3"], exact=False)
 
 
+def test_two_rank_checkpoint_resumes_on_two_ranks_exactly(runs):
+    ranks = runs["ranks"]
+    assert_weights(ranks["same_world"], ranks["trained"], exact=True)
+    assert_optim(ranks["same_world_optim"], ranks["trained_optim"])
+
+
 def test_one_process_checkpoint_resumes_on_two_ranks_exactly(runs):
     ref, ranks = runs["ref"], runs["ranks"]
     assert_weights(ranks["resumed"], ref["trained"], exact=True)
