@@ -125,8 +125,12 @@ def rank_main(work: Path) -> None:
     out["resumed_optim"] = optim_state(model, optimizer)
     out["resumed_step3"] = train_step(model, optimizer, ctx, 3)
     out["resumed_after_step3"] = weights(model)
-    # (b) LoRA: the merged stream at the start, then a step with the shards offloaded to the CPU.
-    lora = shard_model(load_model(model_dir, lora=True), ctx, param_dtype=torch.float32, cpu_offload=True)
+    # (b) LoRA: the merged stream after a no-grad forward that leaves the weights gathered (as log-prob passes
+    # do with reshard_after_forward=False), then a step with the shards offloaded to the CPU.
+    lora = shard_model(load_model(model_dir, lora=True), ctx, param_dtype=torch.float32, cpu_offload=True,
+                       reshard_after_forward=False)
+    with torch.no_grad():
+        lora(input_ids=batch(0, lora.config.vocab_size)[0][:1])
     out["lora_initial"] = list(full_weights(lora))
     optimizer = adamw(trainable_parameters(lora))
     out["lora_step"] = train_step(lora, optimizer, ctx, 0)

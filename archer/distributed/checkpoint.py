@@ -14,6 +14,9 @@ stream in host memory (one full copy, on rank 0 only) and writes; every rank ite
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -33,6 +36,15 @@ _OPTIONS = StateDictOptions(ignore_frozen_params=True)
 _LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
+@contextlib.contextmanager
+def _single_process_quiet(ctx: DistContext) -> Iterator[None]:
+    """Without a process group DCP warns that it assumes one process, which is what world 1 means."""
+    with warnings.catch_warnings():
+        if not ctx.distributed:
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
+        yield
+
+
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, dict]:
     """The model's (and optimizer's) state by FQN: DTensor shards on a sharded model, tensors otherwise."""
     root = unwrap(model)
@@ -50,7 +62,8 @@ def save_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim
     if ctx.is_main:
         folder.mkdir(parents=True, exist_ok=True)
     ctx.barrier()
-    dcp.save(_state(model, optimizer), checkpoint_id=folder, no_dist=not ctx.distributed)
+    with _single_process_quiet(ctx):
+        dcp.save(_state(model, optimizer), checkpoint_id=folder, no_dist=not ctx.distributed)
     ctx.barrier()
     return folder
 
@@ -66,7 +79,8 @@ def load_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim
                           "point at the dcp/ folder of a checkpoint written with several ranks")
     state = _state(model, optimizer)
     try:
-        dcp.load(state, checkpoint_id=folder, no_dist=not ctx.distributed)
+        with _single_process_quiet(ctx):
+            dcp.load(state, checkpoint_id=folder, no_dist=not ctx.distributed)
     except (CheckpointException, RuntimeError, ValueError, KeyError) as err:
         raise ArcherError(f"the sharded checkpoint in {folder} does not fit this model / optimizer "
                           f"({type(err).__name__}: {str(err)[:500]})",
