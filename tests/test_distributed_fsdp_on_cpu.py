@@ -1,8 +1,9 @@
 """FSDP2 over 2 gloo ranks on the CPU against one process (archer/distributed): three AdamW steps of a loss
 normalised by the global token count give the single-process losses, grad norms and weights (float32, rtol 1e-5
 / atol 1e-6); the full-weight stream equals the plain state dict exactly (and LoRA's merged weights equal
-policy_weights); DCP checkpoints reshard 2 -> 1 and 1 -> 2 with weights and Adam state exact; the HF export
-loads with from_pretrained and gives the trained model's logits; clip_grad_norm gives the unsharded norm.
+policy_weights, also on a bfloat16 base); DCP checkpoints resume 2 -> 2 and reshard 2 -> 1 and 1 -> 2 with
+weights and Adam state exact; the HF export loads with from_pretrained and gives the trained model's logits;
+clip_grad_norm gives the unsharded norm (CPU-offloaded shards included).
 
 One 2-rank run (fsdp_support.rank_main) does all the sharded work; the tests compare its record with the
 reference computed here in one process without a process group."""

@@ -81,7 +81,7 @@ def shard_model(model: nn.Module, ctx: DistContext, *, param_dtype: torch.dtype,
     root = unwrap(model)
     mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if cpu_offload else OffloadPolicy()
-    for layer in decoder_layers(root):
+    for layer in reversed(decoder_layers(root)):  # inner before outer, should layer classes ever nest
         fully_shard(layer, mesh=ctx.mesh, mp_policy=mixed, offload_policy=offload,
                     reshard_after_forward=reshard_after_forward)
     fully_shard(root, mesh=ctx.mesh, mp_policy=mixed, offload_policy=offload,
