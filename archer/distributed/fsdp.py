@@ -11,8 +11,9 @@ one up to float reduction order.
 
 Loading: every rank loads the full HF model from the same folder on the CPU, then ``shard_model`` moves each
 rank's 1/world shard to its device and drops the rest. Host memory therefore peaks at one full copy per rank
-(not per GPU) while loading; a broadcast-from-rank-0 load would bring that to one copy per node, and is not
-needed at archer's model sizes.
+while loading (8 ranks of a 14B model in float32: ~450 GB on the node). A broadcast-from-rank-0 load (the
+other ranks built on the meta device, verl's ``fsdp2_load_full_state_dict``) would bring that to one copy per
+node; it is not implemented here.
 
 Every function here is a collective when the model is sharded: all ranks must call it, in the same order
 (each ``full_tensor()`` is an all-gather). At world 1 (no mesh) the same functions work on the plain model,
