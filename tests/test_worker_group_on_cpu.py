@@ -209,10 +209,14 @@ def test_each_rank_sees_its_environment(pair: WorkerGroup) -> None:
     assert len({e["pid"] for e in envs} | {str(os.getpid())}) == 3  # two processes, neither the driver
 
 
-def test_rank_zero_and_uneven_concat(pair: WorkerGroup) -> None:
+def test_rank_zero_and_uneven_concat(pair: WorkerGroup, monkeypatch: pytest.MonkeyPatch) -> None:
     assert pair.call("rank_times_scale") == 1  # rank 0's 0 * 10 + 1, not rank 1's 11
     batch = Batch({"x": torch.arange(7)}, {"uid": [f"u{i}" for i in range(7)]}, {"step": 3})
+    puts = []
+    real_put = ray.put
+    monkeypatch.setattr(ray, "put", lambda value, **kw: puts.append(value) or real_put(value, **kw))
     out = pair.call("scaled_rows", batch, offset=2)
+    assert len(puts) == 1 and puts[0][0][0] is batch  # one object-store copy for both ranks
     assert out["x"].tolist() == [10 * i + 2 for i in range(7)]
     assert out["rank"].tolist() == [0, 0, 0, 0, 1, 1, 1]  # 7 rows on 2 ranks: 4 + 3
     assert out.rows["uid"].tolist() == [f"u{i}" for i in range(7)]
@@ -259,12 +263,13 @@ def test_unplaceable_group_fails_fast_with_resources(ray_cluster: None) -> None:
 def test_a_rank_killed_mid_call_names_the_rank_and_resume(ray_cluster: None) -> None:
     group = build_worker_group(ToyWorker, {"scale": 1}, nnodes=1, n_gpus_per_node=2, device_kind="cpu")
     assert group.call("all_reduce", 1.0) == [3.0, 3.0]
+    pid = group.call("environment")[1]["pid"]
     pg = group._pg
     start = time.monotonic()
     with pytest.raises(ArcherError) as err:
         group.call("die_in_collective", 1)  # rank 0 waits in all_reduce for rank 1, which is gone
     assert time.monotonic() - start < 30
-    assert "rank 1 of 2 died during die_in_collective" in err.value.problem
+    assert f"rank 1 of 2 died during die_in_collective: its process {pid} on " in err.value.problem
     assert "trainer.resume_mode=auto" in err.value.fix
     assert ray.util.placement_group_table(pg)["state"] == "REMOVED"  # the group was shut down
     with pytest.raises(ArcherError, match="the worker group was shut down"):

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import time
@@ -118,6 +119,21 @@ def visible_devices(layout: list[RankPlace], gpu_ids: list[list[str]]) -> list[s
     for place, ids in sorted(zip(layout, gpu_ids), key=lambda pair: pair[0].local_rank):
         node_gpus.setdefault(place.node_id, []).append(ids[0])
     return [",".join(node_gpus[place.node_id]) for place in layout]
+
+
+def death_cause(ray_message: str) -> str:
+    """The few facts of Ray's long actor-death message: which process, and how it ended."""
+    text = " ".join(ray_message.split())
+    pid = re.search(r"\bpid: (\d+)", text)
+    ip = re.search(r"\bip: (\S+)", text)
+    kind = re.search(r"Worker exit type: (\S+)", text)
+    detail = re.search(r"Worker exit detail: (.*?)(?: Some common causes|$)", text)
+    if not (pid and detail):
+        return text[:400]
+    where = f"its process {pid.group(1)}" + (f" on {ip.group(1)}" if ip else "")
+    how = f"{kind.group(1)}: {detail.group(1)}" if kind else detail.group(1)
+    return (f"{where} ended ({how}); a kill -9, the kernel's out-of-memory killer (see dmesg on that node) "
+            "or a crash of the process ends a rank this way")
 
 
 def _master_address() -> tuple[str, int]:
@@ -307,8 +323,8 @@ class RayWorkerGroup(WorkerGroup):
                     continue
         self.shutdown()
         if isinstance(exc, ray.exceptions.RayActorError):
-            cause = " ".join(str(exc).split())
-            return ArcherError(f"rank {rank} of {self._world} died during {what}: {cause[:600]}", RESUME_FIX)
+            return ArcherError(f"rank {rank} of {self._world} died during {what}: {death_cause(str(exc))}",
+                               RESUME_FIX)
         cause = getattr(exc, "cause", None)
         if isinstance(cause, ArcherError):
             return ArcherError(f"rank {rank}, {what}: {cause.problem}", cause.fix)
