@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ from archer.distributed.dispatch import (
     shard_bounds,
     shard_rows,
 )
-from archer.distributed.ray_group import RankPlace, rank_layout, visible_devices
+from archer.distributed.ray_group import RankPlace, check_ray_address, rank_layout, visible_devices
 from archer.distributed.worker_group import LocalWorkerGroup, WorkerGroup, build_worker_group
 from archer.errors import ArcherError
 
@@ -130,6 +131,19 @@ def test_rank_layout_orders_nodes_by_address_and_shares_the_node_gpus() -> None:
                       RankPlace(0, "b", "10.0.0.2", 0, 2), RankPlace(2, "b", "10.0.0.2", 1, 2)]
     # Ray gave each rank one GPU id; each rank sees its node's GPUs with its own at index LOCAL_RANK
     assert visible_devices(layout, [["3"], ["1"], ["0"], ["5"]]) == ["3,1", "3,1", "0,5", "0,5"]
+
+
+def test_an_unreachable_ray_address_fails_at_once() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    start = time.monotonic()
+    with pytest.raises(ArcherError, match=rf"no Ray cluster answers at RAY_ADDRESS=127.0.0.1:{port}") as err:
+        check_ray_address(f"127.0.0.1:{port}")
+    assert time.monotonic() - start < 6 and "ray start --head --port=6379" in err.value.fix
+    with pytest.raises(ArcherError, match="is not host:port"):
+        check_ray_address("my-head-node")
+    check_ray_address("auto")  # left to Ray: a cluster `ray start` began on this machine
 
 
 # -- world 1: in process, no Ray ------------------------------------------------------------------------

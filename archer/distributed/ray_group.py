@@ -72,15 +72,31 @@ def connect_ray(world: int, *, object_store_memory: int | None = None) -> bool:
     address = os.environ.get("RAY_ADDRESS")
     try:
         if address:
+            check_ray_address(address)
             ray.init(address=address, log_to_driver=True)
         else:
             ray.init(num_cpus=max(world, os.cpu_count() or 1), object_store_memory=object_store_memory,
                      include_dashboard=False, log_to_driver=True)
     except ConnectionError as exc:
         raise ArcherError(f"cannot connect to the Ray cluster at RAY_ADDRESS={address}: {exc}",
-                          "start it with `ray start --head --port=6379` on the head node and set "
-                          "RAY_ADDRESS=<head address>:6379, or unset RAY_ADDRESS to start a local Ray") from None
+                          "check `ray status` on the head node, or unset RAY_ADDRESS to start a local Ray") from None
     return True
+
+
+def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast when nothing listens at ``RAY_ADDRESS`` (``ray.init`` would retry for minutes); ``auto``
+    (a cluster started on this machine) is left to Ray."""
+    if address == "auto":
+        return
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    fix = ("start the cluster with `ray start --head --port=6379` on the head node and set "
+           "RAY_ADDRESS=<head address>:6379, or unset RAY_ADDRESS to start a local Ray for this run")
+    if not host or not port.isdigit():
+        raise ArcherError(f"RAY_ADDRESS={address!r} is not host:port", fix)
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ArcherError(f"no Ray cluster answers at RAY_ADDRESS={address} ({exc})", fix) from None
 
 
 @dataclass(frozen=True)
