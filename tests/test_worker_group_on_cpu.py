@@ -190,6 +190,23 @@ def test_missing_ray_names_the_install_command(monkeypatch: pytest.MonkeyPatch) 
 
 
 # -- world 2 on a local Ray cluster ---------------------------------------------------------------------
+def test_a_group_starts_its_own_ray_and_stops_it() -> None:
+    """Without RAY_ADDRESS the group starts a local Ray (one logical CPU per rank at least) and stops it on
+    shutdown; ``device_kind="auto"`` picks CPU on a cluster without GPUs. In a fresh process (before the
+    shared session below starts)."""
+    code = ("import ray\nfrom archer.distributed.worker_group import build_worker_group\n"
+            "from test_worker_group_on_cpu import ToyWorker\n"
+            "g = build_worker_group(ToyWorker, {'scale': 2}, nnodes=1, n_gpus_per_node=2)\n"
+            "print(g.device_kind, ray.cluster_resources()['CPU'] >= 2, g.call('rank_times_scale'),"
+            " [e['RANK'] for e in g.call('environment')])\n"
+            "g.shutdown()\nprint(ray.is_initialized())")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[-3:] == ["cpu True 1 ['0', '1']", "False", ""], out.stdout
+
+
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
     """One local Ray instance for the file (starting one takes seconds): room for two 2-rank groups; the
