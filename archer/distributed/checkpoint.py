@@ -1,0 +1,107 @@
+"""Sharded checkpoints of a model and its optimizer (torch distributed checkpoint, DCP) and the export of the
+whole model as an ordinary Hugging Face folder.
+
+``save_sharded`` writes one file per rank plus ``.metadata`` (keys are the parameters' fully qualified names,
+the plain HF names with peft's ``lora_A`` / ``lora_B`` inside LoRA layers; the optimizer state keyed by the
+same names). ``load_sharded`` reads it back at any world size: DCP reshards, so a checkpoint written by 2
+ranks resumes in one process without a process group (and the other way round). Frozen parameters (a LoRA
+model's base) are not saved: they come from the model folder the run starts from. DCP does not promise to
+read checkpoints of another torch version.
+
+``export_hf`` writes what ``from_pretrained`` loads (the LoRA layers merged): rank 0 collects the full-weight
+stream in host memory (one full copy, on rank 0 only) and writes; every rank iterates the stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from transformers import PreTrainedTokenizerBase
+
+from archer.distributed.context import DistContext
+from archer.distributed.fsdp import full_weights, unwrap
+from archer.errors import ArcherError
+
+METADATA = ".metadata"
+_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+# Frozen weights are absent from the checkpoint; every trainable one is read (dcp.load fails on a missing key).
+_LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+@contextlib.contextmanager
+def _single_process_quiet(ctx: DistContext) -> Iterator[None]:
+    """Without a process group DCP warns that it assumes one process, which is what world 1 means."""
+    with warnings.catch_warnings():
+        if not ctx.distributed:
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
+        yield
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, dict]:
+    """The model's (and optimizer's) state by FQN: DTensor shards on a sharded model, tensors otherwise."""
+    root = unwrap(model)
+    if optimizer is None:
+        return {"model": get_state_dict(root, [], options=_OPTIONS)[0]}
+    model_state, optim_state = get_state_dict(root, optimizer, options=_OPTIONS)
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def save_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 ctx: DistContext) -> Path:
+    """Write the trainable weights and the optimizer state (when given) into ``directory``: every rank its
+    own shards. All ranks call it; the directory should be on storage all nodes share."""
+    folder = Path(directory)
+    if ctx.is_main:
+        folder.mkdir(parents=True, exist_ok=True)
+    ctx.barrier()
+    with _single_process_quiet(ctx):
+        dcp.save(_state(model, optimizer), checkpoint_id=folder, no_dist=not ctx.distributed)
+    ctx.barrier()
+    return folder
+
+
+def load_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 ctx: DistContext) -> None:
+    """Load a ``save_sharded`` checkpoint into ``model`` (already sharded, or plain at world 1) and
+    ``optimizer`` (built over the model's trainable parameters), whatever world size wrote it. All ranks
+    call it. An ArcherError names the folder when it holds no checkpoint or one of another model."""
+    folder = Path(directory)
+    if not (folder / METADATA).is_file():
+        raise ArcherError(f"{folder} holds no sharded checkpoint (no {METADATA})",
+                          "point at the dcp/ folder of a checkpoint written with several ranks")
+    state = _state(model, optimizer)
+    try:
+        with _single_process_quiet(ctx):
+            dcp.load(state, checkpoint_id=folder, no_dist=not ctx.distributed)
+    except (CheckpointException, RuntimeError, ValueError, KeyError) as err:
+        raise ArcherError(f"the sharded checkpoint in {folder} does not fit this model / optimizer "
+                          f"({type(err).__name__}: {str(err)[:500]})",
+                          "resume with the model and LoRA settings the checkpoint was written with") from err
+    set_state_dict(unwrap(model), optimizer if optimizer is not None else [],
+                   model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}),
+                   options=_LOAD_OPTIONS)
+
+
+def export_hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path,
+              ctx: DistContext) -> Path:
+    """The whole model (LoRA merged) and its tokenizer as an ordinary HF folder at ``out_dir``, in the
+    weights' own dtype. Every rank calls it (the weights are gathered one at a time); rank 0 writes."""
+    folder = Path(out_dir)
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in full_weights(model):
+        if ctx.is_main:
+            state[name] = tensor.to("cpu", copy=True).contiguous()
+    if ctx.is_main:
+        folder.mkdir(parents=True, exist_ok=True)
+        unwrap(model).save_pretrained(str(folder), state_dict=state)
+        tokenizer.save_pretrained(str(folder))
+    ctx.barrier()
+    return folder

@@ -1,0 +1,167 @@
+"""FSDP2 for archer's models: sharding a model over the ranks of a ``DistContext``, the full weights as a
+stream of named tensors (what the rollout engines and the HF export take), and gradient clipping by the
+global norm.
+
+Sharding (``shard_model``) follows verl's ``apply_fsdp2``: ``fully_shard`` on every decoder layer (the classes
+in ``model._no_split_modules``; with LoRA the adapters live inside those layers and are sharded with them),
+then on the root, with an explicit mesh, a mixed-precision policy (bf16 compute over fp32 master weights on a
+GPU, reductions in fp32) and optional CPU offload. Gradients are SUMMED over ranks, not averaged: each rank
+normalises its loss by the whole (global) mini-batch's totals, so the summed gradient is the single-process
+one up to float reduction order.
+
+Loading: every rank loads the full HF model from the same folder on the CPU, then ``shard_model`` moves each
+rank's 1/world shard to its device and drops the rest. Host memory therefore peaks at one full copy per rank
+while loading (8 ranks of a 14B model in float32: ~450 GB on the node). A broadcast-from-rank-0 load (the
+other ranks built on the meta device, verl's ``fsdp2_load_full_state_dict``) would bring that to one copy per
+node; it is not implemented here.
+
+Every function here is a collective when the model is sharded: all ranks must call it, in the same order
+(each ``full_tensor()`` is an all-gather). At world 1 (no mesh) the same functions work on the plain model,
+so a worker calls them unconditionally.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+from peft import PeftModel
+from peft.tuners.lora import LoraLayer
+from peft.utils.other import transpose
+from torch import nn
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor
+
+from archer.distributed.context import DistContext
+from archer.errors import ArcherError
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft wrapper (with its LoRA layers injected), else ``model``: the
+    module whose parameter names are the plain HF model's and that workers run forward on."""
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules ``shard_model`` shards one by one: those whose class is named in the transformers model's
+    ``_no_split_modules`` (the decoder layers), in module order; an ArcherError when there are none."""
+    root = unwrap(model)
+    names = set(getattr(root, "_no_split_modules", None) or ())
+    layers = [module for module in root.modules() if type(module).__name__ in names]
+    if not layers:
+        raise ArcherError(f"{type(root).__name__} declares no decoder-layer classes (_no_split_modules="
+                          f"{sorted(names)!r} matches no module), so FSDP2 cannot shard it layer by layer",
+                          "use a transformers causal LM / token-classification model (Qwen2, Llama, ...) or run "
+                          "on one device (trainer.n_gpus_per_node=1)")
+    return layers
+
+
+def shard_model(model: nn.Module, ctx: DistContext, *, param_dtype: torch.dtype,
+                reduce_dtype: torch.dtype = torch.float32, cpu_offload: bool = False,
+                reshard_after_forward: bool = True) -> nn.Module:
+    """Shard ``model`` in place over ``ctx.mesh`` and return it (a peft model is sharded through its
+    transformers model, so calling either runs the hooks). Without a mesh (world 1) the model is returned
+    as it is.
+
+    ``param_dtype``: the dtype layers compute in (bfloat16 on GPUs; the sharded master weights keep their own
+    dtype, float32 for a trained model); ``reduce_dtype``: the gradient reduction's; ``cpu_offload``: keep the
+    shards, gradients and optimizer state on the CPU (verl's ``fsdp_config.offload_policy``), pinned on GPUs;
+    ``reshard_after_forward``: free the gathered weights after each layer's forward (ZeRO-3; False keeps them
+    until backward, faster for many forwards such as log-prob passes).
+
+    Gradients are summed over ranks (divide factor 1): normalise the loss by the global mini-batch."""
+    if ctx.mesh is None:
+        return model
+    root = unwrap(model)
+    mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if cpu_offload else OffloadPolicy()
+    for layer in reversed(decoder_layers(root)):  # inner before outer, should layer classes ever nest
+        fully_shard(layer, mesh=ctx.mesh, mp_policy=mixed, offload_policy=offload,
+                    reshard_after_forward=reshard_after_forward)
+    fully_shard(root, mesh=ctx.mesh, mp_policy=mixed, offload_policy=offload,
+                reshard_after_forward=reshard_after_forward)
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # no averaging: the loss carries the global normaliser
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
+    return model
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor's shards all-gathered (on the mesh's device when they were offloaded),
+    a plain tensor as it is."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    mesh_device = tensor.device_mesh.device_type
+    if tensor.device.type != mesh_device:
+        tensor = tensor.to(mesh_device)
+    return tensor.full_tensor()
+
+
+def _reshard(root: nn.Module) -> None:
+    """Every FSDP unit back to its sharded state, so each rank sees the same DTensor parameters."""
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+@torch.no_grad()
+def full_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's whole weights, lazily, one parameter at a time, as (name, tensor) pairs named as in the
+    plain HF model's state dict (tied weights once; peft's ``base_model.model.`` / ``.base_layer`` never
+    appear). A LoRA layer gives its merged weight ``W + scaling * B @ A`` (computed out of place in float32,
+    returned in W's dtype; the module is never modified) and its base bias, in the order and with the exact
+    values of ``archer.models.lora.policy_weights`` on the unsharded model.
+
+    On a sharded model every rank must iterate the whole stream in step (each item is an all-gather) between
+    optimizer steps, not between a forward and its backward; a rank that needs nothing (not rank 0 in an
+    export) still drains it. Each tensor lives on the model's device and may alias a parameter at world 1:
+    copy it before keeping it."""
+    root = unwrap(model)
+    _reshard(root)
+    layers = {name: module for name, module in root.named_modules() if isinstance(module, LoraLayer)}
+    inside = tuple(f"{name}." for name in layers)
+    for name, param in root.named_parameters():
+        if not name.startswith(inside):
+            yield name, _full(param.detach())
+    for name, layer in layers.items():
+        base = layer.get_base_layer()
+        weight = _full(base.weight.detach())
+        merged = weight.float()
+        for adapter in layer.active_adapters:
+            if adapter not in layer.lora_A:
+                continue
+            if layer.use_dora.get(adapter) or getattr(layer, "lora_variant", {}).get(adapter) is not None:
+                raise ArcherError(f"{name}: adapter {adapter!r} is a LoRA variant (DoRA, ...) that the sharded "
+                                  "weight stream cannot merge", "use plain LoRA adapters")
+            lora_b = _full(layer.lora_B[adapter].weight.detach()).float()
+            lora_a = _full(layer.lora_A[adapter].weight.detach()).float()
+            merged = merged + transpose(lora_b @ lora_a, layer.fan_in_fan_out) * layer.scaling[adapter]
+        yield f"{name}.weight", merged.to(weight.dtype)
+        if getattr(base, "bias", None) is not None:
+            yield f"{name}.bias", _full(base.bias.detach())
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
+    """Scale the gradients so that their global L2 norm is at most ``max_norm`` and return that norm (over
+    every rank's shards, so the same float on all ranks; 0.0 without gradients). ``max_norm`` None or <= 0
+    clips nothing (``archer.workers.optim.clip_and_step``'s contract). A non-finite norm leaves the
+    gradients as they are and is returned as is: the caller skips the optimizer step and zeroes them."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    grads = [p.grad for p in params]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(total, DTensor):
+        total = _full(total)
+    norm = float(total)
+    if math.isfinite(norm) and max_norm is not None and max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, float(max_norm), total.to(grads[0].device))
+    return norm

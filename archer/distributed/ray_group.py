@@ -1,0 +1,367 @@
+"""The Ray worker group: one Ray actor per rank on one placement group, driven by the trainer process.
+
+- Cluster: ``RAY_ADDRESS`` (``host:6379``, or ``auto`` for a cluster started on this machine with
+  ``ray start --head``) connects to a running cluster; without it a local Ray instance is started with at least
+  one logical CPU per rank, and shut down with the group.
+- Placement: one placement group of ``nnodes * n_gpus_per_node`` bundles, ``{"CPU": 1, "GPU": 1}`` per rank on
+  GPUs and ``{"CPU": 1}`` per rank on CPU, ``STRICT_PACK`` on one node and ``PACK`` across nodes. Ranks follow
+  the nodes' addresses, then the bundle order, so rank -> node is stable from run to run.
+- Each rank actor gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
+  ``MASTER_PORT`` (found by a task on rank 0's bundle) and the driver's ``PYTHONPATH``, so that
+  ``torch.distributed`` initialises from the environment and the workers import the driver's archer. On GPUs
+  each rank sees its node's GPUs in local-rank order, so its own device is ``cuda:LOCAL_RANK``, as under torchrun.
+- ``call`` puts the arguments in the object store once and hands the same reference to every rank; a rank that
+  dies, raises or overruns the call timeout becomes one ArcherError naming the rank and the method, and the
+  group is shut down (the other ranks may be waiting in a collective that can no longer finish).
+- Workers' stdout and stderr reach the driver prefixed with ``(rank N pid=...)``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from archer.distributed.dispatch import collector_of
+from archer.distributed.worker_group import DeviceKind, WorkerGroup
+from archer.errors import ArcherError
+
+RESUME_FIX = ("restart the run from its last checkpoint with trainer.resume_mode=auto (the same command); "
+              "the rank's own log lines above, prefixed (rank N pid=...), show why it stopped")
+_ERROR_GRACE_S = 3.0  # after one rank fails, how long to look for a rank that died (the root cause)
+
+
+def import_ray(world: int) -> Any:
+    """Ray, or one clear error naming the install command when it is missing."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise ArcherError(
+            f"training on {world} ranks (trainer.nnodes x trainer.n_gpus_per_node) runs on Ray, "
+            f"which is not installed ({exc})",
+            'pip install "archer[ray]", or set trainer.nnodes=1 trainer.n_gpus_per_node=1 for one device',
+        ) from None
+    return ray
+
+
+def worker_pythonpath() -> str:
+    """The ranks' PYTHONPATH: the folder this archer is imported from (unless it is an installed package),
+    then the driver's PYTHONPATH, so every rank runs the driver's archer."""
+    import archer
+
+    entries = []
+    root = Path(archer.__file__).resolve().parent.parent
+    if root.name not in ("site-packages", "dist-packages"):
+        entries.append(str(root))
+    entries += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join(dict.fromkeys(entries))
+
+
+def connect_ray(world: int, *, object_store_memory: int | None = None) -> bool:
+    """Connect this process to Ray: the running cluster at ``RAY_ADDRESS`` when set, else a new local
+    instance with at least ``world`` logical CPUs. Returns whether this call initialised Ray (then the caller
+    shuts it down); an already-initialised Ray is used as is."""
+    ray = import_ray(world)
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS")
+    try:
+        if address:
+            check_ray_address(address)
+            ray.init(address=address, log_to_driver=True)
+        else:
+            ray.init(num_cpus=max(world, os.cpu_count() or 1), object_store_memory=object_store_memory,
+                     include_dashboard=False, log_to_driver=True)
+    except ConnectionError as exc:
+        raise ArcherError(f"cannot connect to the Ray cluster at RAY_ADDRESS={address}: {exc}",
+                          "check `ray status` on the head node, or unset RAY_ADDRESS to start a local Ray") from None
+    return True
+
+
+def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast when nothing listens at ``RAY_ADDRESS`` (``ray.init`` would retry for minutes); ``auto``
+    (a cluster started on this machine) is left to Ray."""
+    if address == "auto":
+        return
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    fix = ("start the cluster with `ray start --head --port=6379` on the head node and set "
+           "RAY_ADDRESS=<head address>:6379, or unset RAY_ADDRESS to start a local Ray for this run")
+    if not host or not port.isdigit():
+        raise ArcherError(f"RAY_ADDRESS={address!r} is not host:port", fix)
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ArcherError(f"no Ray cluster answers at RAY_ADDRESS={address} ({exc})", fix) from None
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one rank runs: its placement-group bundle, node, and rank within the node."""
+
+    bundle: int
+    node_id: str
+    node_ip: str
+    local_rank: int
+    local_world_size: int
+
+
+def rank_layout(bundle_nodes: dict[int, str], node_ips: dict[str, str]) -> list[RankPlace]:
+    """Ranks in order of (node address, bundle index): the ranks of one node are consecutive and the
+    assignment does not depend on which node Ray listed first."""
+    order = sorted(bundle_nodes, key=lambda b: (node_ips[bundle_nodes[b]], bundle_nodes[b], b))
+    per_node: dict[str, int] = {}
+    local: list[int] = []
+    for b in order:
+        node = bundle_nodes[b]
+        local.append(per_node.get(node, 0))
+        per_node[node] = local[-1] + 1
+    return [RankPlace(b, bundle_nodes[b], node_ips[bundle_nodes[b]], lr, per_node[bundle_nodes[b]])
+            for b, lr in zip(order, local)]
+
+
+def visible_devices(layout: list[RankPlace], gpu_ids: list[list[str]]) -> list[str]:
+    """``CUDA_VISIBLE_DEVICES`` for each rank: its node's GPUs in local-rank order (Ray gives each actor only
+    its own GPU; sharing the node's list keeps ``cuda:LOCAL_RANK`` the rank's own device and lets NCCL see
+    its peers)."""
+    for place, ids in zip(layout, gpu_ids):
+        if len(ids) != 1:
+            raise RuntimeError(f"rank on bundle {place.bundle} holds GPUs {ids}; each rank should hold one")
+    node_gpus: dict[str, list[str]] = {}
+    for place, ids in sorted(zip(layout, gpu_ids), key=lambda pair: pair[0].local_rank):
+        node_gpus.setdefault(place.node_id, []).append(ids[0])
+    return [",".join(node_gpus[place.node_id]) for place in layout]
+
+
+def death_cause(ray_message: str) -> str:
+    """The few facts of Ray's long actor-death message: which process, and how it ended."""
+    text = " ".join(ray_message.split())
+    pid = re.search(r"\bpid: (\d+)", text)
+    ip = re.search(r"\bip: (\S+)", text)
+    kind = re.search(r"Worker exit type: (\S+)", text)
+    detail = re.search(r"Worker exit detail: (.*?)(?: Some common causes|$)", text)
+    if not (pid and detail):
+        return text[:400]
+    where = f"its process {pid.group(1)}" + (f" on {ip.group(1)}" if ip else "")
+    how = f"{kind.group(1)}: {detail.group(1)}" if kind else detail.group(1)
+    return (f"{where} ended ({how}); a kill -9, the kernel's out-of-memory killer (see dmesg on that node) "
+            "or a crash of the process ends a rank this way")
+
+
+def _master_address() -> tuple[str, int]:
+    """This node's address and a free port (run as a task on rank 0's bundle)."""
+    import ray
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), int(port)
+
+
+class _RankActor:
+    """One rank's process: holds the worker object and runs its methods."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.worker: object | None = None
+
+    def __repr__(self) -> str:  # Ray prefixes the rank's log lines with it: "(rank 1 pid=...)"
+        return f"rank {self.rank}"
+
+    def gpu_ids(self) -> list[str]:
+        import ray
+
+        return [str(i) for i in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
+
+    def start(self, worker_cls: type, init_kwargs: dict[str, Any], env: dict[str, str]) -> None:
+        os.environ.update(env)
+        self.worker = worker_cls(**init_kwargs)
+
+    def call(self, method_name: str, payload: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
+        args, kwargs = payload
+        return getattr(self.worker, method_name)(*args, **kwargs)
+
+
+class RayWorkerGroup(WorkerGroup):
+    """``nnodes * n_gpus_per_node`` ranks of ``worker_cls(**init_kwargs)``, one Ray actor each."""
+
+    def __init__(
+        self,
+        worker_cls: type,
+        init_kwargs: dict[str, Any],
+        *,
+        nnodes: int,
+        n_gpus_per_node: int,
+        device_kind: DeviceKind = "auto",
+        placement_timeout_s: float = 120.0,
+        call_timeout_s: float | None = None,
+        object_store_memory: int | None = None,
+        name: str = "archer",
+    ) -> None:
+        self._world = nnodes * n_gpus_per_node
+        self._ray = import_ray(self._world)
+        self._worker_cls = worker_cls
+        self._name = name
+        self.call_timeout_s = call_timeout_s
+        self._actors: list[Any] = []
+        self._pg: Any = None
+        self._closed = False
+        self._owns_ray = connect_ray(self._world, object_store_memory=object_store_memory)
+        try:
+            self.device_kind = self._resolve_device(device_kind)
+            self._pg = self._placement_group(nnodes, n_gpus_per_node, placement_timeout_s)
+            self.layout = self._layout()
+            self._start_actors(init_kwargs, placement_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def _resolve_device(self, device_kind: DeviceKind) -> str:
+        if device_kind not in ("auto", "cpu", "cuda"):
+            raise ArcherError(f"trainer.device must be auto, cpu or cuda, got {device_kind!r}",
+                              "set trainer.device=cuda for GPUs or trainer.device=cpu for CPU processes")
+        if device_kind != "auto":
+            return device_kind
+        return "cuda" if self._ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+
+    def _placement_group(self, nnodes: int, n_gpus_per_node: int, timeout_s: float) -> Any:
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        bundle = {"CPU": 1, "GPU": 1} if self.device_kind == "cuda" else {"CPU": 1}
+        strategy = "STRICT_PACK" if nnodes == 1 else "PACK"
+        pg = placement_group([dict(bundle) for _ in range(self._world)], strategy=strategy)
+        if pg.wait(timeout_seconds=timeout_s):
+            return pg
+        remove_placement_group(pg)
+        asked = {k: v * self._world for k, v in bundle.items()}
+        have = {k: self._ray.available_resources().get(k, 0) for k in bundle}
+        total = {k: self._ray.cluster_resources().get(k, 0) for k in bundle}
+        nodes = sum(1 for n in self._ray.nodes() if n.get("Alive"))
+        per = "GPU" if self.device_kind == "cuda" else "CPU process"
+        raise ArcherError(
+            f"Ray could not place {self._world} ranks ({nnodes} node(s) x {n_gpus_per_node} {per}s, "
+            f"{bundle} each, {strategy}) within {timeout_s:g} s: they ask {asked}, the cluster has {have} "
+            f"free of {total} on {nodes} node(s)",
+            "lower trainer.nnodes / trainer.n_gpus_per_node to what the cluster has, add nodes with "
+            "`ray start --address=<head>:6379`, or stop what holds the resources (`ray status` shows them)"
+            + ("; on CPU set trainer.device=cpu" if self.device_kind == "cuda" else ""),
+        )
+
+    def _layout(self) -> list[RankPlace]:
+        from ray.util import placement_group_table
+
+        bundle_nodes = {int(b): n for b, n in placement_group_table(self._pg)["bundles_to_node_id"].items()}
+        node_ips = {n["NodeID"]: n["NodeManagerAddress"] for n in self._ray.nodes()}
+        return rank_layout(bundle_nodes, node_ips)
+
+    def _on_bundle(self, bundle: int) -> Any:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundle)
+
+    def _start_actors(self, init_kwargs: dict[str, Any], timeout_s: float) -> None:
+        ray = self._ray
+        master = ray.remote(num_cpus=0)(_master_address).options(scheduling_strategy=self._on_bundle(
+            self.layout[0].bundle)).remote()
+        self.master_addr, self.master_port = ray.get(master, timeout=timeout_s)
+        actor_cls = ray.remote(_RankActor)
+        gpus = 1 if self.device_kind == "cuda" else 0
+        pythonpath = worker_pythonpath()
+        for rank, place in enumerate(self.layout):
+            env = {"RANK": str(rank), "WORLD_SIZE": str(self._world), "LOCAL_RANK": str(place.local_rank),
+                   "LOCAL_WORLD_SIZE": str(place.local_world_size), "MASTER_ADDR": self.master_addr,
+                   "MASTER_PORT": str(self.master_port), "PYTHONPATH": pythonpath}
+            self._actors.append(actor_cls.options(
+                num_cpus=1, num_gpus=gpus, scheduling_strategy=self._on_bundle(place.bundle),
+                runtime_env={"env_vars": env}).remote(rank))
+        extra: list[dict[str, str]] = [{} for _ in self._actors]
+        if self.device_kind == "cuda":
+            ids = self._gather([a.gpu_ids.remote() for a in self._actors], "gpu_ids", timeout_s)
+            extra = [{"CUDA_VISIBLE_DEVICES": v} for v in visible_devices(self.layout, ids)]
+        self._gather([a.start.remote(self._worker_cls, init_kwargs, e) for a, e in zip(self._actors, extra)],
+                     f"{self._worker_cls.__name__}.__init__", None)
+
+    # -- calls -------------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    def call(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            raise ArcherError(f"cannot call {method_name}: the worker group was shut down",
+                              "a rank failed earlier (see the error above); " + RESUME_FIX)
+        collector = collector_of(self._worker_cls, method_name)
+        payload = self._ray.put((args, kwargs))
+        refs = [actor.call.remote(method_name, payload) for actor in self._actors]
+        return collector(self._gather(refs, method_name, self.call_timeout_s))
+
+    def _gather(self, refs: list[Any], what: str, timeout_s: float | None) -> list[Any]:
+        """Per-rank results in rank order; any failure shuts the group down and raises."""
+        ray = self._ray
+        pending = {ref: rank for rank, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+            if not ready:
+                ranks = sorted(pending.values())
+                self.shutdown()
+                raise ArcherError(
+                    f"{what} did not finish within {timeout_s:g} s on rank(s) {ranks} of {self._world}",
+                    "a rank is stuck (often a collective that another rank never entered) or slower than the "
+                    "timeout: check the rank log lines above, raise the timeout, then " + RESUME_FIX)
+            rank = pending.pop(ready[0])
+            try:
+                results[rank] = ray.get(ready[0])
+            except ray.exceptions.RayError as exc:
+                raise self._failure(what, rank, exc, pending) from None
+        return results
+
+    def _failure(self, what: str, rank: int, exc: Exception, pending: dict[Any, int]) -> BaseException:
+        """The error to raise for a failed rank, preferring a rank that died (the usual root cause: its peers
+        then fail in their collectives); shuts the group down."""
+        ray = self._ray
+        if not isinstance(exc, ray.exceptions.RayActorError) and pending:
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=_ERROR_GRACE_S)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as died:
+                    rank, exc = pending[ref], died
+                    break
+                except ray.exceptions.RayError:
+                    continue
+        self.shutdown()
+        if isinstance(exc, ray.exceptions.RayActorError):
+            return ArcherError(f"rank {rank} of {self._world} died during {what}: {death_cause(str(exc))}",
+                               RESUME_FIX)
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, ArcherError):
+            return ArcherError(f"rank {rank}, {what}: {cause.problem}", cause.fix)
+        return exc
+
+    # -- teardown ----------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        ray = self._ray
+        for actor in self._actors:
+            try:
+                ray.kill(actor)
+            except Exception as exc:  # an actor already gone: nothing left to release
+                print(f"archer: could not kill a rank actor ({exc})", file=sys.stderr)
+        self._actors = []
+        if self._pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self._pg)
+            self._pg = None
+        if self._owns_ray:
+            ray.shutdown()

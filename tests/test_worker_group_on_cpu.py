@@ -1,0 +1,328 @@
+"""Worker groups on a 2-rank local Ray cluster (2 cores, gloo), with toy workers: environment, collection,
+a real process group, failures, and the in-process group for world 1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from archer.batch import Batch
+from archer.distributed.dispatch import (
+    collect,
+    collector_of,
+    concat_batches,
+    rank_zero,
+    shard_bounds,
+    shard_rows,
+)
+from archer.distributed.ray_group import RankPlace, check_ray_address, rank_layout, visible_devices
+from archer.distributed.worker_group import LocalWorkerGroup, WorkerGroup, build_worker_group
+from archer.errors import ArcherError
+
+ray = pytest.importorskip("ray")
+
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class ToyWorker:
+    """Knows its rank from the environment the group sets, like the real workers."""
+
+    def __init__(self, scale: int) -> None:
+        self.scale = scale
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+
+    @collect(list)
+    def environment(self) -> dict[str, str | None]:
+        return {k: os.environ.get(k) for k in ENV_KEYS} | {"pid": str(os.getpid())}
+
+    @collect(rank_zero)
+    def rank_times_scale(self) -> int:
+        return self.rank * self.scale + 1
+
+    @collect(concat_batches)
+    def scaled_rows(self, batch: Batch, *, offset: int = 0) -> Batch:
+        part = shard_rows(batch, self.rank, self.world)
+        return Batch({"x": part["x"] * self.scale + offset, "rank": torch.full((len(part),), self.rank)},
+                     {"uid": part.rows["uid"]}, {"rows_seen": len(batch)})
+
+    @collect(list)
+    def all_reduce(self, value: float) -> float:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=60))
+        t = torch.tensor([value * (self.rank + 1)])
+        dist.all_reduce(t)
+        return float(t.item())
+
+    @collect(rank_zero)
+    def die_in_collective(self, rank: int) -> float:
+        """``rank`` kills its own process; the others enter an all_reduce it never joins."""
+        if self.rank == rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self._reduce_once()
+
+    def _reduce_once(self) -> float:
+        import torch.distributed as dist
+
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        return float(t.item())
+
+    @collect(rank_zero)
+    def refuse_on(self, rank: int) -> str:
+        if self.rank == rank:
+            raise ArcherError("the toy value is out of range", "use a smaller toy value")
+        return "ok"
+
+    @collect(rank_zero)
+    def sleep_on(self, rank: int, seconds: float) -> str:
+        if self.rank == rank:
+            time.sleep(seconds)
+        return "done"
+
+    @collect(rank_zero)
+    def shout(self, text: str) -> None:
+        # distinct words per rank: Ray folds lines that differ only in numbers into "[repeated 2x]"
+        print(f"{text} {('zero', 'one')[self.rank]}", flush=True)
+
+    def undeclared(self) -> int:
+        return self.rank
+
+
+# -- pure helpers --------------------------------------------------------------------------------------
+def test_shard_bounds_follow_array_split() -> None:
+    for n in range(0, 12):
+        for world in range(1, 5):
+            parts = np.array_split(np.arange(n), world)
+            for rank in range(world):
+                start, stop = shard_bounds(n, rank, world)
+                assert list(range(start, stop)) == parts[rank].tolist()
+    assert shard_bounds(7, 0, 2) == (0, 4) and shard_bounds(7, 1, 2) == (4, 7)
+    with pytest.raises(ValueError, match="rank 2 is not in a world of 2"):
+        shard_bounds(7, 2, 2)
+
+
+def test_collect_is_declared_on_the_method() -> None:
+    assert collector_of(ToyWorker, "scaled_rows") is concat_batches
+    assert collector_of(ToyWorker, "rank_times_scale") is rank_zero
+    with pytest.raises(TypeError, match=r"ToyWorker.undeclared declares no collector"):
+        collector_of(ToyWorker, "undeclared")
+    with pytest.raises(AttributeError, match="no method 'missing'"):
+        collector_of(ToyWorker, "missing")
+
+
+def test_rank_layout_orders_nodes_by_address_and_shares_the_node_gpus() -> None:
+    # bundles 0 and 2 landed on node b (10.0.0.2), 1 and 3 on node a (10.0.0.1)
+    layout = rank_layout({0: "b", 1: "a", 2: "b", 3: "a"}, {"a": "10.0.0.1", "b": "10.0.0.2"})
+    assert layout == [RankPlace(1, "a", "10.0.0.1", 0, 2), RankPlace(3, "a", "10.0.0.1", 1, 2),
+                      RankPlace(0, "b", "10.0.0.2", 0, 2), RankPlace(2, "b", "10.0.0.2", 1, 2)]
+    # Ray gave each rank one GPU id; each rank sees its node's GPUs with its own at index LOCAL_RANK
+    assert visible_devices(layout, [["3"], ["1"], ["0"], ["5"]]) == ["3,1", "3,1", "0,5", "0,5"]
+
+
+def test_an_unreachable_ray_address_fails_at_once() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    start = time.monotonic()
+    with pytest.raises(ArcherError, match=rf"no Ray cluster answers at RAY_ADDRESS=127.0.0.1:{port}") as err:
+        check_ray_address(f"127.0.0.1:{port}")
+    assert time.monotonic() - start < 6 and "ray start --head --port=6379" in err.value.fix
+    with pytest.raises(ArcherError, match="is not host:port"):
+        check_ray_address("my-head-node")
+    check_ray_address("auto")  # left to Ray: a cluster `ray start` began on this machine
+
+
+# -- world 1: in process, no Ray ------------------------------------------------------------------------
+def test_local_group_calls_the_worker_directly() -> None:
+    group = build_worker_group(ToyWorker, {"scale": 10}, nnodes=1, n_gpus_per_node=1)
+    assert isinstance(group, LocalWorkerGroup) and group.world_size == 1
+    batch = Batch({"x": torch.arange(7)}, {"uid": [f"u{i}" for i in range(7)]})
+    out = group.call("scaled_rows", batch, offset=1)
+    assert out["x"].tolist() == [10 * i + 1 for i in range(7)] and out.info == {"rows_seen": 7}
+    assert group.call("rank_times_scale") == 1
+    with pytest.raises(TypeError, match="declares no collector"):
+        group.call("undeclared")
+    with group:
+        pass
+    with pytest.raises(RuntimeError, match="shut down"):
+        group.call("rank_times_scale")
+
+
+def test_bad_world_sizes_name_the_keys() -> None:
+    with pytest.raises(ArcherError, match=r"trainer.n_gpus_per_node must be a whole number >= 1, got 0"):
+        build_worker_group(ToyWorker, {"scale": 1}, nnodes=1, n_gpus_per_node=0)
+
+
+def test_world_one_never_imports_ray() -> None:
+    code = ("import sys; from archer.distributed.worker_group import build_worker_group\n"
+            "from archer.distributed.dispatch import collect, rank_zero\n"
+            "class W:\n    @collect(rank_zero)\n    def f(self, a): return a + 1\n"
+            "import archer.cli, archer.trainer.ppo\n"
+            "g = build_worker_group(W, {}, nnodes=1, n_gpus_per_node=1)\n"
+            "assert g.call('f', 1) == 2\n"
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=os.environ.copy())
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_missing_ray_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
+    with pytest.raises(ArcherError) as err:
+        build_worker_group(ToyWorker, {"scale": 1}, nnodes=1, n_gpus_per_node=2, device_kind="cpu")
+    assert "runs on Ray, which is not installed" in err.value.problem
+    assert 'pip install "archer[ray]"' in err.value.fix
+
+
+# -- world 2 on a local Ray cluster ---------------------------------------------------------------------
+def test_a_group_starts_its_own_ray_and_stops_it() -> None:
+    """Without RAY_ADDRESS the group starts a local Ray (one logical CPU per rank at least) and stops it on
+    shutdown; ``device_kind="auto"`` picks CPU on a cluster without GPUs. In a fresh process (before the
+    shared session below starts)."""
+    code = ("import ray\nfrom archer.distributed.worker_group import build_worker_group\n"
+            "from test_worker_group_on_cpu import ToyWorker\n"
+            "g = build_worker_group(ToyWorker, {'scale': 2}, nnodes=1, n_gpus_per_node=2)\n"
+            "print(g.device_kind, ray.cluster_resources()['CPU'] >= 2, g.call('rank_times_scale'),"
+            " [e['RANK'] for e in g.call('environment')])\n"
+            "g.shutdown()\nprint(ray.is_initialized())")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[-3:] == ["cpu True 1 ['0', '1']", "False", ""], out.stdout
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    """One local Ray instance for the file (starting one takes seconds): room for two 2-rank groups; the
+    toy workers import from tests/ through the PYTHONPATH the group passes to its ranks."""
+    from archer.distributed.ray_group import connect_ray
+
+    tests_dir = str(Path(__file__).resolve().parent)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("RAY_ADDRESS", raising=False)
+        mp.setenv("PYTHONPATH", os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
+        assert connect_ray(4, object_store_memory=int(1e9)) is True
+        yield
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pair(ray_cluster: None) -> Iterator[WorkerGroup]:
+    group = build_worker_group(ToyWorker, {"scale": 10}, nnodes=1, n_gpus_per_node=2, device_kind="cpu")
+    yield group
+    group.shutdown()
+
+
+def test_each_rank_sees_its_environment(pair: WorkerGroup) -> None:
+    assert pair.world_size == 2
+    envs = pair.call("environment")
+    assert [e["RANK"] for e in envs] == ["0", "1"]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1"]
+    assert {e["WORLD_SIZE"] for e in envs} == {"2"} and {e["LOCAL_WORLD_SIZE"] for e in envs} == {"2"}
+    assert envs[0]["MASTER_ADDR"] == envs[1]["MASTER_ADDR"] == ray.util.get_node_ip_address()
+    assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"] and int(envs[0]["MASTER_PORT"]) > 0
+    assert len({e["pid"] for e in envs} | {str(os.getpid())}) == 3  # two processes, neither the driver
+
+
+def test_rank_zero_and_uneven_concat(pair: WorkerGroup, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert pair.call("rank_times_scale") == 1  # rank 0's 0 * 10 + 1, not rank 1's 11
+    batch = Batch({"x": torch.arange(7)}, {"uid": [f"u{i}" for i in range(7)]}, {"step": 3})
+    puts = []
+    real_put = ray.put
+    monkeypatch.setattr(ray, "put", lambda value, **kw: puts.append(value) or real_put(value, **kw))
+    out = pair.call("scaled_rows", batch, offset=2)
+    assert len(puts) == 1 and puts[0][0][0] is batch  # one object-store copy for both ranks
+    assert out["x"].tolist() == [10 * i + 2 for i in range(7)]
+    assert out["rank"].tolist() == [0, 0, 0, 0, 1, 1, 1]  # 7 rows on 2 ranks: 4 + 3
+    assert out.rows["uid"].tolist() == [f"u{i}" for i in range(7)]
+    assert out.info == {"rows_seen": 7}  # every rank received the full batch
+
+
+def test_ranks_form_a_gloo_process_group(pair: WorkerGroup) -> None:
+    assert pair.call("all_reduce", 1.5) == [1.5 * 1 + 1.5 * 2] * 2
+
+
+def test_worker_output_reaches_the_driver_with_the_rank(pair: WorkerGroup,
+                                                          capfd: pytest.CaptureFixture[str]) -> None:
+    pair.call("shout", "hello from toy rank")
+    seen = ""
+    deadline = time.monotonic() + 15
+    lines = {0: "(rank 0 pid=", 1: "(rank 1 pid="}
+    words = {0: "hello from toy rank zero", 1: "hello from toy rank one"}
+
+    def shown(r: int) -> bool:
+        return any(lines[r] in line and words[r] in line for line in seen.splitlines())
+
+    while time.monotonic() < deadline and not (shown(0) and shown(1)):
+        time.sleep(0.2)
+        seen += capfd.readouterr().out
+    assert shown(0) and shown(1), seen
+
+
+def test_undeclared_methods_are_refused(pair: WorkerGroup) -> None:
+    with pytest.raises(TypeError, match="declares no collector"):
+        pair.call("undeclared")
+
+
+def test_unplaceable_group_fails_fast_with_resources(ray_cluster: None) -> None:
+    start = time.monotonic()
+    with pytest.raises(ArcherError) as err:
+        build_worker_group(ToyWorker, {"scale": 1}, nnodes=1, n_gpus_per_node=2, device_kind="cuda",
+                           placement_timeout_s=1)
+    assert time.monotonic() - start < 15
+    assert "they ask {'CPU': 2, 'GPU': 2}" in err.value.problem and "'GPU': 0" in err.value.problem
+    assert "trainer.n_gpus_per_node" in err.value.fix
+    assert ray.is_initialized()  # the group did not start Ray, so it leaves it running
+
+
+def test_a_rank_killed_mid_call_names_the_rank_and_resume(ray_cluster: None) -> None:
+    group = build_worker_group(ToyWorker, {"scale": 1}, nnodes=1, n_gpus_per_node=2, device_kind="cpu")
+    assert group.call("all_reduce", 1.0) == [3.0, 3.0]
+    pid = group.call("environment")[1]["pid"]
+    pg = group._pg
+    start = time.monotonic()
+    with pytest.raises(ArcherError) as err:
+        group.call("die_in_collective", 1)  # rank 0 waits in all_reduce for rank 1, which is gone
+    assert time.monotonic() - start < 30
+    assert f"rank 1 of 2 died during die_in_collective: its process {pid} on " in err.value.problem
+    assert "trainer.resume_mode=auto" in err.value.fix
+    assert ray.util.placement_group_table(pg)["state"] == "REMOVED"  # the group was shut down
+    with pytest.raises(ArcherError, match="the worker group was shut down"):
+        group.call("rank_times_scale")
+    assert ray.is_initialized()
+
+
+def test_a_rank_error_comes_back_as_one_archer_error(ray_cluster: None) -> None:
+    group = build_worker_group(ToyWorker, {"scale": 1}, nnodes=1, n_gpus_per_node=2, device_kind="cpu")
+    with pytest.raises(ArcherError) as err:
+        group.call("refuse_on", 1)
+    assert err.value.problem == "rank 1, refuse_on: the toy value is out of range"
+    assert err.value.fix == "use a smaller toy value"
+
+
+def test_a_call_past_its_timeout_names_the_stuck_rank(ray_cluster: None) -> None:
+    group = build_worker_group(ToyWorker, {"scale": 1}, nnodes=1, n_gpus_per_node=2, device_kind="cpu",
+                               call_timeout_s=2)
+    assert group.call("sleep_on", 1, 0.1) == "done"
+    start = time.monotonic()
+    with pytest.raises(ArcherError) as err:
+        group.call("sleep_on", 1, 60)
+    assert time.monotonic() - start < 10
+    assert err.value.problem == "sleep_on did not finish within 2 s on rank(s) [1] of 2"
+    assert "trainer.resume_mode=auto" in err.value.fix
