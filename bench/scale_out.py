@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from grpo_vs_trl import prepare_workload, workload_args
 from matplotlib.figure import Figure
-from model_sizes import BOTH_OFFLOADS, archer_command, run, short
+from model_sizes import BOTH_OFFLOADS, archer_command, config_check, run, short
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -132,10 +132,7 @@ def run_config(args: argparse.Namespace, work: argparse.Namespace, files: tuple[
     record: dict[str, Any] = {"world_size": world, "setting": setting, "overrides": overrides, "ran": False}
     if not args.tiny and world > args.visible_gpus:
         return {**record, "error": f"needs {world} GPUs, {args.visible_gpus} visible"}
-    placeholder = out / "unbuilt"  # the config check needs no weights
-    check = archer_command(work, placeholder, placeholder, placeholder, overrides, out / "check")
-    check[4:4] = ["--cfg", "job"]  # after "-m archer.cli train"
-    ok, error = run(check, out / "check.log", 300)
+    ok, error = config_check(work, overrides, out)
     if not ok:
         return {**record, "error": error, "log": str(out / "check.log")}
     cmd = archer_command(work, *files, overrides, out / "run")
