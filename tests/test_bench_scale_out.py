@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from bench_support import bench_module
+from multi_gpu_support import multi_gpu_refused
 from omegaconf import OmegaConf
 
 
@@ -78,6 +79,24 @@ def test_a_failing_configuration_is_recorded_with_its_error(so, tmp_path: Path, 
     assert f"| 1 | plain | not run: {so.short(record['error'])} | - | - | - | - |" in printed.out
     assert "Traceback" not in printed.out + printed.err
     assert not out.with_suffix(".png").exists()  # nothing ran: no plot
+
+
+def test_world_two_on_cpu(so, tmp_path: Path, capsys) -> None:
+    """Two CPU worker processes (gloo) through archer train: refused with archer's own error until world > 1
+    lands, then a run whose record reads like world 1's."""
+    out, work = tmp_path / "scale_out.json", tmp_path / "work"
+    (two,) = so.main(["--tiny", "--gpus", "2", "--settings", "plain", "--steps", "2", "--out", str(out),
+                      "--workdir", str(work)])
+    assert (two["world_size"], two["setting"], two["overrides"][0]) == (2, "plain", "trainer.n_gpus_per_node=2")
+    if multi_gpu_refused():  # the switch (tests/multi_gpu_support.py)
+        assert two["ran"] is False and "archer_command" not in two  # refused by the config check: nothing ran
+        assert two["error"].startswith("trainer.n_gpus_per_node=2 cannot be honoured")
+        assert "| 2 | plain | not run: trainer.n_gpus_per_node=2 cannot be honoured" in capsys.readouterr().out
+        return
+    lines = metrics(work / "world2_plain" / "run")
+    assert two["ran"] and two["step_s"] == [line["timing_s/step"] for line in lines]
+    assert two["tokens_per_s"] == pytest.approx(lines[1]["perf/total_num_tokens"] / lines[1]["timing_s/step"])
+    assert two["speedup_vs_world1"] is None  # world 1 was not asked for
 
 
 def record(world: int, setting: str, tokens_per_s: float | None, error: str = "") -> dict:

@@ -12,11 +12,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from multi_gpu_support import multi_gpu_refused
 from omegaconf import DictConfig
 from tool_model_support import ARPO, ROWS, SEARCH_CACHE, TRAIN_FILE
 
 from archer.config.loader import hydra_settings, load_config
-from archer.config.no_ops import NO_OPS
 from archer.errors import ArcherError
 from archer.trainer.config_check import check_config
 
@@ -153,16 +153,6 @@ def test_an_agentic_example_runs_one_step_on_the_tool_model(name, arpo_tool_mode
     assert steps[0]["tools/search/calls"] + steps[0]["tools/python/calls"] > 0
 
 
-def multi_gpu_refused() -> bool:
-    """Whether archer still refuses trainer.n_gpus_per_node > 1 (the entry of archer/config/no_ops.py).
-
-    COORDINATOR: this is the one switch of the multi-GPU case below. When world > 1 lands and the no-op entry (or
-    its refusal) goes, this turns False by itself and the case loads each example's multi-GPU config through the
-    script's own ``--cfg job``, as CI should from then on."""
-    entry = next((e for e in NO_OPS if e.key == "trainer.n_gpus_per_node"), None)
-    return entry is not None and entry.refuse is not None and entry.refuse(8)
-
-
 def passed_overrides(name: str, env: dict[str, str], tmp_path: Path) -> list[str]:
     """The arguments the script hands to ``archer train``, recorded by an ``archer`` stand-in first on PATH."""
     bin_dir, record = tmp_path / "bin", tmp_path / "archer_args"
@@ -197,7 +187,7 @@ def test_an_rl_example_composes_at_eight_gpus_per_node(name, tmp_path) -> None:
     cfg = load_config("ppo_trainer", hydra_settings(overrides)[0])
     assert (cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes) == (8, 1)
     assert_divides_across(cfg, cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes)
-    if multi_gpu_refused():  # until world > 1 lands: archer's own check refuses it, naming the fix
+    if multi_gpu_refused():  # the switch (tests/multi_gpu_support.py): archer's own check refuses world > 1
         with pytest.raises(ArcherError, match=r"trainer.n_gpus_per_node=8 cannot be honoured") as refusal:
             check_config(cfg)
         assert "set trainer.n_gpus_per_node=1" in str(refusal.value)
