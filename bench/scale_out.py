@@ -46,6 +46,7 @@ SHAPE = "qwen2.5-1.5b"
 SETTINGS: dict[str, list[str]] = {"plain": [], "fsdp_offload": BOTH_OFFLOADS}
 GOAL_SPEEDUP = 1.7  # issue 19: tokens/s on 2 GPUs over 1 GPU, setting "plain"
 RESULTS = Path(__file__).resolve().parent / "results"
+WORKLOAD_KEYS = ("shape", "prompts", "n", "prompt_length", "response_length", "micro_batch", "vocab")
 
 
 def parse_gpus(text: str) -> list[int]:
@@ -119,6 +120,27 @@ def measure(lines: list[dict[str, Any]]) -> dict[str, Any]:
             "peak_memory_per_gpu_gb": _peak(lines, "perf/max_memory_allocated_gb"),
             "peak_reserved_per_gpu_gb": _peak(lines, "perf/max_memory_reserved_gb"),
             "cpu_memory_used_gb": _peak(lines, "perf/cpu_memory_used_gb")}
+
+
+def workload_files(workdir: Path, work: argparse.Namespace, prompt_rows: int, console: Console
+                   ) -> tuple[Path, Path, Path]:
+    """The model folder, prompts file and reward file of ``work`` under ``workdir``: built once (a 1.5B model takes
+    a minute to draw and write), reused by a later call whose workload is the same and needs no more prompts."""
+    stamp = workdir / "workload.json"
+    wanted = {key: getattr(work, key) for key in WORKLOAD_KEYS}
+    if stamp.is_file():
+        built = json.loads(stamp.read_text())
+        model_dir, train_file, reward = (Path(path) for path in built["files"])
+        if ({key: built.get(key) for key in WORKLOAD_KEYS} == wanted and built["prompt_rows"] >= prompt_rows
+                and model_dir.is_dir() and train_file.is_file() and reward.is_file()):
+            console.print(f"reusing the {work.shape} workload in {workdir}")
+            return model_dir, train_file, reward
+    stamp.unlink(missing_ok=True)
+    console.print(f"building the {work.shape} workload in {workdir} ...")
+    model_dir, _, train_file, reward = prepare_workload(workdir, work, prompt_rows)
+    files = (model_dir, train_file, reward)
+    stamp.write_text(json.dumps({**wanted, "prompt_rows": prompt_rows, "files": [str(path) for path in files]}))
+    return files
 
 
 def run_config(args: argparse.Namespace, work: argparse.Namespace, files: tuple[Path, Path, Path], world: int,
@@ -251,9 +273,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
               "command": " ".join(["python", "bench/scale_out.py", *argv]),
               "shape": work.shape, "prompts": work.prompts, "n": work.n, "prompt_length": work.prompt_length,
               "response_length": work.response_length, "micro_batch": work.micro_batch, "vocab": work.vocab}
-    console.print(f"building the {work.shape} workload in {args.workdir} ...")
-    model_dir, _, train_file, reward = prepare_workload(args.workdir, work, work.prompts * args.steps)
-    files = (model_dir, train_file, reward)
+    files = workload_files(args.workdir, work, work.prompts * args.steps, console)
     records: list[dict[str, Any]] = []
     configs = [(world, setting) for world in gpus for setting in args.settings]
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),

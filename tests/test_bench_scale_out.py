@@ -8,6 +8,7 @@ import datetime
 import json
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 from bench_support import bench_module
@@ -124,6 +125,17 @@ def test_speedups_table_and_the_goal_check(so) -> None:
     so.add_speedups(records)
     assert so.goal_line(records) == "goal (2 GPUs >= 1.7x 1 GPU, plain): not checked, world 1 did not run"
     assert so.goal_line(records[:2]) is None  # world 2 not asked for
+
+
+def test_the_workload_is_built_once_and_reused(so, tmp_path: Path) -> None:
+    work, console = so.workload_args("tiny"), so.Console(quiet=True)
+    model_dir, train_file, reward = so.workload_files(tmp_path, work, 8, console)
+    assert pq.read_table(train_file).num_rows == 8 and (model_dir / "config.json").is_file() and reward.is_file()
+    stamp = (model_dir / "config.json").stat().st_mtime_ns
+    assert so.workload_files(tmp_path, work, 4, console) == (model_dir, train_file, reward)  # fewer prompts: reused
+    assert (model_dir / "config.json").stat().st_mtime_ns == stamp
+    so.workload_files(tmp_path, work, 12, console)  # more prompts than were built: built again
+    assert pq.read_table(train_file).num_rows == 12 and (model_dir / "config.json").stat().st_mtime_ns > stamp
 
 
 def test_world_sizes_settings_and_device_names(so) -> None:
