@@ -20,7 +20,8 @@ time (the first step is warm-up and left out), the peak GPU memory per GPU (``pe
 The records go to ``--out`` (JSON), a table is printed, and a PNG of tokens/s and memory against the world size
 goes beside the JSON. A configuration that fails (refused by archer's config check, out of memory, stopped after
 ``--config-timeout``) is recorded with its error, and the bench goes on. When world sizes 1 and 2 both ran, the
-goal of issue 19 is checked: >= 1.7x the 1-GPU tokens/s on 2 GPUs (setting ``plain``).
+goal of issue 19 is checked: >= 1.7x the 1-GPU tokens/s on 2 GPUs (setting ``plain``). The model and prompts are
+built once under ``--workdir`` and reused by later calls with the same workload.
 """
 
 from __future__ import annotations
