@@ -110,13 +110,16 @@ def _peak(lines: list[dict[str, Any]], key: str) -> float | None:
 
 
 def measure(lines: list[dict[str, Any]]) -> dict[str, Any]:
-    """Step times, tokens and tokens/s of the steps after the first (the only one when there is one), and the
-    peaks over every step."""
+    """Step times, tokens, tokens/s and each stage's mean time (``timing_s/<stage>``: which stage limits the
+    speed-up) over the steps after the first (the only one when there is one), and the peaks over every step."""
     step_s = [float(line["timing_s/step"]) for line in lines]
     tokens = [int(line["perf/total_num_tokens"]) for line in lines]
     timed = slice(1, None) if len(lines) > 1 else slice(None)
+    stages = dict.fromkeys(k for line in lines for k in line if k.startswith("timing_s/") and k != "timing_s/step")
     return {"steps": len(lines), "step_s": step_s, "tokens": tokens, "timed_steps": len(step_s[timed]),
             "timed_step_s": sum(step_s[timed]) / len(step_s[timed]),
+            "stages_s": {k.removeprefix("timing_s/"): sum(line.get(k, 0.0) for line in lines[timed]) / len(lines[timed])
+                         for k in stages},
             "tokens_per_s": sum(tokens[timed]) / sum(step_s[timed]),
             "peak_memory_per_gpu_gb": _peak(lines, "perf/max_memory_allocated_gb"),
             "peak_reserved_per_gpu_gb": _peak(lines, "perf/max_memory_reserved_gb"),

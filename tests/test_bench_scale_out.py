@@ -43,6 +43,8 @@ def test_world_one_records_match_the_runs_metrics(so, tmp_path: Path, capsys) ->
             assert line["perf/total_num_tokens"] == pytest.approx(16 * 32 + 16 * line["response_length/mean"])
         assert record["tokens_per_s"] == pytest.approx(lines[1]["perf/total_num_tokens"] / lines[1]["timing_s/step"])
         assert record["timed_step_s"] == lines[1]["timing_s/step"] and record["speedup_vs_world1"] == 1.0
+        assert record["stages_s"]["gen"] == lines[1]["timing_s/gen"] and "step" not in record["stages_s"]
+        assert record["stages_s"]["update_actor"] == lines[1]["timing_s/update_actor"]
         assert record["peak_memory_per_gpu_gb"] is None and record["peak_reserved_per_gpu_gb"] is None  # a CPU
         assert record["cpu_memory_used_gb"] == max(line["perf/cpu_memory_used_gb"] for line in lines)
         assert (record["device"], record["torch"], record["shape"], record["vocab"]) == ("cpu", torch.__version__,
