@@ -128,8 +128,8 @@ def measure(lines: list[dict[str, Any]]) -> dict[str, Any]:
 
 def workload_files(workdir: Path, work: argparse.Namespace, prompt_rows: int, console: Console
                    ) -> tuple[Path, Path, Path]:
-    """The model folder, prompts file and reward file of ``work`` under ``workdir``: built once (a 1.5B model takes
-    a minute to draw and write), reused by a later call whose workload is the same and needs no more prompts."""
+    """The model folder, prompts file and reward file of ``work`` under ``workdir``: built once (the 1.5B model is 6 GB
+    of float32 weights to draw and write), reused by a later call whose workload is the same and needs no more prompts."""
     stamp = workdir / "workload.json"
     wanted = {key: getattr(work, key) for key in WORKLOAD_KEYS}
     if stamp.is_file():
