@@ -27,7 +27,8 @@ AGENTIC = ["arpo_7b_reasoning_1node", "arpo_14b_deepsearch_1node", "aepo_7b_reas
            "grpo_baseline"]
 RL = MATH + AGENTIC
 ONE_GPU = "archer2_math_1.5b_entropy_trace_1gpu"  # a one-GPU recipe by design: it pins trainer.n_gpus_per_node=1
-MULTI_GPU = {"N_GPUS_PER_NODE": "8", "NNODES": "1"}  # the published runs' layout: one node of 8 GPUs
+# the multi-GPU variant: one node of 8 GPUs, as ARPO and the trace release ran theirs (Archer2.0's math run used 2)
+MULTI_GPU = {"N_GPUS_PER_NODE": "8", "NNODES": "1"}
 SUBPROCESS_TIMEOUT_S = 900
 
 
