@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -68,13 +70,27 @@ def failure(log: str) -> str:
 
 
 def run(cmd: list[str], log: Path, timeout: float) -> tuple[bool, str]:
-    """Runs ``cmd`` with its output in ``log``; (finished well, the error it ended with)."""
+    """Runs ``cmd`` in a process group of its own with its output in ``log``; (finished well, the error it ended
+    with). Past ``timeout`` the whole group is killed: a run's worker processes (Ray's, one per GPU) would hold
+    their GPUs through the next run otherwise."""
     with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             return False, f"stopped after {timeout:.0f} s"
     return code == 0, "" if code == 0 else failure(log.read_text())
+
+
+def config_check(work: argparse.Namespace, settings: list[str], out: Path) -> tuple[bool, str]:
+    """archer's config check of the run with ``settings`` (``archer train --cfg job``, log in ``out``/check.log):
+    (passed, the error it ended with). It needs no weights, so a refused run builds nothing."""
+    placeholder = out / "unbuilt"
+    check = archer_command(work, placeholder, placeholder, placeholder, settings, out / "check")
+    check[4:4] = ["--cfg", "job"]  # after "-m archer.cli train"
+    return run(check, out / "check.log", 120)
 
 
 def archer_row(args: argparse.Namespace, name: str, shape: str, settings: list[str]) -> dict[str, Any]:
@@ -83,10 +99,7 @@ def archer_row(args: argparse.Namespace, name: str, shape: str, settings: list[s
     work = workload_args(shape, steps=args.steps, out=out)
     record: dict[str, Any] = {"model": name, "shape": shape, "peer": "archer", "settings": settings or ["defaults"],
                               "vocab": work.vocab}
-    placeholder = out / "unbuilt"  # the config check needs no weights
-    check = archer_command(work, placeholder, placeholder, placeholder, settings, out / "check")
-    check[4:4] = ["--cfg", "job"]  # after "-m archer.cli train"
-    ok, error = run(check, out / "check.log", 120)
+    ok, error = config_check(work, settings, out)
     if not ok:
         return {**record, "ran": False, "error": error}
     big = shape in BIG and torch.cuda.is_available()

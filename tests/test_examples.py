@@ -1,5 +1,6 @@
-"""examples/: every script's config loads (``--cfg job``) with the settings it promises, and each RL example runs one
-step on a micro model with the model, data and sizes swapped in through the variables at its top."""
+"""examples/: every script's config loads (``--cfg job``) with the settings it promises, each RL example composes
+at 8 GPUs per node (its multi-GPU variant: N_GPUS_PER_NODE=8), and each RL example runs one step on a micro model
+with the model, data and sizes swapped in through the variables at its top."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from multi_gpu_support import multi_gpu_refused
+from omegaconf import DictConfig
 from tool_model_support import ARPO, ROWS, SEARCH_CACHE, TRAIN_FILE
+
+from archer.config.loader import hydra_settings, load_config
+from archer.errors import ArcherError
+from archer.trainer.config_check import check_config
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 MATH = ["archer2_math_1.5b", "archer2_math_1.5b_entropy_trace", "archer2_math_1.5b_influence_trace",
@@ -19,6 +26,9 @@ MATH = ["archer2_math_1.5b", "archer2_math_1.5b_entropy_trace", "archer2_math_1.
 AGENTIC = ["arpo_7b_reasoning_1node", "arpo_14b_deepsearch_1node", "aepo_7b_reasoning_1node", "dapo_baseline",
            "grpo_baseline"]
 RL = MATH + AGENTIC
+ONE_GPU = "archer2_math_1.5b_entropy_trace_1gpu"  # a one-GPU recipe by design: it pins trainer.n_gpus_per_node=1
+# the multi-GPU variant: one node of 8 GPUs, as ARPO and the trace release ran theirs (Archer2.0's math run used 2)
+MULTI_GPU = {"N_GPUS_PER_NODE": "8", "NNODES": "1"}
 SUBPROCESS_TIMEOUT_S = 900
 
 
@@ -142,3 +152,54 @@ def test_an_agentic_example_runs_one_step_on_the_tool_model(name, arpo_tool_mode
     steps = one_step(name, env, out, *extra)
     assert [s["step"] for s in steps] == [1]
     assert steps[0]["tools/search/calls"] + steps[0]["tools/python/calls"] > 0
+
+
+def passed_overrides(name: str, env: dict[str, str], tmp_path: Path) -> list[str]:
+    """The arguments the script hands to ``archer train``, recorded by an ``archer`` stand-in first on PATH."""
+    bin_dir, record = tmp_path / "bin", tmp_path / "archer_args"
+    bin_dir.mkdir()
+    (bin_dir / "archer").write_text(f"#!/usr/bin/env bash\nprintf '%s\\0' \"$@\" > '{record}'\n")
+    (bin_dir / "archer").chmod(0o755)
+    proc = run_example(name, env={**env, "PATH": os.pathsep.join([str(bin_dir), os.environ["PATH"]])})
+    assert proc.returncode == 0, proc.stderr
+    command, *overrides = record.read_text().split("\0")[:-1]
+    assert command == "train"
+    return overrides
+
+
+def assert_divides_across(cfg: DictConfig, world: int) -> None:
+    """verl's batch-size rules for ``world`` data-parallel ranks: every batch's rows (prompts x rollout.n) split
+    evenly, and a rank's share of a mini-batch is whole micro-batches (without dynamic batch sizes)."""
+    actor, n = cfg.actor_rollout_ref.actor, int(cfg.actor_rollout_ref.rollout.n)
+    prompts = int(cfg.data.train_batch_size)
+    assert prompts % world == 0 and prompts * n % world == 0
+    if cfg.data.gen_batch_size is not None:
+        assert int(cfg.data.gen_batch_size) * n % world == 0
+    mini_rows = int(actor.ppo_mini_batch_size) * n
+    assert mini_rows % world == 0 and mini_rows >= world
+    if not actor.use_dynamic_bsz:
+        assert (mini_rows // world) % int(actor.ppo_micro_batch_size_per_gpu) == 0
+
+
+@pytest.mark.parametrize("name", [name for name in RL if name != ONE_GPU])
+def test_an_rl_example_composes_at_eight_gpus_per_node(name, tmp_path) -> None:
+    overrides = passed_overrides(name, MULTI_GPU, tmp_path)
+    assert "trainer.n_gpus_per_node=8" in overrides and "trainer.nnodes=1" in overrides
+    cfg = load_config("ppo_trainer", hydra_settings(overrides)[0])
+    assert (cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes) == (8, 1)
+    assert_divides_across(cfg, cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes)
+    if multi_gpu_refused():  # the switch (tests/multi_gpu_support.py): archer's own check refuses world > 1
+        with pytest.raises(ArcherError, match=r"trainer.n_gpus_per_node=8 cannot be honoured") as refusal:
+            check_config(cfg)
+        assert "set trainer.n_gpus_per_node=1" in str(refusal.value)
+    else:
+        job = cfg_job(name, MULTI_GPU)
+        assert (job["trainer"]["n_gpus_per_node"], job["trainer"]["nnodes"]) == (8, 1)
+        assert job["data"]["train_batch_size"] == cfg.data.train_batch_size
+
+
+def test_the_one_gpu_recipe_stays_on_one_gpu(tmp_path) -> None:
+    overrides = passed_overrides(ONE_GPU, MULTI_GPU, tmp_path)
+    cfg = load_config("ppo_trainer", hydra_settings(overrides)[0])
+    assert cfg.trainer.n_gpus_per_node == 1  # its own trainer.n_gpus_per_node=1 comes after the variable's
+    check_config(cfg)
