@@ -9,7 +9,7 @@ refused: a new metric cannot be averaged the wrong way by accident.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -63,8 +63,13 @@ class MetricSums:
     def __init__(self) -> None:
         self._sums: dict[str, Metric] = {}
 
-    def add(self, metrics: Mapping[str, Metric]) -> None:
+    def add(self, metrics: Mapping[str, Metric], weight: float = 1.0) -> None:
+        """Add a micro-batch's metrics; ``weight`` 0 adds their names with nothing in them (a data-parallel
+        rank's padding pass, archer/distributed/data_parallel.py)."""
         for name, metric in metrics.items():
+            if weight != 1.0:
+                metric = (Mean(metric.total * weight, metric.count * weight) if isinstance(metric, Mean)
+                          else Total(metric.total * weight) if isinstance(metric, Total) else metric)
             kept = self._sums.get(name)
             if not isinstance(metric, Mean | Total) or (kept is not None and type(kept) is not type(metric)):
                 raise TypeError(f"metric {name!r} must be declared as archer.algorithms.metrics.Mean or Total "
@@ -75,6 +80,19 @@ class MetricSums:
                 self._sums[name] = Mean(kept.total + metric.total, kept.count + metric.count)
             else:
                 self._sums[name] = Total(kept.total + metric.total)
+
+    def reduce(self, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace every total and count by its sum over the ranks of a data-parallel update, in one call of
+        ``sum_over_ranks`` on a float64 vector (every rank holds the same names: the order is by name)."""
+        names = sorted(self._sums)
+        values = []
+        for name in names:
+            metric = self._sums[name]
+            values += [float(metric.total), float(metric.count) if isinstance(metric, Mean) else 0.0]
+        summed = sum_over_ranks(torch.tensor(values, dtype=torch.float64)).tolist()
+        for i, name in enumerate(names):
+            total, count = summed[2 * i], summed[2 * i + 1]
+            self._sums[name] = Mean(total, count) if isinstance(self._sums[name], Mean) else Total(total)
 
     def result(self) -> dict[str, float]:
         """Each metric of the mini-batch as a float."""
