@@ -5,7 +5,7 @@ eos) and cuts it as an engine would, at the first stop string, at eos, or at the
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -116,7 +116,7 @@ class ScriptedEngine(RolloutEngine):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         raise NotImplementedError
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
+    def sync_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         pass
 
     def release_memory(self, weights: bool = False) -> None:

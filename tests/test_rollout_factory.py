@@ -16,6 +16,7 @@ from workers_support import ppo_config
 from archer.config.loader import load_config
 from archer.errors import ArcherError
 from archer.models.loading import load_causal_lm, load_tokenizer
+from archer.models.lora import policy_weights
 from archer.rollout.base import SamplingParams
 from archer.rollout.factory import _fast_engine_runs, build_engine, check_engine_name
 from archer.rollout.fast import ops as fast_ops
@@ -84,12 +85,12 @@ def test_grpo_with_the_fast_engine_generates_from_the_updated_weights(micro_mode
     assert isinstance(engine, FastEngine)
     synced = []
     original = engine.sync_weights
-    engine.sync_weights = lambda model: (synced.append(True), original(model))[1]
+    engine.sync_weights = lambda weights: (synced.append(True), original(weights))[1]
     trainer.fit()
     assert synced == [True]  # before step 2's rollout, after step 1's update (none after the last)
     # the engine's copy now holds the actor's updated weights: its greedy tokens and log-probs are the actor's
     prompts = [trainer.tokenizer("Compute 3+4.")["input_ids"]]
-    engine.sync_weights(trainer.actor.model)
+    engine.sync_weights(policy_weights(trainer.actor.model))
     greedy = SamplingParams(do_sample=False, max_new_tokens=6)
     fast = engine.generate(prompts, greedy)
     hf = HFGenerateEngine(trainer.actor.model, trainer.tokenizer).generate(prompts, greedy)

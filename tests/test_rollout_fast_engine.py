@@ -22,6 +22,7 @@ from transformers import (
 from archer.errors import ArcherError
 from archer.models.loading import load_causal_lm, load_tokenizer
 from archer.models.logprobs import response_logprobs
+from archer.models.lora import policy_weights
 from archer.rollout.base import SamplingParams
 from archer.rollout.fast import FastEngine
 from archer.rollout.hf_engine import HFGenerateEngine
@@ -190,7 +191,7 @@ def test_release_with_weights_frees_the_copy_until_the_next_sync(tiny_model_dir,
     assert engine.cache is None and engine.model.released and engine.model.embed is None
     with pytest.raises(ArcherError, match="call sync_weights"):
         engine.generate(prompts, params)
-    engine.sync_weights(model)
+    engine.sync_weights(policy_weights(model))
     assert torch.equal(engine.generate(prompts, params).responses, before.responses)
 
 
@@ -202,12 +203,17 @@ def test_sync_weights_copies_in_place(tiny_model_dir, parts, prompts):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     params = SamplingParams(do_sample=False, max_new_tokens=10)
-    engine.sync_weights(model)
+    engine.sync_weights(policy_weights(model))
     assert [engine.model.embed.data_ptr(), engine.model.layers[0].qkv_w.data_ptr()] == pointers
     assert torch.equal(engine.generate(prompts, params).responses,
                        HFGenerateEngine(model, tokenizer).generate(prompts, params).responses)
-    with pytest.raises(ArcherError, match="built for"):
-        engine.sync_weights(_tiny(Qwen2ForCausalLM, Qwen2Config, len(tokenizer), hidden_size=64))
+    with pytest.raises(ArcherError, match=r"the fast engine's model.embed_tokens.weight is \(\d+, \d+\), the weight "
+                       r"given is \(\d+, 64\)"):  # every tensor checked by name and shape
+        engine.sync_weights(policy_weights(_tiny(Qwen2ForCausalLM, Qwen2Config, len(tokenizer), hidden_size=64)))
+    with pytest.raises(ArcherError, match="has no place for the weight 'extra'"):
+        engine.sync_weights([("extra", torch.zeros(1))])
+    with pytest.raises(ArcherError, match="lack"):
+        engine.sync_weights(list(policy_weights(model))[:-1])
 
 
 def test_session_turns_fork_and_release(engine, parts, prompts):
@@ -259,7 +265,7 @@ def test_session_stop_and_weight_sync_recompute(engine, parts, prompts):
     cut = next(j for j in range(len(full.tokens)) if stop in tokenizer.decode(full.tokens[: j + 1]))
     segment = session.decode([seq], SamplingParams(max_new_tokens=12, stop=(stop,)), [12])[0]
     assert segment.finish_reason == "stop" and segment.tokens == full.tokens[: cut + 1]
-    engine.sync_weights(parts[0])  # same weights: the dropped keys/values are recomputed identically
+    engine.sync_weights(policy_weights(parts[0]))  # same weights: the dropped keys/values are recomputed identically
     engine.release_memory()
     after = session.decode([seq], SamplingParams(do_sample=False, max_new_tokens=5), [5])[0]
     expected = engine.generate([session.tokens(seq)[: -len(after.tokens)]], SamplingParams(do_sample=False,

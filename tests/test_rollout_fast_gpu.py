@@ -10,6 +10,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from archer.models.loading import load_tokenizer
 from archer.models.logprobs import response_logprobs
+from archer.models.lora import policy_weights
 from archer.rollout.base import SamplingParams
 from archer.rollout.fast import FastEngine, ops
 from archer.rollout.hf_engine import HFGenerateEngine
@@ -95,7 +96,7 @@ def test_memory_release_weight_sync_and_sessions(tokenizer, prompts):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    engine.sync_weights(model)
+    engine.sync_weights(policy_weights(model))
     greedy = SamplingParams(do_sample=False, max_new_tokens=20)
     assert torch.equal(engine.generate(prompts, greedy).responses,
                        HFGenerateEngine(model, tokenizer).generate(prompts, greedy).responses)

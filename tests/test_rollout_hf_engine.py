@@ -9,6 +9,7 @@ import torch
 from archer.errors import ArcherError
 from archer.models.loading import load_causal_lm, load_tokenizer
 from archer.models.logprobs import response_logprobs
+from archer.models.lora import policy_weights
 from archer.rollout.base import RolloutOutput, SamplingParams
 from archer.rollout.hf_engine import HFGenerateEngine
 
@@ -213,3 +214,29 @@ def test_gradient_checkpointing_model_still_uses_the_cache(tiny_model_dir, parts
     assert torch.equal(out.responses, expected.responses)
     torch.testing.assert_close(out.log_probs, expected.log_probs, atol=1e-5, rtol=0)
     assert checkpointed.training
+
+
+def test_a_standalone_engine_filled_by_the_stream_generates_what_the_policy_generates(tiny_model_dir, prompts):
+    """``standalone``: its own module from the policy's config (random weights until synced), filled from the
+    policy's stream of named weights: then its tokens, log-probs and entropies are the policy module's own."""
+    policy, tokenizer = load_causal_lm(tiny_model_dir, device="cpu"), load_tokenizer(tiny_model_dir)
+    with torch.no_grad():  # weights no checkpoint holds, so only the stream can carry them
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    engine = HFGenerateEngine.standalone(policy, tokenizer, device="cpu", dtype=torch.float32)
+    assert engine.model is not policy
+    sampled = SamplingParams(n=2, max_new_tokens=8, seed=11)
+    want = HFGenerateEngine(policy, tokenizer).generate(prompts, sampled)
+    assert not torch.equal(engine.generate(prompts, sampled).log_probs, want.log_probs)  # not yet synced
+    engine.sync_weights(policy_weights(policy))
+    for params, expected in ((sampled, want), (SamplingParams(do_sample=False, max_new_tokens=8), None)):
+        expected = expected or HFGenerateEngine(policy, tokenizer).generate(prompts, params)
+        got = engine.generate(prompts, params)
+        for field in ("responses", "response_mask", "log_probs", "entropies"):
+            assert torch.equal(getattr(got, field), getattr(expected, field)), field
+    with pytest.raises(ArcherError, match="has no weight 'extra'"):
+        engine.sync_weights([("extra", torch.zeros(1))])
+    with pytest.raises(ArcherError, match=r"model.norm.weight is \(\d+,\), the weight given is \(3,\)"):
+        engine.sync_weights([("model.norm.weight", torch.zeros(3))])
+    with pytest.raises(ArcherError, match="lack"):
+        engine.sync_weights(list(policy_weights(policy))[1:])

@@ -5,8 +5,9 @@ An engine offers
 - ``generate``: prompts -> ``n`` responses each (the plain RL rollout);
 - ``session()``: sequences that grow turn by turn (the agentic loop): add a prompt, decode until a stop, extend
   with tool-result tokens, fork a sequence with its state (ARPO's branch), release it;
-- ``sync_weights(model)``: take the actor's weights after an update (in place; a no-op for an engine that
-  runs the actor's own module), and ``release_memory()`` / ``reclaim_memory()`` around the policy update
+- ``sync_weights(weights)``: take the actor's weights after an update, as a stream of (state-dict name, full
+  tensor) pairs (models/lora.py's ``policy_weights``: plain or LoRA-merged; under FSDP each rank's stream of
+  gathered tensors), copied in place (an engine that runs the actor's own module leaves the stream unread), and ``release_memory()`` / ``reclaim_memory()`` around the policy update
   (verl's ``free_cache_engine``).
 The rollout worker owns its engine: the trainer never sees one.
 """
@@ -14,6 +15,7 @@ The rollout worker owns its engine: the trainer never sees one.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -136,8 +138,9 @@ class RolloutEngine(ABC):
                           "rollouts, or give this engine a session()")
 
     @abstractmethod
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Take ``model``'s current weights (in place: no reallocation)."""
+    def sync_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take the policy's current weights, (state-dict name, tensor) pairs named as in the plain model (in
+        place: no reallocation); a wrong name or shape is an ArcherError."""
 
     @abstractmethod
     def release_memory(self, weights: bool = False) -> None:

@@ -37,10 +37,16 @@ def check_engine_name(name: str) -> None:
 
 
 def build_engine(rollout: DictConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                 device: torch.device) -> RolloutEngine:
-    """The engine ``rollout.name`` names (checked by ``check_engine_name``), generating from ``model``."""
+                 device: torch.device, *, standalone: bool = False) -> RolloutEngine:
+    """The engine ``rollout.name`` names (checked by ``check_engine_name``), generating from ``model``'s weights.
+    The fast engine always holds its own copy; the hf engine runs ``model`` itself unless ``standalone`` (its own
+    module in rollout.dtype on a GPU, float32 on a CPU, filled by sync_weights: for a sharded policy)."""
     if uses_fast_engine(rollout, model, device):
         return FastEngine.from_config(model, tokenizer, rollout, device=device)
+    if standalone:
+        dtype = getattr(torch, str(rollout.dtype)) if device.type == "cuda" else torch.float32
+        return HFGenerateEngine.standalone(model, tokenizer, device=device, dtype=dtype,
+                                           max_batch_size=int(rollout.max_batch_size))
     return HFGenerateEngine(model, tokenizer, device=device, max_batch_size=int(rollout.max_batch_size))
 
 

@@ -4,16 +4,21 @@ decoding loop so every generated token carries its exact log-prob and full-vocab
 Its sessions (``session()``, for the agentic loop) keep each sequence's tokens and its own random generator;
 a decode call prefills every sequence again from its tokens (there is no KV reuse across calls: archer's fast
 engine has it), so a sequence's samples depend only on its seed and its calls, never on its neighbours.
+
+By default it generates with the policy's own module (``sync_weights`` has nothing to copy); ``standalone``
+gives it its own single-device module, filled from the stream of named weights ``sync_weights`` takes (a
+policy sharded with FSDP cannot generate on one rank's shard).
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from archer.errors import ArcherError
@@ -89,13 +94,44 @@ class HFGenerateEngine(RolloutEngine):
         self.pad_token_id = int(tokenizer.pad_token_id)
         self.eos_token_ids = torch.tensor(_eos_ids(model, tokenizer), dtype=torch.long, device=self.device)
         self._keeps_last_logits_only = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.owns_weights = False  # True: its own module, filled by sync_weights (``standalone``)
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Nothing to copy: this engine generates with the actor's own module (with LoRA, its LoRA layers on:
-        ``W x + scaling * B A x``, the merged model's function, without a merged copy)."""
-        if model is not self.model:
-            raise ArcherError("the hf engine generates with the module it was built on; it cannot take another's "
-                              "weights", "build the engine on the actor's model")
+    @classmethod
+    def standalone(cls, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, device: torch.device | str,
+                   dtype: torch.dtype, max_batch_size: int = 256) -> HFGenerateEngine:
+        """An engine with its own single-device module, built from ``policy``'s config (its generation config
+        too; no weights read) in ``dtype`` and filled by ``sync_weights``: for a policy whose module cannot
+        generate on one device (sharded with FSDP over several ranks). Generate only after the first sync."""
+        model = AutoModelForCausalLM.from_config(policy.config, dtype=dtype)
+        model.generation_config = copy.deepcopy(policy.generation_config)
+        model.to(device).eval()  # parameters keep requires_grad as the policy's: the same CPU kernels, the same numbers
+        engine = cls(model, tokenizer, device=device, max_batch_size=max_batch_size)
+        engine.owns_weights = True
+        return engine
+
+    def sync_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """With the policy's own module (the default): nothing to copy and the stream is left unread (with LoRA
+        the module computes ``W x + scaling * B A x``, the merged model's function). With its own module
+        (``standalone``): every parameter is copied from the stream in place, each by name and shape."""
+        if not self.owns_weights:
+            return
+        targets = dict(self.model.named_parameters())  # tied weights once, as policy_weights gives them
+        missing = dict(targets)
+        with torch.no_grad():
+            for name, tensor in weights:
+                target = missing.pop(name, None)
+                if target is None:
+                    raise ArcherError(f"the hf engine's model has no weight {name!r}"
+                                      f"{' (given twice)' if name in targets else ''}",
+                                      "sync the engine from the policy it was built from")
+                if target.shape != tensor.shape:
+                    raise ArcherError(f"the hf engine's {name} is {tuple(target.shape)}, the weight given is "
+                                      f"{tuple(tensor.shape)}", "sync the engine from the policy it was built from")
+                target.copy_(tensor)
+        if missing:
+            raise ArcherError(f"the weights given to the hf engine lack {len(missing)} tensors "
+                              f"({', '.join(sorted(missing)[:3])}, ...)", "sync the engine from the policy it was "
+                              "built from")
 
     def release_memory(self, weights: bool = False) -> None:
         """Nothing is held between calls: each generate call makes and drops its own KV cache (and the weights

@@ -138,7 +138,7 @@ class ActorWorker:
         ``seed`` the sampling seed); with tools configured, through the multi-turn tool loop."""
         release_cached_blocks(self.device)  # what the update left in the caching allocator
         if self._engine_is_stale:
-            self.rollout.engine.sync_weights(self.model)
+            self.rollout.engine.sync_weights(self.owner.weights())
             self._engine_is_stale = False
         self.offload.params_to_host()
         try:

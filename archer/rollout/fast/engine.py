@@ -10,13 +10,14 @@ its float32 log-prob and full-vocabulary entropy of softmax(logits / T), as the 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from archer.errors import ArcherError
 from archer.models.loading import default_dtype
-from archer.models.lora import policy_weights
 from archer.rollout.base import EngineSession, RolloutEngine, RolloutOutput, SamplingParams, Segment
 from archer.rollout.fast import ops
 from archer.rollout.fast.model import FastModel, ModelSpec
@@ -47,7 +48,8 @@ class FastEngine(RolloutEngine):
     (default: the model's) in ``dtype`` (default: bfloat16 on a GPU, float32 on a CPU). Positions are bounded
     by ``max_model_len`` (default: the model's max_position_embeddings). The cache is made of pages of
     ``page_size`` tokens; the host reads the decoded tokens every ``window`` steps, which is when stop strings
-    are checked and an ended row's slot is given to a waiting one.
+    are checked and an ended row's slot is given to a waiting one. ``weights``: the first weights (default: the
+    model's own; a sharded actor passes its stream of full tensors, see ``sync_weights``).
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class FastEngine(RolloutEngine):
         enforce_eager: bool = False,
         page_size: int = PAGE_SIZE,
         window: int = 16,
+        weights: Iterable[tuple[str, torch.Tensor]] | None = None,
     ) -> None:
         if tokenizer.pad_token_id is None:
             raise ArcherError("the tokenizer has no pad token, which batched generation needs",
@@ -84,7 +87,8 @@ class FastEngine(RolloutEngine):
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.dtype = dtype or default_dtype(self.device)
         self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
-        self.model = FastModel(model, device=self.device, dtype=self.dtype, max_len=self.max_model_len + 1)
+        self.model = FastModel(model, device=self.device, dtype=self.dtype, max_len=self.max_model_len + 1,
+                               weights=weights)
         self.tokenizer = tokenizer
         self.pad_token_id = int(tokenizer.pad_token_id)
         self.eos_token_ids = _eos_ids(model, tokenizer)
@@ -141,12 +145,12 @@ class FastEngine(RolloutEngine):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def sync_weights(self, model: nn.Module) -> None:
-        """Copy ``model``'s weights (LoRA layers merged) into the engine's, in place (its graphs stay valid).
-        Session sequences' keys/values were made by the old weights, so they are dropped and recomputed on next
-        use. After ``release_memory(weights=True)`` the copy is allocated again first."""
-        self.model.check_source(model)
-        self.model.load(policy_weights(model))
+    def sync_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy the stream of named weights (LoRA layers merged) into the engine's, in place (its graphs stay
+        valid); every tensor must have its place by name and shape (FastModel.load). Session sequences'
+        keys/values were made by the old weights, so they are dropped and recomputed on next use. After
+        ``release_memory(weights=True)`` the copy is allocated again first."""
+        self.model.load(weights)
         for seq in self.live:
             if self.cache is not None:
                 self.cache.release(seq)

@@ -148,7 +148,10 @@ class FastModel:
     """The forward over a paged KV cache: ``prefill`` (many tokens per row, no logits) and ``decode_logits``
     (one token per row). ``max_len`` bounds the positions (the RoPE table's length)."""
 
-    def __init__(self, model: nn.Module, *, device: torch.device, dtype: torch.dtype, max_len: int) -> None:
+    def __init__(self, model: nn.Module, *, device: torch.device, dtype: torch.dtype, max_len: int,
+                 weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+        """Shaped after ``model`` (its config, modules and rotary tables) and filled from ``weights`` (default: the
+        model's own, ``policy_weights(model)``; a sharded model passes its stream of full tensors)."""
         self.spec = model_spec(model)
         check_device_support(self.spec, device)
         self.device, self.dtype, self.max_len = device, dtype, max_len
@@ -156,7 +159,7 @@ class FastModel:
         self.cos, self.sin = self._rope_tables(model)
         self.scale = self.spec.head_dim ** -0.5
         self.names = self._weight_names(model)
-        self.load(policy_weights(model))
+        self.load(policy_weights(model) if weights is None else weights)
 
     def _allocate(self) -> None:
         kw = {"device": self.device, "dtype": self.dtype}
@@ -201,13 +204,6 @@ class FastModel:
         for i, layer in enumerate(self.layers):
             out.update(layer.targets(f"{backbone}.layers.{i}", self.spec))
         return out
-
-    def check_source(self, model: nn.Module) -> None:
-        """An ArcherError when ``model`` is not of the shape this engine was built for."""
-        spec = model_spec(model)
-        if spec != self.spec:
-            raise ArcherError(f"the fast engine was built for {self.spec} and was given weights of {spec}",
-                              "sync the engine from the actor it was built on")
 
     @torch.no_grad()
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
