@@ -4,9 +4,13 @@ gradient checkpointing, LoRA through models/lora.py), the optimiser and learning
 
 The actor, the critic, the reference and the SFT trainer each hold one; the dtype rule lives here only: full
 fine-tuning trains float32 master weights, LoRA trains float32 adapters on a base in the device's dtype (bf16
-on a GPU), and a frozen policy is held in the device's dtype. Sharding (FSDP2, docs/architecture.md) wraps
-``model`` after loading and before ``attach_optimizer``; its sharded save and load take the place of
-``save_model`` / ``load_model`` (the optimiser state then goes into the same distributed checkpoint).
+on a GPU), and a frozen policy is held in the device's dtype.
+
+At world > 1 ``shard`` wraps ``model`` with FSDP2 (archer/distributed/fsdp.py) after loading and before
+``attach_optimizer``. A sharded owner's checkpoint is then a distributed checkpoint of the trainable weights and
+the optimiser (``dcp/``, read back at any world size) beside the HF export of the whole model and the schedule's
+state; an unsharded owner reads it too (a run resumed on fewer ranks), and a sharded owner reads the
+single-process checkpoint (a run resumed on more ranks).
 """
 
 from __future__ import annotations
@@ -19,10 +23,15 @@ from omegaconf import DictConfig
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from archer.distributed.checkpoint import export_hf, load_full_state, load_sharded, save_sharded
+from archer.distributed.context import DistContext
+from archer.distributed.fsdp import full_weights, shard_model
+from archer.errors import ArcherError
 from archer.models.checkpoint import load_policy, save_policy
 from archer.models.loading import default_dtype, load_causal_lm, load_value_model
 from archer.models.lora import LoraSettings, add_lora, policy_weights, trainable_parameters
 from archer.models.optim import (
+    OPTIM_STATE,
     LRSchedule,
     build_optimizer,
     build_scheduler,
@@ -41,6 +50,20 @@ class ModelOwner:
         self.device = device
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.ctx = DistContext.single(device)  # ``shard`` replaces it at world > 1
+
+    @property
+    def sharded(self) -> bool:
+        return self.ctx.distributed
+
+    def shard(self, ctx: DistContext, *, param_dtype: torch.dtype, cpu_offload: bool = False) -> None:
+        """Shard the model over ``ctx``'s ranks with FSDP2 (nothing at world 1); before ``attach_optimizer``.
+        ``param_dtype``: the layers' compute dtype; ``cpu_offload``: shards, gradients and optimiser state in
+        host memory (verl's param_offload / optimizer_offload under FSDP)."""
+        if self.optimizer is not None:
+            raise RuntimeError("shard the model before attach_optimizer")
+        shard_model(self.model, ctx, param_dtype=param_dtype, cpu_offload=cpu_offload)
+        self.ctx = ctx
 
     @classmethod
     def policy(cls, path: str | Path, *, device: torch.device, lora: LoraSettings | None,
@@ -74,24 +97,54 @@ class ModelOwner:
         self.scheduler = build_scheduler(self.optimizer, schedule)
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The policy's weights as (state-dict name, tensor) pairs, LoRA layers merged: what an engine syncs."""
-        return policy_weights(self.model)
+        """The policy's weights as (state-dict name, tensor) pairs, LoRA layers merged: what an engine syncs.
+        Sharded, each is gathered in turn: every rank must read the whole stream."""
+        return full_weights(self.model) if self.sharded else policy_weights(self.model)
 
-    # -- checkpoints (full: one HF folder; the FSDP branch's sharded save takes these methods' place) --------
+    # -- checkpoints -----------------------------------------------------------------------------------------
     def save_model(self, out_dir: Path, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
-        """The model's HF folder (from_pretrained loads it); with LoRA the merged model and ``lora_adapter/``."""
-        save_policy(self.model, self.peft, tokenizer, out_dir)
+        """The model's HF folder (from_pretrained loads it); with LoRA the merged model (and, unsharded,
+        ``lora_adapter/``). Sharded, every rank calls it and rank 0 writes."""
+        if self.sharded:
+            export_hf(self.model, tokenizer, out_dir, self.ctx)
+        else:
+            save_policy(self.model, self.peft, tokenizer, out_dir)
 
     def load_model(self, in_dir: Path, model_key: str) -> None:
-        """Restore what ``save_model`` wrote, exactly, in place (``model_key`` names the config in errors)."""
+        """Restore what ``save_model`` wrote (unsharded), exactly, in place (``model_key`` names the config in
+        errors)."""
         load_policy(self.model, self.peft, in_dir, model_key)
 
     def save(self, out_dir: Path, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
-        """A checkpoint: ``save_model`` plus the optimiser and scheduler state beside it."""
+        """A checkpoint: ``save_model`` plus the optimiser and scheduler state (sharded: ``dcp/`` holds the
+        trainable weights and the optimiser, ``schedule.pt`` the scheduler)."""
         self.save_model(out_dir, tokenizer)
-        save_optim_state(out_dir, self.optimizer, self.scheduler)
+        if not self.sharded:
+            save_optim_state(out_dir, self.optimizer, self.scheduler)
+            return
+        save_sharded(out_dir / SHARDED_DIR, self.model, self.optimizer, self.ctx)
+        if self.ctx.is_main:
+            torch.save(self.scheduler.state_dict(), out_dir / SCHEDULE_STATE)
+        self.ctx.barrier()
 
     def load(self, in_dir: Path, model_key: str) -> None:
-        """Resume from what ``save`` wrote: the weights and the optimiser and scheduler state."""
-        self.load_model(in_dir, model_key)
-        load_optim_state(in_dir, self.optimizer, self.scheduler, self.device)
+        """Resume from what ``save`` wrote, whichever number of ranks wrote it: the weights and the optimiser
+        and scheduler state."""
+        if (in_dir / SHARDED_DIR).is_dir():
+            load_sharded(in_dir / SHARDED_DIR, self.model, self.optimizer, self.ctx)
+            self.scheduler.load_state_dict(torch.load(in_dir / SCHEDULE_STATE, weights_only=True))
+        elif not self.sharded:
+            self.load_model(in_dir, model_key)
+            load_optim_state(in_dir, self.optimizer, self.scheduler, self.device)
+        elif self.peft is not None:
+            raise ArcherError(f"{in_dir} is a single-device LoRA checkpoint; resuming it on several ranks is not "
+                              "supported", f"resume it with trainer.n_gpus_per_node=1 trainer.nnodes=1, or start "
+                              f"from its merged model: {model_key}.path={in_dir}")
+        else:
+            state = torch.load(in_dir / OPTIM_STATE, map_location="cpu", weights_only=True)
+            load_full_state(in_dir, self.model, self.optimizer, state["optimizer"], self.ctx)
+            self.scheduler.load_state_dict(state["scheduler"])
+
+
+SHARDED_DIR = "dcp"  # a sharded checkpoint's distributed checkpoint (trainable weights and optimiser state)
+SCHEDULE_STATE = "schedule.pt"  # a sharded checkpoint's learning-rate schedule state
