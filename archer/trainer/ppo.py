@@ -60,6 +60,7 @@ from archer.workers.actor import INFLUENCE_TOKENS, ActorWorker
 from archer.workers.critic import CriticWorker
 from archer.workers.generator import GenerationWorker
 from archer.workers.reference import ReferenceWorker
+from archer.workers.reward_model import RewardModelWorker
 from archer.workers.rollout import ROLLOUT_STATS, concat_sequences
 
 log = logging.getLogger("archer.trainer")
@@ -96,12 +97,18 @@ def seed_everything(seed: int) -> None:
 
 def check_data_against_config(cfg: DictConfig, dataset: RLDataset | None, where: str) -> None:
     """When the data loads, before training: without custom_reward_function every data_source has a built-in
-    reward (naming the ones without and the routes there are), and the rows' tools name configured tools."""
+    reward (naming the ones without and the routes there are), and the rows' tools name configured tools. The
+    training rows need no rule when the reward model alone scores them (reward_model.rule_weight=0); validation
+    is scored by the rules (as verl's)."""
     if dataset is None:
         return
     items = [dataset[i] for i in range(len(dataset))]
-    if not cfg.custom_reward_function.path:
+    rm = cfg.reward_model
+    model_alone = bool(rm.enable) and float(rm.rule_weight) == 0 and where == "data.train_files"
+    if not cfg.custom_reward_function.path and not model_alone:
         key = cfg.data.reward_fn_key
+        if rm.enable and where == "data.val_files":
+            where += " (validation is scored by the rule rewards; the reward model scores training, as in verl)"
         check_routes(((item[key], item["ability"]) for item in items), where)
     check_row_tools((item["tools"] for item in items), cfg.actor_rollout_ref.rollout, where)
 
@@ -148,6 +155,7 @@ class PPOTrainer:
         self.influence_trace: InfluenceTrace | None = None
         self.peaks = MemoryPeaks(self.device)  # the current step's peak GPU memory per stage
         self.template_kwargs = OmegaConf.to_container(cfg.data.apply_chat_template_kwargs)
+        self.reward_model: RewardModelWorker | None = None  # scores training only: validation keeps the rules
         if cfg.trainer.val_only:  # a policy that only generates: no optimiser, reference, critic or train data
             self.actor = self.ref = self.critic = None
             return
@@ -160,6 +168,11 @@ class PPOTrainer:
         others = {"reference policy": REFERENCE_BYTES_PER_PARAM} if self.use_ref and not lora else {}
         if self.use_critic:
             others["critic"] = CRITIC_BYTES_PER_PARAM
+        if cfg.reward_model.enable:
+            self.reward_model = RewardModelWorker(cfg.reward_model, device=self.device, policy_tokenizer=self.tokenizer,
+                                                  policy_path=str(ref_cfg.model.path))
+            if self.device.type == "cuda":
+                others["reward model"] = self.reward_model.bytes_per_policy_param(ref_cfg.model)
         self.actor = ActorWorker(ref_cfg, device=self.device, total_steps=self.total_steps, tokenizer=self.tokenizer,
                                  chat_template_kwargs=self.template_kwargs, other_models=others)
         self.ref = (ReferenceWorker(ref_cfg, device=self.device, lora_policy=self.actor.peft)
@@ -183,6 +196,8 @@ class PPOTrainer:
         if ROLLOUT_STATS in batch.info:
             rollout_stats.append(batch.info.pop(ROLLOUT_STATS))
         with timer("reward", timings, self.peaks):
+            if self.reward_model is not None:
+                batch = batch.union(self.reward_model.compute_rm_score(batch))
             self.reward_fn(batch).add_to(batch)
         return batch
 
