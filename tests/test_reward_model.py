@@ -5,12 +5,18 @@ the config errors, and GRPO steps of the trainer scored by a tiny reward model b
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification, Qwen2Config, Qwen2ForSequenceClassification
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    Qwen2Config,
+    Qwen2ForSequenceClassification,
+)
 
 from archer.batch import Batch
 from archer.config.loader import load_config
@@ -268,3 +274,20 @@ def test_grpo_steps_with_the_reward_model_log_its_scores_and_train_on_them(
     batch = trainer.generate_batch(3, 0, timings, [])
     assert torch.equal(batch["token_level_scores"], batch["rm_scores"])
     assert "reward" in timings
+
+
+def test_the_memory_plan_gets_the_reward_models_bytes_per_policy_parameter(tiny_model_dir: Path, rm_dir: Path,
+                                                                          policy_tok) -> None:
+    w = worker(tiny_model_dir, rm_dir, policy_tok)
+    rm_params = sum(p.numel() for p in AutoModelForSequenceClassification.from_pretrained(str(rm_dir)).parameters())
+    policy_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)).parameters())
+    assert w.bytes == 4 * rm_params  # float32 on the CPU
+    policy = rm_config(tiny_model_dir, rm_dir).actor_rollout_ref.model
+    assert w.bytes_per_policy_param(policy) == pytest.approx(4 * rm_params / policy_params)
+
+
+def test_a_reward_model_path_without_enable_warns_that_the_rules_score(tiny_model_dir: Path, rm_dir: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="archer.config"):
+        check_config(rm_config(tiny_model_dir, rm_dir, "reward_model.enable=false"))
+    assert "reward_model.model.path is set but reward_model.enable=false" in caplog.text
