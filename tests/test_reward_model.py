@@ -231,6 +231,8 @@ def test_reward_model_config_errors_are_one_clear_error_each(tiny_model_dir: Pat
         ((tiny_model_dir, rm_dir, "reward_model.truncation=sideways"), "unknown reward_model.truncation"),
         ((tiny_model_dir, rm_dir, f"reward_model.max_length={RM_POSITIONS + 1}"), f"{RM_POSITIONS} positions"),
         ((tiny_model_dir, rm_dir, "reward_model.micro_batch_size_per_gpu=0"), "at least 1"),
+        ((tiny_model_dir, rm_dir, f"reward_model.model.input_tokenizer={tmp_path / 'nowhere'}"),
+         "input_tokenizer=.* is not a folder"),
     ]
     (tmp_path / "nowhere").write_text("")
     for (policy, rm, *extra), message in cases:

@@ -97,6 +97,11 @@ def check_reward_model_config(cfg: DictConfig) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ArcherError(f"{RM}.{key}={value!r} must be an integer of at least 1 (or null)",
                               f"set {RM}.{key} to a positive integer, or null")
+    input_tokenizer = section.model.input_tokenizer
+    if input_tokenizer is not None and not Path(str(input_tokenizer)).expanduser().is_dir():
+        raise ArcherError(f"{RM}.model.input_tokenizer={input_tokenizer} is not a folder",
+                          "set it to the policy's model folder (its default), or null when the reward model shares "
+                          "the policy's tokenizer and chat template")
     limit = max_positions(config)
     if section.max_length is not None and limit is not None and int(section.max_length) > limit:
         raise ArcherError(f"{RM}.max_length={section.max_length} exceeds the reward model's {limit} positions",
