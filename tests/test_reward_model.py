@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -19,6 +20,7 @@ from transformers import (
 )
 
 from archer.batch import Batch
+from archer.cli import main
 from archer.config.loader import load_config
 from archer.errors import ArcherError
 from archer.models.loading import load_tokenizer, save_hf
@@ -293,3 +295,37 @@ def test_a_reward_model_path_without_enable_warns_that_the_rules_score(tiny_mode
     with caplog.at_level(logging.WARNING, logger="archer.config"):
         check_config(rm_config(tiny_model_dir, rm_dir, "reward_model.enable=false"))
     assert "reward_model.model.path is set but reward_model.enable=false" in caplog.text
+
+
+# verl's reward_model section (its generated ppo_trainer.yaml, trimmed to the keys a user's file carries)
+VERL_RM_SECTION = {
+    "enable": True, "enable_resource_pool": False, "n_gpus_per_node": 8, "nnodes": 0, "strategy": "fsdp",
+    "model": {"input_tokenizer": "${actor_rollout_ref.model.path}", "trust_remote_code": False,
+              "external_lib": None, "override_config": {}, "use_shm": False, "use_remove_padding": False,
+              "fsdp_config": {"param_offload": False, "reshard_after_forward": True, "fsdp_size": -1}},
+    "micro_batch_size": None, "micro_batch_size_per_gpu": 4, "max_length": 128, "reward_manager": "naive",
+    "reward_loop_source": "register", "reward_loop_module_path": None, "reward_loop_class_name": None,
+    "launch_reward_fn_async": False, "ulysses_sequence_parallel_size": 1, "use_reward_loop": True, "num_workers": 1,
+    "profiler": {"enable": False, "ranks": []}, "rollout": {"name": "vllm", "gpu_memory_utilization": 0.5},
+}
+
+
+def test_verls_reward_model_section_ports_through_a_users_yaml(tmp_path: Path, tiny_model_dir: Path, rm_dir: Path,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    def job(section: dict) -> tuple[int, str, str]:
+        folder = tmp_path / "cfg"
+        folder.mkdir(exist_ok=True)
+        (folder / "mine.yaml").write_text(yaml.safe_dump({"reward_model": section}))
+        code = main(["train", "--cfg", "job", f"--config-path={folder}", "--config-name=mine",
+                     "data.train_files=/no/train.parquet", f"actor_rollout_ref.model.path={tiny_model_dir}"])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    code, out, err = job({**VERL_RM_SECTION, "model": {**VERL_RM_SECTION["model"], "path": str(rm_dir)}})
+    assert code == 0, err
+    rm = yaml.safe_load(out)["reward_model"]
+    assert (rm["enable"], rm["model"]["path"], rm["micro_batch_size_per_gpu"], rm["max_length"]) == (
+        True, str(rm_dir), 4, 128)
+    assert rm["model"]["input_tokenizer"] == str(tiny_model_dir) and rm["rm_weight"] == 1.0 and rm["rule_weight"] == 0.0
+    code, _, err = job({**VERL_RM_SECTION, "model": {"path": str(rm_dir)}, "reward_loop_module_path": "my_loop.py"})
+    assert code == 2 and "reward_loop_module_path" in err and "custom_reward_function" in err
