@@ -34,6 +34,7 @@ TRAIN_HELP_KEYS = {
                           "rollout.temperature"),
     "algorithm": ("adv_estimator", "use_kl_in_reward"),
     "custom_reward_function": ("path", "name"),
+    "reward_model": ("enable", "model.path", "rm_weight", "rule_weight"),
     "trainer": ("total_epochs", "total_training_steps", "default_local_dir", "save_freq", "test_freq",
                 "val_before_train", "val_only", "resume_mode", "logger", "device"),
 }

@@ -359,12 +359,12 @@ def test_ppo_with_critic(variant: str, micro_model: Path, task_files: dict[str, 
     critic_dir = run / "checkpoints" / "global_step_2" / "critic"
     assert {"config.json", "model.safetensors", "optim_state.pt"} <= {p.name for p in critic_dir.iterdir()}
     saved_head = load_file(str(critic_dir / "model.safetensors"))["score.weight"]
-    assert torch.equal(saved_head, trainer.critic.model.score.weight.detach().cpu())
+    assert torch.equal(saved_head, trainer.workers.worker.critic.model.score.weight.detach().cpu())
     reloaded = load_value_model(critic_dir, device="cpu", dtype=torch.float32)
     assert torch.equal(reloaded.score.weight.detach(), saved_head)  # the trained head is kept, not re-drawn
 
     uses_ref = variant != "gae"
-    assert (trainer.ref is not None) == uses_ref
+    assert (trainer.workers.worker.ref is not None) == uses_ref
     assert all(("timing_s/ref" in line) == uses_ref for line in metrics.values())
     if variant == "gae+kl_loss":
         # low_var_kl against the reference: ~0 while the actor still equals it, > 0 once it has moved.

@@ -284,7 +284,7 @@ def test_training_validation_and_archer_eval_agree(micro_model: Path, task_files
                                       "trainer.val_only=true", f"trainer.default_local_dir={tmp_path / 'run'}",
                                       "eval.k=[1,2,4]", *sampling])
     trainer = PPOTrainer(cfg)
-    assert trainer.actor is None and trainer.ref is None and trainer.critic is None and trainer.train_set is None
+    assert trainer.workers is None and trainer.train_set is None
     train_metrics = trainer.fit()["val_after"]
     spec = tmp_path / "arith.yaml"
     spec.write_text(f"file: {task_files['val']}\nformat: verl\ndata_source: archer/arithmetic\n", encoding="utf-8")

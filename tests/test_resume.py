@@ -247,29 +247,29 @@ def test_resume_restores_every_piece_of_state(task: dict[str, Path], tmp_path: P
     trained = PPOTrainer(cfg)
     trained.train_step(1)
     trained.train_step(2)
-    assert trained.kl_ctrl.value != 0.05 and trained.actor.scheduler.last_epoch == 2
+    assert trained.kl_ctrl.value != 0.05 and trained.workers.worker.actor.scheduler.last_epoch == 2
     random.random()  # a run moves every generator away from its seed
     np.random.rand(5)
     torch.rand(7)
     trained.save_checkpoint(2)
     loader_state = trained.loader.state_dict()
-    optimizer_state = state_tensors(trained.actor.optimizer.state_dict())
-    scheduler_state = trained.actor.scheduler.state_dict()
-    weights = {k: v.clone() for k, v in trained.actor.model.state_dict().items()}
+    optimizer_state = state_tensors(trained.workers.worker.actor.optimizer.state_dict())
+    scheduler_state = trained.workers.worker.actor.scheduler.state_dict()
+    weights = {k: v.clone() for k, v in trained.workers.worker.actor.model.state_dict().items()}
     draws = (random.random(), np.random.rand(), torch.rand(3))
     next_prompts = [item["raw_prompt"] for item in trained.loader.next_batch()]
 
     fresh = PPOTrainer(cfg)
-    assert not torch.equal(fresh.actor.model.state_dict()["lm_head.weight"], weights["lm_head.weight"])
+    assert not torch.equal(fresh.workers.worker.actor.model.state_dict()["lm_head.weight"], weights["lm_head.weight"])
     assert fresh.resume() == 2
 
     assert fresh.loader.state_dict() == loader_state == {"epoch": 0, "position": 2}
     assert fresh.kl_ctrl.value == trained.kl_ctrl.value
-    assert state_tensors(fresh.actor.optimizer.state_dict()) == optimizer_state
-    assert len(fresh.actor.optimizer.state) == len(list(fresh.actor.model.parameters()))  # Adam state for each
-    assert fresh.actor.scheduler.state_dict() == scheduler_state
-    assert fresh.actor.scheduler.get_last_lr() == [1e-3]  # two warm-up steps done: the full lr
-    assert all(torch.equal(fresh.actor.model.state_dict()[k], v) for k, v in weights.items())
+    assert state_tensors(fresh.workers.worker.actor.optimizer.state_dict()) == optimizer_state
+    assert len(fresh.workers.worker.actor.optimizer.state) == len(list(fresh.workers.worker.actor.model.parameters()))  # Adam state for each
+    assert fresh.workers.worker.actor.scheduler.state_dict() == scheduler_state
+    assert fresh.workers.worker.actor.scheduler.get_last_lr() == [1e-3]  # two warm-up steps done: the full lr
+    assert all(torch.equal(fresh.workers.worker.actor.model.state_dict()[k], v) for k, v in weights.items())
     assert (random.random(), np.random.rand()) == draws[:2]
     assert torch.equal(torch.rand(3), draws[2])
     assert [item["raw_prompt"] for item in fresh.loader.next_batch()] == next_prompts

@@ -81,7 +81,7 @@ def test_grpo_with_the_fast_engine_generates_from_the_updated_weights(micro_mode
         "actor_rollout_ref.actor.optim.lr=1e-2", "trainer.total_training_steps=2", "trainer.logger=[jsonl]",
         "trainer.plots=False"])
     trainer = PPOTrainer(cfg)
-    engine = trainer.actor.rollout.engine
+    engine = trainer.workers.worker.actor.rollout.engine
     assert isinstance(engine, FastEngine)
     synced = []
     original = engine.sync_weights
@@ -90,9 +90,9 @@ def test_grpo_with_the_fast_engine_generates_from_the_updated_weights(micro_mode
     assert synced == [True]  # before step 2's rollout, after step 1's update (none after the last)
     # the engine's copy now holds the actor's updated weights: its greedy tokens and log-probs are the actor's
     prompts = [trainer.tokenizer("Compute 3+4.")["input_ids"]]
-    engine.sync_weights(policy_weights(trainer.actor.model))
+    engine.sync_weights(policy_weights(trainer.workers.worker.actor.model))
     greedy = SamplingParams(do_sample=False, max_new_tokens=6)
     fast = engine.generate(prompts, greedy)
-    hf = HFGenerateEngine(trainer.actor.model, trainer.tokenizer).generate(prompts, greedy)
+    hf = HFGenerateEngine(trainer.workers.worker.actor.model, trainer.tokenizer).generate(prompts, greedy)
     assert fast.responses.tolist() == hf.responses.tolist()
     assert math.isclose(float(fast.log_probs.sum()), float(hf.log_probs.sum()), abs_tol=1e-3)

@@ -90,7 +90,7 @@ def load_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim
                    options=_LOAD_OPTIONS)
 
 
-def export_hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path,
+def export_hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path,
               ctx: DistContext) -> Path:
     """The whole model (LoRA merged) and its tokenizer as an ordinary HF folder at ``out_dir``, in the
     weights' own dtype. Every rank calls it (the weights are gathered one at a time); rank 0 writes."""
@@ -102,6 +102,37 @@ def export_hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase, out_dir: str
     if ctx.is_main:
         folder.mkdir(parents=True, exist_ok=True)
         unwrap(model).save_pretrained(str(folder), state_dict=state)
-        tokenizer.save_pretrained(str(folder))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(folder))
     ctx.barrier()
     return folder
+
+
+def load_full_state(model_dir: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    optim_state: dict, ctx: DistContext) -> None:
+    """A single-process checkpoint into a sharded model (a run resumed on more ranks): the full weights of the
+    HF folder ``model_dir`` and ``optim_state``, ``optimizer.state_dict()`` of the single process (its
+    parameters numbered in the order of the model's trainable parameters, the order the optimiser was built
+    in). Every rank reads the whole folder and keeps its shards. All ranks call it."""
+    from safetensors.torch import load_file
+
+    root = unwrap(model)
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted(Path(model_dir).glob("*.safetensors")):
+        weights.update(load_file(str(shard)))
+    trainable = [name for name, param in root.named_parameters() if param.requires_grad]
+    groups = optim_state["param_groups"]
+    numbered = [index for group in groups for index in group["params"]]
+    if len(numbered) != len(trainable):
+        raise ArcherError(f"the optimiser state beside {model_dir} has {len(numbered)} parameters, this model "
+                          f"{len(trainable)} trainable ones", "resume with the model the checkpoint was written with")
+    name_of = dict(zip(numbered, trainable, strict=True))
+    full_optim = {"state": {name_of[index]: state for index, state in optim_state["state"].items()},
+                  "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]} for group in groups]}
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    try:
+        set_state_dict(root, optimizer, model_state_dict=weights, optim_state_dict=full_optim, options=options)
+    except (RuntimeError, ValueError, KeyError) as err:
+        raise ArcherError(f"the checkpoint in {model_dir} does not fit this model ({type(err).__name__}: "
+                          f"{str(err)[:500]})", "resume with the model the checkpoint was written with") from err
+    ctx.barrier()

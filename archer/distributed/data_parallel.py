@@ -25,11 +25,14 @@ from archer.models.micro_batches import MicroBatching
 @dataclass(frozen=True)
 class RankPasses:
     """The micro-batches a rank runs over a batch: row indices into the whole batch, its own first
-    (``own`` of them), then padding passes; ``rows``: the rank's slice [start, stop) of the batch."""
+    (``own`` of them), then padding passes; ``rows``: the rank's slice [start, stop) of the batch;
+    ``every_rank``: the micro-batches of all ranks together (padding excluded), e.g. for normalisers that count
+    per micro-batch."""
 
     parts: list[torch.Tensor]
     own: int
     rows: slice
+    every_rank: list[torch.Tensor]
 
     def padding(self, index: int) -> bool:
         """Whether pass ``index`` only keeps the ranks' pass counts equal."""
@@ -40,16 +43,17 @@ def rank_passes(attention_mask: torch.Tensor, micro: MicroBatching, ctx: DistCon
     """The passes ``ctx.rank`` runs over the rows of ``attention_mask`` (the whole batch) split by ``micro``.
     At world 1: ``micro.split`` as it is. A rank without rows repeats row 0 of the batch."""
     n = int(attention_mask.shape[0])
-    counts, own_parts, own_rows = [], [], slice(0, 0)
+    counts, every_rank, own_parts, own_rows = [], [], [], slice(0, 0)
     for rank in range(ctx.world_size):
         start, stop = shard_bounds(n, rank, ctx.world_size)
         parts = [rows + start for rows in micro.split(attention_mask[start:stop])] if stop > start else []
         counts.append(len(parts))
+        every_rank += parts
         if rank == ctx.rank:
             own_parts, own_rows = parts, slice(start, stop)
     filler = own_parts[-1] if own_parts else torch.zeros(1, dtype=torch.long)
     padding = [filler] * (max(counts) - len(own_parts)) if n else []
-    return RankPasses(parts=own_parts + padding, own=len(own_parts), rows=own_rows)
+    return RankPasses(parts=own_parts + padding, own=len(own_parts), rows=own_rows, every_rank=every_rank)
 
 
 def reduce_metric_sums(sums: MetricSums, ctx: DistContext) -> None:

@@ -152,7 +152,7 @@ def full_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
     """Scale the gradients so that their global L2 norm is at most ``max_norm`` and return that norm (over
     every rank's shards, so the same float on all ranks; 0.0 without gradients). ``max_norm`` None or <= 0
-    clips nothing (``archer.workers.optim.clip_and_step``'s contract). A non-finite norm leaves the
+    clips nothing (``archer.models.optim.clip_and_step``'s contract). A non-finite norm leaves the
     gradients as they are and is returned as is: the caller skips the optimizer step and zeroes them."""
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:

@@ -15,10 +15,12 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
 def compute_log_probs(model: torch.nn.Module, batch: Batch, *, temperature: float, micro: MicroBatching,
-                      chunk_size: int | None, device: torch.device, compute_entropy: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      chunk_size: int | None, device: torch.device, compute_entropy: bool,
+                      parts: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of the batch's responses under ``model``, micro-batch by micro-batch, on the
-    CPU in float32; the model's train/eval mode is restored afterwards."""
+    CPU in float32; the model's train/eval mode is restored afterwards. ``parts``: the rows of each pass
+    (default ``micro.split``; a data-parallel rank passes its own, archer/distributed/data_parallel.py), rows
+    outside them left 0."""
     data = batch.select([*MODEL_INPUTS, "responses"])
     shape = data["responses"].shape
     logp = torch.zeros(shape)
@@ -26,7 +28,7 @@ def compute_log_probs(model: torch.nn.Module, batch: Batch, *, temperature: floa
     was_training = model.training
     model.eval()
     with torch.no_grad(), autocast_for(device):
-        for rows in micro.split(data["attention_mask"]):
+        for rows in micro.split(data["attention_mask"]) if parts is None else parts:
             layout = micro.layout(data.index(rows).to(device))
             mb_logp, mb_ent = layout_logprobs(model, layout, temperature=temperature, chunk_size=chunk_size,
                                               compute_entropy=compute_entropy)

@@ -1,5 +1,6 @@
 """Loading and saving Hugging Face models and tokenizers: device and dtype choice, the policy (causal LM),
-the critic (backbone + scalar value head), and clear errors for every way a model folder can be broken."""
+the critic (backbone + scalar value head), the reward model (sequence classification), and clear errors for
+every way a model folder can be broken."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import nn
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     AutoTokenizer,
     PretrainedConfig,
@@ -263,3 +265,21 @@ def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, o
     if tokenizer is not None:
         tokenizer.save_pretrained(str(folder))
     return folder
+
+
+def load_reward_model(
+    path: str | Path,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype | None = None,
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """A reward model: AutoModelForSequenceClassification (one label) from a local folder, frozen, in eval mode,
+    on ``device`` in ``dtype`` (default by device). The folder's checks are archer.workers.reward_model's."""
+    device = torch.device(device)
+    folder = _check_folder(path, "reward model")
+    config = _load_config(folder, trust_remote_code)
+    model = _from_pretrained(
+        AutoModelForSequenceClassification, folder, config, dtype or default_dtype(device), trust_remote_code
+    )
+    return _prepare(model, device, False).eval().requires_grad_(False)

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from archer.distributed.fsdp import clip_grad_norm
 from archer.errors import ArcherError
 
 WARMUP_STYLES = ("constant", "cosine")  # verl's actor / critic optim.warmup_style
@@ -113,9 +114,7 @@ def load_optim_state(folder: Path, optimizer: torch.optim.Optimizer, scheduler: 
 def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
                   step: bool = True) -> tuple[float, bool]:
     """Clip gradients, step if the norm is finite (and ``step``); returns (grad_norm, stepped). Grads are zeroed."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    max_norm = float(grad_clip) if grad_clip and grad_clip > 0 else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+    grad_norm = clip_grad_norm(model, float(grad_clip) if grad_clip else None)  # sharded: the global norm
     stepped = step and math.isfinite(grad_norm)
     if stepped:
         optimizer.step()

@@ -7,6 +7,14 @@ token keeps an all-zero row (its score is still in ``scores``). Rows are scored 
 after scoring: a built-in rule reward's wrong answers get ``wrong_answer_score``, and the overlong buffer
 adds its penalty (``overlong_penalty``); accuracy is that of the unshaped answer.
 
+With the reward model on (reward_model.enable, archer.workers.reward_model), a batch that carries its
+``rm_scores`` is scored as ``rule_weight * rule score + rm_weight * rm score`` (``ModelRewardMix``; verl's default
+rm_weight 1, rule_weight 0 is the reward model's score alone, as verl's managers return ``rm_scores`` as they are).
+The rules still score the rows they can (all rows with a custom function; with the built-in rewards the rows whose
+data_source has one and a ground truth), for the accuracy of the metrics; a row without a rule has accuracy
+``score > 0``. Each row's extras gain ``rm_score`` and ``rule_score`` (``reward/rm_score/mean`` ... in the metrics).
+A batch without ``rm_scores`` (validation, ``archer eval``) is scored by the rules alone, as in verl.
+
 A scorer's other dict keys are the row's extras (archer.rewards.extras). A score or accuracy that is not a
 finite number (a custom function returning NaN) stops the run with an error naming the row, its data_source
 and its response: a non-finite reward would turn every later update into a silent no-op.
@@ -15,7 +23,7 @@ and its response: a non-finite reward would turn every later update into a silen
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -27,6 +35,7 @@ from archer.errors import ArcherError
 from archer.rewards.custom import load_custom_reward_fn
 from archer.rewards.extras import REWARD_EXTRAS, as_number
 from archer.rewards.managers import ManagerContext, RowScorer, ScoreRows, build_row_scorer
+from archer.rewards.registry import has_builtin_reward
 from archer.rewards.shaping import OverlongBuffer, apply_wrong_answer_score
 
 _REQUIRED_ROWS = ("ground_truth",)
@@ -59,9 +68,35 @@ class RewardOutput:
         return batch
 
 
+@dataclass(frozen=True)
+class ModelRewardMix:
+    """How a batch's reward-model scores (``rm_scores``) and the rule reward combine into a row's score:
+    ``rule_weight * rule score + rm_weight * rm score`` (reward_model.rule_weight / rm_weight; verl's default 0
+    and 1 is the reward model's score alone)."""
+
+    rm_weight: float = 1.0
+    rule_weight: float = 0.0
+
+    def combine(self, rule: np.ndarray, acc: np.ndarray, ruled: np.ndarray, rm: np.ndarray,
+                extras: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(score, accuracy) of each row from its rule score (rows ``ruled``) and reward-model score ``rm``; a
+        row without a rule has accuracy ``score > 0``. Each row's extras gain ``rm_score`` (and ``rule_score``
+        where a rule scored it)."""
+        scores = self.rm_weight * rm
+        if self.rule_weight:
+            scores = scores + self.rule_weight * np.where(ruled, rule, 0.0)
+        acc = np.where(ruled, acc, (scores > 0).astype(np.float64))
+        for i, row_extras in enumerate(extras):
+            row_extras["rm_score"] = float(rm[i])
+            if ruled[i]:
+                row_extras["rule_score"] = float(rule[i])
+        return scores, acc
+
+
 class RewardManager:
     """Turns a batch of responses into token-level scores with the reward manager named ``manager`` (its
-    ``manager_kwargs`` are verl's reward_model.reward_kwargs; ``max_response_length`` is dapo's default)."""
+    ``manager_kwargs`` are verl's reward_model.reward_kwargs; ``max_response_length`` is dapo's default).
+    ``mix``: with the reward model on, how its ``rm_scores`` (when the batch has them) combine with the rules."""
 
     def __init__(
         self,
@@ -74,8 +109,10 @@ class RewardManager:
         manager_kwargs: Mapping[str, Any] | None = None,
         max_response_length: int = 0,
         score_workers: int = 1,
+        mix: ModelRewardMix | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.mix = mix
         self.compute_score = compute_score
         self.reward_fn_key = reward_fn_key
         self.scorer: RowScorer = build_row_scorer(manager, compute_score, manager_kwargs or {},
@@ -116,23 +153,49 @@ class RewardManager:
         present = response_attention(batch)  # the reward reads the whole response, tool output included
         texts = self._decode(responses, present)
         rows = self._rows(batch, texts)
-        results = [_row_score(result, f"row {i} (data_source {rows.data_sources[i]!r}, response {_excerpt(text)})")
-                   for i, (result, text) in enumerate(zip(self.scorer.score(rows), texts, strict=True))]
-        scores = np.array([score for score, _, _ in results], dtype=np.float64)
-        acc = np.array([a for _, a, _ in results], dtype=np.float64)
-        extras = np.empty(len(results), dtype=object)
-        for i, (_, _, row_extras) in enumerate(results):
-            extras[i] = row_extras
+        model_scored = self.mix is not None and "rm_scores" in batch
+        ruled = self._ruled(rows) if model_scored else np.ones(len(texts), dtype=bool)
+        scores, acc, extras = self._rule_scores(rows, np.flatnonzero(ruled))
         if self.compute_score is None and self.wrong_answer_score != 0:
-            scores = apply_wrong_answer_score(scores, acc, self.wrong_answer_score)
+            scores[ruled] = apply_wrong_answer_score(scores[ruled], acc[ruled], self.wrong_answer_score)
+        if model_scored:
+            assert self.mix is not None
+            rm = batch["rm_scores"].detach().sum(dim=1).cpu().double().numpy()
+            scores, acc = self.mix.combine(scores, acc, ruled, rm, extras)
         penalty = None
         if self.overlong is not None:
             penalty = self.overlong.penalties(present.sum(dim=1).cpu().numpy())
             scores = scores + penalty
-        return RewardOutput(_on_last_token(scores, mask).to(responses.device), scores, acc, texts, extras, penalty)
+        return RewardOutput(on_last_token(scores, mask).to(responses.device), scores, acc, texts, extras, penalty)
+
+    def _ruled(self, rows: ScoreRows) -> np.ndarray:
+        """With the reward model's scores and rule_weight 0: the rows a rule scores (for their accuracy and the
+        rule_score extra): every row with a custom function, else those with a built-in reward and a ground
+        truth. With rule_weight != 0, every row (one without a rule is then an error)."""
+        n = len(rows.texts)
+        if self.compute_score is not None or (self.mix is not None and self.mix.rule_weight != 0):
+            return np.ones(n, dtype=bool)
+        return np.array([rows.ground_truths[i] is not None and has_builtin_reward(rows.data_sources[i], rows.abilities[i])
+                         for i in range(n)], dtype=bool)
+
+    def _rule_scores(self, rows: ScoreRows, which: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(score, accuracy, extras) of every row, the rows ``which`` scored by the manager; the others keep
+        score 0, accuracy NaN and no extras."""
+        n = len(rows.texts)
+        scores, acc = np.zeros(n, dtype=np.float64), np.full(n, np.nan, dtype=np.float64)
+        extras = np.empty(n, dtype=object)
+        extras[:] = [{} for _ in range(n)]
+        picked = [int(i) for i in which]
+        subset = rows if len(picked) == n else ScoreRows(
+            **{f.name: [getattr(rows, f.name)[i] for i in picked] for f in fields(ScoreRows)})
+        results = self.scorer.score(subset) if picked else []
+        for i, result in zip(picked, results, strict=True):
+            where = f"row {i} (data_source {rows.data_sources[i]!r}, response {_excerpt(rows.texts[i])})"
+            scores[i], acc[i], extras[i] = _row_score(result, where)
+        return scores, acc, extras
 
 
-def _on_last_token(scores: np.ndarray, mask: torch.Tensor) -> torch.Tensor:
+def on_last_token(scores: np.ndarray, mask: torch.Tensor) -> torch.Tensor:
     """[B, R] float32 zeros with each row's score at its last valid token (rows without one stay zero)."""
     valid = mask.cpu().long()
     out = torch.zeros(valid.shape, dtype=torch.float32)
@@ -198,4 +261,12 @@ def build_reward_manager(cfg: DictConfig, tokenizer: Any) -> RewardManager:
                          manager=str(cfg.reward_model.reward_manager),
                          manager_kwargs=OmegaConf.to_container(cfg.reward_model.reward_kwargs, resolve=True),
                          max_response_length=int(cfg.data.max_response_length),
-                         score_workers=int(cfg.eval.score_workers))
+                         score_workers=int(cfg.eval.score_workers), mix=model_reward_mix(cfg))
+
+
+def model_reward_mix(cfg: DictConfig) -> ModelRewardMix | None:
+    """The mix of reward_model.rm_weight / rule_weight when reward_model.enable is on, else None."""
+    rm = cfg.reward_model
+    if not rm.enable:
+        return None
+    return ModelRewardMix(rm_weight=float(rm.rm_weight), rule_weight=float(rm.rule_weight))

@@ -106,15 +106,20 @@ def _route(data_source: str, ability: str | None) -> Callable[[str, Any], Score]
     )
 
 
+def has_builtin_reward(data_source: str, ability: str | None) -> bool:
+    """Whether the routing gives (data_source, ability) a built-in reward."""
+    try:
+        _route(str(data_source), ability or None)
+    except ArcherError:
+        return False
+    return True
+
+
 def check_routes(pairs: Iterable[tuple[str, str | None]], where: str) -> None:
     """Every (data_source, ability) pair of a dataset has a built-in reward; else one error naming the sources
     without one (and ``where`` they come from) and the routes there are."""
-    missing: set[str] = set()
-    for data_source, ability in set(pairs):
-        try:
-            _route(str(data_source), ability or None)
-        except ArcherError:
-            missing.add(f"{data_source!r}" + (f" (ability {ability!r})" if ability else ""))
+    missing = {f"{data_source!r}" + (f" (ability {ability!r})" if ability else "")
+               for data_source, ability in set(pairs) if not has_builtin_reward(data_source, ability)}
     if missing:
         raise ArcherError(
             f"{where}: no built-in reward for data_source {', '.join(sorted(missing))}; {_routes_text()}",

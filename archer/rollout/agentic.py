@@ -198,6 +198,7 @@ class _Run:
         self.params = params
         self.settings = settings
         self.seed = seed
+        self.first_prompt = params.first_prompt  # sample seeds follow the prompt's index in the whole batch
         self.budget = loop.settings.response_length
         self.session = loop.engine.session()
         self.trajectories: list[list[Trajectory]] = [[] for _ in prompts]
@@ -213,14 +214,14 @@ class _Run:
 
     def start(self, prompt: int) -> Trajectory:
         ordinal = len(self.trajectories[prompt])
-        seq = self.session.add(self.prompts[prompt], _seed(self.seed, _SAMPLE, prompt, ordinal))
+        seq = self.session.add(self.prompts[prompt], _seed(self.seed, _SAMPLE, self.first_prompt + prompt, ordinal))
         t = Trajectory(prompt, ordinal, seq)
         self.trajectories[prompt].append(t)
         return t
 
     def branch(self, parent: Trajectory, point: _Point) -> Trajectory:
         ordinal = len(self.trajectories[parent.prompt])
-        seq = self.session.fork(point.seq, _seed(self.seed, _SAMPLE, parent.prompt, ordinal))
+        seq = self.session.fork(point.seq, _seed(self.seed, _SAMPLE, self.first_prompt + parent.prompt, ordinal))
         child = Trajectory(parent.prompt, ordinal, seq, parent=parent.ordinal, branch_position=point.length,
                            depth=parent.depth + 1,
                            tokens=parent.tokens[:point.length], learned=parent.learned[:point.length],

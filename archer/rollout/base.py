@@ -30,7 +30,8 @@ class SamplingParams:
     """How to sample: n samples per prompt, temperature, top-p / top-k filtering, length and stop strings.
 
     ``top_k <= 0`` and ``top_p == 1`` switch filtering off. ``do_sample=False`` or ``temperature == 0``
-    decodes greedily. ``seed`` makes sampling reproducible.
+    decodes greedily. ``seed`` makes sampling reproducible; ``first_prompt``: the index of the first prompt
+    in the whole batch (a data-parallel rank generates a slice, each prompt with the seed of its global index).
     """
 
     n: int = 1
@@ -41,6 +42,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     do_sample: bool = True
     seed: int | None = None
+    first_prompt: int = 0
 
     def __post_init__(self) -> None:
         self.stop = tuple(self.stop)

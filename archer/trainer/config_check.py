@@ -9,6 +9,8 @@ has loaded.
 
 from __future__ import annotations
 
+import logging
+
 from omegaconf import DictConfig, OmegaConf
 
 from archer.algorithms.policy_loss import POLICY_LOSSES
@@ -23,6 +25,9 @@ from archer.rollout.factory import check_engine_name
 from archer.trace.influence import check_settings as check_influence_settings
 from archer.trainer.group_filter import check_filter_metric
 from archer.workers.actor_objective import loss_switches
+from archer.workers.reward_model import check_reward_model_config
+
+log = logging.getLogger("archer.config")
 
 # Keys that count something and must be at least 1.
 COUNT_KEYS = (
@@ -85,8 +90,10 @@ def check_config(cfg: DictConfig) -> None:
     check_counts(cfg)
     check_no_ops(cfg)
     if cfg.reward_model.enable:
-        raise ArcherError("reward_model.enable=True: model-based reward is not available in archer yet",
-                          "use rule rewards or custom_reward_function.path=FILE (reward_model.enable=False)")
+        check_reward_model_config(cfg)
+    elif cfg.reward_model.model.path:
+        log.warning("reward_model.model.path is set but reward_model.enable=false: the rule rewards score every "
+                    "response (set reward_model.enable=true to use the reward model)")
     check_engine_name(cfg.actor_rollout_ref.rollout.name)
     LoraSettings.from_config(cfg.actor_rollout_ref.model)  # lora_rank, lora_alpha, target_modules
     actor = cfg.actor_rollout_ref.actor

@@ -28,6 +28,7 @@ from archer.config.loader import as_list, save_config
 from archer.data.loader import collate_prompts
 from archer.data.rl_data import build_rl_data
 from archer.data.rl_dataset import RLDataset
+from archer.distributed.worker_group import WorkerGroup, build_worker_group
 from archer.errors import ArcherError
 from archer.eval.evaluator import Evaluator, records_metrics
 from archer.models.loading import pick_device
@@ -56,19 +57,14 @@ from archer.trainer.metrics import MemoryPeaks, compute_data_metrics, compute_ti
 from archer.trainer.model_check import check_sequence_lengths
 from archer.trainer.plots import plot_metrics
 from archer.trainer.tracking import Tracking
-from archer.workers.actor import INFLUENCE_TOKENS, ActorWorker
-from archer.workers.critic import CriticWorker
+from archer.workers.actor import INFLUENCE_TOKENS
+from archer.workers.colocated import RankWorkers, world_size
 from archer.workers.generator import GenerationWorker
 from archer.workers.rollout import ROLLOUT_STATS, concat_sequences
 
 log = logging.getLogger("archer.trainer")
 
 GEN_BATCH_SEED_STRIDE = 7_919_993  # sampling-seed offset of a step's 2nd, 3rd, ... generation batch
-
-# The memory plan's figures for the models beside the actor, per policy parameter: the reference policy in bf16,
-# the critic (a value model of the policy's size) in float32 with its gradients and Adam's two states.
-REFERENCE_BYTES_PER_PARAM = 2
-CRITIC_BYTES_PER_PARAM = 16
 
 TRAINER_STATE = "trainer_state.pt"
 VAL_ONLY_FILE = "val_only.jsonl"  # trainer.val_only: one line per validation, appended
@@ -95,12 +91,18 @@ def seed_everything(seed: int) -> None:
 
 def check_data_against_config(cfg: DictConfig, dataset: RLDataset | None, where: str) -> None:
     """When the data loads, before training: without custom_reward_function every data_source has a built-in
-    reward (naming the ones without and the routes there are), and the rows' tools name configured tools."""
+    reward (naming the ones without and the routes there are), and the rows' tools name configured tools. The
+    training rows need no rule when the reward model alone scores them (reward_model.rule_weight=0); validation
+    is scored by the rules (as verl's)."""
     if dataset is None:
         return
     items = [dataset[i] for i in range(len(dataset))]
-    if not cfg.custom_reward_function.path:
+    rm = cfg.reward_model
+    model_alone = bool(rm.enable) and float(rm.rule_weight) == 0 and where == "data.train_files"
+    if not cfg.custom_reward_function.path and not model_alone:
         key = cfg.data.reward_fn_key
+        if rm.enable and where == "data.val_files":
+            where += " (validation is scored by the rule rewards; the reward model scores training, as in verl)"
         check_routes(((item[key], item["ability"]) for item in items), where)
     check_row_tools((item["tools"] for item in items), cfg.actor_rollout_ref.rollout, where)
 
@@ -147,23 +149,25 @@ class PPOTrainer:
         self.influence_trace: InfluenceTrace | None = None
         self.peaks = MemoryPeaks(self.device)  # the current step's peak GPU memory per stage
         self.template_kwargs = OmegaConf.to_container(cfg.data.apply_chat_template_kwargs)
+        self.workers: WorkerGroup | None = None
         if cfg.trainer.val_only:  # a policy that only generates: no optimiser, reference, critic or train data
-            self.actor = self.ref = self.critic = None
             return
         steps = cfg.trainer.total_training_steps
         self.total_steps = int(steps) if steps else self.loader.steps_per_epoch * int(cfg.trainer.total_epochs)
         algo = cfg.algorithm
         self.use_ref = bool(ref_cfg.actor.use_kl_loss or algo.use_kl_in_reward)
         self.use_critic = algo.adv_estimator == "gae"
-        lora = int(ref_cfg.model.lora_rank) > 0  # the reference is the LoRA policy's base: no second copy
-        others = {"reference policy": REFERENCE_BYTES_PER_PARAM} if self.use_ref and not lora else {}
-        if self.use_critic:
-            others["critic"] = CRITIC_BYTES_PER_PARAM
-        self.actor = ActorWorker(ref_cfg, device=self.device, total_steps=self.total_steps, tokenizer=self.tokenizer,
-                                 chat_template_kwargs=self.template_kwargs, other_models=others)
-        self.ref = self.actor.make_reference() if self.use_ref else None
-        self.critic = (CriticWorker(cfg.critic, rollout_n=int(ref_cfg.rollout.n), device=self.device,
-                                    total_steps=self.total_steps) if self.use_critic else None)
+        self.world = world_size(cfg)
+        local = self.world == 1  # the driver's tokenizer goes to an in-process worker; ranks load their own
+        worker_kwargs = {"cfg": cfg, "total_steps": self.total_steps, "use_ref": self.use_ref,
+                         "use_critic": self.use_critic, "tokenizer": self.tokenizer if local else None,
+                         "chat_template_kwargs": self.template_kwargs}
+        if not local:
+            self.device = torch.device("cpu")  # the driver holds no model: the ranks own the devices
+            self.peaks = MemoryPeaks(self.device)
+        self.workers = build_worker_group(RankWorkers, worker_kwargs, nnodes=int(cfg.trainer.nnodes),
+                                          n_gpus_per_node=int(cfg.trainer.n_gpus_per_node),
+                                          device_kind=str(cfg.trainer.device), name="archer-ranks")
         self.kl_ctrl = make_kl_controller(algo.kl_ctrl.type, float(algo.kl_ctrl.kl_coef),
                                           float(algo.kl_ctrl.target_kl), int(algo.kl_ctrl.horizon))
 
@@ -177,10 +181,12 @@ class PPOTrainer:
         prompts["uid"] = [f"{prefix}-{i}" for i in range(len(prompts))]
         prompts.info.update(validate=False, seed=self.seed * 1_000_003 + step + gen_index * GEN_BATCH_SEED_STRIDE)
         with timer("gen", timings, self.peaks):
-            batch = self.actor.generate_sequences(prompts)
+            batch = self.workers.call("generate_sequences", prompts)
         if ROLLOUT_STATS in batch.info:
             rollout_stats.append(batch.info.pop(ROLLOUT_STATS))
         with timer("reward", timings, self.peaks):
+            if self.cfg.reward_model.enable:
+                batch = batch.union(self.workers.call("compute_rm_score", batch))
             self.reward_fn(batch).add_to(batch)
         return batch
 
@@ -239,13 +245,13 @@ class PPOTrainer:
                             "no update this step", step)
                 return {**metrics, "training/global_step": float(step), "training/epoch": float(self.loader.epoch)}
             with timer("old_log_prob", timings, self.peaks):
-                batch = batch.union(self.actor.compute_log_prob(batch))
-            if self.ref is not None:
+                batch = batch.union(self.workers.call("compute_log_prob", batch))
+            if self.use_ref:
                 with timer("ref", timings, self.peaks):
-                    batch = batch.union(self.ref.compute_ref_log_prob(batch))
-            if self.critic is not None:
+                    batch = batch.union(self.workers.call("compute_ref_log_prob", batch))
+            if self.use_critic:
                 with timer("values", timings, self.peaks):
-                    batch = batch.union(self.critic.compute_values(batch))
+                    batch = batch.union(self.workers.call("compute_values", batch))
             with timer("adv", timings, self.peaks):
                 if algo.use_kl_in_reward:
                     rewards, kl_metrics = apply_kl_penalty(batch["token_level_scores"], batch["old_log_probs"],
@@ -263,9 +269,9 @@ class PPOTrainer:
             if self.entropy_trace is not None:
                 with timer("entropy_trace", timings, self.peaks):  # entropies of the old-log-prob pass, with advantages
                     self.entropy_trace.record(step, batch)
-            if self.critic is not None:
+            if self.use_critic:
                 with timer("update_critic", timings, self.peaks):
-                    metrics.update(self.critic.update_critic(batch).info["metrics"])
+                    metrics.update(self.workers.call("update_critic", batch).info["metrics"])
             if int(cfg.trainer.critic_warmup) <= step:  # verl: steps count from 1, so k skips k-1 updates
                 selection = None
                 if self.influence_trace is not None:
@@ -274,7 +280,7 @@ class PPOTrainer:
                     if selection is not None:
                         batch.info[INFLUENCE_TOKENS] = selection.tokens
                 with timer("update_actor", timings, self.peaks):
-                    update = self.actor.update_actor(batch)
+                    update = self.workers.call("update_actor", batch)
                 batch.info.pop(INFLUENCE_TOKENS, None)
                 metrics.update(update.info["metrics"])
                 if selection is not None:
@@ -286,9 +292,15 @@ class PPOTrainer:
         metrics.update(compute_data_metrics(batch, max_response_length=int(cfg.data.max_response_length)))
         metrics.update(compute_timing_metrics(timings, int(batch["attention_mask"].sum())))
         metrics.update(self.peaks.metrics())
+        if self.world > 1:  # the step's peak memory on the busiest device (the driver holds no model)
+            metrics.update(self.workers.call("memory_peaks"))
         metrics["training/global_step"] = float(step)
         metrics["training/epoch"] = float(self.loader.epoch)
         return metrics
+
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        """The policy's responses to ``prompts``, generated by the ranks."""
+        return self.workers.call("generate_sequences", prompts)
 
     # -- validation -----------------------------------------------------------------------------------------
     def validate(self, dump_prefix: str = "", generator: Any = None) -> dict[str, float]:
@@ -298,7 +310,8 @@ class PPOTrainer:
         if self.val_set is None:
             return {}
         n = int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
-        evaluator = Evaluator((generator or self.actor).generate_sequences, self.reward_fn, self.tokenizer.pad_token_id,
+        generate = generator.generate_sequences if generator is not None else self.generate_sequences
+        evaluator = Evaluator(generate, self.reward_fn, self.tokenizer.pad_token_id,
                               n=n, seed=self.seed)
         size = int(self.cfg.data.val_batch_size or len(self.val_set))
         items = [self.val_set[i] for i in range(len(self.val_set))]
@@ -325,9 +338,7 @@ class PPOTrainer:
     # -- checkpoints -------------------------------------------------------------------------------------------
     def save_checkpoint(self, step: int) -> Path:
         def write(tmp: Path) -> None:
-            self.actor.save(tmp / "actor", self.tokenizer)
-            if self.critic is not None:
-                self.critic.save(tmp / "critic")
+            self.workers.call("save_checkpoint", tmp, self.tokenizer)
             save_torch_state(tmp / TRAINER_STATE, {"global_step": step, "loader": self.loader.state_dict(),
                                                    "rng": capture_rng_state(), "kl_coef": float(self.kl_ctrl.value)})
 
@@ -357,9 +368,7 @@ class PPOTrainer:
         path = self.checkpoint_to_resume()
         if path is None:
             return 0
-        self.actor.load(path / "actor")
-        if self.critic is not None:
-            self.critic.load(path / "critic")
+        self.workers.call("load_checkpoint", path)
         state = load_torch_state(path / TRAINER_STATE)
         self.loader.load_state_dict(state["loader"])
         restore_rng_state(state["rng"])
@@ -373,6 +382,14 @@ class PPOTrainer:
         cfg = self.cfg.trainer
         if cfg.val_only:
             return self.validate_only()
+        try:
+            return self.train()
+        finally:
+            if self.world > 1:
+                self.workers.shutdown()
+
+    def train(self) -> dict[str, Any]:
+        cfg = self.cfg.trainer
         start_time = time.perf_counter()
         self.guard_existing_run()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -415,7 +432,7 @@ class PPOTrainer:
             self.entropy_trace = EntropyTrace(self.cfg, self.run_dir, self.tokenizer, call_tags)
             self.entropy_trace.writer.truncate_after(start)
         if cfg.influence_trace.enable:
-            modules = self.actor.setup_influence(CaptureSettings.from_config(cfg.influence_trace))
+            modules = self.workers.call("setup_influence", CaptureSettings.from_config(cfg.influence_trace))
             self.influence_trace = InfluenceTrace(self.cfg, self.run_dir, self.tokenizer, modules, self.device,
                                                   call_tags)
             self.influence_trace.writer.truncate_after(start)

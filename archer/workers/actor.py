@@ -34,8 +34,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from archer.algorithms.metrics import MetricSums
 from archer.batch import Batch
+from archer.distributed.context import DistContext, shard_bounds
+from archer.distributed.data_parallel import rank_passes, reduce_metric_sums
 from archer.models.forward import MODEL_INPUTS, compute_log_probs
-from archer.models.loading import autocast_for, load_tokenizer
+from archer.models.loading import autocast_for, default_dtype, load_tokenizer
 from archer.models.logprobs import layout_logprobs
 from archer.models.lora import LoraSettings, trainable_parameters
 from archer.models.micro_batches import MicroBatching
@@ -56,7 +58,7 @@ from archer.workers.memory import MemoryPlan, card_figures, plan_actor_memory, r
 from archer.workers.mini_batches import StepAverages, mini_batches
 from archer.workers.offload import Offload
 from archer.workers.reference import ReferenceWorker
-from archer.workers.rollout import RolloutWorker
+from archer.workers.rollout import FIRST_PROMPT, ROLLOUT_STATS, RolloutWorker, pad_sequences
 
 log = logging.getLogger("archer.actor")
 
@@ -69,20 +71,27 @@ class ActorWorker:
     def __init__(self, cfg: DictConfig, *, device: torch.device, total_steps: int,
                  tokenizer: PreTrainedTokenizerBase | None = None,
                  chat_template_kwargs: Mapping[str, Any] | None = None,
-                 other_models: Mapping[str, int] | None = None) -> None:
+                 other_models: Mapping[str, int] | None = None, ctx: DistContext | None = None) -> None:
         """``other_models``: the models beside the actor on the device (reference, critic), as bytes per policy
-        parameter each holds, for the memory plan (workers/memory.py) checked here on a GPU."""
+        parameter each holds, for the memory plan (workers/memory.py) checked here on a GPU. ``ctx``: the rank
+        of a data-parallel run (archer/distributed/context.py; default: one process on ``device``); the policy
+        is then sharded with FSDP2 and the offload keys become FSDP2's CPU offload."""
         self.cfg = cfg
         self.actor_cfg = cfg.actor
         self.device = device
+        self.ctx = ctx if ctx is not None else DistContext.single(device)
         self.owner = ModelOwner.policy(cfg.model.path, device=device, lora=LoraSettings.from_config(cfg.model),
                                        gradient_checkpointing=bool(cfg.model.enable_gradient_checkpointing),
                                        trust_remote_code=bool(cfg.model.trust_remote_code))
-        self.owner.attach_optimizer(self.actor_cfg.optim, LRSchedule.from_rl_optim(self.actor_cfg.optim, total_steps))
         offload = self.actor_cfg.fsdp_config
+        offload_keys = bool(offload.param_offload), bool(offload.optimizer_offload)
+        sharded = self.ctx.distributed
+        if sharded:
+            self.owner.shard(self.ctx, param_dtype=default_dtype(device), cpu_offload=any(offload_keys))
+        self.owner.attach_optimizer(self.actor_cfg.optim, LRSchedule.from_rl_optim(self.actor_cfg.optim, total_steps))
         self.offload = Offload(self.model.parameters(), self.optimizer, device,
-                               param_offload=bool(offload.param_offload),
-                               optimizer_offload=bool(offload.optimizer_offload))
+                               param_offload=offload_keys[0] and not sharded,
+                               optimizer_offload=offload_keys[1] and not sharded)
         self.temperature = float(cfg.rollout.temperature)
         self.chunk_size = self.actor_cfg.logprob_chunk_size
         self.update_micro = MicroBatching.from_config(
@@ -93,6 +102,7 @@ class ActorWorker:
             budget_key="log_prob_max_token_len_per_gpu", remove_padding=bool(cfg.model.use_remove_padding))
         self.objective = ActorObjective.from_config(self.actor_cfg)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path, role="model")
+        self.pad_token_id = int(tokenizer.pad_token_id)
         fast = uses_fast_engine(cfg.rollout, self.model, device)
         self.memory_plan: MemoryPlan | None = None
         if device.type == "cuda":
@@ -106,10 +116,11 @@ class ActorWorker:
             log.warning("actor.fsdp_config.param_offload=true has no effect with the hf engine, which generates "
                         "with the policy's own weights")
             self.offload.param_offload = False
-        self.rollout = RolloutWorker(build_engine(cfg.rollout, self.model, tokenizer, device), cfg.rollout,
-                                     device=device, tokenizer=tokenizer, chat_template=cfg.model.custom_chat_template,
+        engine = build_engine(cfg.rollout, self.model, tokenizer, device, standalone=sharded)
+        self.rollout = RolloutWorker(engine, cfg.rollout, device=device, tokenizer=tokenizer,
+                                     chat_template=cfg.model.custom_chat_template,
                                      template_kwargs=chat_template_kwargs)
-        self._engine_is_stale = False  # the weights changed since the engine last took them
+        self._engine_is_stale = sharded  # the weights changed since the engine last took them (sharded: never took)
         # the influence trace's settings, hooked modules and their projections (setup_influence)
         self.influence: tuple[CaptureSettings, dict[str, torch.nn.Linear], dict[str, ModuleProjection]] | None = None
 
@@ -129,7 +140,7 @@ class ActorWorker:
     def make_reference(self) -> ReferenceWorker:
         """The reference worker beside this actor: with LoRA the policy's base (adapters off, no second copy),
         else its own frozen copy of actor_rollout_ref.model.path."""
-        return ReferenceWorker(self.cfg, device=self.device,
+        return ReferenceWorker(self.cfg, device=self.device, ctx=self.ctx,
                                lora_policy=self.owner if self.owner.peft is not None else None)
 
     # -- generation --------------------------------------------------------------------------------------
@@ -142,18 +153,36 @@ class ActorWorker:
             self._engine_is_stale = False
         self.offload.params_to_host()
         try:
-            return self.rollout.generate_for(prompts, release_weights=True)
+            return self._generate_rank_share(prompts)
         finally:
             if self.cfg.rollout.free_cache_engine:  # the weight copy went too: the next generation syncs again
                 self._engine_is_stale = True
             self.offload.params_to_device()
 
+    def _generate_rank_share(self, prompts: Batch) -> Batch:
+        """The responses to this rank's prompts (all of them at world 1), each sampled with the seed of its index
+        in the whole batch, padded to the widest response of every rank (so the ranks' batches concatenate). A
+        rank without prompts generates for one and returns no rows (its engine's weights still synced)."""
+        if not self.ctx.distributed:
+            return self.rollout.generate_for(prompts, release_weights=True)
+        start, stop = shard_bounds(len(prompts), self.ctx.rank, self.ctx.world_size)
+        share = prompts.index(slice(start, stop) if stop > start else slice(0, 1))
+        share.info[FIRST_PROMPT] = start
+        out = self.rollout.generate_for(share, release_weights=True)
+        if stop == start:
+            out.info.pop(ROLLOUT_STATS, None)
+            out = out.index(slice(0, 0))
+        width = int(self.ctx.all_reduce_max(torch.tensor([out["responses"].shape[1]]))[0])
+        return pad_sequences(out, out["prompts"].shape[1], width, self.pad_token_id)
+
     # -- inference -------------------------------------------------------------------------------------
     def compute_log_prob(self, batch: Batch) -> Batch:
         """old_log_probs and entropies of the current policy (before the update)."""
+        passes = rank_passes(batch["attention_mask"], self.log_prob_micro, self.ctx)
         logp, ent = compute_log_probs(self.model, batch, temperature=self.temperature, micro=self.log_prob_micro,
-                                      chunk_size=self.chunk_size, device=self.device, compute_entropy=True)
-        return Batch({"old_log_probs": logp, "entropies": ent})
+                                      chunk_size=self.chunk_size, device=self.device, compute_entropy=True,
+                                      parts=passes.parts)
+        return Batch({"old_log_probs": logp[passes.rows], "entropies": ent[passes.rows]})
 
     # -- influence ---------------------------------------------------------------------------------------
     def setup_influence(self, settings: CaptureSettings) -> list[str]:
@@ -219,10 +248,12 @@ class ActorWorker:
     def _update_mini_batch(self, mini_batch: Batch, influence: TokenCapture | None, step_optimizer: bool
                            ) -> dict[str, float]:
         objective = self.objective
-        parts = self.update_micro.split(mini_batch["attention_mask"])
-        agg_kwargs, pg_agg_kwargs = objective.mini_batch_normalisers(mini_batch["response_mask"].float(), parts)
+        passes = rank_passes(mini_batch["attention_mask"], self.update_micro, self.ctx)
+        agg_kwargs, pg_agg_kwargs = objective.mini_batch_normalisers(mini_batch["response_mask"].float(),
+                                                                     passes.every_rank)
         sums = MetricSums()
-        for rows in parts:
+        for index, rows in enumerate(passes.parts):
+            weight = 0.0 if passes.padding(index) else 1.0  # a padding pass only keeps FSDP's collectives in step
             mb = mini_batch.index(rows).to(self.device)
             layout = self.update_micro.layout(mb)
             mask = mb["response_mask"].float()
@@ -237,8 +268,9 @@ class ActorWorker:
                     log_prob=logp.float(), entropy=None if ent is None else ent.float(),
                     old_log_prob=mb["old_log_probs"], advantages=mb["advantages"], mask=mask,
                     ref_log_prob=mb.tensors.get("ref_log_prob"), agg_kwargs=agg_kwargs, pg_agg_kwargs=pg_agg_kwargs)
-                loss.backward()
-            sums.add(metrics)
+                (loss * weight).backward()
+            sums.add(metrics, weight)
+        reduce_metric_sums(sums, self.ctx)
         out = {f"actor/{name}": value for name, value in sums.result().items()}
         if objective.use_kl_loss:
             out["actor/kl_coef"] = objective.kl_loss_coef

@@ -86,10 +86,10 @@ class RankWorkers:
                                                   policy_path=str(ref_cfg.model.path))
             if self.ctx.device.type == "cuda":
                 others["reward model"] = self.reward_model.bytes_per_policy_param(ref_cfg.model)
-        self.actor = ActorWorker(ref_cfg, ctx=self.ctx, total_steps=total_steps, tokenizer=tokenizer,
+        self.actor = ActorWorker(ref_cfg, device=self.ctx.device, ctx=self.ctx, total_steps=total_steps, tokenizer=tokenizer,
                                  chat_template_kwargs=chat_template_kwargs, other_models=others)
         self.ref = self.actor.make_reference() if use_ref else None
-        self.critic = (CriticWorker(cfg.critic, rollout_n=int(ref_cfg.rollout.n), ctx=self.ctx,
+        self.critic = (CriticWorker(cfg.critic, rollout_n=int(ref_cfg.rollout.n), device=self.ctx.device, ctx=self.ctx,
                                     total_steps=total_steps) if use_critic else None)
 
     # -- the step's stages ------------------------------------------------------------------------------------

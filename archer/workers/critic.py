@@ -15,8 +15,10 @@ from archer.algorithms.aggregation import mini_batch_totals
 from archer.algorithms.metrics import MetricSums, masked_mean_metric, total_metric
 from archer.algorithms.value_loss import compute_value_loss
 from archer.batch import Batch
+from archer.distributed.context import DistContext
+from archer.distributed.data_parallel import rank_passes, reduce_metric_sums
 from archer.models.forward import MODEL_INPUTS
-from archer.models.loading import autocast_for, value_forward
+from archer.models.loading import autocast_for, default_dtype, value_forward
 from archer.models.micro_batches import MicroBatching
 from archer.models.optim import LRSchedule, clip_and_step
 from archer.models.owner import ModelOwner
@@ -26,13 +28,21 @@ from archer.workers.mini_batches import StepAverages, mini_batches
 class CriticWorker:
     """Owns the value model and its optimiser on one device."""
 
-    def __init__(self, cfg: DictConfig, *, rollout_n: int, device: torch.device, total_steps: int) -> None:
+    def __init__(self, cfg: DictConfig, *, rollout_n: int, device: torch.device, total_steps: int,
+                 ctx: DistContext | None = None) -> None:
+        """``ctx``: the rank of a data-parallel run (default: one process on ``device``); the value model is
+        then sharded with FSDP2 (CPU offload with critic.model.fsdp_config's offload keys)."""
         self.cfg = cfg
         self.rollout_n = rollout_n
         self.device = device
+        self.ctx = ctx if ctx is not None else DistContext.single(device)
         self.owner = ModelOwner.value_model(cfg.model.path, device=device,
                                             gradient_checkpointing=bool(cfg.model.enable_gradient_checkpointing),
                                             trust_remote_code=bool(cfg.model.trust_remote_code))
+        if self.ctx.distributed:
+            offload = cfg.model.fsdp_config
+            self.owner.shard(self.ctx, param_dtype=default_dtype(device),
+                             cpu_offload=bool(offload.param_offload or offload.optimizer_offload))
         self.owner.attach_optimizer(cfg.optim, LRSchedule.from_rl_optim(cfg.optim, total_steps))
         self.model, self.optimizer, self.scheduler = self.owner.model, self.owner.optimizer, self.owner.scheduler
         micro = {"dynamic_key": "use_dynamic_bsz", "remove_padding": bool(cfg.model.use_remove_padding)}
@@ -52,12 +62,13 @@ class CriticWorker:
     def compute_values(self, batch: Batch) -> Batch:
         data = batch.select([*MODEL_INPUTS, "responses", "response_mask"])
         values = torch.zeros(data["responses"].shape)
+        passes = rank_passes(data["attention_mask"], self.forward_micro, self.ctx)
         self.model.eval()
         with torch.no_grad():
-            for rows in self.forward_micro.split(data["attention_mask"]):
+            for rows in passes.parts:
                 values[rows] = self._values(data.index(rows), self.forward_micro).cpu()
         self.model.train()
-        return Batch({"values": values})
+        return Batch({"values": values[passes.rows]})
 
     def update_critic(self, batch: Batch) -> Batch:
         """PPO epochs of the value loss over mini-batches. Returns ``info["metrics"]``: verl-named metrics
@@ -70,16 +81,19 @@ class CriticWorker:
         for _, mini_batch in mini_batches(data, mini, epochs=int(c.ppo_epochs), shuffle=bool(c.shuffle), seed=0):
             agg_kwargs = mini_batch_totals(mini_batch["response_mask"].float())
             mini_sums = MetricSums()
-            for rows in self.update_micro.split(mini_batch["attention_mask"]):
+            passes = rank_passes(mini_batch["attention_mask"], self.update_micro, self.ctx)
+            for index, rows in enumerate(passes.parts):
+                weight = 0.0 if passes.padding(index) else 1.0  # a padding pass keeps FSDP's collectives in step
                 mb = mini_batch.index(rows)
                 vpreds = self._values(mb, self.update_micro)
                 mask = mb["response_mask"].to(self.device).float()
                 loss, clipfrac = compute_value_loss(
                     vpreds, mb["values"].to(self.device), mb["returns"].to(self.device), mask,
                     cliprange_value=float(c.cliprange_value), loss_agg_mode=c.loss_agg_mode, agg_kwargs=agg_kwargs)
-                loss.backward()
+                (loss * weight).backward()
                 mini_sums.add({"critic/vf_loss": total_metric(loss), "critic/vf_clipfrac": clipfrac,
-                               "critic/vpred_mean": masked_mean_metric(vpreds, mask)})
+                               "critic/vpred_mean": masked_mean_metric(vpreds, mask)}, weight)
+            reduce_metric_sums(mini_sums, self.ctx)
             grad_norm, _ = clip_and_step(self.model, self.optimizer, float(c.grad_clip))
             averages.add({**mini_sums.result(), "critic/grad_norm": grad_norm})
         metrics = averages.result()

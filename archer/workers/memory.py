@@ -4,7 +4,7 @@ verl's ``rollout.gpu_memory_utilization`` is the share of the card that the gene
 KV cache and workspace). Everything else the process keeps on the card must fit beside it, stage by stage:
 
 - generation: the float32 policy (not with ``param_offload``), Adam's states (not with ``optimizer_offload``), the
-  other models (reference, critic) and the engine's share;
+  other models (reference, critic, reward model) and the engine's share;
 - update: policy, gradients, the activations of one micro-batch, Adam's states (with ``optimizer_offload`` only
   during the optimiser step, after the activations are gone), the other models, and the engine's share unless
   ``rollout.free_cache_engine`` releases it (weights and KV cache) for the update;

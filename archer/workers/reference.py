@@ -8,7 +8,10 @@ import torch
 from omegaconf import DictConfig
 
 from archer.batch import Batch
+from archer.distributed.context import DistContext
+from archer.distributed.data_parallel import rank_passes
 from archer.models.forward import compute_log_probs
+from archer.models.loading import default_dtype
 from archer.models.lora import base_policy
 from archer.models.micro_batches import MicroBatching
 from archer.models.owner import ModelOwner
@@ -18,23 +21,33 @@ class ReferenceWorker:
     """Holds the frozen reference model (bf16 on GPU) and computes ``ref_log_prob``. ``lora_policy``: the
     actor's LoRA policy, whose base (adapters off) is the reference."""
 
-    def __init__(self, cfg: DictConfig, *, device: torch.device, lora_policy: ModelOwner | None = None) -> None:
+    def __init__(self, cfg: DictConfig, *, device: torch.device, lora_policy: ModelOwner | None = None,
+                 ctx: DistContext | None = None) -> None:
+        """``ctx``: the rank of a data-parallel run (default: one process on ``device``); the reference's own
+        copy is then sharded with FSDP2 too (with its shards in host memory, as verl's, under
+        ref.fsdp_config.param_offload)."""
         self.cfg = cfg
         self.device = device
+        self.ctx = ctx if ctx is not None else DistContext.single(device)
         self.lora_policy = lora_policy
         if lora_policy is not None:
             self.model = lora_policy.peft.get_base_model()
         else:
-            self.model = ModelOwner.frozen_policy(cfg.model.path, device=device,
-                                                  trust_remote_code=bool(cfg.model.trust_remote_code)).model
+            owner = ModelOwner.frozen_policy(cfg.model.path, device=device,
+                                             trust_remote_code=bool(cfg.model.trust_remote_code))
+            if self.ctx.distributed:
+                owner.shard(self.ctx, param_dtype=default_dtype(device),
+                            cpu_offload=bool(cfg.ref.fsdp_config.param_offload))
+            self.model = owner.model
         self.temperature = float(cfg.rollout.temperature)
         self.micro = MicroBatching.from_config(
             cfg.ref, size_key="log_prob_micro_batch_size", dynamic_key="log_prob_use_dynamic_bsz",
             budget_key="log_prob_max_token_len_per_gpu", remove_padding=bool(cfg.model.use_remove_padding))
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        passes = rank_passes(batch["attention_mask"], self.micro, self.ctx)
         with base_policy(None if self.lora_policy is None else self.lora_policy.peft):
             logp, _ = compute_log_probs(self.model, batch, temperature=self.temperature, micro=self.micro,
                                         chunk_size=self.cfg.actor.logprob_chunk_size, device=self.device,
-                                        compute_entropy=False)
-        return Batch({"ref_log_prob": logp})
+                                        compute_entropy=False, parts=passes.parts)
+        return Batch({"ref_log_prob": logp[passes.rows]})

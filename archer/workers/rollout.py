@@ -38,14 +38,17 @@ log = logging.getLogger("archer.rollout")
 ROLLOUT_STATS = "rollout_stats"  # info key of a generated batch: the agentic loop's RolloutStats
 
 
-def sampling_params(rollout: DictConfig, *, validate: bool, seed: int) -> SamplingParams:
+FIRST_PROMPT = "first_prompt"  # info key of a rank's slice of prompts: the index of its first prompt in the batch
+
+
+def sampling_params(rollout: DictConfig, *, validate: bool, seed: int, first_prompt: int = 0) -> SamplingParams:
     """verl's rollout keys (or rollout.val_kwargs for validation) as engine sampling parameters."""
     src = rollout.val_kwargs if validate else rollout
     temperature = float(src.temperature)
     return SamplingParams(
         n=int(src.n), temperature=temperature, top_p=float(src.top_p), top_k=int(src.top_k),
         max_new_tokens=int(rollout.response_length), stop=tuple(rollout.stop),
-        do_sample=bool(src.do_sample) and temperature > 0, seed=seed)
+        do_sample=bool(src.do_sample) and temperature > 0, seed=seed, first_prompt=first_prompt)
 
 
 def layout_sequences(prompts: Batch, responses: torch.Tensor, response_mask: torch.Tensor, n: int,
@@ -93,7 +96,8 @@ class RolloutWorker:
         rollout.free_cache_engine, released after (with ``release_weights``, the engine's weight copy too: the
         caller syncs the weights again before the next generation)."""
         validate = bool(prompts.info.get("validate", False))
-        params = sampling_params(self.cfg, validate=validate, seed=int(prompts.info["seed"]))
+        params = sampling_params(self.cfg, validate=validate, seed=int(prompts.info["seed"]),
+                                 first_prompt=int(prompts.info.get(FIRST_PROMPT, 0)))
         self.engine.reclaim_memory()
         try:
             return self.generate_sequences(prompts, params, validate=validate)
@@ -135,32 +139,35 @@ class RolloutWorker:
 
 
 def concat_sequences(batches: list[Batch], pad_token_id: int) -> Batch:
-    """Rows of several generated batches in one batch, re-padded to the widest prompt and response.
+    """Rows of several generated batches in one batch, re-padded to the widest prompt and response
+    (``pad_sequences``)."""
+    prompt_width = max(b["prompts"].shape[1] for b in batches)
+    response_width = max(b["responses"].shape[1] for b in batches)
+    return Batch.concat([pad_sequences(b, prompt_width, response_width, pad_token_id) for b in batches])
+
+
+def pad_sequences(b: Batch, prompt_width: int, response_width: int, pad_token_id: int) -> Batch:
+    """A generated batch padded to ``prompt_width`` / ``response_width`` (at least its own widths).
 
     Prompts are left-padded and every [B, R] tensor aligned with the responses is right-padded (responses
     with the pad token, the others with 0); input_ids, attention_mask and position_ids are rebuilt.
     """
-    prompt_width = max(b["prompts"].shape[1] for b in batches)
-    response_width = max(b["responses"].shape[1] for b in batches)
-    parts = []
-    for b in batches:
-        p, r = b["prompts"].shape[1], b["responses"].shape[1]
-        tensors: dict[str, torch.Tensor] = {}
-        for key, value in b.tensors.items():
-            if key in ("input_ids", "attention_mask", "position_ids"):
-                continue
-            if key == "prompts":
-                tensors[key] = torch.nn.functional.pad(value, (prompt_width - p, 0), value=pad_token_id)
-            elif value.dim() == 2 and value.shape[1] == r:
-                fill = pad_token_id if key == "responses" else 0
-                tensors[key] = torch.nn.functional.pad(value, (0, response_width - r), value=fill)
-            else:
-                tensors[key] = value
-        prompt_mask = torch.nn.functional.pad(b["attention_mask"][:, :p], (prompt_width - p, 0), value=0)
-        present = torch.nn.functional.pad(response_attention(b), (0, response_width - r), value=0)
-        attention_mask = torch.cat([prompt_mask, present], dim=1)
-        tensors["input_ids"] = torch.cat([tensors["prompts"], tensors["responses"]], dim=1)
-        tensors["attention_mask"] = attention_mask
-        tensors["position_ids"] = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        parts.append(Batch(tensors, dict(b.rows), dict(b.info)))
-    return Batch.concat(parts)
+    p, r = b["prompts"].shape[1], b["responses"].shape[1]
+    tensors: dict[str, torch.Tensor] = {}
+    for key, value in b.tensors.items():
+        if key in ("input_ids", "attention_mask", "position_ids"):
+            continue
+        if key == "prompts":
+            tensors[key] = torch.nn.functional.pad(value, (prompt_width - p, 0), value=pad_token_id)
+        elif value.dim() == 2 and value.shape[1] == r:
+            fill = pad_token_id if key == "responses" else 0
+            tensors[key] = torch.nn.functional.pad(value, (0, response_width - r), value=fill)
+        else:
+            tensors[key] = value
+    prompt_mask = torch.nn.functional.pad(b["attention_mask"][:, :p], (prompt_width - p, 0), value=0)
+    present = torch.nn.functional.pad(response_attention(b), (0, response_width - r), value=0)
+    attention_mask = torch.cat([prompt_mask, present], dim=1)
+    tensors["input_ids"] = torch.cat([tensors["prompts"], tensors["responses"]], dim=1)
+    tensors["attention_mask"] = attention_mask
+    tensors["position_ids"] = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return Batch(tensors, dict(b.rows), dict(b.info))

@@ -177,7 +177,7 @@ class FastEngine(RolloutEngine):
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         parents = [Sequence(list(prompt), key=0) for prompt in prompts]
         jobs = [Job(budget=self.budget(len(prompt), params.max_new_tokens), parent=parent,
-                    key=noise_key(seed, i * params.n + j))
+                    key=noise_key(seed, (params.first_prompt + i) * params.n + j))
                 for i, (prompt, parent) in enumerate(zip(prompts, parents)) for j in range(params.n)]
         try:
             self.decode(jobs, params)
