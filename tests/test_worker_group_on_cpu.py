@@ -326,3 +326,15 @@ def test_a_call_past_its_timeout_names_the_stuck_rank(ray_cluster: None) -> None
     assert time.monotonic() - start < 10
     assert err.value.problem == "sleep_on did not finish within 2 s on rank(s) [1] of 2"
     assert "trainer.resume_mode=auto" in err.value.fix
+
+
+def test_a_worker_module_the_ranks_cannot_import_is_named(ray_cluster: None, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "driver_only_worker.py").write_text("class Far:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # importable here, not on the ranks' PYTHONPATH
+    from driver_only_worker import Far
+
+    with pytest.raises(ArcherError) as err:
+        build_worker_group(Far, {}, nnodes=1, n_gpus_per_node=2, device_kind="cpu")
+    assert "of 2 cannot import module 'driver_only_worker' (Far.__init__)" in err.value.problem
+    assert "PYTHONPATH" in err.value.fix

@@ -200,12 +200,10 @@ class RayWorkerGroup(WorkerGroup):
         placement_timeout_s: float = 120.0,
         call_timeout_s: float | None = None,
         object_store_memory: int | None = None,
-        name: str = "archer",
     ) -> None:
         self._world = nnodes * n_gpus_per_node
         self._ray = import_ray(self._world)
         self._worker_cls = worker_cls
-        self._name = name
         self.call_timeout_s = call_timeout_s
         self._actors: list[Any] = []
         self._pg: Any = None
@@ -341,6 +339,12 @@ class RayWorkerGroup(WorkerGroup):
         if isinstance(exc, ray.exceptions.RayActorError):
             return ArcherError(f"rank {rank} of {self._world} died during {what}: {death_cause(str(exc))}",
                                RESUME_FIX)
+        missing = re.search(r"No module named '([^']+)'", str(exc))
+        if missing:
+            return ArcherError(
+                f"rank {rank} of {self._world} cannot import module {missing.group(1)!r} ({what})",
+                "install the same Python packages (and archer) on every node, or put the module's folder on "
+                "PYTHONPATH before starting the run (the ranks get the driver's PYTHONPATH)")
         cause = getattr(exc, "cause", None)
         if isinstance(cause, ArcherError):
             return ArcherError(f"rank {rank}, {what}: {cause.problem}", cause.fix)
