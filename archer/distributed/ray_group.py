@@ -33,6 +33,7 @@ from archer.errors import ArcherError
 
 RESUME_FIX = ("restart the run from its last checkpoint with trainer.resume_mode=auto (the same command); "
               "the rank's own log lines above, prefixed (rank N pid=...), show why it stopped")
+_PLACEMENT_NOTICE_S = 5.0  # a placement that takes longer gets a line saying what it waits for
 _ERROR_GRACE_S = 3.0  # after one rank fails, how long to look for a rank that died (the root cause)
 
 
@@ -200,12 +201,10 @@ class RayWorkerGroup(WorkerGroup):
         placement_timeout_s: float = 120.0,
         call_timeout_s: float | None = None,
         object_store_memory: int | None = None,
-        name: str = "archer",
     ) -> None:
         self._world = nnodes * n_gpus_per_node
         self._ray = import_ray(self._world)
         self._worker_cls = worker_cls
-        self._name = name
         self.call_timeout_s = call_timeout_s
         self._actors: list[Any] = []
         self._pg: Any = None
@@ -235,8 +234,14 @@ class RayWorkerGroup(WorkerGroup):
         bundle = {"CPU": 1, "GPU": 1} if self.device_kind == "cuda" else {"CPU": 1}
         strategy = "STRICT_PACK" if nnodes == 1 else "PACK"
         pg = placement_group([dict(bundle) for _ in range(self._world)], strategy=strategy)
-        if pg.wait(timeout_seconds=timeout_s):
+        first = min(_PLACEMENT_NOTICE_S, timeout_s)
+        if pg.wait(timeout_seconds=first):
             return pg
+        if timeout_s > first:
+            print(f"archer: waiting up to {timeout_s - first:g} s more for Ray to place {self._world} x "
+                  f"{bundle} ({strategy}); `ray status` shows what the cluster holds", file=sys.stderr, flush=True)
+            if pg.wait(timeout_seconds=timeout_s - first):
+                return pg
         remove_placement_group(pg)
         asked = {k: v * self._world for k, v in bundle.items()}
         have = {k: self._ray.available_resources().get(k, 0) for k in bundle}
@@ -341,6 +346,12 @@ class RayWorkerGroup(WorkerGroup):
         if isinstance(exc, ray.exceptions.RayActorError):
             return ArcherError(f"rank {rank} of {self._world} died during {what}: {death_cause(str(exc))}",
                                RESUME_FIX)
+        missing = re.search(r"No module named '([^']+)'", str(exc))
+        if missing:
+            return ArcherError(
+                f"rank {rank} of {self._world} cannot import module {missing.group(1)!r} ({what})",
+                "install the same Python packages (and archer) on every node, or put the module's folder on "
+                "PYTHONPATH before starting the run (the ranks get the driver's PYTHONPATH)")
         cause = getattr(exc, "cause", None)
         if isinstance(cause, ArcherError):
             return ArcherError(f"rank {rank}, {what}: {cause.problem}", cause.fix)

@@ -78,7 +78,6 @@ def build_worker_group(
     device_kind: DeviceKind = "auto",
     placement_timeout_s: float = 120.0,
     call_timeout_s: float | None = None,
-    name: str = "archer",
 ) -> WorkerGroup:
     """The worker group for ``trainer.nnodes * trainer.n_gpus_per_node`` ranks of ``worker_cls(**init_kwargs)``.
 
@@ -98,4 +97,4 @@ def build_worker_group(
 
     return RayWorkerGroup(worker_cls, init_kwargs, nnodes=nnodes, n_gpus_per_node=n_gpus_per_node,
                           device_kind=device_kind, placement_timeout_s=placement_timeout_s,
-                          call_timeout_s=call_timeout_s, name=name)
+                          call_timeout_s=call_timeout_s)
