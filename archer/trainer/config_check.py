@@ -85,6 +85,19 @@ def check_counts(cfg: DictConfig) -> None:
                               f"set {key} to a positive integer{unset}")
 
 
+def check_world(cfg: DictConfig) -> None:
+    """What a run on several ranks (trainer.nnodes x trainer.n_gpus_per_node > 1) cannot do yet."""
+    trainer = cfg.trainer
+    world = int(trainer.nnodes) * int(trainer.n_gpus_per_node)
+    if world == 1 or trainer.val_only:
+        return
+    if trainer.influence_trace.enable:
+        raise ArcherError(f"trainer.influence_trace captures per-token gradients in one process; this run has "
+                          f"{world} ranks (trainer.nnodes x trainer.n_gpus_per_node)",
+                          "trace influence on one device (trainer.n_gpus_per_node=1 trainer.nnodes=1), or turn "
+                          "it off (the entropy trace works on any number of ranks)")
+
+
 def check_config(cfg: DictConfig) -> None:
     """Values and combinations archer cannot run, reported before any data or model is loaded."""
     check_counts(cfg)
@@ -111,6 +124,7 @@ def check_config(cfg: DictConfig) -> None:
                           "pick a mini-batch size that divides the train batch size (both count prompts)")
     if cfg.trainer.influence_trace.enable:
         check_influence_settings(cfg.trainer.influence_trace)
+    check_world(cfg)
     check_manager(str(cfg.reward_model.reward_manager),
                   OmegaConf.to_container(cfg.reward_model.reward_kwargs, resolve=True),
                   has_custom_function=bool(cfg.custom_reward_function.path))

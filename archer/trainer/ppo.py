@@ -167,7 +167,7 @@ class PPOTrainer:
             self.peaks = MemoryPeaks(self.device)
         self.workers = build_worker_group(RankWorkers, worker_kwargs, nnodes=int(cfg.trainer.nnodes),
                                           n_gpus_per_node=int(cfg.trainer.n_gpus_per_node),
-                                          device_kind=str(cfg.trainer.device), name="archer-ranks")
+                                          device_kind=str(cfg.trainer.device))
         self.kl_ctrl = make_kl_controller(algo.kl_ctrl.type, float(algo.kl_ctrl.kl_coef),
                                           float(algo.kl_ctrl.target_kl), int(algo.kl_ctrl.horizon))
 

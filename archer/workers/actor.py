@@ -116,11 +116,13 @@ class ActorWorker:
             log.warning("actor.fsdp_config.param_offload=true has no effect with the hf engine, which generates "
                         "with the policy's own weights")
             self.offload.param_offload = False
-        engine = build_engine(cfg.rollout, self.model, tokenizer, device, standalone=sharded)
+        engine = build_engine(cfg.rollout, self.model, tokenizer, device, standalone=sharded,
+                              weights=self.owner.weights() if sharded and fast else None)
         self.rollout = RolloutWorker(engine, cfg.rollout, device=device, tokenizer=tokenizer,
                                      chat_template=cfg.model.custom_chat_template,
                                      template_kwargs=chat_template_kwargs)
-        self._engine_is_stale = sharded  # the weights changed since the engine last took them (sharded: never took)
+        # the weights changed since the engine last took them (a sharded policy's hf engine never took them)
+        self._engine_is_stale = sharded and not fast
         # the influence trace's settings, hooked modules and their projections (setup_influence)
         self.influence: tuple[CaptureSettings, dict[str, torch.nn.Linear], dict[str, ModuleProjection]] | None = None
 

@@ -104,7 +104,8 @@ class FastEngine(RolloutEngine):
 
     @classmethod
     def from_config(cls, model: nn.Module, tokenizer: PreTrainedTokenizerBase, rollout, *,
-                    device: torch.device | str) -> FastEngine:
+                    device: torch.device | str, weights: Iterable[tuple[str, torch.Tensor]] | None = None
+                    ) -> FastEngine:
         """Build from ``actor_rollout_ref.rollout`` (verl's keys): gpu_memory_utilization, max_num_seqs,
         max_num_batched_tokens, max_model_len (null: prompt_length + response_length), enforce_eager and,
         on a GPU, dtype."""
@@ -114,7 +115,7 @@ class FastEngine(RolloutEngine):
         return cls(model, tokenizer, device=device, dtype=dtype,
                    gpu_memory_utilization=float(rollout.gpu_memory_utilization),
                    max_num_seqs=int(rollout.max_num_seqs), max_num_batched_tokens=int(rollout.max_num_batched_tokens),
-                   max_model_len=int(max_len), enforce_eager=bool(rollout.enforce_eager))
+                   max_model_len=int(max_len), enforce_eager=bool(rollout.enforce_eager), weights=weights)
 
     # -- memory and weights ------------------------------------------------------------------------------
 
