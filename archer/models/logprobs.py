@@ -109,8 +109,18 @@ class _SoftmaxStats(torch.autograd.Function):
     logits' own buffer (a chunk's logits are recomputed for it, see ``logprobs_from_hidden``)."""
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, temperature: float, compute_entropy: bool
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, temperature: float, compute_entropy: bool,
+                memo: dict[str, tuple[torch.Tensor, ...]] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``memo``: the first pass leaves its statistics there, and the backward's recomputation of the chunk
+        (which only needs the logits again) takes them instead of computing them a second time."""
+        if memo is not None and "stats" in memo:
+            logp, log_norm, entropy = memo.pop("stats")
+            ctx.save_for_backward(logits, labels, log_norm, entropy)
+            ctx.temperature = temperature
+            ctx.set_materialize_grads(False)
+            if not compute_entropy:
+                ctx.mark_non_differentiable(entropy)
+            return logp.clone(), entropy.clone()
         logp = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         log_norm = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if compute_entropy else logp.new_empty(0)
@@ -123,6 +133,8 @@ class _SoftmaxStats(torch.autograd.Function):
                 logp[rows], log_norm[rows] = block_logp, block_norm
                 if compute_entropy:
                     entropy[rows] = block_entropy
+        if memo is not None:
+            memo["stats"] = (logp, log_norm, entropy)
         ctx.save_for_backward(logits, labels, log_norm, entropy)
         ctx.temperature = temperature
         ctx.set_materialize_grads(False)  # an output the loss does not use sends None, not zeros
@@ -156,18 +168,18 @@ class _SoftmaxStats(torch.autograd.Function):
                 grad.scatter_add_(-1, labels[rows].unsqueeze(-1), g_logp)
                 logits[rows] = grad  # the logits are not needed any more: their buffer takes the gradient
                 del grad
-        return logits, None, None, None
+        return logits, None, None, None, None
 
 
 def _chunk_stats(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor,
-                 temperature: float, compute_entropy: bool, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 temperature: float, compute_entropy: bool, dtype: torch.dtype,
+                 memo: dict[str, tuple[torch.Tensor, ...]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk: its logits through the head (in ``dtype``, as autocast computes them, each chunk casting the
     head's weight on its own so that their gradients add up in float32), then their softmax statistics."""
     device = hidden.device.type
     with torch.autocast(device, dtype=dtype, enabled=torch.is_autocast_enabled(device), cache_enabled=False):
         logits = head(hidden)
-    return _SoftmaxStats.apply(logits, labels, temperature, compute_entropy)
+    return _SoftmaxStats.apply(logits, labels, temperature, compute_entropy, memo)
 
 
 def logprobs_from_hidden(
@@ -200,7 +212,8 @@ def logprobs_from_hidden(
     # split, not sliced: the backward then joins the chunks' hidden gradients once (no per-chunk full-size grad)
     for hidden_chunk, label_chunk in zip(hidden.split(chunk), labels.split(chunk), strict=True):
         args = (head, hidden_chunk, label_chunk, float(temperature), compute_entropy, dtype)
-        logp, entropy = checkpoint(_chunk_stats, *args, use_reentrant=False) if grad else _chunk_stats(*args)
+        logp, entropy = (checkpoint(_chunk_stats, *args, {}, use_reentrant=False) if grad
+                         else _chunk_stats(*args))
         logps.append(logp)
         entropies.append(entropy)
     if not logps:
