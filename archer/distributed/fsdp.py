@@ -85,8 +85,9 @@ def shard_model(model: nn.Module, ctx: DistContext, *, param_dtype: torch.dtype,
     for layer in reversed(decoder_layers(root)):  # inner before outer, should layer classes ever nest
         fully_shard(layer, mesh=ctx.mesh, mp_policy=mixed, offload_policy=offload,
                     reshard_after_forward=reshard_after_forward)
-    fully_shard(root, mesh=ctx.mesh, mp_policy=mixed, offload_policy=offload,
-                reshard_after_forward=reshard_after_forward)
+    # The root (embedding, final norm, LM head) stays gathered after its forward: archer's chunked log-prob
+    # reads the LM head after the forward returns (models/logprobs.py), and the backward needs it right away.
+    fully_shard(root, mesh=ctx.mesh, mp_policy=mixed, offload_policy=offload, reshard_after_forward=False)
     for module in root.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # no averaging: the loss carries the global normaliser

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
 from archer.errors import ArcherError
@@ -240,6 +241,22 @@ def backbone_of(model: nn.Module) -> nn.Module:
     )
 
 
+def backbone_hidden(model: nn.Module, **inputs: torch.Tensor | None) -> torch.Tensor:
+    """The backbone's last hidden states for ``inputs``. A model sharded with FSDP2 runs its whole forward (so
+    that the root gathers the embedding, final norm and LM head it owns, and reduces their gradients) with one
+    position of logits, the hidden states taken from the backbone on the way; otherwise the backbone alone."""
+    backbone = backbone_of(model)
+    if not isinstance(model, FSDPModule):
+        return backbone(**inputs, use_cache=False).last_hidden_state
+    captured: list[torch.Tensor] = []
+    handle = backbone.register_forward_hook(lambda _module, _args, output: captured.append(output.last_hidden_state))
+    try:
+        model(**inputs, use_cache=False, logits_to_keep=1)
+    finally:
+        handle.remove()
+    return captured[0]
+
+
 def masked_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                   position_ids: torch.Tensor, loss_mask: torch.Tensor, *, packed: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,8 +265,8 @@ def masked_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     examples a row, told apart by restarts of ``position_ids``) run without an attention mask."""
     length = int(attention_mask.sum(dim=1).max())
     input_ids, loss_mask = input_ids[:, :length], loss_mask[:, :length]
-    hidden = backbone_of(model)(input_ids=input_ids, attention_mask=None if packed else attention_mask[:, :length],
-                                position_ids=position_ids[:, :length], use_cache=False).last_hidden_state
+    hidden = backbone_hidden(model, input_ids=input_ids, attention_mask=None if packed else attention_mask[:, :length],
+                             position_ids=position_ids[:, :length])
     targets = loss_mask[:, 1:].bool()
     return hidden[:, :-1][targets], input_ids[:, 1:][targets]
 
@@ -277,7 +294,7 @@ def layout_logprobs(
 
     Only the positions that score a response token go through the LM head.
     """
-    hidden = backbone_of(model)(**layout.model_inputs(), use_cache=False).last_hidden_state
+    hidden = backbone_hidden(model, **layout.model_inputs())
     logp, entropy = logprobs_from_hidden(
         layout.response_states(hidden),
         model.get_output_embeddings(),
