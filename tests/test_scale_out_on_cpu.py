@@ -1,0 +1,195 @@
+"""`archer train ... trainer.n_gpus_per_node=2` on this CPU machine: two Ray ranks (gloo), the models sharded with
+FSDP2, against the single-process run of the same config.
+
+- Two ranks compute what one process computes: every metric of three GRPO steps within 1e-5 relative (1e-7
+  absolute), the trained weights within 1e-5 (float32; only the order of float sums differs).
+- The checkpoint is sharded (one DCP file per rank) beside an HF export that from_pretrained loads.
+- The driver killed with SIGKILL after a checkpoint, then relaunched, logs the uninterrupted run's metrics.
+- A rank killed mid-run stops the run with one error naming the rank and how to resume; resuming works.
+- A checkpoint of 2 ranks resumes in one process, and one of a single process resumes on 2 ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from train_support import task_model
+from transformers import AutoModelForCausalLM
+
+from archer.data.tasks import write_task_files
+
+pytestmark = pytest.mark.slow
+
+TIME_BASED = ("timing_s/", "perf/", "timing_per_token_ms/")
+STEPS = 3
+WAIT_S = 240
+REL, ABS = 1e-5, 1e-7  # two ranks against one process: float sums in another order
+DIGIT_REWARD = """
+import os
+import time
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep(float(os.environ.get("ARCHER_TEST_REWARD_DELAY_S", "0")))
+    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)
+"""
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("scale_out")
+    files = write_task_files("arithmetic", root / "data", n_train=64, n_val=16, n_sft=64, seed=0, max_operand=9)
+    reward = root / "digit_reward.py"
+    reward.write_text(DIGIT_REWARD)
+    return {**files, "reward": reward, "model": task_model(root / "model", files["sft"], max_positions=512)}
+
+
+def command(task: dict[str, Path], run_dir: Path, ranks: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "archer.cli", "train",
+            f"actor_rollout_ref.model.path={task['model']}", f"data.train_files={task['train']}",
+            "data.max_prompt_length=32", "data.max_response_length=16", "data.train_batch_size=8",
+            "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.name=fast",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.optim.lr=1e-3",
+            "actor_rollout_ref.actor.use_kl_loss=true", f"custom_reward_function.path={task['reward']}",
+            f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1", "trainer.plots=false",
+            "trainer.logger=[jsonl]", "trainer.device=cpu", f"trainer.n_gpus_per_node={ranks}",
+            f"trainer.default_local_dir={run_dir}", *extra]
+
+
+def environment(reward_delay_s: float = 0.0) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+            "ARCHER_TEST_REWARD_DELAY_S": str(reward_delay_s)}
+
+
+def train(task: dict[str, Path], run_dir: Path, ranks: int, *extra: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(command(task, run_dir, ranks, *extra), env=environment(), capture_output=True, text=True,
+                          timeout=WAIT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def metrics(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def assert_close_metrics(got: dict, want: dict, step: int, rel: float = REL, abs_: float = ABS) -> None:
+    keys = {k for k in want if not k.startswith(TIME_BASED)}
+    assert {k for k in got if not k.startswith(TIME_BASED)} == keys, f"step {step}: different metric names"
+    for key in sorted(keys):
+        a, b = got[key], want[key]
+        assert a == b or math.isclose(a, b, rel_tol=rel, abs_tol=abs_), f"step {step}: {key} = {a}, expected {b}"
+
+
+def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "checkpoints" / f"global_step_{step}" / "actor" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def one_process(task: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("one") / "run"
+    train(task, run_dir, 1)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def two_ranks(task: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("two") / "run"
+    train(task, run_dir, 2)
+    return run_dir
+
+
+def test_two_ranks_compute_what_one_process_computes(one_process: Path, two_ranks: Path) -> None:
+    want, got = metrics(one_process), metrics(two_ranks)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert want[1]["actor/grad_norm"] > 0.1 and want[1]["actor/kl_loss"] > 0  # the policy moves from the reference
+    for step in want:
+        assert_close_metrics(got[step], want[step], step)
+    single, sharded = weights(one_process, STEPS), weights(two_ranks, STEPS)
+    assert single.keys() == sharded.keys()
+    for name in single:
+        torch.testing.assert_close(sharded[name], single[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_the_checkpoint_is_sharded_beside_an_hf_export(two_ranks: Path) -> None:
+    actor = two_ranks / "checkpoints" / f"global_step_{STEPS}" / "actor"
+    assert {p.name for p in (actor / "dcp").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    assert (actor / "schedule.pt").is_file() and not (actor / "optim_state.pt").exists()
+    model = AutoModelForCausalLM.from_pretrained(str(actor), dtype=torch.float32)
+    exported = weights(two_ranks, STEPS)
+    for name, tensor in model.state_dict().items():
+        if name in exported:
+            assert torch.equal(tensor, exported[name]), name
+
+
+def wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path, step: int) -> None:
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + WAIT_S
+    while not (latest.is_file() and latest.read_text().strip() == f"global_step_{step}"):
+        assert proc.poll() is None, f"the run exited ({proc.returncode}) before checkpoint {step}"
+        assert time.monotonic() < deadline, f"no checkpoint {step} within {WAIT_S}s"
+        time.sleep(0.01)
+
+
+def test_driver_killed_after_a_checkpoint_resumes_exactly(task: dict[str, Path], two_ranks: Path,
+                                                         tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    with (tmp_path / "log").open("w") as log:
+        proc = subprocess.Popen(command(task, run_dir, 2), env=environment(reward_delay_s=0.05), stdout=log,
+                                stderr=log)
+        wait_for_checkpoint(proc, run_dir, 1)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+    assert max(metrics(run_dir)) < STEPS, "the run finished before the kill landed"
+    train(task, run_dir, 2)
+    want, got = metrics(two_ranks), metrics(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in range(2, STEPS + 1):
+        assert_close_metrics(got[step], want[step], step, rel=1e-6, abs_=1e-9)
+
+
+def rank_processes() -> list[int]:
+    """The pids of the Ray rank actors now running (their process title names archer's rank actor)."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if "ray::_RankActor" in line]
+
+
+def test_a_rank_killed_mid_run_is_one_clear_error_and_the_run_resumes(task: dict[str, Path], two_ranks: Path,
+                                                                     tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(command(task, run_dir, 2), env=environment(reward_delay_s=0.05), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for_checkpoint(proc, run_dir, 1)
+    ranks = rank_processes()
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[-1], signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=WAIT_S)
+    assert proc.returncode != 0
+    assert "died during" in stderr and "trainer.resume_mode=auto" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    train(task, run_dir, 2)
+    assert_close_metrics(metrics(run_dir)[STEPS], metrics(two_ranks)[STEPS], STEPS, rel=1e-6, abs_=1e-9)
+
+
+@pytest.mark.parametrize(("written_by", "resumed_on"), [(2, 1), (1, 2)])
+def test_a_checkpoint_resumes_on_another_number_of_ranks(task: dict[str, Path], one_process: Path, two_ranks: Path,
+                                                          tmp_path: Path, written_by: int, resumed_on: int) -> None:
+    source = two_ranks if written_by == 2 else one_process
+    checkpoint = tmp_path / "global_step_1"
+    shutil.copytree(source / "checkpoints" / "global_step_1", checkpoint)
+    run_dir = tmp_path / "run"
+    train(task, run_dir, resumed_on, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={checkpoint}")
+    want, got = metrics(source), metrics(run_dir)
+    assert sorted(got) == [2, 3]
+    for step in got:
+        assert_close_metrics(got[step], want[step], step)
