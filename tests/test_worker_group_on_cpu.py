@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -23,7 +22,6 @@ from archer.distributed.dispatch import (
     collector_of,
     concat_batches,
     rank_zero,
-    shard_bounds,
     shard_rows,
 )
 from archer.distributed.ray_group import RankPlace, check_ray_address, rank_layout, visible_devices
@@ -103,18 +101,6 @@ class ToyWorker:
 
 
 # -- pure helpers --------------------------------------------------------------------------------------
-def test_shard_bounds_follow_array_split() -> None:
-    for n in range(0, 12):
-        for world in range(1, 5):
-            parts = np.array_split(np.arange(n), world)
-            for rank in range(world):
-                start, stop = shard_bounds(n, rank, world)
-                assert list(range(start, stop)) == parts[rank].tolist()
-    assert shard_bounds(7, 0, 2) == (0, 4) and shard_bounds(7, 1, 2) == (4, 7)
-    with pytest.raises(ValueError, match="rank 2 is not in a world of 2"):
-        shard_bounds(7, 2, 2)
-
-
 def test_collect_is_declared_on_the_method() -> None:
     assert collector_of(ToyWorker, "scaled_rows") is concat_batches
     assert collector_of(ToyWorker, "rank_times_scale") is rank_zero

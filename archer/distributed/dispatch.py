@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from archer.batch import Batch
+from archer.distributed.context import shard_bounds
 
 Collector = Callable[[list[Any]], Any]
 """Turns the list of per-rank results (index = rank) into what the driver receives."""
@@ -66,18 +67,6 @@ def collector_of(worker_cls: type, method_name: str) -> Collector:
             "(archer/distributed/dispatch.py)"
         )
     return collector
-
-
-def shard_bounds(n_rows: int, rank: int, world: int) -> tuple[int, int]:
-    """Rows ``[start, stop)`` of ``rank`` among ``world`` contiguous, even shards (numpy.array_split
-    semantics: the first ``n_rows % world`` ranks get one row more; a rank may get none)."""
-    if world < 1 or not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is not in a world of {world}")
-    if n_rows < 0:
-        raise ValueError(f"n_rows must be >= 0, got {n_rows}")
-    base, extra = divmod(n_rows, world)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
 
 
 def shard_rows(batch: Batch, rank: int, world: int) -> Batch:
