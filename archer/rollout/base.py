@@ -1,4 +1,4 @@
-"""The one generation interface (DESIGN 6): sampling parameters, the output of a rollout, and the abstract
+"""The one generation interface (docs/architecture.md): sampling parameters, the output of a rollout, and the abstract
 engine that turns token-id prompts into responses with exact per-token log-probs and entropies.
 
 An engine offers
