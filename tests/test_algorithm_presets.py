@@ -1,6 +1,6 @@
 """Tests of the algorithm presets (archer/config/algorithm/*.yaml, selected with ``algorithm=NAME``): each one
 composes to exactly the keys its YAML lists, every key exists in the base schema, command-line keys win, an
-unknown name is a clear error, the values match REFERENCE.md, each preset trains two tiny steps in-process and
+unknown name is a clear error, the values match docs/algorithms.md, each preset trains two tiny steps in-process and
 logs the metric of its mechanism, and ``archer quickstart`` leaves its own algorithm keys out under a preset.
 """
 
@@ -140,7 +140,7 @@ def test_an_unknown_preset_names_the_known_ones(override: str) -> None:
     assert all(name in message for name in PRESETS), message
 
 
-# Values from REFERENCE.md sections 1-5 (and the paper settings the presets' comments cite).
+# Values from docs/algorithms.md (and the paper settings the presets' comments cite).
 REFERENCE_VALUES = {
     "ppo": {"algorithm.adv_estimator": "gae", f"{ACTOR}.use_kl_loss": False},
     "grpo": {"algorithm.adv_estimator": "grpo", f"{ACTOR}.loss_agg_mode": "seq-mean-token-mean",

@@ -138,7 +138,7 @@ def grpo_run(tmp_path_factory: pytest.TempPathFactory, micro_model: Path,
             f"custom_reward_function.path={reward}", "trainer.total_training_steps=3", "trainer.test_freq=2",
             "trainer.save_freq=2", f"trainer.rollout_data_dir={run / 'rollouts'}",
             f"trainer.validation_data_dir={run / 'val_generations'}",
-            # the overrides verl users pass for the traces (REFERENCE.md s.10-11)
+            # the overrides verl users pass for the traces (docs/traces.md)
             "+trainer.entropy_trace.enable=True", "+trainer.entropy_trace.write_every=1",
             "+trainer.influence_trace.enable=True", f"+trainer.influence_trace.output_dir={run / 'influence'}",
             "+trainer.influence_trace.max_prompts_per_step=3"]

@@ -37,6 +37,20 @@ def test_each_name_builds_its_engine_on_the_cpu(tiny_model_dir: Path, name: str,
     assert type(build_engine(rollout, model, tokenizer, CPU)) is engine
 
 
+def test_a_standalone_hf_engine_holds_its_own_module_filled_by_the_stream(tiny_model_dir: Path) -> None:
+    """build_engine(standalone=True) (a sharded policy's engine): the hf engine gets its own module, which the
+    policy's weight stream fills; the default hf engine generates with the policy's module itself."""
+    rollout = ppo_config(tiny_model_dir, "actor_rollout_ref.rollout.name=hf").actor_rollout_ref.rollout
+    model, tokenizer = load_causal_lm(tiny_model_dir, device="cpu"), load_tokenizer(tiny_model_dir)
+    assert build_engine(rollout, model, tokenizer, CPU).model is model
+    engine = build_engine(rollout, model, tokenizer, CPU, standalone=True)
+    assert isinstance(engine, HFGenerateEngine) and engine.model is not model
+    assert engine.model.dtype == torch.float32  # rollout.dtype applies on a GPU only
+    engine.sync_weights(policy_weights(model))
+    own = dict(engine.model.named_parameters())
+    assert all(torch.equal(own[name], tensor) for name, tensor in policy_weights(model))
+
+
 def test_auto_picks_the_fast_engine_on_a_gpu_only_for_what_it_runs(
         tiny_model_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fast_ops, "kernels", None)  # the architecture alone (head sizes: the next test)

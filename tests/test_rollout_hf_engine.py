@@ -234,9 +234,9 @@ def test_a_standalone_engine_filled_by_the_stream_generates_what_the_policy_gene
         got = engine.generate(prompts, params)
         for field in ("responses", "response_mask", "log_probs", "entropies"):
             assert torch.equal(getattr(got, field), getattr(expected, field)), field
-    with pytest.raises(ArcherError, match="has no weight 'extra'"):
+    with pytest.raises(ArcherError, match="hf engine has no place for the weight 'extra'"):
         engine.sync_weights([("extra", torch.zeros(1))])
-    with pytest.raises(ArcherError, match=r"model.norm.weight is \(\d+,\), the weight given is \(3,\)"):
+    with pytest.raises(ArcherError, match=r"hf engine's model.norm.weight is \(\d+,\), the weight given is \(3,\)"):
         engine.sync_weights([("model.norm.weight", torch.zeros(3))])
     with pytest.raises(ArcherError, match="lack"):
         engine.sync_weights(list(policy_weights(policy))[1:])

@@ -1,4 +1,4 @@
-"""Trace format v1 (REFERENCE.md s.10-11): the writer's files field by field, atomic replacement, the reader."""
+"""Trace format v1 (docs/traces.md): the writer's files field by field, atomic replacement, the reader."""
 
 from __future__ import annotations
 

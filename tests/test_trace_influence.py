@@ -106,7 +106,7 @@ def test_inverse_scores_by_hand() -> None:
 
 def explicit_scores(token_response: torch.Tensor, g: torch.Tensor, accepted: torch.Tensor, scope_of: torch.Tensor,
                     options: ScoreOptions) -> torch.Tensor:
-    """The formulas of REFERENCE.md s.11 written out with explicit token gradients g [T, D] and a dense solve."""
+    """The formulas of docs/traces.md written out with explicit token gradients g [T, D] and a dense solve."""
     g = g.double()
     num = accepted.shape[0]
     grads = torch.stack([g[token_response == r].sum(0) for r in range(num)])

@@ -1,6 +1,6 @@
 """ActorObjective: config reading (each loss's own defaults, the GSPO aggregation warning), when entropies are
 needed, top-entropy normalisers, the Archer split KL, the entropy bonus, and micro-batch losses, gradients and
-metrics that add up to the mini-batch's (REFERENCE.md sections 2 and 5)."""
+metrics that add up to the mini-batch's (docs/algorithms.md)."""
 
 import logging
 

@@ -1,4 +1,4 @@
-"""AEPO's entropy-aware advantage (REFERENCE.md section 7): A_tilde = A * (1 + coef * sg(H_hat)), H_hat the
+"""AEPO's entropy-aware advantage (docs/algorithms.md, AEPO): A_tilde = A * (1 + coef * sg(H_hat)), H_hat the
 token entropy standardised over the valid tokens of one micro-batch, and the metrics that show what it did.
 
 Pure functions of detached tensors; the actor scales the advantages with them before the policy loss, so the

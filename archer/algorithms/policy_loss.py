@@ -1,5 +1,5 @@
 """Policy losses (`actor.policy_loss.loss_mode`), by name: PPO clip with dual-clip ("vanilla"), GSPO, Archer's
-dual-token constraints, ASPO, Clip-Cov and KL-Cov (REFERENCE.md sections 1, 2 and 5), and AEPO's
+dual-token constraints, ASPO, Clip-Cov and KL-Cov (docs/algorithms.md), and AEPO's
 entropy-balanced clipping as a switch of the losses that clip the token ratio (section 7).
 
 Each loss is registered with what it needs (`PolicyLoss`): verl's shared clip settings it reads, its own

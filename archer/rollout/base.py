@@ -1,4 +1,4 @@
-"""The one generation interface (DESIGN 6): sampling parameters, the output of a rollout, and the abstract
+"""The one generation interface (docs/architecture.md): sampling parameters, the output of a rollout, and the abstract
 engine that turns token-id prompts into responses with exact per-token log-probs and entropies.
 
 An engine offers
@@ -15,7 +15,7 @@ The rollout worker owns its engine: the trainer never sees one.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -124,6 +124,27 @@ class EngineSession(ABC):
     @abstractmethod
     def tokens(self, seq: int) -> list[int]:
         """All tokens of ``seq``: prompt, segments and extensions."""
+
+
+@torch.no_grad()
+def copy_weights(targets: Mapping[str, torch.Tensor], weights: Iterable[tuple[str, torch.Tensor]], *, engine: str,
+                 fix: str) -> None:
+    """Copy a stream of (state-dict name, tensor) pairs into ``targets`` (an engine's tensors by name), in place;
+    a name with no target (or given twice), a shape that differs, or a target left unfilled is an ArcherError
+    naming the ``engine`` and ``fix``."""
+    missing = dict(targets)
+    for name, tensor in weights:
+        target = missing.pop(name, None)
+        if target is None:
+            raise ArcherError(f"the {engine} engine has no place for the weight {name!r}"
+                              f"{' (given twice)' if name in targets else ''}", fix)
+        if target.shape != tensor.shape:
+            raise ArcherError(f"the {engine} engine's {name} is {tuple(target.shape)}, the weight given is "
+                              f"{tuple(tensor.shape)}", fix)
+        target.copy_(tensor)
+    if missing:
+        raise ArcherError(f"the weights given to the {engine} engine lack {len(missing)} tensors "
+                          f"({', '.join(sorted(missing)[:3])}, ...)", fix)
 
 
 class RolloutEngine(ABC):

@@ -23,7 +23,14 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 
 from archer.errors import ArcherError
 from archer.models.logprobs import token_logprob_and_entropy
-from archer.rollout.base import EngineSession, RolloutEngine, RolloutOutput, SamplingParams, Segment
+from archer.rollout.base import (
+    EngineSession,
+    RolloutEngine,
+    RolloutOutput,
+    SamplingParams,
+    Segment,
+    copy_weights,
+)
 
 
 @dataclass
@@ -115,23 +122,9 @@ class HFGenerateEngine(RolloutEngine):
         (``standalone``): every parameter is copied from the stream in place, each by name and shape."""
         if not self.owns_weights:
             return
-        targets = dict(self.model.named_parameters())  # tied weights once, as policy_weights gives them
-        missing = dict(targets)
-        with torch.no_grad():
-            for name, tensor in weights:
-                target = missing.pop(name, None)
-                if target is None:
-                    raise ArcherError(f"the hf engine's model has no weight {name!r}"
-                                      f"{' (given twice)' if name in targets else ''}",
-                                      "sync the engine from the policy it was built from")
-                if target.shape != tensor.shape:
-                    raise ArcherError(f"the hf engine's {name} is {tuple(target.shape)}, the weight given is "
-                                      f"{tuple(tensor.shape)}", "sync the engine from the policy it was built from")
-                target.copy_(tensor)
-        if missing:
-            raise ArcherError(f"the weights given to the hf engine lack {len(missing)} tensors "
-                              f"({', '.join(sorted(missing)[:3])}, ...)", "sync the engine from the policy it was "
-                              "built from")
+        # tied weights once, as policy_weights gives them
+        copy_weights(dict(self.model.named_parameters()), weights, engine="hf",
+                     fix="sync the engine from the policy it was built from")
 
     def release_memory(self, weights: bool = False) -> None:
         """Nothing is held between calls: each generate call makes and drops its own KV cache (and the weights

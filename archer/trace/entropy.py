@@ -1,4 +1,4 @@
-"""The entropy trace: per-token entropies of each step's responses under the old policy (REFERENCE.md s.10).
+"""The entropy trace: per-token entropies of each step's responses under the old policy (docs/traces.md).
 
 The arrays come from the old-log-prob pass (``old_log_probs``, ``entropies``), so writing the trace adds no
 model work: it copies tensors to numpy, compresses them and replaces files atomically. The step file also

@@ -1,4 +1,4 @@
-"""Trace format v1 (REFERENCE.md sections 10-11): the on-disk spec, the writer and the reader.
+"""Trace format v1 (docs/traces.md): the on-disk spec, the writer and the reader.
 
 A trace directory holds
 

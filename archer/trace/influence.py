@@ -8,7 +8,7 @@ One traced step goes:
              the real backward of the first PPO epoch, the other output functions (log_prob,
              advantage_log_prob) need one extra forward+backward of the traced rows
     score    per group of modules of equal projection sizes, then summed (influence_score.py)
-    write    trace format v1 plus influence, selected_row_id, accepted, group_id (REFERENCE.md s.11)
+    write    trace format v1 plus influence, selected_row_id, accepted, group_id (docs/traces.md)
 """
 
 from __future__ import annotations

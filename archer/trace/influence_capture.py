@@ -1,4 +1,4 @@
-"""Per-token gradients of linear layers, captured by hooks during a real backward pass (REFERENCE.md s.11).
+"""Per-token gradients of linear layers, captured by hooks during a real backward pass (docs/traces.md).
 
 For a linear layer y = W x, the gradient of the loss w.r.t. W is a sum over positions of rank-1 terms
 dy_t x_t^T. A forward hook keeps x_t of the traced positions, already projected (v_t = P_in x_t); a hook on

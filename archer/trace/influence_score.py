@@ -1,4 +1,4 @@
-"""Influence scores of tokens from their projected rank-1 gradients (pure torch, REFERENCE.md s.11).
+"""Influence scores of tokens from their projected rank-1 gradients (pure torch, docs/traces.md).
 
 Token t of response r has the projected gradient g_t = vec(u_t v_t^T) in one module. With G the stacked
 response gradients G_r (mean or sum of their token gradients) of a scope (one prompt group, or all selected

@@ -1,4 +1,4 @@
-"""The RL trainer: one controller that runs the step of DESIGN.md in order, validation, checkpoints, resume.
+"""The RL trainer: one controller that runs the step of docs/architecture.md in order, validation, checkpoints, resume.
 
     prompts -rollout-> responses -reward-> token_level_scores -actor-> old_log_probs, entropies
             -ref-> ref_log_prob -critic-> values -algorithm-> advantages, returns

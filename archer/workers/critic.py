@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
+from transformers import PreTrainedModel
 
 from archer.algorithms.aggregation import mini_batch_totals
 from archer.algorithms.metrics import MetricSums, masked_mean_metric, total_metric
@@ -44,12 +45,24 @@ class CriticWorker:
             self.owner.shard(self.ctx, param_dtype=default_dtype(device),
                              cpu_offload=bool(offload.param_offload or offload.optimizer_offload))
         self.owner.attach_optimizer(cfg.optim, LRSchedule.from_rl_optim(cfg.optim, total_steps))
-        self.model, self.optimizer, self.scheduler = self.owner.model, self.owner.optimizer, self.owner.scheduler
         micro = {"dynamic_key": "use_dynamic_bsz", "remove_padding": bool(cfg.model.use_remove_padding)}
         self.forward_micro = MicroBatching.from_config(cfg, size_key="forward_micro_batch_size",
                                                        budget_key="forward_max_token_len_per_gpu", **micro)
         self.update_micro = MicroBatching.from_config(cfg, size_key="ppo_micro_batch_size",
                                                       budget_key="ppo_max_token_len_per_gpu", **micro)
+
+    @property
+    def model(self) -> PreTrainedModel:
+        """The value model (backbone and scalar head)."""
+        return self.owner.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.owner.optimizer
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
+        return self.owner.scheduler
 
     def _values(self, mb: Batch, micro: MicroBatching) -> torch.Tensor:
         """Value of each response position: the head's output at the token that precedes it."""

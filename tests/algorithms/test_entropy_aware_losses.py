@@ -1,5 +1,5 @@
 """Archer, ASPO, Clip-Cov and KL-Cov policy losses: forward values, gradients w.r.t. log_prob and metrics,
-checked against the formulas of REFERENCE.md sections 2 and 5 on a few hand-computed tokens."""
+checked against the formulas of docs/algorithms.md on a few hand-computed tokens."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""AEPO's entropy-balanced policy optimisation (REFERENCE.md section 7): the entropy-balanced clip of the losses
+"""AEPO's entropy-balanced policy optimisation (docs/algorithms.md, AEPO): the entropy-balanced clip of the losses
 that clip the token ratio (forward values unchanged, gradients by hand and against the formula with autograd),
 and the entropy-aware advantage scale with its metrics, on hand-computed tokens."""
 

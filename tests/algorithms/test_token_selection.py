@@ -1,4 +1,4 @@
-"""Token selections of the entropy-aware losses, checked against hand computations (REFERENCE.md section 5)."""
+"""Token selections of the entropy-aware losses, checked against hand computations (docs/algorithms.md, entropy-aware methods)."""
 
 import math
 

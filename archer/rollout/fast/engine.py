@@ -125,7 +125,7 @@ class FastEngine(RolloutEngine):
             return
         if self.model.released:
             raise ArcherError("the fast engine's weights were released and not taken again",
-                              "call sync_weights(actor) before generating")
+                              "call sync_weights with the policy's weights before generating")
         spec = self.model.spec
         blocks = -(-self.max_model_len // self.page_size)
         workspace = workspace_bytes(spec, self.dtype, self.max_num_seqs, self.max_num_batched_tokens)

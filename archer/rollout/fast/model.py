@@ -20,6 +20,7 @@ from torch import nn
 from archer.errors import ArcherError
 from archer.models.logprobs import backbone_of
 from archer.models.lora import policy_weights
+from archer.rollout.base import copy_weights
 from archer.rollout.fast import ops
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
@@ -212,21 +213,8 @@ class FastModel:
         ``release``)."""
         if self.released:
             self._allocate()
-        targets = self.targets()
-        missing = dict(targets)
-        for name, tensor in weights:
-            target = missing.pop(name, None)
-            if target is None:
-                raise ArcherError(f"the fast engine has no place for the weight {name!r}"
-                                  f"{' (given twice)' if name in targets else ''}",
-                                  "sync the engine from the actor it was built on; " + _FALLBACK)
-            if target.shape != tensor.shape:
-                raise ArcherError(f"the fast engine's {name} is {tuple(target.shape)}, the weight given is "
-                                  f"{tuple(tensor.shape)}", "sync the engine from the actor it was built on")
-            target.copy_(tensor)
-        if missing:
-            raise ArcherError(f"the weights given to the fast engine lack {len(missing)} tensors "
-                              f"({', '.join(sorted(missing)[:3])}, ...)", "sync the engine from the actor it was built on")
+        copy_weights(self.targets(), weights, engine="fast",
+                     fix="sync the engine from the actor it was built on; " + _FALLBACK)
 
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: list[tuple],
                 attend) -> torch.Tensor:
