@@ -1,25 +1,21 @@
 """Per-token log-probabilities and entropies without a full float32 [tokens x vocab] tensor (docs/architecture.md).
 
-``logprobs_from_hidden`` makes the logits ``chunk_size`` tokens at a time from the last hidden states by calling
-the LM head module on each chunk (never reading its ``.weight``: a head sharded with FSDP2 gathers its weight
-in its own hooks), under activation checkpointing: nothing of a chunk is kept for the backward but its inputs,
-and the backward makes the chunk's logits again. The softmax statistics (``_SoftmaxStats``) keep two numbers per
-token (the log-normaliser and the entropy) and write the gradient of the logits from the closed forms
+``logprobs_from_hidden`` makes the logits ``chunk_size`` tokens at a time from the last hidden states and the
+LM head, in one autograd function (``_ChunkedLogProbs``) that keeps nothing of a chunk for the backward but
+two numbers per token (the log-normaliser and the entropy): the backward makes each chunk's logits again and
+writes the gradient of the logits straight from the closed forms
 
     d logp_y / dz = (onehot_y - p) / T,    d H / dz = -p * (log p + H) / T      (z: logits, p = softmax(z / T))
 
-into the logits' own buffer, a quarter of the chunk's rows at a time, so a chunk holds at most two float32
-[chunk x vocab] buffers at once, in the forward or the backward. By default a chunk's float32 logits take at most
-``LOGITS_BYTES_PER_CHUNK`` (``chunk_size=None``). Under autocast the head runs in the autocast dtype, as
-``F.linear`` would (each chunk casting its weight, so the weight's gradient adds up in float32), and the softmax
-in float32. The same per-row formula (``token_logprob_and_entropy``) serves the rollout engine, so
-generation-time and training-time numbers agree.
+so a chunk never holds more than two float32 [chunk x vocab] buffers at once, in the forward or the backward.
+By default a chunk's float32 logits take at most ``LOGITS_BYTES_PER_CHUNK`` (``chunk_size=None``). Under
+autocast the matrix products run in the autocast dtype, as ``F.linear`` would, and the softmax in float32.
+The same per-row formula (``token_logprob_and_entropy``) serves the rollout engine, so generation-time and
+training-time numbers agree.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.distributed.fsdp import FSDPModule
-from torch.utils.checkpoint import checkpoint
 
 from archer.errors import ArcherError
 from archer.models.loading import autocast_for
@@ -74,70 +69,45 @@ def token_logprob_and_entropy(
     return logp, entropy
 
 
-def _head_call(lm_head: nn.Module | tuple[torch.Tensor, torch.Tensor | None]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The LM head as a function of hidden states: the module itself (called, so that a sharded head, FSDP2's,
-    gathers its weight in its own hooks), or ``F.linear`` with a ``(weight, bias)`` pair."""
-    if isinstance(lm_head, nn.Module):
-        return lm_head
+def _head_params(
+    lm_head: nn.Linear | tuple[torch.Tensor, torch.Tensor | None],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if isinstance(lm_head, nn.Linear):
+        return lm_head.weight, lm_head.bias
     weight, bias = lm_head
-    return functools.partial(F.linear, weight=weight, bias=bias)
-
-
-def _vocab_size(lm_head: nn.Module | tuple[torch.Tensor, torch.Tensor | None]) -> int:
-    if isinstance(lm_head, nn.Module):
-        return int(getattr(lm_head, "out_features", None) or lm_head.weight.shape[0])
-    return lm_head[0].shape[0]
+    return weight, bias
 
 
 def _matmul_dtype(hidden: torch.Tensor) -> torch.dtype:
-    """The dtype F.linear computes in here: the autocast dtype when autocast is on, else the input's."""
+    """The dtype F.linear would compute in here: the autocast dtype when autocast is on, else the input's."""
     device = hidden.device.type
     if torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return hidden.dtype
 
 
-STATS_BLOCKS = 4  # row blocks a chunk's softmax statistics are computed in (float32 work: a quarter chunk each)
-
-
-def _row_blocks(rows: int) -> range:
-    return range(0, rows, max(1, -(-rows // STATS_BLOCKS)))
-
-
-class _SoftmaxStats(torch.autograd.Function):
-    """log p(labels) and entropies of softmax(logits / T) for one chunk of logits, in float32, a block of rows at
-    a time; the backward writes the gradient of the logits from the closed forms (module docstring) into the
-    logits' own buffer (a chunk's logits are recomputed for it, see ``logprobs_from_hidden``)."""
+class _ChunkedLogProbs(torch.autograd.Function):
+    """log p(labels) and entropies of softmax((hidden @ W^T + b) / T), chunk by chunk, both directions."""
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, temperature: float, compute_entropy: bool,
-                memo: dict[str, tuple[torch.Tensor, ...]] | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``memo``: the first pass leaves its statistics there, and the backward's recomputation of the chunk
-        (which only needs the logits again) takes them instead of computing them a second time."""
-        if memo is not None and "stats" in memo:
-            logp, log_norm, entropy = memo.pop("stats")
-            ctx.save_for_backward(logits, labels, log_norm, entropy)
-            ctx.temperature = temperature
-            ctx.set_materialize_grads(False)
-            if not compute_entropy:
-                ctx.mark_non_differentiable(entropy)
-            return logp.clone(), entropy.clone()
-        logp = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                labels: torch.Tensor, temperature: float, chunk_size: int, compute_entropy: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = _matmul_dtype(hidden)
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        logp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         log_norm = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if compute_entropy else logp.new_empty(0)
-        step = max(1, -(-logits.shape[0] // STATS_BLOCKS))
-        with torch.autocast(logits.device.type, enabled=False):
-            for start in _row_blocks(logits.shape[0]):
-                rows = slice(start, start + step)
-                block_logp, block_norm, block_entropy = _log_softmax_stats(logits[rows], labels[rows], temperature,
-                                                                           compute_entropy)
-                logp[rows], log_norm[rows] = block_logp, block_norm
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, hidden.shape[0], chunk_size):
+                rows = slice(start, start + chunk_size)
+                chunk_logp, chunk_norm, chunk_entropy = _log_softmax_stats(
+                    F.linear(hidden[rows].to(dtype), w, b), labels[rows], temperature, compute_entropy)
+                logp[rows], log_norm[rows] = chunk_logp, chunk_norm
                 if compute_entropy:
-                    entropy[rows] = block_entropy
-        if memo is not None:
-            memo["stats"] = (logp, log_norm, entropy)
-        ctx.save_for_backward(logits, labels, log_norm, entropy)
-        ctx.temperature = temperature
+                    entropy[rows] = chunk_entropy
+        ctx.save_for_backward(hidden, weight, bias, labels, log_norm, entropy)
+        ctx.settings = (temperature, chunk_size, dtype)
         ctx.set_materialize_grads(False)  # an output the loss does not use sends None, not zeros
         if not compute_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -147,45 +117,52 @@ class _SoftmaxStats(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None
                  ) -> tuple[torch.Tensor | None, ...]:
-        logits, labels, log_norm, entropy = ctx.saved_tensors
-        scale = 1.0 / ctx.temperature
+        hidden, weight, bias, labels, log_norm, entropy = ctx.saved_tensors
+        temperature, chunk_size, dtype = ctx.settings
+        scale = 1.0 / temperature
         grad_logp = torch.zeros_like(log_norm) if grad_logp is None else grad_logp.float()
         with_entropy = grad_entropy is not None and entropy.numel() > 0
-        step = max(1, -(-logits.shape[0] // STATS_BLOCKS))
-        with torch.autocast(logits.device.type, enabled=False):
-            for start in _row_blocks(logits.shape[0]):
-                rows = slice(start, start + step)
-                g_logp = grad_logp[rows].unsqueeze(-1) * scale
-                log_p = torch.add(-log_norm[rows].unsqueeze(-1), logits[rows], alpha=scale)
-                grad = log_p.exp()
-                if with_entropy:
-                    # dL/dz = -p * (g_logp + g_H (log p + H)) / T + g_logp onehot / T
-                    g_entropy = grad_entropy[rows].float().unsqueeze(-1) * scale
-                    offset = -(g_logp + g_entropy * entropy[rows].unsqueeze(-1))
-                    grad.mul_(torch.addcmul(offset, log_p, -g_entropy, out=log_p))
-                else:
-                    grad.mul_(-g_logp)
-                del log_p
-                grad.scatter_add_(-1, labels[rows].unsqueeze(-1), g_logp)
-                logits[rows] = grad  # the logits are not needed any more: their buffer takes the gradient
-                del grad
-        return logits, None, None, None, None
-
-
-def _chunk_stats(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor,
-                 temperature: float, compute_entropy: bool, dtype: torch.dtype,
-                 memo: dict[str, tuple[torch.Tensor, ...]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk: its logits through the head (in ``dtype``, as autocast computes them, each chunk casting the
-    head's weight on its own so that their gradients add up in float32), then their softmax statistics."""
-    device = hidden.device.type
-    with torch.autocast(device, dtype=dtype, enabled=torch.is_autocast_enabled(device), cache_enabled=False):
-        logits = head(hidden)
-    return _SoftmaxStats.apply(logits, labels, temperature, compute_entropy, memo)
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            h = hidden[rows].to(dtype)
+            g_logp = grad_logp[rows].unsqueeze(-1) * scale
+            log_p = torch.add(-log_norm[rows].unsqueeze(-1), F.linear(h, w, b), alpha=scale)
+            grad = log_p.exp()
+            if with_entropy:
+                # dL/dz = -p * (g_logp + g_H (log p + H)) / T + g_logp onehot / T
+                g_entropy = grad_entropy[rows].float().unsqueeze(-1) * scale
+                offset = -(g_logp + g_entropy * entropy[rows].unsqueeze(-1))
+                grad.mul_(torch.addcmul(offset, log_p, -g_entropy, out=log_p))
+            else:
+                grad.mul_(-g_logp)
+            del log_p
+            grad.scatter_add_(-1, labels[rows].unsqueeze(-1), g_logp)
+            grad = grad.to(dtype)
+            if need_hidden:
+                grad_hidden[rows] = grad @ w
+            if need_weight:
+                if dtype == torch.float32:
+                    grad_weight.addmm_(grad.t(), h)
+                else:  # a [V, H] product in the autocast dtype, added in float32 (as autograd through F.linear)
+                    grad_weight += grad.t() @ h
+            if need_bias:
+                grad_bias += grad.sum(0)
+            del grad
+        if need_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        if need_bias:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 def logprobs_from_hidden(
     hidden: torch.Tensor,
-    lm_head: nn.Module | tuple[torch.Tensor, torch.Tensor | None],
+    lm_head: nn.Linear | tuple[torch.Tensor, torch.Tensor | None],
     labels: torch.Tensor,
     *,
     temperature: float = 1.0,
@@ -194,33 +171,18 @@ def logprobs_from_hidden(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(labels) [N] and entropies [N] (float32) of softmax(lm_head(hidden) / temperature).
 
-    ``lm_head`` is the head module (called on each chunk, never read through its ``.weight``) or a
-    ``(weight, bias)`` pair. Gradients reach ``hidden`` and the head through both outputs: each chunk is
-    recomputed in the backward (activation checkpointing), so no chunk's logits outlive its own pass.
-    ``chunk_size``: tokens per chunk (None: ``auto_chunk_size`` of the vocabulary).
+    ``lm_head`` is an ``nn.Linear`` or a ``(weight, bias)`` pair. Gradients reach ``hidden`` and the head
+    through both outputs. ``chunk_size``: tokens per chunk (None: ``auto_chunk_size`` of the vocabulary).
     """
     if chunk_size is not None and chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
-    head = _head_call(lm_head)
-    chunk = chunk_size or auto_chunk_size(_vocab_size(lm_head))
-    dtype = _matmul_dtype(hidden)
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(
-        p.requires_grad for p in (lm_head.parameters() if isinstance(lm_head, nn.Module) else lm_head)
-        if p is not None))
-    logps, entropies = [], []
-    # split, not sliced: the backward then joins the chunks' hidden gradients once (no per-chunk full-size grad)
-    for hidden_chunk, label_chunk in zip(hidden.split(chunk), labels.split(chunk), strict=True):
-        args = (head, hidden_chunk, label_chunk, float(temperature), compute_entropy, dtype)
-        logp, entropy = (checkpoint(_chunk_stats, *args, {}, use_reentrant=False) if grad
-                         else _chunk_stats(*args))
-        logps.append(logp)
-        entropies.append(entropy)
-    if not logps:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, (empty if compute_entropy else None)
-    return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None)
+    weight, bias = _head_params(lm_head)
+    chunk = chunk_size or auto_chunk_size(weight.shape[0])
+    logp, entropy = _ChunkedLogProbs.apply(hidden, weight, bias, labels, float(temperature), chunk,
+                                           compute_entropy)
+    return logp, (entropy if compute_entropy else None)
 
 
 def backbone_of(model: nn.Module) -> nn.Module:
@@ -242,9 +204,11 @@ def backbone_of(model: nn.Module) -> nn.Module:
 
 
 def backbone_hidden(model: nn.Module, **inputs: torch.Tensor | None) -> torch.Tensor:
-    """The backbone's last hidden states for ``inputs``. A model sharded with FSDP2 runs its whole forward (so
-    that the root gathers the embedding, final norm and LM head it owns, and reduces their gradients) with one
-    position of logits, the hidden states taken from the backbone on the way; otherwise the backbone alone."""
+    """The backbone's last hidden states for ``inputs``. A model sharded with FSDP2 runs its whole forward with
+    one position of logits, the hidden states taken from the backbone on the way: the root's forward gathers the
+    embedding, final norm and LM head it owns and keeps them gathered until its backward (archer/distributed/
+    fsdp.py), so the chunked head below reads the whole LM head, and the root's backward reduces its gradient.
+    Otherwise the backbone alone."""
     backbone = backbone_of(model)
     if not isinstance(model, FSDPModule):
         return backbone(**inputs, use_cache=False).last_hidden_state
