@@ -2,7 +2,9 @@
 FSDP2, against the single-process run of the same config.
 
 - Two ranks compute what one process computes: every metric of three GRPO steps within 1e-5 relative (1e-7
-  absolute), the trained weights within 1e-5 (float32; only the order of float sums differs).
+  absolute), the trained weights within 1e-5 (float32; only the order of float sums differs), and the entropy
+  and influence traces (each rank's rows reach the driver's one writer) within 1e-4 relative.
+- So do LoRA with FSDP2's CPU offload, a critic (GAE) and a reward model mixed with the rule reward.
 - The checkpoint is sharded (one DCP file per rank) beside an HF export that from_pretrained loads.
 - The driver killed with SIGKILL after a checkpoint, then relaunched, logs the uninterrupted run's metrics.
 - A rank killed mid-run stops the run with one error naming the rank and how to resume; resuming works.
@@ -21,13 +23,17 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_reward_model import build_reward_model
 from train_support import task_model
 from transformers import AutoModelForCausalLM
 
 from archer.data.tasks import write_task_files
+from archer.trace.format import TraceReader
 
 pytestmark = pytest.mark.slow
 
@@ -64,6 +70,8 @@ def command(task: dict[str, Path], run_dir: Path, ranks: int, *extra: str) -> li
             "actor_rollout_ref.actor.use_kl_loss=true", f"custom_reward_function.path={task['reward']}",
             f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1", "trainer.plots=false",
             "trainer.logger=[jsonl]", "trainer.device=cpu", f"trainer.n_gpus_per_node={ranks}",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",  # uneven micro-batches per rank
+            "+trainer.entropy_trace.enable=true", "+trainer.influence_trace.enable=true",
             f"trainer.default_local_dir={run_dir}", *extra]
 
 
@@ -130,6 +138,39 @@ def test_the_checkpoint_is_sharded_beside_an_hf_export(two_ranks: Path) -> None:
     for name, tensor in model.state_dict().items():
         if name in exported:
             assert torch.equal(tensor, exported[name]), name
+
+
+def test_the_traces_of_two_ranks_are_those_of_one_process(one_process: Path, two_ranks: Path) -> None:
+    for kind in ("entropy_trace", "influence_trace"):
+        want, got = TraceReader(one_process / kind), TraceReader(two_ranks / kind)
+        assert got.steps() == want.steps() == list(range(1, STEPS + 1))
+        for step in want.steps():
+            a, b = got.load_step(step), want.load_step(step)
+            assert a.keys() == b.keys()
+            for name in b:
+                if b[name].dtype.kind == "f":
+                    np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=1e-6, err_msg=f"{kind} {name}")
+                else:
+                    assert np.array_equal(a[name], b[name]), f"{kind} step {step}: {name}"
+
+
+def test_lora_offload_critic_and_reward_model_on_two_ranks(task: dict[str, Path], tmp_path: Path) -> None:
+    corpus = [json.dumps(row) for row in pq.read_table(task["train"]).to_pylist()[:32]]
+    reward_model = build_reward_model(tmp_path / "reward_model", corpus)
+    variant = ("trainer.total_training_steps=2", "actor_rollout_ref.model.lora_rank=8",
+               "actor_rollout_ref.model.lora_alpha=16", "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+               "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true", "algorithm.adv_estimator=gae",
+               "reward_model.enable=true", f"reward_model.model.path={reward_model}", "reward_model.rule_weight=0.5",
+               "~trainer.influence_trace.enable")
+    runs = {ranks: tmp_path / f"ranks_{ranks}" for ranks in (1, 2)}
+    for ranks, run_dir in runs.items():
+        train(task, run_dir, ranks, *variant)
+    want, got = metrics(runs[1]), metrics(runs[2])
+    assert want[1]["critic/vf_loss"] > 0 and "reward/rm_score/mean" in want[1]
+    for step in want:
+        assert_close_metrics(got[step], want[step], step)
+    actor = runs[2] / "checkpoints" / "global_step_2"
+    assert (actor / "actor" / "dcp" / ".metadata").is_file() and (actor / "critic" / "dcp" / ".metadata").is_file()
 
 
 def wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path, step: int) -> None:

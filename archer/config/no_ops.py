@@ -20,7 +20,12 @@ from archer.errors import ArcherError
 log = logging.getLogger("archer.config")
 
 VERL = "accepted for verl compatibility; archer"
-ONE_DEVICE = "archer runs on one device (FSDP sharding, sequence parallelism and Ray placement are not in archer yet)"
+STRATEGY = "archer shards with FSDP2 whenever several ranks run, and runs one plain process otherwise"
+NO_SP = "archer has no sequence parallelism: each rank runs whole sequences"
+RESHARD = "decoder layers reshard after their forward; the root keeps its parameters gathered until its backward"
+FSDP_SIZE = "each model is sharded over all ranks"
+WRAP = "FSDP2 wraps each decoder layer (the model's _no_split_modules) and the root"
+SHARDED_OFFLOAD = "acts with several ranks only (FSDP2's CPU offload of the shards); on one device the model stays on it"
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,7 @@ class NoOp:
     note: str
     refuse: Callable[[Any], bool] | None = None
     fix: str = ""
+    sharded_only: bool = False  # the key acts when several ranks run (trainer.nnodes x n_gpus_per_node > 1)
 
 
 def _above(limit: int) -> Callable[[Any], bool]:
@@ -62,9 +68,9 @@ NO_OPS: tuple[NoOp, ...] = (
     NoOp(f"{AR}.model.use_liger", False, "log-probs always come from archer's chunked kernel"),
     NoOp(f"{AR}.model.fused_kernel_options.impl_backend", "torch", "log-probs come from archer's chunked kernel"),
     NoOp(f"{AR}.model.use_shm", False, "the model is read from its folder"),
-    NoOp(f"{AR}.actor.strategy", "fsdp", ONE_DEVICE),
+    NoOp(f"{AR}.actor.strategy", "fsdp", STRATEGY),
     NoOp(f"{AR}.actor.use_torch_compile", True, "the update runs eagerly"),
-    NoOp(f"{AR}.actor.ulysses_sequence_parallel_size", 1, ONE_DEVICE),
+    NoOp(f"{AR}.actor.ulysses_sequence_parallel_size", 1, NO_SP),
     NoOp(f"{AR}.actor.entropy_from_logits_with_chunking", False, "archer always computes entropy in chunks"),
     NoOp(f"{AR}.actor.entropy_checkpointing", False, "archer always makes each chunk's logits again in the backward"),
     NoOp(f"{AR}.actor.checkpoint.save_contents", ["model", "optimizer", "extra"],
@@ -72,15 +78,15 @@ NO_OPS: tuple[NoOp, ...] = (
     NoOp(f"{AR}.actor.checkpoint.load_contents", ["model", "optimizer", "extra"],
          "resuming always loads the model, the optimiser and the trainer state"),
     NoOp(f"{AR}.actor.optim.total_training_steps", -1, "the trainer sets the schedule's length"),
-    NoOp(f"{AR}.actor.fsdp_config.offload_policy", False, ONE_DEVICE + "; see param_offload / optimizer_offload"),
-    NoOp(f"{AR}.actor.fsdp_config.reshard_after_forward", True, ONE_DEVICE),
-    NoOp(f"{AR}.actor.fsdp_config.fsdp_size", -1, ONE_DEVICE),
-    NoOp(f"{AR}.actor.fsdp_config.wrap_policy.min_num_params", 0, ONE_DEVICE),
-    NoOp(f"{AR}.ref.strategy", "fsdp", ONE_DEVICE),
-    NoOp(f"{AR}.ref.ulysses_sequence_parallel_size", 1, ONE_DEVICE),
-    NoOp(f"{AR}.ref.fsdp_config.param_offload", False, "the reference policy (bf16 on a GPU) stays on the device"),
-    NoOp(f"{AR}.ref.fsdp_config.reshard_after_forward", True, ONE_DEVICE),
-    NoOp(f"{AR}.ref.fsdp_config.wrap_policy.min_num_params", 0, ONE_DEVICE),
+    NoOp(f"{AR}.actor.fsdp_config.offload_policy", False, "param_offload / optimizer_offload turn on FSDP2's CPU offload"),
+    NoOp(f"{AR}.actor.fsdp_config.reshard_after_forward", True, RESHARD),
+    NoOp(f"{AR}.actor.fsdp_config.fsdp_size", -1, FSDP_SIZE),
+    NoOp(f"{AR}.actor.fsdp_config.wrap_policy.min_num_params", 0, WRAP),
+    NoOp(f"{AR}.ref.strategy", "fsdp", STRATEGY),
+    NoOp(f"{AR}.ref.ulysses_sequence_parallel_size", 1, NO_SP),
+    NoOp(f"{AR}.ref.fsdp_config.param_offload", False, SHARDED_OFFLOAD, sharded_only=True),
+    NoOp(f"{AR}.ref.fsdp_config.reshard_after_forward", True, RESHARD),
+    NoOp(f"{AR}.ref.fsdp_config.wrap_policy.min_num_params", 0, WRAP),
     NoOp(f"{AR}.rollout.mode", "sync", "generation runs synchronously between the trainer's stages"),
     NoOp(f"{AR}.rollout.ignore_eos", False, "generation stops at the end-of-sequence token", _truthy,
          "drop actor_rollout_ref.rollout.ignore_eos (responses end at eos, as the reward expects)"),
@@ -92,26 +98,26 @@ NO_OPS: tuple[NoOp, ...] = (
     NoOp(f"{AR}.rollout.calculate_log_probs", False, "archer always returns the rollout log-probs"),
     NoOp(f"{AR}.rollout.engine_kwargs", {}, "the engines take no extra arguments"),
     NoOp("critic.rollout_n", f"${{{AR}.rollout.n}}", f"{AR}.rollout.n governs"),
-    NoOp("critic.strategy", "fsdp", ONE_DEVICE),
+    NoOp("critic.strategy", "fsdp", STRATEGY),
     NoOp("critic.optim.total_training_steps", -1, "the trainer sets the schedule's length"),
     NoOp("critic.model.tokenizer_path", f"${{{AR}.model.path}}", "the critic reads the actor's tokenized batch"),
     NoOp("critic.model.override_config", {}, "the model's config.json is used as it is", _truthy,
          "edit the critic model folder's config.json (or drop critic.model.override_config)"),
     NoOp("critic.model.external_lib", None, "nothing is imported; the model must load with transformers"),
-    NoOp("critic.model.fsdp_config.param_offload", False, "the critic stays on the device"),
-    NoOp("critic.model.fsdp_config.optimizer_offload", False, "the critic's optimiser states stay on the device"),
-    NoOp("critic.model.fsdp_config.offload_policy", False, ONE_DEVICE),
-    NoOp("critic.model.fsdp_config.reshard_after_forward", True, ONE_DEVICE),
-    NoOp("critic.model.fsdp_config.fsdp_size", -1, ONE_DEVICE),
-    NoOp("critic.model.fsdp_config.wrap_policy.min_num_params", 0, ONE_DEVICE),
-    NoOp("critic.ulysses_sequence_parallel_size", 1, ONE_DEVICE),
+    NoOp("critic.model.fsdp_config.param_offload", False, SHARDED_OFFLOAD, sharded_only=True),
+    NoOp("critic.model.fsdp_config.optimizer_offload", False, SHARDED_OFFLOAD, sharded_only=True),
+    NoOp("critic.model.fsdp_config.offload_policy", False, "param_offload / optimizer_offload turn on FSDP2's CPU offload"),
+    NoOp("critic.model.fsdp_config.reshard_after_forward", True, RESHARD),
+    NoOp("critic.model.fsdp_config.fsdp_size", -1, FSDP_SIZE),
+    NoOp("critic.model.fsdp_config.wrap_policy.min_num_params", 0, WRAP),
+    NoOp("critic.ulysses_sequence_parallel_size", 1, NO_SP),
     NoOp("critic.checkpoint.save_contents", ["model", "optimizer", "extra"],
          "a checkpoint always holds the model, the optimiser and the trainer state"),
     NoOp("critic.checkpoint.load_contents", ["model", "optimizer", "extra"],
          "resuming always loads the model, the optimiser and the trainer state"),
     NoOp("reward_model.overlong_buffer.log", False, "the overlong penalty's metrics are always logged"),
     NoOp("reward_model.launch_reward_fn_async", False, "rewards are computed after each generation batch"),
-    NoOp("trainer.balance_batch", True, ONE_DEVICE),
+    NoOp("trainer.balance_batch", True, "the ranks take contiguous rows of the batch in order (no reordering by length)"),
     NoOp("trainer.default_hdfs_dir", None, "checkpoints stay in trainer.default_local_dir"),
     NoOp("trainer.del_local_ckpt_after_load", False, "checkpoints are kept (max_actor_ckpt_to_keep prunes them)"),
     NoOp("trainer.max_critic_ckpt_to_keep", None, "a checkpoint holds actor and critic; max_actor_ckpt_to_keep governs"),
@@ -147,6 +153,8 @@ def check_no_ops(cfg: DictConfig, table: tuple[NoOp, ...] = NO_OPS) -> None:
     """Refuse a value whose no-op would change the result (the first, as an ArcherError); warn once about each
     other key set to a value archer does not act on."""
     found = set_no_ops(cfg, table)
+    if int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node) > 1:
+        found = [(entry, value) for entry, value in found if not entry.sharded_only]
     for entry, value in found:
         if entry.refuse is not None and entry.refuse(value):
             raise ArcherError(f"{entry.key}={value!r} cannot be honoured: {entry.note}", entry.fix)

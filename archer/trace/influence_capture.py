@@ -306,12 +306,16 @@ class InfluenceCapture:
 
         return hook
 
-    def collect(self) -> CapturedFactors:
-        """The factor groups (scaled in place, once); every module must have captured every token exactly once."""
-        for name, count in self._captured.items():
-            if count != self.num_tokens:
-                raise RuntimeError(f"influence capture of {name} captured {count} factors for "
-                                   f"{self.num_tokens} traced tokens")
+    @property
+    def captured(self) -> dict[str, int]:
+        """Tokens captured so far per module."""
+        return dict(self._captured)
+
+    def collect(self, *, complete: bool = True) -> CapturedFactors:
+        """The factor groups (scaled in place, once); with ``complete`` every module must have captured every
+        token exactly once (a data-parallel rank captures only its rows' tokens: ``merge_rank_factors``)."""
+        if complete:
+            check_counts(self._captured, self.num_tokens)
         if not self._scaled:
             for group in self.groups:
                 scale_in, scale_out = self.projections[group.modules[0]].scales
@@ -319,6 +323,27 @@ class InfluenceCapture:
                 group.v.mul_(scale_in)
             self._scaled = True
         return self.groups
+
+
+def check_counts(captured: dict[str, int], num_tokens: int) -> None:
+    """Every module captured every traced token exactly once."""
+    for name, count in captured.items():
+        if count != num_tokens:
+            raise RuntimeError(f"influence capture of {name} captured {count} factors for {num_tokens} traced tokens")
+
+
+def merge_rank_factors(ranks: list[tuple[CapturedFactors, dict[str, int]]], num_tokens: int) -> CapturedFactors:
+    """The factors of a data-parallel update: each rank's (factor groups, tokens captured per module), each rank
+    having written only the tokens of its rows (zeros elsewhere). The groups are summed; together the ranks must
+    have captured every token of every module exactly once."""
+    first, _ = ranks[0]
+    totals: dict[str, int] = {}
+    for _, captured in ranks:
+        for name, count in captured.items():
+            totals[name] = totals.get(name, 0) + count
+    check_counts(totals, num_tokens)
+    return [FactorGroup(group.modules, sum(r[0][g].u for r in ranks), sum(r[0][g].v for r in ranks))
+            for g, group in enumerate(first)]
 
 
 @dataclass(frozen=True)
@@ -397,6 +422,6 @@ class TokenCapture:
         with self.capture.micro_batch(where):
             yield
 
-    def collect(self) -> CapturedFactors:
-        """The captured factors, on the capture's store device."""
-        return self.capture.collect()
+    def collect(self, *, complete: bool = True) -> CapturedFactors:
+        """The captured factors, on the capture's store device (``complete``: see InfluenceCapture.collect)."""
+        return self.capture.collect(complete=complete)

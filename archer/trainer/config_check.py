@@ -91,11 +91,13 @@ def check_world(cfg: DictConfig) -> None:
     world = int(trainer.nnodes) * int(trainer.n_gpus_per_node)
     if world == 1 or trainer.val_only:
         return
-    if trainer.influence_trace.enable:
-        raise ArcherError(f"trainer.influence_trace captures per-token gradients in one process; this run has "
+    trace = trainer.influence_trace
+    if trace.enable and trace.output_function != "training_loss":
+        raise ArcherError(f"trainer.influence_trace.output_function={trace.output_function} needs an extra "
+                          f"backward of the traced rows alone, which a sharded policy cannot run; this run has "
                           f"{world} ranks (trainer.nnodes x trainer.n_gpus_per_node)",
-                          "trace influence on one device (trainer.n_gpus_per_node=1 trainer.nnodes=1), or turn "
-                          "it off (the entropy trace works on any number of ranks)")
+                          "trace the training loss (trainer.influence_trace.output_function=training_loss, captured "
+                          "during the update on every rank), or trace on one device (trainer.n_gpus_per_node=1)")
 
 
 def check_config(cfg: DictConfig) -> None:

@@ -46,6 +46,7 @@ from archer.models.owner import ModelOwner
 from archer.rollout.factory import build_engine, uses_fast_engine
 from archer.trace.influence_capture import (
     CaptureSettings,
+    FactorGroup,
     InfluenceCapture,
     ModuleProjection,
     TokenCapture,
@@ -63,6 +64,7 @@ from archer.workers.rollout import FIRST_PROMPT, ROLLOUT_STATS, RolloutWorker, p
 log = logging.getLogger("archer.actor")
 
 INFLUENCE_TOKENS = "influence_tokens"  # info key of update_actor's input: the TracedTokens to capture
+INFLUENCE_CAPTURED = "influence_captured"  # info key of a data-parallel rank's update: tokens captured per module
 
 
 class ActorWorker:
@@ -221,7 +223,12 @@ class ActorWorker:
         self._engine_is_stale = True
         out = Batch(info={"metrics": metrics})
         if capture is not None:
-            out.info["influence"] = capture.collect()
+            if self.ctx.distributed:  # this rank's rows only, on the CPU for the driver to merge
+                factors = capture.collect(complete=False)
+                out.info["influence"] = [FactorGroup(g.modules, g.u.cpu(), g.v.cpu()) for g in factors]
+                out.info[INFLUENCE_CAPTURED] = capture.capture.captured
+            else:
+                out.info["influence"] = capture.collect()
         return out
 
     def _update_policy(self, batch: Batch, influence: TokenCapture | None, *, step_optimizer: bool
@@ -261,7 +268,7 @@ class ActorWorker:
             mask = mb["response_mask"].float()
             tracing = (influence.micro_batch(mb["row_id"].tolist(), layout.response_start.tolist(),
                                                  layout.input_ids.shape[1])
-                       if influence is not None else nullcontext())
+                       if influence is not None and weight else nullcontext())  # padding passes trace nothing
             with tracing:
                 with autocast_for(self.device):
                     logp, ent = layout_logprobs(self.model, layout, temperature=self.temperature,

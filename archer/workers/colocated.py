@@ -25,8 +25,8 @@ from archer.distributed.context import DistContext
 from archer.distributed.dispatch import collect, concat_batches, rank_zero, shard_rows
 from archer.models.loading import load_tokenizer, pick_device
 from archer.rollout.rollout_stats import RolloutStats
-from archer.trace.influence_capture import CaptureSettings
-from archer.workers.actor import ActorWorker
+from archer.trace.influence_capture import CaptureSettings, merge_rank_factors
+from archer.workers.actor import INFLUENCE_CAPTURED, ActorWorker
 from archer.workers.critic import CriticWorker
 from archer.workers.memory import GIB
 from archer.workers.reward_model import RewardModelWorker
@@ -53,6 +53,16 @@ def concat_generated(results: list[Batch]) -> Batch:
     if stats:
         batch.info[ROLLOUT_STATS] = RolloutStats.merge(stats)
     return batch
+
+
+def merge_updates(results: list[Batch]) -> Batch:
+    """The actor update's metrics (every rank's are the same, all-reduced) and, when influence was traced, the
+    factors every rank captured for its rows, merged into those of the whole batch."""
+    out = results[0]
+    if INFLUENCE_CAPTURED in out.info:
+        captured = [(r.info["influence"], r.info.pop(INFLUENCE_CAPTURED)) for r in results]
+        out.info["influence"] = merge_rank_factors(captured, out.info["influence"][0].u.shape[1])
+    return out
 
 
 def max_over_ranks(results: list[dict[str, float]]) -> dict[str, float]:
@@ -119,7 +129,7 @@ class RankWorkers:
     def update_critic(self, batch: Batch) -> Batch:
         return self.critic.update_critic(batch)
 
-    @collect(rank_zero)
+    @collect(merge_updates)
     def update_actor(self, batch: Batch) -> Batch:
         return self.actor.update_actor(batch)
 
