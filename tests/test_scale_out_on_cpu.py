@@ -3,7 +3,8 @@ FSDP2, against the single-process run of the same config.
 
 - Two ranks compute what one process computes: every metric of three GRPO steps within 1e-5 relative (1e-7
   absolute), the trained weights within 1e-5 (float32; only the order of float sums differs), and the entropy
-  and influence traces (each rank's rows reach the driver's one writer) within 1e-4 relative.
+  and influence traces (each rank's rows reach the driver's one writer) within 1e-4 relative (float16 factors:
+  4 units in the last place).
 - So do LoRA with FSDP2's CPU offload, a critic (GAE) and a reward model mixed with the rule reward.
 - The checkpoint is sharded (one DCP file per rank) beside an HF export that from_pretrained loads.
 - The driver killed with SIGKILL after a checkpoint, then relaunched, logs the uninterrupted run's metrics.
@@ -148,8 +149,10 @@ def test_the_traces_of_two_ranks_are_those_of_one_process(one_process: Path, two
             a, b = got.load_step(step), want.load_step(step)
             assert a.keys() == b.keys()
             for name in b:
-                if b[name].dtype.kind == "f":
-                    np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=1e-6, err_msg=f"{kind} {name}")
+                if b[name].dtype.kind == "f":  # float16 factors: a few units in the last place
+                    eps = float(np.finfo(b[name].dtype).eps)
+                    np.testing.assert_allclose(a[name], b[name], rtol=max(1e-4, 4 * eps), atol=max(1e-6, 4 * eps),
+                                               err_msg=f"{kind} step {step}: {name}")
                 else:
                     assert np.array_equal(a[name], b[name]), f"{kind} step {step}: {name}"
 
@@ -161,7 +164,7 @@ def test_lora_offload_critic_and_reward_model_on_two_ranks(task: dict[str, Path]
                "actor_rollout_ref.model.lora_alpha=16", "actor_rollout_ref.actor.fsdp_config.param_offload=true",
                "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true", "algorithm.adv_estimator=gae",
                "reward_model.enable=true", f"reward_model.model.path={reward_model}", "reward_model.rule_weight=0.5",
-               "~trainer.influence_trace.enable")
+               "trainer.influence_trace.enable=false")
     runs = {ranks: tmp_path / f"ranks_{ranks}" for ranks in (1, 2)}
     for ranks, run_dir in runs.items():
         train(task, run_dir, ranks, *variant)
