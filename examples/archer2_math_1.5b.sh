@@ -3,9 +3,9 @@
 # GRPO advantages with the ASPO loss (Archer2.0's use_archer_policy_loss=True), entropy split at the 0.8 quantile,
 # clip 0.2 on low- and 0.4 on high-entropy tokens, KL loss 0.001, 3 PPO epochs, overlong buffer of 16 tokens,
 # rejection of all-correct / all-wrong groups.
-# Hardware: Archer2.0 ran it on one node of 2 x 80 GB GPUs: N_GPUS_PER_NODE=2 bash examples/archer2_math_1.5b.sh
-# (NNODES=2 for two nodes of a Ray cluster). archer refuses trainer.n_gpus_per_node > 1 until its Ray scale-out
-# lands, so N_GPUS_PER_NODE defaults to 1 meanwhile: one 80 GB GPU holds this 1.5B run at these sizes.
+# Hardware: as Archer2.0, one node of 2 x 80 GB GPUs (N_GPUS_PER_NODE=2, the default; NNODES=2 for two nodes of a
+# Ray cluster, README "Many GPUs"). One 80 GB GPU also holds this 1.5B run at these sizes:
+# N_GPUS_PER_NODE=1 bash examples/archer2_math_1.5b.sh
 # Data: Archer2.0's math set (Hugging Face Fate-Zero/Archer2.0-Math-1.5B) as verl parquet/json rows with
 # data_source "math" and reward_model.ground_truth (archer reads .parquet, .json and .jsonl).
 # Every variable below can be set from the environment; KEY=VALUE arguments are appended (the last value wins).
@@ -14,7 +14,7 @@ set -euo pipefail
 PROJECT_NAME=${PROJECT_NAME:-Archer2.0}
 EXPERIMENT_NAME=${EXPERIMENT_NAME:-Archer2.0-Qwen2.5-1.5B-Math}
 MODEL_PATH=${MODEL_PATH:-deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B}
-N_GPUS_PER_NODE=${N_GPUS_PER_NODE:-1}
+N_GPUS_PER_NODE=${N_GPUS_PER_NODE:-2}
 NNODES=${NNODES:-1}
 TRAIN_FILES=${TRAIN_FILES:-./data/train/archer2.0-math-1.5b-train.parquet}
 VAL_FILES=${VAL_FILES:-./data/test/archer2.0-math-1.5b-val.parquet}

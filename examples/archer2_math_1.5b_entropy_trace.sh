@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Archer2.0's entropy-trace run (run_archer2.0_qwen2.5_1.5b_math_entropy_trace.sh): the math run for 100 steps,
 # one PPO epoch, with the per-token entropy of every step written to <run>/entropy_trace (archer viz reads it).
-# Hardware: as archer2_math_1.5b.sh (one 80 GB GPU by default); the trace release (doub7e/token-influence) ran it
-# on one node of 8 GPUs: N_GPUS_PER_NODE=8 once multi-GPU training lands. Variables and appended KEY=VALUE
+# Hardware: as archer2_math_1.5b.sh (2 GPUs by default); the trace release (doub7e/token-influence) ran it
+# on one node of 8 GPUs: N_GPUS_PER_NODE=8. Variables and appended KEY=VALUE
 # arguments: as there.
 set -euo pipefail
 EXPERIMENT_NAME=${EXPERIMENT_NAME:-Archer2.0-Qwen2.5-1.5B-Math-EntropyTrace}

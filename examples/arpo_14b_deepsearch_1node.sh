@@ -2,9 +2,8 @@
 # ARPO's 14B deep-search run (its scripts/ARPO_14b_Deepsearch_1node.sh): the reasoning run's recipe on ARPO's hard
 # search data (hard_search_1k.parquet; validation on GAIA and HLE), 12 responses per prompt (6 global samples),
 # 2000 prompt + 6192 response tokens, 5 epochs, batch 64 / mini-batch 8, ARPO's deep-research reward.
-# Hardware: ARPO ran it on one node of 8 x 80 GB GPUs: N_GPUS_PER_NODE=8 bash examples/arpo_14b_deepsearch_1node.sh
-# for full fine-tuning once archer's multi-GPU training lands (refused until then; N_GPUS_PER_NODE defaults to 1):
-# on one 80 GB GPU a 14B model needs LoRA and offload (README "Memory").
+# Hardware: as ARPO, one node of 8 x 80 GB GPUs (N_GPUS_PER_NODE=8, the default; README "Many GPUs"). On one
+# 80 GB GPU (N_GPUS_PER_NODE=1) a 14B model needs LoRA and offload (README "Memory").
 # Every variable below can be set from the environment; KEY=VALUE arguments are appended (the last value wins).
 set -euo pipefail
 

@@ -2,10 +2,9 @@
 # ARPO's 7B reasoning run (its scripts/ARPO_7B_Reasoning_1node.sh) as an archer command: GRPO with ARPO's
 # entropy-based branching (16 responses per prompt: 8 global samples, the rest branched after tool calls with
 # beam 2, P(branch) = 0.5 + 0.2 * dH), ARPO's <python>/<search> tools (3 calls per response), 2 epochs.
-# Hardware: ARPO ran it on one node of 8 x 80 GB GPUs: N_GPUS_PER_NODE=8 bash examples/arpo_7b_reasoning_1node.sh
-# (NNODES for more nodes of a Ray cluster). archer refuses trainer.n_gpus_per_node > 1 until its Ray scale-out
-# lands, so N_GPUS_PER_NODE defaults to 1 meanwhile: a 7B model with 1536 + 4096 tokens then needs one 80 GB GPU
-# with LoRA (actor_rollout_ref.model.lora_rank=64) and actor_rollout_ref.actor.fsdp_config.param_offload
+# Hardware: as ARPO, one node of 8 x 80 GB GPUs (N_GPUS_PER_NODE=8, the default; NNODES for more nodes of a Ray
+# cluster, README "Many GPUs"). On one 80 GB GPU (N_GPUS_PER_NODE=1) a 7B model with 1536 + 4096 tokens needs
+# LoRA (actor_rollout_ref.model.lora_rank=64) and actor_rollout_ref.actor.fsdp_config.param_offload
 # (README "GPU") or a smaller TRAIN_BATCH_SIZE.
 # Data: ARPO's rl_datasets (train_10k.parquet, valid.parquet) and search_cache/search_cache.json; the search tool
 # answers from that cache, and also from Bright Data's Bing API when BING_API_KEY is set (new results are written
@@ -18,7 +17,7 @@ ARPO_DIR=${ARPO_DIR:-${HOME}/ARPO}
 PROJECT_NAME=${PROJECT_NAME:-reasoning_tasks}
 EXPERIMENT_NAME=${EXPERIMENT_NAME:-ARPO_global_16_init_8_beam_2_random_0_arpo_0.2_entropy}
 MODEL_PATH=${MODEL_PATH:-Qwen/Qwen2.5-7B-Instruct}
-N_GPUS_PER_NODE=${N_GPUS_PER_NODE:-1}
+N_GPUS_PER_NODE=${N_GPUS_PER_NODE:-8}
 NNODES=${NNODES:-1}
 TRAIN_FILES=${TRAIN_FILES:-${ARPO_DIR}/rl_datasets/train_10k.parquet}
 VAL_FILES=${VAL_FILES:-${ARPO_DIR}/rl_datasets/valid.parquet}
