@@ -273,3 +273,21 @@ def test_the_8b_lora_plan_counts_other_processes_and_refuses_what_would_fail_at_
         shared.check()
     assert "other processes 31.5" in err.value.problem
     assert "other processes do not use (they hold 31.5 GiB" in err.value.fix
+
+
+def test_sharded_ranks_hold_their_share_of_the_training_state_and_a_whole_engine(tiny_model_dir):
+    """With FSDP2 over 8 ranks each card holds 1/8 of the policy, its gradients, Adam's states and the models
+    beside it; the engine's weights and the activations stay whole. The 7B shape in full fine-tuning does not fit
+    one card but fits 8."""
+    cfg = ppo_config(tiny_model_dir, *WORKLOAD).actor_rollout_ref
+    model = meta_model("qwen2.5-1.5b")
+    one = plan_actor_memory(cfg, model, total=H100, fast_engine=True, others={"critic": 16 * 10**9})
+    eight = plan_actor_memory(cfg, model, total=H100, fast_engine=True, others={"critic": 16 * 10**9}, shards=8)
+    assert (eight.policy, eight.gradients, eight.optimizer) == (-(-one.policy // 8), -(-one.gradients // 8),
+                                                                -(-one.optimizer // 8))
+    assert eight.others == {"critic": 2 * 10**9}
+    assert (eight.engine_weights, eight.activations) == (one.engine_weights, one.activations)
+    big = ppo_config(tiny_model_dir, *WORKLOAD).actor_rollout_ref
+    with pytest.raises(ArcherError):
+        plan_actor_memory(big, meta_model("qwen2.5-7b"), total=H100, fast_engine=True).check()
+    plan_actor_memory(big, meta_model("qwen2.5-7b"), total=H100, fast_engine=True, shards=8).check()

@@ -112,7 +112,7 @@ class ActorWorker:
             others = {name: int(per_param * params) for name, per_param in (other_models or {}).items()}
             total, elsewhere = card_figures(device)
             self.memory_plan = plan_actor_memory(cfg, self.model, total=total, fast_engine=fast, others=others,
-                                                 elsewhere=elsewhere)
+                                                 elsewhere=elsewhere, shards=self.ctx.world_size)
             self.memory_plan.check()
         if self.offload.param_offload and not fast:
             log.warning("actor.fsdp_config.param_offload=true has no effect with the hf engine, which generates "

@@ -95,7 +95,8 @@ class RankWorkers:
             self.reward_model = RewardModelWorker(cfg.reward_model, device=self.ctx.device, policy_tokenizer=tokenizer,
                                                   policy_path=str(ref_cfg.model.path))
             if self.ctx.device.type == "cuda":
-                others["reward model"] = self.reward_model.bytes_per_policy_param(ref_cfg.model)
+                # the plan divides the models beside the actor by the ranks; the reward model is a whole copy each
+                others["reward model"] = self.reward_model.bytes_per_policy_param(ref_cfg.model) * self.ctx.world_size
         self.actor = ActorWorker(ref_cfg, device=self.ctx.device, ctx=self.ctx, total_steps=total_steps, tokenizer=tokenizer,
                                  chat_template_kwargs=chat_template_kwargs, other_models=others)
         self.ref = self.actor.make_reference() if use_ref else None

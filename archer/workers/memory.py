@@ -178,15 +178,17 @@ def card_figures(device: torch.device) -> tuple[int, int]:
 
 
 def plan_actor_memory(cfg: DictConfig, model: torch.nn.Module, *, total: int, fast_engine: bool,
-                      others: dict[str, int] | None = None, elsewhere: int = 0) -> MemoryPlan:
+                      others: dict[str, int] | None = None, elsewhere: int = 0, shards: int = 1) -> MemoryPlan:
     """The plan of an actor (``actor_rollout_ref`` config ``cfg``) whose policy is ``model``, on a card of ``total``
     bytes of which other processes hold ``elsewhere``; ``fast_engine``: the engine holds its own weights and KV
-    cache (rollout.gpu_memory_utilization)."""
+    cache (rollout.gpu_memory_utilization); ``shards``: the ranks FSDP2 shards the models over (each card holds
+    1/shards of the policy, its gradients, its optimiser state and the models beside it; the engine's copy and the
+    activations are whole)."""
     from archer.rollout.fast.engine import PAGE_SIZE, workspace_bytes
     from archer.rollout.fast.model import model_spec, weight_bytes
     from archer.rollout.fast.pages import page_bytes
 
-    policy, trainable = model_bytes(model)
+    policy, trainable = (-(-size // shards) for size in model_bytes(model))
     config = model.config
     rollout = cfg.rollout
     max_length = int(rollout.max_model_len or int(rollout.prompt_length) + int(rollout.response_length))
@@ -206,7 +208,8 @@ def plan_actor_memory(cfg: DictConfig, model: torch.nn.Module, *, total: int, fa
     offload = cfg.actor.fsdp_config
     return MemoryPlan(total=total, policy=policy, gradients=4 * trainable, optimizer=8 * trainable,
                       activations=activations, engine_share=share, engine_weights=weights, engine_workspace=workspace,
-                      others=dict(others or {}), kv_limit=kv_limit, utilization=utilization,
+                      others={name: -(-size // shards) for name, size in (others or {}).items()},
+                      kv_limit=kv_limit, utilization=utilization,
                       param_offload=bool(offload.param_offload),
                       optimizer_offload=bool(offload.optimizer_offload),
                       free_cache_engine=bool(rollout.free_cache_engine), elsewhere=elsewhere)
