@@ -21,10 +21,10 @@ def test_a_row_that_runs_and_one_that_archer_refuses(ms, tmp_path):
     assert ran["ran"] and ran["settings"] == ["defaults"] and len(ran["step_s"]) == 2
     assert ran["steady_step_s"] == ran["step_s"][1]
     assert set(ran["peak_allocated_gb"]) == set(ms.STAGES) and ran["cpu_memory_used_gb"] > 0
-    refused = ms.archer_row(args, "tiny-2gpu", "tiny", ["trainer.n_gpus_per_node=2"])
+    refused = ms.archer_row(args, "tiny-tp2", "tiny", ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
     assert refused["ran"] is False and "command" not in refused  # refused by the config check: nothing built
-    assert refused["error"].startswith("trainer.n_gpus_per_node=2 cannot be honoured")
-    assert "fix: set trainer.n_gpus_per_node=1" in refused["error"]
+    assert refused["error"].startswith("actor_rollout_ref.rollout.tensor_model_parallel_size=2 cannot be honoured")
+    assert "fix:" in refused["error"] and "tensor_model_parallel_size=1" in refused["error"]
 
 
 def test_failure_picks_archers_error_or_the_last_line(ms):
