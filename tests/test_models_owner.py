@@ -10,9 +10,10 @@ import torch
 from omegaconf import OmegaConf
 
 from archer.errors import ArcherError
+from archer.models.loading import parse_dtype
 from archer.models.lora import LoraSettings
 from archer.models.optim import LRSchedule
-from archer.models.owner import ModelOwner
+from archer.models.owner import ModelOwner, compute_dtypes
 
 CPU = torch.device("cpu")
 OPTIM = OmegaConf.create({"lr": 0.05, "weight_decay": 0.0, "betas": [0.9, 0.999], "lr_warmup_steps": 2,
@@ -81,3 +82,15 @@ def test_a_lora_checkpoint_into_a_full_fine_tuning_owner_names_the_lora_keys(tin
     policy(tiny_model_dir, lora()).save(tmp_path / "ckpt")
     with pytest.raises(ArcherError, match="written by a LoRA run, and model.lora_rank=0"):
         policy(tiny_model_dir).load(tmp_path / "ckpt", "model")
+
+
+def test_verls_model_dtype_and_mixed_precision_pick_the_dtypes(tiny_model_dir: Path) -> None:
+    bf16 = ModelOwner.policy(tiny_model_dir, device=torch.device("cpu"), lora=None, gradient_checkpointing=False,
+                             trust_remote_code=False, master_dtype=parse_dtype("bf16", "model_dtype"))
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.bfloat16}
+    fsdp = OmegaConf.create({"mixed_precision": {"param_dtype": "fp16", "reduce_dtype": "bf16"}})
+    assert compute_dtypes(fsdp, torch.device("cuda", 0)) == (torch.float16, torch.bfloat16)
+    assert compute_dtypes(OmegaConf.create({}), torch.device("cuda", 0)) == (torch.bfloat16, torch.float32)
+    assert compute_dtypes(fsdp, torch.device("cpu")) == (torch.float32, torch.float32)
+    with pytest.raises(ArcherError, match="fsdp_config.mixed_precision.param_dtype='int8'"):
+        compute_dtypes(OmegaConf.create({"mixed_precision": {"param_dtype": "int8"}}), torch.device("cuda", 0))

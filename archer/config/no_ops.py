@@ -25,6 +25,7 @@ NO_SP = "archer has no sequence parallelism: each rank runs whole sequences"
 RESHARD = "decoder layers reshard after their forward; the root keeps its parameters gathered until its backward"
 FSDP_SIZE = "each model is sharded over all ranks"
 WRAP = "FSDP2 wraps each decoder layer (the model's _no_split_modules) and the root"
+MIXED = "acts with several ranks on GPUs only; one device computes under bf16 autocast over its own weights"
 SHARDED_OFFLOAD = "acts with several ranks only (FSDP2's CPU offload of the shards); on one device the model stays on it"
 
 
@@ -85,6 +86,11 @@ NO_OPS: tuple[NoOp, ...] = (
     NoOp(f"{AR}.ref.strategy", "fsdp", STRATEGY),
     NoOp(f"{AR}.ref.ulysses_sequence_parallel_size", 1, NO_SP),
     NoOp(f"{AR}.ref.fsdp_config.param_offload", False, SHARDED_OFFLOAD, sharded_only=True),
+    *(NoOp(f"{section}.fsdp_config.mixed_precision.{name}", default, MIXED, sharded_only=True)
+      for section in (f"{AR}.actor", f"{AR}.ref", "critic.model")
+      for name, default in (("param_dtype", "bf16"), ("reduce_dtype", "fp32"))),
+    *(NoOp(f"{section}.fsdp_config.mixed_precision.buffer_dtype", "fp32", "FSDP2 keeps buffers in their own dtype")
+      for section in (f"{AR}.actor", f"{AR}.ref", "critic.model")),
     NoOp(f"{AR}.ref.fsdp_config.reshard_after_forward", True, RESHARD),
     NoOp(f"{AR}.ref.fsdp_config.wrap_policy.min_num_params", 0, WRAP),
     NoOp(f"{AR}.rollout.mode", "sync", "generation runs synchronously between the trainer's stages"),

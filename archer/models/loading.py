@@ -64,6 +64,18 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+               "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_dtype(name: str, key: str) -> torch.dtype:
+    """A dtype by verl's names (fp32, bf16, fp16, or torch's); an ArcherError naming ``key`` otherwise."""
+    dtype = DTYPE_NAMES.get(str(name).lower())
+    if dtype is None:
+        raise ArcherError(f"{key}={name!r} is not a dtype archer knows", f"use one of {', '.join(DTYPE_NAMES)}")
+    return dtype
+
+
 def autocast_for(device: torch.device) -> contextlib.AbstractContextManager:
     """bf16 autocast on GPU (float32 master weights), nothing on CPU."""
     if device.type == "cuda":

@@ -28,7 +28,7 @@ from archer.distributed.context import DistContext
 from archer.distributed.fsdp import full_weights, shard_model
 from archer.errors import ArcherError
 from archer.models.checkpoint import load_policy, save_policy
-from archer.models.loading import default_dtype, load_causal_lm, load_value_model
+from archer.models.loading import default_dtype, load_causal_lm, load_value_model, parse_dtype
 from archer.models.lora import LoraSettings, add_lora, policy_weights, trainable_parameters
 from archer.models.optim import (
     OPTIM_STATE,
@@ -56,21 +56,25 @@ class ModelOwner:
     def sharded(self) -> bool:
         return self.ctx.distributed
 
-    def shard(self, ctx: DistContext, *, param_dtype: torch.dtype, cpu_offload: bool = False) -> None:
+    def shard(self, ctx: DistContext, fsdp_config: DictConfig, *, cpu_offload: bool = False) -> None:
         """Shard the model over ``ctx``'s ranks with FSDP2 (nothing at world 1); before ``attach_optimizer``.
-        ``param_dtype``: the layers' compute dtype; ``cpu_offload``: shards, gradients and optimiser state in
-        host memory (verl's param_offload / optimizer_offload under FSDP)."""
+        ``fsdp_config``: verl's block, whose ``mixed_precision`` gives the layers' compute and gradient-reduction
+        dtypes on GPUs (float32 on the CPU); ``cpu_offload``: shards, gradients and optimiser state in host
+        memory (verl's param_offload / optimizer_offload under FSDP)."""
         if self.optimizer is not None:
             raise RuntimeError("shard the model before attach_optimizer")
-        shard_model(self.model, ctx, param_dtype=param_dtype, cpu_offload=cpu_offload)
+        param_dtype, reduce_dtype = compute_dtypes(fsdp_config, ctx.device)
+        shard_model(self.model, ctx, param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload)
         self.ctx = ctx
 
     @classmethod
     def policy(cls, path: str | Path, *, device: torch.device, lora: LoraSettings | None,
-               gradient_checkpointing: bool, trust_remote_code: bool) -> ModelOwner:
-        """A causal LM to train, in train mode: float32 for full fine-tuning; with ``lora`` a base in the
-        device's dtype with float32 adapters (fresh, or loaded from the settings' adapter path)."""
-        model = load_causal_lm(path, device=device, dtype=torch.float32 if lora is None else default_dtype(device),
+               gradient_checkpointing: bool, trust_remote_code: bool,
+               master_dtype: torch.dtype = torch.float32) -> ModelOwner:
+        """A causal LM to train, in train mode: ``master_dtype`` (verl's fsdp_config.model_dtype, float32 by
+        default) for full fine-tuning; with ``lora`` a base in the device's dtype with float32 adapters (fresh,
+        or loaded from the settings' adapter path)."""
+        model = load_causal_lm(path, device=device, dtype=master_dtype if lora is None else default_dtype(device),
                                gradient_checkpointing=gradient_checkpointing, trust_remote_code=trust_remote_code)
         peft = add_lora(model, lora) if lora is not None else None  # injects the LoRA layers into model
         model.train()
@@ -85,9 +89,10 @@ class ModelOwner:
 
     @classmethod
     def value_model(cls, path: str | Path, *, device: torch.device, gradient_checkpointing: bool,
-                    trust_remote_code: bool) -> ModelOwner:
-        """The critic: the backbone with a scalar value head (models/loading.py), float32, to train."""
-        model = load_value_model(path, device=device, dtype=torch.float32,
+                    trust_remote_code: bool, master_dtype: torch.dtype = torch.float32) -> ModelOwner:
+        """The critic: the backbone with a scalar value head (models/loading.py), in ``master_dtype`` (float32
+        by default), to train."""
+        model = load_value_model(path, device=device, dtype=master_dtype,
                                  gradient_checkpointing=gradient_checkpointing, trust_remote_code=trust_remote_code)
         return cls(model, device=device)
 
@@ -144,6 +149,16 @@ class ModelOwner:
             state = torch.load(in_dir / OPTIM_STATE, map_location="cpu", weights_only=True)
             load_full_state(in_dir, self.model, self.optimizer, state["optimizer"], self.ctx)
             self.scheduler.load_state_dict(state["scheduler"])
+
+
+def compute_dtypes(fsdp_config: DictConfig, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
+    """(compute, gradient-reduction) dtypes of a sharded model from verl's ``fsdp_config.mixed_precision``
+    (bf16 / fp32 by default); float32 for both on the CPU."""
+    if device.type != "cuda":
+        return torch.float32, torch.float32
+    mixed = fsdp_config.get("mixed_precision") or {}
+    return (parse_dtype(mixed.get("param_dtype", "bf16"), "fsdp_config.mixed_precision.param_dtype"),
+            parse_dtype(mixed.get("reduce_dtype", "fp32"), "fsdp_config.mixed_precision.reduce_dtype"))
 
 
 SHARDED_DIR = "dcp"  # a sharded checkpoint's distributed checkpoint (trainable weights and optimiser state)

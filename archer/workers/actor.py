@@ -37,7 +37,7 @@ from archer.batch import Batch
 from archer.distributed.context import DistContext, shard_bounds
 from archer.distributed.data_parallel import rank_passes, reduce_metric_sums
 from archer.models.forward import MODEL_INPUTS, compute_log_probs
-from archer.models.loading import autocast_for, default_dtype, load_tokenizer
+from archer.models.loading import autocast_for, load_tokenizer, parse_dtype
 from archer.models.logprobs import layout_logprobs
 from archer.models.lora import LoraSettings, trainable_parameters
 from archer.models.micro_batches import MicroBatching
@@ -82,14 +82,16 @@ class ActorWorker:
         self.actor_cfg = cfg.actor
         self.device = device
         self.ctx = ctx if ctx is not None else DistContext.single(device)
+        offload = self.actor_cfg.fsdp_config
         self.owner = ModelOwner.policy(cfg.model.path, device=device, lora=LoraSettings.from_config(cfg.model),
                                        gradient_checkpointing=bool(cfg.model.enable_gradient_checkpointing),
-                                       trust_remote_code=bool(cfg.model.trust_remote_code))
-        offload = self.actor_cfg.fsdp_config
+                                       trust_remote_code=bool(cfg.model.trust_remote_code),
+                                       master_dtype=parse_dtype(offload.model_dtype,
+                                                                "actor_rollout_ref.actor.fsdp_config.model_dtype"))
         offload_keys = bool(offload.param_offload), bool(offload.optimizer_offload)
         sharded = self.ctx.distributed
         if sharded:
-            self.owner.shard(self.ctx, param_dtype=default_dtype(device), cpu_offload=any(offload_keys))
+            self.owner.shard(self.ctx, offload, cpu_offload=any(offload_keys))
         self.owner.attach_optimizer(self.actor_cfg.optim, LRSchedule.from_rl_optim(self.actor_cfg.optim, total_steps))
         self.offload = Offload(self.model.parameters(), self.optimizer, device,
                                param_offload=offload_keys[0] and not sharded,

@@ -19,7 +19,7 @@ from archer.batch import Batch
 from archer.distributed.context import DistContext
 from archer.distributed.data_parallel import rank_passes, reduce_metric_sums
 from archer.models.forward import MODEL_INPUTS
-from archer.models.loading import autocast_for, default_dtype, value_forward
+from archer.models.loading import autocast_for, parse_dtype, value_forward
 from archer.models.micro_batches import MicroBatching
 from archer.models.optim import LRSchedule, clip_and_step
 from archer.models.owner import ModelOwner
@@ -37,12 +37,14 @@ class CriticWorker:
         self.rollout_n = rollout_n
         self.device = device
         self.ctx = ctx if ctx is not None else DistContext.single(device)
+        offload = cfg.model.fsdp_config
         self.owner = ModelOwner.value_model(cfg.model.path, device=device,
                                             gradient_checkpointing=bool(cfg.model.enable_gradient_checkpointing),
-                                            trust_remote_code=bool(cfg.model.trust_remote_code))
+                                            trust_remote_code=bool(cfg.model.trust_remote_code),
+                                            master_dtype=parse_dtype(offload.model_dtype,
+                                                                     "critic.model.fsdp_config.model_dtype"))
         if self.ctx.distributed:
-            offload = cfg.model.fsdp_config
-            self.owner.shard(self.ctx, param_dtype=default_dtype(device),
+            self.owner.shard(self.ctx, offload,
                              cpu_offload=bool(offload.param_offload or offload.optimizer_offload))
         self.owner.attach_optimizer(cfg.optim, LRSchedule.from_rl_optim(cfg.optim, total_steps))
         micro = {"dynamic_key": "use_dynamic_bsz", "remove_padding": bool(cfg.model.use_remove_padding)}

@@ -11,7 +11,6 @@ from archer.batch import Batch
 from archer.distributed.context import DistContext
 from archer.distributed.data_parallel import rank_passes
 from archer.models.forward import compute_log_probs
-from archer.models.loading import default_dtype
 from archer.models.lora import base_policy
 from archer.models.micro_batches import MicroBatching
 from archer.models.owner import ModelOwner
@@ -36,7 +35,7 @@ class ReferenceWorker:
             owner = ModelOwner.frozen_policy(cfg.model.path, device=device,
                                              trust_remote_code=bool(cfg.model.trust_remote_code))
             if self.ctx.distributed:
-                owner.shard(self.ctx, param_dtype=default_dtype(device),
+                owner.shard(self.ctx, cfg.ref.fsdp_config,
                             cpu_offload=bool(cfg.ref.fsdp_config.param_offload))
             self.model = owner.model
         self.temperature = float(cfg.rollout.temperature)
