@@ -95,6 +95,30 @@ def shard_model(model: nn.Module, ctx: DistContext, *, param_dtype: torch.dtype,
     return model
 
 
+def load_from_rank0(model: nn.Module, state: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+                    ctx: DistContext, *, cpu_offload: bool = False) -> None:
+    """Fill a model just sharded by ``shard_model`` from rank 0's whole weights: ``state`` (its state dict) and
+    ``buffers`` (every buffer, the non-persistent rotary tables included) on rank 0, empty on the other ranks,
+    whose model was built on the meta device. Each rank allocates its shards (on its device, or in host memory
+    with ``cpu_offload``) and receives them by broadcast. All ranks call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    root = unwrap(model)
+    root.to_empty(device="cpu" if cpu_offload else ctx.device)
+    for module in root.modules():  # buffers are computed with on the device, offloaded shards or not
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(ctx.device)
+    set_model_state_dict(root, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name, buffer in root.named_buffers():
+        if ctx.is_main:
+            buffer.copy_(buffers[name].to(buffer.device))
+        if ctx.distributed:
+            moved = buffer.to(ctx.device)
+            torch.distributed.broadcast(moved, src=0)
+            buffer.copy_(moved)
+
+
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor: a DTensor's shards all-gathered (on the mesh's device when they were offloaded),
     a plain tensor as it is."""

@@ -176,13 +176,18 @@ def _check_weights(folder: Path) -> None:
 
 
 def _from_pretrained(
-    auto_class: type, folder: Path, config: PretrainedConfig, dtype: torch.dtype, trust_remote_code: bool
+    auto_class: type, folder: Path, config: PretrainedConfig, dtype: torch.dtype, trust_remote_code: bool,
+    empty: bool = False,
 ) -> PreTrainedModel:
-    """from_pretrained with the weight errors turned into ArcherError.
+    """from_pretrained with the weight errors turned into ArcherError; ``empty``: the architecture alone, on the
+    meta device, no weights read (a rank that receives its shards from rank 0).
 
     Attention: transformers picks SDPA when the architecture supports it and eager attention otherwise.
     """
     _check_weights(folder)
+    if empty:
+        with torch.device("meta"):
+            return auto_class.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     try:
         return auto_class.from_pretrained(
             str(folder), config=config, dtype=dtype, trust_remote_code=trust_remote_code
@@ -204,7 +209,7 @@ def _prepare(model: PreTrainedModel, device: torch.device, gradient_checkpointin
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    return model.to(device)
+    return model if next(model.parameters()).is_meta else model.to(device)
 
 
 def load_causal_lm(
@@ -214,13 +219,15 @@ def load_causal_lm(
     dtype: torch.dtype | None = None,
     gradient_checkpointing: bool = False,
     trust_remote_code: bool = False,
+    empty: bool = False,
 ) -> PreTrainedModel:
-    """The policy: AutoModelForCausalLM from a local folder, on ``device`` in ``dtype`` (default by device)."""
+    """The policy: AutoModelForCausalLM from a local folder, on ``device`` in ``dtype`` (default by device);
+    ``empty``: on the meta device, no weights read."""
     device = torch.device(device)
     folder = _check_folder(path, "model")
     config = _load_config(folder, trust_remote_code)
     model = _from_pretrained(
-        AutoModelForCausalLM, folder, config, dtype or default_dtype(device), trust_remote_code
+        AutoModelForCausalLM, folder, config, dtype or default_dtype(device), trust_remote_code, empty
     )
     return _prepare(model, device, gradient_checkpointing)
 
@@ -232,6 +239,7 @@ def load_value_model(
     dtype: torch.dtype | None = None,
     gradient_checkpointing: bool = False,
     trust_remote_code: bool = False,
+    empty: bool = False,
 ) -> PreTrainedModel:
     """The critic: the causal LM's backbone plus a fresh scalar value head (token classification, 1 label).
 
@@ -244,9 +252,9 @@ def load_value_model(
     config.num_labels = 1
     config.classifier_dropout = 0.0
     model = _from_pretrained(
-        AutoModelForTokenClassification, folder, config, dtype or default_dtype(device), trust_remote_code
+        AutoModelForTokenClassification, folder, config, dtype or default_dtype(device), trust_remote_code, empty
     )
-    if not _is_critic_checkpoint(config):
+    if not _is_critic_checkpoint(config) and not empty:
         head = model.score
         nn.init.normal_(head.weight, std=VALUE_HEAD_INIT_STD)
         if head.bias is not None:

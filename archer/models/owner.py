@@ -25,7 +25,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from archer.distributed.checkpoint import export_hf, load_full_state, load_sharded, save_sharded
 from archer.distributed.context import DistContext
-from archer.distributed.fsdp import full_weights, shard_model
+from archer.distributed.fsdp import full_weights, load_from_rank0, shard_model
 from archer.errors import ArcherError
 from archer.models.checkpoint import load_policy, save_policy
 from archer.models.loading import default_dtype, load_causal_lm, load_value_model, parse_dtype
@@ -51,6 +51,9 @@ class ModelOwner:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.ctx = DistContext.single(device)  # ``shard`` replaces it at world > 1
+        # Sharded loading (``load_on``): rank 0 read the weights into host memory, the other ranks hold the
+        # architecture on the meta device; ``shard`` then hands every rank its shards from rank 0.
+        self.from_rank0 = False
 
     @property
     def sharded(self) -> bool:
@@ -64,37 +67,54 @@ class ModelOwner:
         if self.optimizer is not None:
             raise RuntimeError("shard the model before attach_optimizer")
         param_dtype, reduce_dtype = compute_dtypes(fsdp_config, ctx.device)
+        source = self.model.state_dict() if self.from_rank0 and ctx.is_main else {}
+        buffers = dict(self.model.named_buffers()) if self.from_rank0 and ctx.is_main else {}
         shard_model(self.model, ctx, param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload)
+        if self.from_rank0:
+            load_from_rank0(self.model, source, buffers, ctx, cpu_offload=cpu_offload)
+            self.from_rank0 = False
         self.ctx = ctx
 
     @classmethod
     def policy(cls, path: str | Path, *, device: torch.device, lora: LoraSettings | None,
                gradient_checkpointing: bool, trust_remote_code: bool,
-               master_dtype: torch.dtype = torch.float32) -> ModelOwner:
+               master_dtype: torch.dtype = torch.float32, ctx: DistContext | None = None) -> ModelOwner:
         """A causal LM to train, in train mode: ``master_dtype`` (verl's fsdp_config.model_dtype, float32 by
         default) for full fine-tuning; with ``lora`` a base in the device's dtype with float32 adapters (fresh,
-        or loaded from the settings' adapter path)."""
-        model = load_causal_lm(path, device=device, dtype=master_dtype if lora is None else default_dtype(device),
-                               gradient_checkpointing=gradient_checkpointing, trust_remote_code=trust_remote_code)
+        or loaded from the settings' adapter path). ``ctx``: the rank of a sharded run (see ``load_on``; every
+        rank reads a LoRA base, whose adapters peft makes on each)."""
+        on, empty = load_on(device, ctx if lora is None else None)
+        model = load_causal_lm(path, device=on, dtype=master_dtype if lora is None else default_dtype(device),
+                               gradient_checkpointing=gradient_checkpointing, trust_remote_code=trust_remote_code,
+                               empty=empty)
         peft = add_lora(model, lora) if lora is not None else None  # injects the LoRA layers into model
         model.train()
-        return cls(model, device=device, peft=peft)
+        return cls(model, device=device, peft=peft)._loaded_by(ctx if lora is None else None)
 
     @classmethod
-    def frozen_policy(cls, path: str | Path, *, device: torch.device, trust_remote_code: bool) -> ModelOwner:
+    def frozen_policy(cls, path: str | Path, *, device: torch.device, trust_remote_code: bool,
+                      ctx: DistContext | None = None) -> ModelOwner:
         """A causal LM that only scores (the reference): the device's dtype, eval mode, no gradients."""
-        model = load_causal_lm(path, device=device, dtype=default_dtype(device), trust_remote_code=trust_remote_code)
+        on, empty = load_on(device, ctx)
+        model = load_causal_lm(path, device=on, dtype=default_dtype(device), trust_remote_code=trust_remote_code,
+                               empty=empty)
         model.eval().requires_grad_(False)
-        return cls(model, device=device)
+        return cls(model, device=device)._loaded_by(ctx)
 
     @classmethod
     def value_model(cls, path: str | Path, *, device: torch.device, gradient_checkpointing: bool,
-                    trust_remote_code: bool, master_dtype: torch.dtype = torch.float32) -> ModelOwner:
+                    trust_remote_code: bool, master_dtype: torch.dtype = torch.float32,
+                    ctx: DistContext | None = None) -> ModelOwner:
         """The critic: the backbone with a scalar value head (models/loading.py), in ``master_dtype`` (float32
-        by default), to train."""
-        model = load_value_model(path, device=device, dtype=master_dtype,
-                                 gradient_checkpointing=gradient_checkpointing, trust_remote_code=trust_remote_code)
-        return cls(model, device=device)
+        by default), to train; its new head is rank 0's on every rank."""
+        on, empty = load_on(device, ctx)
+        model = load_value_model(path, device=on, dtype=master_dtype, gradient_checkpointing=gradient_checkpointing,
+                                 trust_remote_code=trust_remote_code, empty=empty)
+        return cls(model, device=device)._loaded_by(ctx)
+
+    def _loaded_by(self, ctx: DistContext | None) -> ModelOwner:
+        self.from_rank0 = ctx is not None and ctx.distributed
+        return self
 
     def attach_optimizer(self, optim: DictConfig, schedule: LRSchedule) -> None:
         """AdamW over the trainable parameters (LoRA: the adapters) from ``optim``, stepped along ``schedule``."""
@@ -149,6 +169,15 @@ class ModelOwner:
             state = torch.load(in_dir / OPTIM_STATE, map_location="cpu", weights_only=True)
             load_full_state(in_dir, self.model, self.optimizer, state["optimizer"], self.ctx)
             self.scheduler.load_state_dict(state["scheduler"])
+
+
+def load_on(device: torch.device, ctx: DistContext | None) -> tuple[torch.device, bool]:
+    """Where a model's weights are read and whether the rank builds an empty (meta) model instead: in one
+    process onto ``device``; in a sharded run rank 0 reads them into host memory (one copy per node, not per
+    rank) and the others read nothing, ``ModelOwner.shard`` then sending each rank its shards."""
+    if ctx is None or not ctx.distributed:
+        return device, False
+    return torch.device("cpu"), not ctx.is_main
 
 
 def compute_dtypes(fsdp_config: DictConfig, device: torch.device) -> tuple[torch.dtype, torch.dtype]:

@@ -87,7 +87,8 @@ class ActorWorker:
                                        gradient_checkpointing=bool(cfg.model.enable_gradient_checkpointing),
                                        trust_remote_code=bool(cfg.model.trust_remote_code),
                                        master_dtype=parse_dtype(offload.model_dtype,
-                                                                "actor_rollout_ref.actor.fsdp_config.model_dtype"))
+                                                                "actor_rollout_ref.actor.fsdp_config.model_dtype"),
+                                       ctx=self.ctx)
         offload_keys = bool(offload.param_offload), bool(offload.optimizer_offload)
         sharded = self.ctx.distributed
         if sharded:

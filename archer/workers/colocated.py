@@ -12,6 +12,7 @@ sharded with FSDP2 (archer/distributed/fsdp.py); at world 1 nothing changes from
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -78,11 +79,13 @@ class RankWorkers:
                  tokenizer: PreTrainedTokenizerBase | None = None,
                  chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
         device = pick_device(cfg.trainer.device)
+        # The value model returns its logits as a view; nothing writes into it in place (models/loading.py).
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         if world_size(cfg) == 1:
             self.ctx = DistContext.single(device)
         else:
             self.ctx = DistContext.init_from_env(device.type, float(cfg.actor_rollout_ref.nccl_timeout))
-        torch.manual_seed(int(cfg.trainer.seed))  # every rank initialises new weights (a value head) alike
+        torch.manual_seed(int(cfg.trainer.seed))  # new weights (a value head) as the single-process run draws them
         ref_cfg = cfg.actor_rollout_ref
         if tokenizer is None:
             tokenizer = load_tokenizer(ref_cfg.model.path, role="model")

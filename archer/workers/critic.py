@@ -42,7 +42,8 @@ class CriticWorker:
                                             gradient_checkpointing=bool(cfg.model.enable_gradient_checkpointing),
                                             trust_remote_code=bool(cfg.model.trust_remote_code),
                                             master_dtype=parse_dtype(offload.model_dtype,
-                                                                     "critic.model.fsdp_config.model_dtype"))
+                                                                     "critic.model.fsdp_config.model_dtype"),
+                                            ctx=self.ctx)
         if self.ctx.distributed:
             self.owner.shard(self.ctx, offload,
                              cpu_offload=bool(offload.param_offload or offload.optimizer_offload))

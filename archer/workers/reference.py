@@ -33,7 +33,7 @@ class ReferenceWorker:
             self.model = lora_policy.peft.get_base_model()
         else:
             owner = ModelOwner.frozen_policy(cfg.model.path, device=device,
-                                             trust_remote_code=bool(cfg.model.trust_remote_code))
+                                             trust_remote_code=bool(cfg.model.trust_remote_code), ctx=self.ctx)
             if self.ctx.distributed:
                 owner.shard(self.ctx, cfg.ref.fsdp_config,
                             cpu_offload=bool(cfg.ref.fsdp_config.param_offload))
