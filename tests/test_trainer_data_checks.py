@@ -77,7 +77,7 @@ def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise ModelLoaded
 
-    monkeypatch.setattr(ppo, "ActorWorker", refuse)
+    monkeypatch.setattr(ppo, "build_worker_group", refuse)
 
 
 def test_a_data_source_without_a_reward_stops_the_run_when_the_data_loads(

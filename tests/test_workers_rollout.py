@@ -208,7 +208,7 @@ class RecordingEngine(HFGenerateEngine):
 
 
 def recording_actor(model_dir, monkeypatch, *overrides: str) -> ActorWorker:
-    monkeypatch.setattr("archer.workers.actor.build_engine", lambda rollout, model, tokenizer, device:
+    monkeypatch.setattr("archer.workers.actor.build_engine", lambda rollout, model, tokenizer, device, **_:
                         RecordingEngine(model, tokenizer, device=device))
     cfg = ppo_config(model_dir, f"{ROLLOUT}.n=2", "data.max_response_length=4",
                      "actor_rollout_ref.actor.ppo_mini_batch_size=2", *overrides)
