@@ -171,6 +171,25 @@ class ModelOwner:
             self.scheduler.load_state_dict(state["scheduler"])
 
 
+class OwnsModel:
+    """A worker whose model, optimiser and schedule are its ``owner``'s (the actor's and the critic's)."""
+
+    owner: ModelOwner
+
+    @property
+    def model(self) -> PreTrainedModel:
+        """The trained module (with LoRA: the base model with peft's layers injected)."""
+        return self.owner.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.owner.optimizer
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
+        return self.owner.scheduler
+
+
 def load_on(device: torch.device, ctx: DistContext | None) -> tuple[torch.device, bool]:
     """Where a model's weights are read and whether the rank builds an empty (meta) model instead: in one
     process onto ``device``; in a sharded run rank 0 reads them into host memory (one copy per node, not per

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from archer.algorithms.metrics import MetricSums
 from archer.batch import Batch
@@ -42,7 +42,7 @@ from archer.models.logprobs import layout_logprobs
 from archer.models.lora import LoraSettings, trainable_parameters
 from archer.models.micro_batches import MicroBatching
 from archer.models.optim import LRSchedule, clip_and_step
-from archer.models.owner import ModelOwner
+from archer.models.owner import ModelOwner, OwnsModel
 from archer.rollout.factory import build_engine, uses_fast_engine
 from archer.trace.influence_capture import (
     CaptureSettings,
@@ -67,7 +67,7 @@ INFLUENCE_TOKENS = "influence_tokens"  # info key of update_actor's input: the T
 INFLUENCE_CAPTURED = "influence_captured"  # info key of a data-parallel rank's update: tokens captured per module
 
 
-class ActorWorker:
+class ActorWorker(OwnsModel):
     """Owns the policy model, its optimiser and schedule, and the rollout engine, on one device."""
 
     def __init__(self, cfg: DictConfig, *, device: torch.device, total_steps: int,
@@ -130,19 +130,6 @@ class ActorWorker:
         self._engine_is_stale = sharded and not fast
         # the influence trace's settings, hooked modules and their projections (setup_influence)
         self.influence: tuple[CaptureSettings, dict[str, torch.nn.Linear], dict[str, ModuleProjection]] | None = None
-
-    @property
-    def model(self) -> PreTrainedModel:
-        """The policy module (with LoRA: the base model with peft's layers injected)."""
-        return self.owner.model
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.owner.optimizer
-
-    @property
-    def scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
-        return self.owner.scheduler
 
     def make_reference(self) -> ReferenceWorker:
         """The reference worker beside this actor: with LoRA the policy's base (adapters off, no second copy),

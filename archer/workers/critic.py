@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
-from transformers import PreTrainedModel
 
 from archer.algorithms.aggregation import mini_batch_totals
 from archer.algorithms.metrics import MetricSums, masked_mean_metric, total_metric
@@ -22,11 +21,11 @@ from archer.models.forward import MODEL_INPUTS
 from archer.models.loading import autocast_for, parse_dtype, value_forward
 from archer.models.micro_batches import MicroBatching
 from archer.models.optim import LRSchedule, clip_and_step
-from archer.models.owner import ModelOwner
+from archer.models.owner import ModelOwner, OwnsModel
 from archer.workers.mini_batches import StepAverages, mini_batches
 
 
-class CriticWorker:
+class CriticWorker(OwnsModel):
     """Owns the value model and its optimiser on one device."""
 
     def __init__(self, cfg: DictConfig, *, rollout_n: int, device: torch.device, total_steps: int,
@@ -53,19 +52,6 @@ class CriticWorker:
                                                        budget_key="forward_max_token_len_per_gpu", **micro)
         self.update_micro = MicroBatching.from_config(cfg, size_key="ppo_micro_batch_size",
                                                       budget_key="ppo_max_token_len_per_gpu", **micro)
-
-    @property
-    def model(self) -> PreTrainedModel:
-        """The value model (backbone and scalar head)."""
-        return self.owner.model
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.owner.optimizer
-
-    @property
-    def scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
-        return self.owner.scheduler
 
     def _values(self, mb: Batch, micro: MicroBatching) -> torch.Tensor:
         """Value of each response position: the head's output at the token that precedes it."""
