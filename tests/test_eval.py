@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from shared_data import SHARED_DATA
 
 from archer import cli
 from archer.errors import ArcherError
@@ -21,7 +22,7 @@ from archer.eval.metrics import ProblemSamples, majority_index, pass_at_k, probl
 from archer.rewards.registry import default_compute_score
 from archer.workers.generator import resolve_model_folder
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
+SHARED = SHARED_DATA
 
 
 # -- pass@k and maj@k by hand -----------------------------------------------------------------------------------
