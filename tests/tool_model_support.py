@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
+from shared_data import SHARED_DATA
 
 from archer.models.loading import load_causal_lm, load_tokenizer, save_hf
 from archer.models.tiny import build_tiny_model
 
-ARPO = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "arpo"
+ARPO = SHARED_DATA / "arpo"
 TRAIN_FILE = ARPO / "train_10k.parquet"
 SEARCH_CACHE = ARPO / "search_cache.json"
 QUERY = "Stedelijk Museum Amsterdam type"  # a key of the cache file, with a short answer
