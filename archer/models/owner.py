@@ -83,13 +83,14 @@ class ModelOwner:
         default) for full fine-tuning; with ``lora`` a base in the device's dtype with float32 adapters (fresh,
         or loaded from the settings' adapter path). ``ctx``: the rank of a sharded run (see ``load_on``; every
         rank reads a LoRA base, whose adapters peft makes on each)."""
-        on, empty = load_on(device, ctx if lora is None else None)
+        ctx = ctx if lora is None else None  # every rank reads a LoRA base (peft makes the adapters on each)
+        on, empty = load_on(device, ctx)
         model = load_causal_lm(path, device=on, dtype=master_dtype if lora is None else default_dtype(device),
                                gradient_checkpointing=gradient_checkpointing, trust_remote_code=trust_remote_code,
                                empty=empty)
         peft = add_lora(model, lora) if lora is not None else None  # injects the LoRA layers into model
         model.train()
-        return cls(model, device=device, peft=peft)._loaded_by(ctx if lora is None else None)
+        return cls(model, device=device, peft=peft)._loaded_by(ctx)
 
     @classmethod
     def frozen_policy(cls, path: str | Path, *, device: torch.device, trust_remote_code: bool,

@@ -164,7 +164,6 @@ class PPOTrainer:
                          "chat_template_kwargs": self.template_kwargs}
         if not local:
             self.device = torch.device("cpu")  # the driver holds no model: the ranks own the devices
-            self.peaks = MemoryPeaks(self.device)
         self.workers = build_worker_group(RankWorkers, worker_kwargs, nnodes=int(cfg.trainer.nnodes),
                                           n_gpus_per_node=int(cfg.trainer.n_gpus_per_node),
                                           device_kind=str(cfg.trainer.device))

@@ -166,8 +166,3 @@ class RankWorkers:
         self.actor.load(folder / "actor")
         if self.critic is not None:
             self.critic.load(folder / "critic")
-
-    @collect(rank_zero)
-    def close(self) -> None:
-        """Leave the process group (every rank at once)."""
-        self.ctx.destroy()
