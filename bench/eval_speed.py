@@ -23,7 +23,7 @@ from pathlib import Path
 
 from archer.rewards import math as math_reward
 from archer.rewards.math import _VerifyPool
-from archer.rewards.registry import default_compute_score
+from archer.rewards.routing import default_compute_score
 
 SOURCE = "HuggingFaceH4/MATH-500"
 

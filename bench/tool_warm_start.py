@@ -24,7 +24,7 @@ from rich.console import Console
 from archer.cli import _parse_knob
 from archer.data.tasks.tool_arithmetic import RESULT_FRAME, tool_solution
 from archer.models.loading import load_causal_lm, load_tokenizer
-from archer.rewards.registry import default_compute_score
+from archer.rewards.routing import default_compute_score
 from archer.rollout.base import SamplingParams
 from archer.rollout.hf_engine import HFGenerateEngine
 from archer.tools.python_tool import PythonTool

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from archer.distributed.checkpoint import export_hf, load_sharded, save_sharded
 from archer.distributed.context import DistContext, shard_bounds
 from archer.distributed.fsdp import clip_grad_norm, full_weights, shard_model
+from archer.distributed.sharded_checkpoint import export_hf, load_sharded, save_sharded
 from archer.models.loading import load_causal_lm, load_tokenizer
 from archer.models.lora import LoraSettings, add_lora, trainable_parameters
 

@@ -18,7 +18,7 @@ from agentic_support import tokenizer
 from archer.rewards.countdown import compute_countdown_score
 from archer.rewards.math import compute_math_score, extract_boxed
 from archer.rewards.qa import compute_qa_score
-from archer.rewards.registry import default_compute_score
+from archer.rewards.routing import default_compute_score
 from archer.rollout.call_formats import HermesCalls
 from archer.tagged_text import last_tag_block, tag_blocks, tag_spans
 from archer.tools.python_tool import strip_code_fence

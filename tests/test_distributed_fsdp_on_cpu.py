@@ -19,9 +19,9 @@ import torch
 from fsdp_support import MAX_NORM, adamw, load_model, optim_state, run_ranks, train_step, weights
 from transformers import AutoModelForCausalLM
 
-from archer.distributed.checkpoint import export_hf, load_sharded, save_sharded
 from archer.distributed.context import ENV_KEYS, DistContext, shard_bounds
 from archer.distributed.fsdp import clip_grad_norm, decoder_layers, full_weights, shard_model
+from archer.distributed.sharded_checkpoint import export_hf, load_sharded, save_sharded
 from archer.errors import ArcherError
 from archer.models.lora import policy_weights, trainable_parameters
 

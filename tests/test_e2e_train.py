@@ -32,8 +32,8 @@ from archer.config.loader import load_config
 from archer.data.parquet import read_rl_files
 from archer.data.tasks import write_task_files
 from archer.models.loading import load_tokenizer, load_value_model
-from archer.rewards.manager import RewardManager
 from archer.rewards.math import compute_math_score
+from archer.rewards.reward_stage import RewardManager
 from archer.trace.format import TraceReader
 from archer.trainer.ppo import PPOTrainer
 from archer.workers.actor import ActorWorker

@@ -18,8 +18,8 @@ from archer.errors import ArcherError
 from archer.eval.answers import normalise
 from archer.eval.benchmarks import benchmark_names, load_rows, load_spec
 from archer.eval.judge import Judge, parse_verdict
-from archer.eval.metrics import ProblemSamples, majority_index, pass_at_k, problem_metrics
-from archer.rewards.registry import default_compute_score
+from archer.eval.sampling_metrics import ProblemSamples, majority_index, pass_at_k, problem_metrics
+from archer.rewards.routing import default_compute_score
 from archer.workers.generator import resolve_model_folder
 
 SHARED = SHARED_DATA

@@ -16,10 +16,10 @@ from archer.algorithms.advantages import compute_advantage
 from archer.algorithms.kl import FixedKLController, apply_kl_penalty
 from archer.algorithms.value_loss import compute_value_loss
 from archer.batch import Batch, response_attention
-from archer.rewards.manager import RewardManager
+from archer.rewards.reward_stage import RewardManager
 from archer.trace.entropy import response_arrays
 from archer.trace.influence import select_responses
-from archer.trainer.metrics import compute_data_metrics
+from archer.trainer.step_metrics import compute_data_metrics
 from archer.workers.rollout import concat_sequences
 
 # 4 responses (2 prompts x 2) of width 5 after prompts of width 2. PRESENT is the response part of the

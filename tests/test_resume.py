@@ -34,7 +34,7 @@ from archer.data.tasks import write_task_files
 from archer.errors import ArcherError
 from archer.models.tiny import build_tiny_model
 from archer.trace.format import TraceReader
-from archer.trainer.checkpoint import CheckpointManager
+from archer.trainer.checkpoint_dirs import CheckpointManager
 from archer.trainer.ppo import PPOTrainer
 
 TOTAL_STEPS = 6

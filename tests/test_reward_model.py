@@ -25,7 +25,7 @@ from archer.config.loader import load_config
 from archer.errors import ArcherError
 from archer.models.loading import load_tokenizer, save_hf
 from archer.models.tiny import train_tokenizer
-from archer.rewards.manager import ModelRewardMix, RewardManager
+from archer.rewards.reward_stage import ModelRewardMix, RewardManager
 from archer.trainer.config_check import check_config
 from archer.trainer.ppo import PPOTrainer, check_data_against_config
 from archer.workers.reward_model import RewardModelWorker

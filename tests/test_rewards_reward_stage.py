@@ -1,4 +1,4 @@
-"""Tests of archer.rewards.manager: decoding, scoring in order, token placement and errors."""
+"""Tests of archer.rewards.reward_stage: decoding, scoring in order, token placement and errors."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from archer.batch import Batch
 from archer.errors import ArcherError
 from archer.models.loading import load_tokenizer
 from archer.rewards.extras import REWARD_EXTRAS, numeric_columns
-from archer.rewards.manager import RewardManager
+from archer.rewards.reward_stage import RewardManager
 from archer.rewards.shaping import OverlongBuffer
 
 CHARS = list("0123456789+-*/()=. {}\\<>abcdefghijklmnopqrstuvwxyz\"'[],_")

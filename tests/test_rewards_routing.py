@@ -1,4 +1,4 @@
-"""Tests of archer.rewards.registry: routing rows to the built-in rewards."""
+"""Tests of archer.rewards.routing: routing rows to the built-in rewards."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from archer.data.parquet import read_rl_parquet
 from archer.errors import ArcherError
-from archer.rewards.registry import check_routes, default_compute_score, known_data_sources
+from archer.rewards.routing import check_routes, default_compute_score, known_data_sources
 
 QA_OK = "<think>t</think><answer>\\boxed{Eleanor Of Lancaster}</answer>"
 

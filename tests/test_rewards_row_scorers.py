@@ -1,4 +1,4 @@
-"""Tests of archer.rewards.managers: verl's reward managers by name (naive, batch, dapo, prime), each with its
+"""Tests of archer.rewards.row_scorers: verl's reward managers by name (naive, batch, dapo, prime), each with its
 calling convention, on hand-computed cases."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-import test_rewards_manager as char_batches
+import test_rewards_reward_stage as char_batches
 import torch
 from transformers import PreTrainedTokenizerFast
 
 from archer.errors import ArcherError
-from archer.rewards.manager import RewardManager
-from archer.rewards.managers import REWARD_MANAGERS, check_manager
+from archer.rewards.reward_stage import RewardManager
+from archer.rewards.row_scorers import REWARD_MANAGERS, check_manager
 from archer.rewards.shaping import OverlongBuffer
 
 tokenizer = char_batches.tokenizer  # the fixture: one token per character

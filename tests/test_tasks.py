@@ -15,7 +15,7 @@ from archer.data.tasks.arithmetic import work_out
 from archer.data.tasks.tool_arithmetic import RESULT_FRAME, estimate
 from archer.errors import ArcherError
 from archer.models.tiny import train_tokenizer
-from archer.rewards.registry import default_compute_score
+from archer.rewards.routing import default_compute_score
 from archer.tools.python_tool import PythonTool
 
 ARITHMETIC = re.compile(r"Compute (\d+(?:[-+*]\d+)+)\.")

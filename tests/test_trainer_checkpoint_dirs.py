@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from archer.errors import ArcherError
-from archer.trainer.checkpoint import (
+from archer.trainer.checkpoint_dirs import (
     CheckpointManager,
     capture_rng_state,
     load_torch_state,

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from archer.batch import Batch
-from archer.eval.metrics import validation_metrics
+from archer.eval.sampling_metrics import validation_metrics
 from archer.rewards.extras import REWARD_EXTRAS
-from archer.trainer import metrics as metrics_module
-from archer.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer
+from archer.trainer import step_metrics as metrics_module
+from archer.trainer.step_metrics import compute_data_metrics, compute_timing_metrics, timer
 
 X = 99.0  # a value under the response mask's zeros: must never reach a metric
 

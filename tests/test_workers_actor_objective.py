@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from archer.algorithms.metrics import MetricSums
+from archer.algorithms.metric_sums import MetricSums
 from archer.algorithms.policy_loss import LOSS_INPUTS, POLICY_LOSSES
 from archer.config.loader import load_config
 from archer.errors import ArcherError

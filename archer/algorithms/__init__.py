@@ -16,7 +16,7 @@ from archer.algorithms.kl import (
     kl_penalty,
     make_kl_controller,
 )
-from archer.algorithms.metrics import Mean, MetricSums, Total
+from archer.algorithms.metric_sums import Mean, MetricSums, Total
 from archer.algorithms.policy_loss import POLICY_LOSSES, PolicyLoss, compute_policy_loss, register_policy_loss
 from archer.algorithms.value_loss import compute_value_loss
 

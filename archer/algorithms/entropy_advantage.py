@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from archer.algorithms.masked import masked_sum, masked_whiten
-from archer.algorithms.metrics import Mean, Metric, masked_mean_metric
+from archer.algorithms.metric_sums import Mean, Metric, masked_mean_metric
 
 
 def standardised_entropy(entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

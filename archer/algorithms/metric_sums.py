@@ -65,14 +65,14 @@ class MetricSums:
 
     def add(self, metrics: Mapping[str, Metric], weight: float = 1.0) -> None:
         """Add a micro-batch's metrics; ``weight`` 0 adds their names with nothing in them (a data-parallel
-        rank's padding pass, archer/distributed/data_parallel.py)."""
+        rank's padding pass, archer/workers/data_parallel.py)."""
         for name, metric in metrics.items():
             if weight != 1.0:
                 metric = (Mean(metric.total * weight, metric.count * weight) if isinstance(metric, Mean)
                           else Total(metric.total * weight) if isinstance(metric, Total) else metric)
             kept = self._sums.get(name)
             if not isinstance(metric, Mean | Total) or (kept is not None and type(kept) is not type(metric)):
-                raise TypeError(f"metric {name!r} must be declared as archer.algorithms.metrics.Mean or Total "
+                raise TypeError(f"metric {name!r} must be declared as archer.algorithms.metric_sums.Mean or Total "
                                 f"(the same kind in every micro-batch), got {type(metric).__name__}")
             if kept is None:
                 self._sums[name] = metric

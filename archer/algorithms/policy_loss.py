@@ -6,7 +6,7 @@ Each loss is registered with what it needs (`PolicyLoss`): verl's shared clip se
 config knobs with their defaults, the per-micro-batch inputs the actor must compute for it, and the actor
 switches it supports. Its function takes exactly those, plus the common arguments, as keyword arguments
 (checked when it is registered), and returns (scalar loss, metrics): pg_clipfrac, ppo_kl and pg_clipfrac_lower
-plus the metrics of its own mechanism, each declared as a `Mean` or a `Total` (archer.algorithms.metrics).
+plus the metrics of its own mechanism, each declared as a `Mean` or a `Total` (archer.algorithms.metric_sums).
 Adding a loss touches one function, its registration and its YAML keys.
 """
 
@@ -21,7 +21,7 @@ import torch
 
 from archer.algorithms.aggregation import agg_loss
 from archer.algorithms.masked import masked_mean
-from archer.algorithms.metrics import Metric, Total, masked_mean_metric
+from archer.algorithms.metric_sums import Metric, Total, masked_mean_metric
 from archer.algorithms.registry import Registry
 from archer.algorithms.token_selection import (
     advantage_logp_covariance,

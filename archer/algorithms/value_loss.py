@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from archer.algorithms.aggregation import agg_loss
-from archer.algorithms.metrics import Mean, masked_mean_metric
+from archer.algorithms.metric_sums import Mean, masked_mean_metric
 
 
 def compute_value_loss(
@@ -20,7 +20,7 @@ def compute_value_loss(
     agg_kwargs: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, Mean]:
     """0.5 * agg(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)); also the fraction of the tokens where
-    the clip wins (a Mean over them, archer.algorithms.metrics).
+    the clip wins (a Mean over them, archer.algorithms.metric_sums).
 
     vpreds: current critic output V; values: V_old from rollout time; returns: R.
     """

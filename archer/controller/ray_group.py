@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from archer.distributed.dispatch import collector_of
-from archer.distributed.worker_group import DeviceKind, WorkerGroup
+from archer.controller.worker_group import DeviceKind, WorkerGroup
 from archer.errors import ArcherError
+from archer.workers.dispatch import collector_of
 
 RESUME_FIX = ("restart the run from its last checkpoint with trainer.resume_mode=auto (the same command); "
               "the rank's own log lines above, prefixed (rank N pid=...), show why it stopped")

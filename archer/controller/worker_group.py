@@ -1,9 +1,9 @@
 """Worker groups: the driver's one handle on a role's workers, for one rank or many.
 
 ``group.call("compute_log_prob", batch)`` runs the method on every rank with the same full arguments and
-returns the per-rank results collected as the method declares (``archer/distributed/dispatch.py``). World 1 is
+returns the per-rank results collected as the method declares (``archer/workers/dispatch.py``). World 1 is
 the ``LocalWorkerGroup``: the worker lives in this process and is called directly, with no Ray and no copy.
-World > 1 is the ``RayWorkerGroup`` (``archer/distributed/ray_group.py``): one Ray actor per rank. The trainer
+World > 1 is the ``RayWorkerGroup`` (``archer/controller/ray_group.py``): one Ray actor per rank. The trainer
 reads the same for both.
 """
 
@@ -13,8 +13,8 @@ from abc import ABC, abstractmethod
 from types import TracebackType
 from typing import Any, Literal
 
-from archer.distributed.dispatch import collector_of
 from archer.errors import ArcherError
+from archer.workers.dispatch import collector_of
 
 DeviceKind = Literal["auto", "cpu", "cuda"]
 
@@ -93,7 +93,7 @@ def build_worker_group(
                               f"set {key}=1 for one device, or the number of nodes / devices per node")
     if nnodes * n_gpus_per_node == 1:
         return LocalWorkerGroup(worker_cls(**init_kwargs))
-    from archer.distributed.ray_group import RayWorkerGroup
+    from archer.controller.ray_group import RayWorkerGroup
 
     return RayWorkerGroup(worker_cls, init_kwargs, nnodes=nnodes, n_gpus_per_node=n_gpus_per_node,
                           device_kind=device_kind, placement_timeout_s=placement_timeout_s,

@@ -1,6 +1,6 @@
 """The one Evaluator of training's validation and ``archer eval``: generation through the policy's rollout (the
 engine and, with tools configured, the multi-turn tool loop) and scoring through the reward manager (the reward
-registry, or the custom reward function), then the sampling metrics of archer.eval.metrics.
+registry, or the custom reward function), then the sampling metrics of archer.eval.sampling_metrics.
 
 Its unit is a batch of prompts (RLDataset items): each is answered n times (rollout.val_kwargs), every sample
 scored, and each prompt comes back as one ``ProblemRecord`` (the line ``archer eval`` writes to samples.jsonl):
@@ -19,9 +19,9 @@ import numpy as np
 from archer.batch import Batch
 from archer.data.loader import collate_prompts
 from archer.eval.answers import extract_answer, normalise
-from archer.eval.metrics import validation_metrics
+from archer.eval.sampling_metrics import validation_metrics
 from archer.rewards.extras import REWARD_EXTRAS, as_number
-from archer.rewards.manager import RewardManager
+from archer.rewards.reward_stage import RewardManager
 
 ProblemRecord = dict[str, Any]
 BATCH_SEED_STRIDE = 1_000_003  # sampling seed of batch b: seed + b * stride (fixed per batch, so resumes agree)

@@ -34,11 +34,11 @@ from archer.errors import ArcherError
 from archer.eval.benchmarks import BenchmarkSpec, load_rows, load_spec
 from archer.eval.evaluator import Evaluator, ProblemRecord, records_metrics
 from archer.eval.judge import Judge, fill_prompt
-from archer.eval.metrics import check_ks, default_ks
 from archer.eval.report import plot_results, results_table
+from archer.eval.sampling_metrics import check_ks, default_ks
 from archer.models.loading import load_tokenizer, pick_device
-from archer.rewards.manager import build_reward_manager
-from archer.rewards.registry import check_routes
+from archer.rewards.reward_stage import build_reward_manager
+from archer.rewards.routing import check_routes
 from archer.rollout.agentic_config import check_agentic_config
 from archer.rollout.factory import check_engine_name
 from archer.workers.generator import GenerationWorker, resolve_model_folder

@@ -19,7 +19,7 @@ def compute_log_probs(model: torch.nn.Module, batch: Batch, *, temperature: floa
                       parts: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of the batch's responses under ``model``, micro-batch by micro-batch, on the
     CPU in float32; the model's train/eval mode is restored afterwards. ``parts``: the rows of each pass
-    (default ``micro.split``; a data-parallel rank passes its own, archer/distributed/data_parallel.py), rows
+    (default ``micro.split``; a data-parallel rank passes its own, archer/workers/data_parallel.py), rows
     outside them left 0."""
     data = batch.select([*MODEL_INPUTS, "responses"])
     shape = data["responses"].shape

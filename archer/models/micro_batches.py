@@ -9,7 +9,7 @@ width is the longest sequence in the micro-batch (its padding-free layout, model
 sorting by length leaves little padding; without it, every row is as wide as the padded batch.
 
 Which rows share a micro-batch changes no loss and no metric: the actor and critic normalise every term over
-the whole mini-batch and reduce every metric over it (algorithms/aggregation.py, algorithms/metrics.py). Only
+the whole mini-batch and reduce every metric over it (algorithms/aggregation.py, algorithms/metric_sums.py). Only
 the choices a loss makes per micro-batch follow the grouping: the top-entropy tokens of entropy_top_ratio, the
 class weights of Archer's split KL and AEPO's entropy standardisation (workers/actor_objective.py).
 """

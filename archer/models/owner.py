@@ -23,11 +23,11 @@ from omegaconf import DictConfig
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from archer.distributed.checkpoint import export_hf, load_full_state, load_sharded, save_sharded
 from archer.distributed.context import DistContext
 from archer.distributed.fsdp import full_weights, load_from_rank0, shard_model
+from archer.distributed.sharded_checkpoint import export_hf, load_full_state, load_sharded, save_sharded
 from archer.errors import ArcherError
-from archer.models.checkpoint import load_policy, save_policy
+from archer.models.hf_checkpoint import load_policy, save_policy
 from archer.models.loading import default_dtype, load_causal_lm, load_value_model, parse_dtype
 from archer.models.lora import LoraSettings, add_lora, policy_weights, trainable_parameters
 from archer.models.optim import (

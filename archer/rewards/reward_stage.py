@@ -1,8 +1,8 @@
 """The reward stage of the RL step: decode responses, score each row, place scores on tokens.
 
-Rows are scored by a reward manager (archer.rewards.managers: naive, batch, dapo, prime) that calls
+Rows are scored by a reward manager (archer.rewards.row_scorers: naive, batch, dapo, prime) that calls
 ``compute_score`` (a custom function, used for every row as in verl) or the built-in routing of
-archer.rewards.registry on the text of the whole response (tool output included). The row's score lands on its last learned token (``response_mask``) of ``token_level_scores``; a row with no such
+archer.rewards.routing on the text of the whole response (tool output included). The row's score lands on its last learned token (``response_mask``) of ``token_level_scores``; a row with no such
 token keeps an all-zero row (its score is still in ``scores``). Rows are scored in order, so the output is deterministic. Shaping (rewards/shaping.py) comes
 after scoring: a built-in rule reward's wrong answers get ``wrong_answer_score``, and the overlong buffer
 adds its penalty (``overlong_penalty``); accuracy is that of the unshaped answer.
@@ -34,8 +34,8 @@ from archer.batch import Batch, response_attention
 from archer.errors import ArcherError
 from archer.rewards.custom import load_custom_reward_fn
 from archer.rewards.extras import REWARD_EXTRAS, as_number
-from archer.rewards.managers import ManagerContext, RowScorer, ScoreRows, build_row_scorer
-from archer.rewards.registry import has_builtin_reward
+from archer.rewards.routing import has_builtin_reward
+from archer.rewards.row_scorers import ManagerContext, RowScorer, ScoreRows, build_row_scorer
 from archer.rewards.shaping import OverlongBuffer, apply_wrong_answer_score
 
 _REQUIRED_ROWS = ("ground_truth",)

@@ -1,8 +1,8 @@
 """Reward managers by name (verl's ``reward_model.reward_manager``): how the rows of a batch reach the scorer.
 
 Each manager takes the batch's decoded responses and row fields and returns one raw result per row (a number or
-a dict with "score"); archer.rewards.manager checks the results, shapes them and places them on tokens. The
-scorer is ``custom_reward_function`` when it is set, else archer's built-in routing (archer.rewards.registry).
+a dict with "score"); archer.rewards.reward_stage checks the results, shapes them and places them on tokens. The
+scorer is ``custom_reward_function`` when it is set, else archer's built-in routing (archer.rewards.routing).
 ``reward_model.reward_kwargs`` are the manager's keyword arguments, as in verl:
 
 - ``naive``: ``compute_score(data_source=, solution_str=, ground_truth=, extra_info=)`` once per row, in order;
@@ -35,7 +35,7 @@ from typing import Any
 from archer.algorithms.registry import Registry
 from archer.errors import ArcherError
 from archer.rewards.math import set_verify_workers
-from archer.rewards.registry import default_compute_score
+from archer.rewards.routing import default_compute_score
 from archer.rewards.shaping import OverlongBuffer
 
 log = logging.getLogger("archer.rewards")

@@ -18,7 +18,7 @@ from archer.config.loader import as_list
 from archer.config.no_ops import check_no_ops
 from archer.errors import ArcherError
 from archer.models.lora import LoraSettings
-from archer.rewards.managers import check_manager
+from archer.rewards.row_scorers import check_manager
 from archer.rewards.shaping import OverlongBuffer
 from archer.rollout.agentic_config import check_agentic_config
 from archer.rollout.factory import check_engine_name

@@ -25,22 +25,22 @@ from archer.algorithms.kl import apply_kl_penalty, make_kl_controller
 from archer.atomic_files import write_json_atomically, write_text_atomically
 from archer.batch import Batch
 from archer.config.loader import as_list, save_config
+from archer.controller.worker_group import WorkerGroup, build_worker_group
 from archer.data.loader import collate_prompts
 from archer.data.rl_data import build_rl_data
 from archer.data.rl_dataset import RLDataset
-from archer.distributed.worker_group import WorkerGroup, build_worker_group
 from archer.errors import ArcherError
 from archer.eval.evaluator import Evaluator, records_metrics
 from archer.models.loading import pick_device
 from archer.rewards.extras import REWARD_EXTRAS
-from archer.rewards.manager import build_reward_manager
-from archer.rewards.registry import check_routes
+from archer.rewards.reward_stage import build_reward_manager
+from archer.rewards.routing import check_routes
 from archer.rollout.agentic_config import check_row_tools, tool_call_tags
 from archer.rollout.rollout_stats import RolloutStats
 from archer.trace.entropy import EntropyTrace
 from archer.trace.influence import InfluenceTrace
 from archer.trace.influence_capture import CaptureSettings
-from archer.trainer.checkpoint import (
+from archer.trainer.checkpoint_dirs import (
     CheckpointManager,
     capture_rng_state,
     load_torch_state,
@@ -53,9 +53,9 @@ from archer.trainer.group_filter import (
     too_many_batches_error,
     uniform_accuracy_rows,
 )
-from archer.trainer.metrics import MemoryPeaks, compute_data_metrics, compute_timing_metrics, timer
 from archer.trainer.model_check import check_sequence_lengths
 from archer.trainer.plots import plot_metrics
+from archer.trainer.step_metrics import MemoryPeaks, compute_data_metrics, compute_timing_metrics, timer
 from archer.trainer.tracking import Tracking
 from archer.workers.actor import INFLUENCE_TOKENS
 from archer.workers.colocated import RankWorkers, world_size

@@ -48,7 +48,7 @@ from archer.models.logprobs import logprobs_from_hidden, masked_hidden, masked_l
 from archer.models.lora import LoraSettings
 from archer.models.optim import SFT_SCHEDULERS, LRSchedule, clip_and_step
 from archer.models.owner import ModelOwner
-from archer.trainer.checkpoint import (
+from archer.trainer.checkpoint_dirs import (
     CheckpointManager,
     capture_rng_state,
     load_torch_state,

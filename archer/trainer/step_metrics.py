@@ -1,6 +1,6 @@
 """Step metrics under verl's names: scores, rewards, advantages, lengths, entropy, timing, throughput, memory
 (``perf/max_memory_*_gb`` per step and stage, ``perf/cpu_memory_used_gb``), and the mean of every numeric reward
-extra (``reward/<key>/mean``). Validation's metrics are archer.eval.metrics'."""
+extra (``reward/<key>/mean``). Validation's metrics are archer.eval.sampling_metrics'."""
 
 from __future__ import annotations
 

@@ -32,10 +32,9 @@ import torch
 from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
-from archer.algorithms.metrics import MetricSums
+from archer.algorithms.metric_sums import MetricSums
 from archer.batch import Batch
 from archer.distributed.context import DistContext, shard_bounds
-from archer.distributed.data_parallel import rank_passes, reduce_metric_sums
 from archer.models.forward import MODEL_INPUTS, compute_log_probs
 from archer.models.loading import autocast_for, load_tokenizer, parse_dtype
 from archer.models.logprobs import layout_logprobs
@@ -55,6 +54,7 @@ from archer.trace.influence_capture import (
     select_modules,
 )
 from archer.workers.actor_objective import ActorObjective
+from archer.workers.data_parallel import rank_passes, reduce_metric_sums
 from archer.workers.memory import MemoryPlan, card_figures, plan_actor_memory, release_cached_blocks
 from archer.workers.mini_batches import StepAverages, mini_batches
 from archer.workers.offload import Offload

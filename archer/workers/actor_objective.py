@@ -4,7 +4,7 @@ advantage, the entropy bonus and the KL loss (Archer's split KL for a loss on th
 
 Every term is normalised over its whole mini-batch (the normalisers come from `mini_batch_normalisers`), so
 the micro-batch losses add up to the mini-batch loss, and every metric is declared as a Mean or a Total
-(archer.algorithms.metrics), so the micro-batch metrics add up to the mini-batch's too. (AEPO's
+(archer.algorithms.metric_sums), so the micro-batch metrics add up to the mini-batch's too. (AEPO's
 entropy-aware advantage standardises the entropy over each micro-batch, as its paper's code does; that step
 alone depends on the split.) Token entropies come from the training forward pass (detached) whenever a term
 needs them, whatever entropy_coeff is.
@@ -25,7 +25,7 @@ from archer.algorithms.entropy import entropy_loss
 from archer.algorithms.entropy_advantage import entropy_advantage_metrics, entropy_advantage_scale
 from archer.algorithms.kl import KL_ESTIMATORS, kl_loss, kl_penalty
 from archer.algorithms.masked import masked_mean
-from archer.algorithms.metrics import Metric, Total, masked_mean_metric, total_metric
+from archer.algorithms.metric_sums import Metric, Total, masked_mean_metric, total_metric
 from archer.algorithms.policy_loss import (
     LOSS_SWITCHES,
     POLICY_LOSSES,

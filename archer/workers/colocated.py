@@ -1,9 +1,9 @@
 """The workers of one rank, colocated on its device: the actor with its rollout engine, the reference, the
 critic and the reward model (verl's one process per GPU holding every role). The trainer reaches them only
-through a worker group (archer/distributed/worker_group.py): in this process at world 1, one Ray actor per rank
-otherwise; each method declares how the ranks' results come back (archer/distributed/dispatch.py).
+through a worker group (archer/controller/worker_group.py): in this process at world 1, one Ray actor per rank
+otherwise; each method declares how the ranks' results come back (archer/workers/dispatch.py).
 
-Every method gets the whole batch; each role takes its rank's rows (archer/distributed/data_parallel.py) and
+Every method gets the whole batch; each role takes its rank's rows (archer/workers/data_parallel.py) and
 returns them, or, for an update, runs its share of every mini-batch and returns the metrics all ranks agree on.
 At world > 1 the rank joins the process group the worker group describes in its environment and the models are
 sharded with FSDP2 (archer/distributed/fsdp.py); at world 1 nothing changes from a plain single-device run.
@@ -23,12 +23,12 @@ from transformers import PreTrainedTokenizerBase
 
 from archer.batch import Batch
 from archer.distributed.context import DistContext
-from archer.distributed.dispatch import collect, concat_batches, rank_zero, shard_rows
 from archer.models.loading import load_tokenizer, pick_device
 from archer.rollout.rollout_stats import RolloutStats
 from archer.trace.influence_capture import CaptureSettings, merge_rank_factors
 from archer.workers.actor import INFLUENCE_CAPTURED, ActorWorker
 from archer.workers.critic import CriticWorker
+from archer.workers.dispatch import collect, concat_batches, rank_zero, shard_rows
 from archer.workers.memory import GIB
 from archer.workers.reward_model import RewardModelWorker
 from archer.workers.rollout import ROLLOUT_STATS

@@ -12,16 +12,16 @@ import torch
 from omegaconf import DictConfig
 
 from archer.algorithms.aggregation import mini_batch_totals
-from archer.algorithms.metrics import MetricSums, masked_mean_metric, total_metric
+from archer.algorithms.metric_sums import MetricSums, masked_mean_metric, total_metric
 from archer.algorithms.value_loss import compute_value_loss
 from archer.batch import Batch
 from archer.distributed.context import DistContext
-from archer.distributed.data_parallel import rank_passes, reduce_metric_sums
 from archer.models.forward import MODEL_INPUTS
 from archer.models.loading import autocast_for, parse_dtype, value_forward
 from archer.models.micro_batches import MicroBatching
 from archer.models.optim import LRSchedule, clip_and_step
 from archer.models.owner import ModelOwner, OwnsModel
+from archer.workers.data_parallel import rank_passes, reduce_metric_sums
 from archer.workers.mini_batches import StepAverages, mini_batches
 
 

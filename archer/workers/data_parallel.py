@@ -7,7 +7,7 @@ micro-batches (computing the split of every rank, which each can do from the who
 has fewer with passes over rows it already ran. A padding pass changes nothing: its log-probs overwrite the same
 values, and its loss and metrics are weighted by zero.
 
-``reduce_metric_sums`` adds the declared metric sums (archer/algorithms/metrics.py) of every rank, so that a
+``reduce_metric_sums`` adds the declared metric sums (archer/algorithms/metric_sums.py) of every rank, so that a
 metric of the whole mini-batch is the single-process one whatever the number of ranks.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from archer.algorithms.metrics import MetricSums
+from archer.algorithms.metric_sums import MetricSums
 from archer.distributed.context import DistContext, shard_bounds
 from archer.models.micro_batches import MicroBatching
 

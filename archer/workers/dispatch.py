@@ -64,7 +64,7 @@ def collector_of(worker_cls: type, method_name: str) -> Collector:
         raise TypeError(
             f"{worker_cls.__name__}.{method_name} declares no collector: decorate it with "
             "@collect(rank_zero), @collect(concat_batches) or @collect(<function of the per-rank results>) "
-            "(archer/distributed/dispatch.py)"
+            "(archer/workers/dispatch.py)"
         )
     return collector
 

@@ -9,11 +9,11 @@ from omegaconf import DictConfig
 
 from archer.batch import Batch
 from archer.distributed.context import DistContext
-from archer.distributed.data_parallel import rank_passes
 from archer.models.forward import compute_log_probs
 from archer.models.lora import base_policy
 from archer.models.micro_batches import MicroBatching
 from archer.models.owner import ModelOwner
+from archer.workers.data_parallel import rank_passes
 
 
 class ReferenceWorker:

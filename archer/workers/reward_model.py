@@ -44,7 +44,7 @@ from archer.models.loading import (
     read_model_config,
 )
 from archer.models.micro_batches import MicroBatching
-from archer.rewards.manager import on_last_token
+from archer.rewards.reward_stage import on_last_token
 from archer.workers.memory import model_bytes
 
 RM = "reward_model"

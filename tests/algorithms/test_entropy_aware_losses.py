@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from archer.algorithms.metrics import Mean, Metric
+from archer.algorithms.metric_sums import Mean, Metric
 from archer.algorithms.policy_loss import compute_policy_loss
 from archer.errors import ArcherError
 

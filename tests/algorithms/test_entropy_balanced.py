@@ -10,7 +10,7 @@ from archer.algorithms.entropy_advantage import (
     entropy_advantage_scale,
     standardised_entropy,
 )
-from archer.algorithms.metrics import Metric, Total
+from archer.algorithms.metric_sums import Metric, Total
 from archer.algorithms.policy_loss import POLICY_LOSSES, compute_policy_loss, register_policy_loss
 from archer.errors import ArcherError
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from archer.algorithms.metrics import Mean, MetricSums, Total, masked_mean_metric
+from archer.algorithms.metric_sums import Mean, MetricSums, Total, masked_mean_metric
 
 VALUES = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
 MASK = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]])  # 6 valid tokens: mean (1+2+3+4+7+8) / 6 = 25 / 6

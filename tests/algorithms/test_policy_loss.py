@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from archer.algorithms.metrics import Mean, Total
+from archer.algorithms.metric_sums import Mean, Total
 from archer.algorithms.policy_loss import POLICY_LOSSES, compute_policy_loss, register_policy_loss
 from archer.errors import ArcherError
 
