@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from archer.batch import Batch
+from archer.controller.factory import build_worker_group
 from archer.controller.ray_group import RankPlace, check_ray_address, rank_layout, visible_devices
-from archer.controller.worker_group import LocalWorkerGroup, WorkerGroup, build_worker_group
+from archer.controller.worker_group import LocalWorkerGroup, WorkerGroup
 from archer.errors import ArcherError
 from archer.workers.dispatch import (
     collect,
@@ -154,7 +155,7 @@ def test_bad_world_sizes_name_the_keys() -> None:
 
 
 def test_world_one_never_imports_ray() -> None:
-    code = ("import sys; from archer.controller.worker_group import build_worker_group\n"
+    code = ("import sys; from archer.controller.factory import build_worker_group\n"
             "from archer.workers.dispatch import collect, rank_zero\n"
             "class W:\n    @collect(rank_zero)\n    def f(self, a): return a + 1\n"
             "import archer.cli, archer.trainer.ppo\n"
@@ -180,7 +181,7 @@ def test_a_group_starts_its_own_ray_and_stops_it() -> None:
     """Without RAY_ADDRESS the group starts a local Ray (one logical CPU per rank at least) and stops it on
     shutdown; ``device_kind="auto"`` picks CPU on a cluster without GPUs. In a fresh process (before the
     shared session below starts)."""
-    code = ("import ray\nfrom archer.controller.worker_group import build_worker_group\n"
+    code = ("import ray\nfrom archer.controller.factory import build_worker_group\n"
             "from test_worker_group_on_cpu import ToyWorker\n"
             "g = build_worker_group(ToyWorker, {'scale': 2}, nnodes=1, n_gpus_per_node=2)\n"
             "print(g.device_kind, ray.cluster_resources()['CPU'] >= 2, g.call('rank_times_scale'),"

@@ -25,9 +25,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from archer.controller.worker_group import DeviceKind, WorkerGroup
+from archer.controller.worker_group import WorkerGroup
+from archer.distributed.context import DeviceKind
 from archer.errors import ArcherError
 from archer.workers.dispatch import collector_of
 
@@ -197,7 +198,7 @@ class RayWorkerGroup(WorkerGroup):
         *,
         nnodes: int,
         n_gpus_per_node: int,
-        device_kind: DeviceKind = "auto",
+        device_kind: DeviceKind | Literal["auto"] = "auto",
         placement_timeout_s: float = 120.0,
         call_timeout_s: float | None = None,
         object_store_memory: int | None = None,
@@ -220,7 +221,7 @@ class RayWorkerGroup(WorkerGroup):
             raise
 
     # -- set-up ------------------------------------------------------------------------------------
-    def _resolve_device(self, device_kind: DeviceKind) -> str:
+    def _resolve_device(self, device_kind: DeviceKind | Literal["auto"]) -> DeviceKind:
         if device_kind not in ("auto", "cpu", "cuda"):
             raise ArcherError(f"trainer.device must be auto, cpu or cuda, got {device_kind!r}",
                               "set trainer.device=cuda for GPUs or trainer.device=cpu for CPU processes")

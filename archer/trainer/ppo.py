@@ -25,7 +25,8 @@ from archer.algorithms.kl import apply_kl_penalty, make_kl_controller
 from archer.atomic_files import write_json_atomically, write_text_atomically
 from archer.batch import Batch
 from archer.config.loader import as_list, save_config
-from archer.controller.worker_group import WorkerGroup, build_worker_group
+from archer.controller.factory import build_worker_group
+from archer.controller.worker_group import WorkerGroup
 from archer.data.loader import collate_prompts
 from archer.data.rl_data import build_rl_data
 from archer.data.rl_dataset import RLDataset
