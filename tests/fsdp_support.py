@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from archer.distributed.context import DistContext, shard_bounds
-from archer.distributed.fsdp import clip_grad_norm, full_weights, shard_model
-from archer.distributed.sharded_checkpoint import export_hf, load_sharded, save_sharded
+from archer.distributed.fsdp import clip_grad_norm, shard_model
+from archer.distributed.sharded_checkpoint import load_sharded, save_sharded
 from archer.models.loading import load_causal_lm, load_tokenizer
-from archer.models.lora import LoraSettings, add_lora, trainable_parameters
+from archer.models.lora import LoraSettings, add_lora, policy_weights, save_merged, trainable_parameters
 
 ROWS = 5  # odd: rank 0 takes 3 rows, rank 1 takes 2
 LENGTHS = (12, 9, 12, 5, 10)  # right-padded to 12: the token count differs per row and per rank
@@ -83,7 +83,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistCont
 
 def weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """The full-weight stream copied (every rank must call this)."""
-    return {name: tensor.clone() for name, tensor in full_weights(model)}
+    return {name: tensor.clone() for name, tensor in policy_weights(model)}
 
 
 def optim_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -122,7 +122,7 @@ def record(ctx: DistContext, work: Path) -> dict:
     out["trained_optim"] = optim_state(model, optimizer)
     # (c) 2 -> 1 (the test loads it) and (d) the HF export.
     save_sharded(work / "ckpt2", model, optimizer, ctx)
-    export_hf(model, load_tokenizer(model_dir), work / "hf2", ctx)
+    save_merged(model, load_tokenizer(model_dir), work / "hf2", ctx)
     out["step3"] = train_step(model, optimizer, ctx, 3)
     out["after_step3"] = weights(model)
     # (c) 2 -> 2: the ranks' own checkpoint into a fresh sharded model.
@@ -145,13 +145,13 @@ def record(ctx: DistContext, work: Path) -> dict:
                        reshard_after_forward=False)
     with torch.no_grad():
         lora(input_ids=batch(0, lora.config.vocab_size)[0][:1])
-    out["lora_initial"] = list(full_weights(lora))
+    out["lora_initial"] = list(policy_weights(lora))
     optimizer = adamw(trainable_parameters(lora))
     out["lora_step"] = train_step(lora, optimizer, ctx, 0)
-    out["lora_trained"] = list(full_weights(lora))
+    out["lora_trained"] = list(policy_weights(lora))
     # LoRA as on a GPU: a bfloat16 base, float32 adapters, bfloat16 compute.
     lora = shard_model(load_model(model_dir, lora=True, dtype=torch.bfloat16), ctx, param_dtype=torch.bfloat16)
-    out["bf16_initial"] = list(full_weights(lora))
+    out["bf16_initial"] = list(policy_weights(lora))
     out["bf16_step"] = train_step(lora, adamw(trainable_parameters(lora)), ctx, 0)
     return out
 

@@ -1,7 +1,8 @@
 """FSDP2 over 2 gloo ranks on the CPU against one process (archer/distributed): three AdamW steps of a loss
 normalised by the global token count give the single-process losses, grad norms and weights (float32, rtol 1e-5
-/ atol 1e-6); the full-weight stream equals the plain state dict exactly (and LoRA's merged weights equal
-policy_weights, also on a bfloat16 base); DCP checkpoints resume 2 -> 2 and reshard 2 -> 1 and 1 -> 2 with
+/ atol 1e-6); the weight stream (models/lora.policy_weights, each tensor gathered) equals the plain state dict
+exactly, and its LoRA-merged weights equal the unsharded stream's bit for bit (one merge, also on a bfloat16
+base); DCP checkpoints resume 2 -> 2 and reshard 2 -> 1 and 1 -> 2 with
 weights and Adam state exact; the HF export loads with from_pretrained and gives the trained model's logits;
 clip_grad_norm gives the unsharded norm (CPU-offloaded shards included).
 
@@ -20,10 +21,10 @@ from fsdp_support import MAX_NORM, adamw, load_model, optim_state, run_ranks, tr
 from transformers import AutoModelForCausalLM
 
 from archer.distributed.context import ENV_KEYS, DistContext, shard_bounds
-from archer.distributed.fsdp import clip_grad_norm, decoder_layers, full_weights, shard_model
-from archer.distributed.sharded_checkpoint import export_hf, load_sharded, save_sharded
+from archer.distributed.fsdp import clip_grad_norm, decoder_layers, shard_model
+from archer.distributed.sharded_checkpoint import load_sharded, save_sharded
 from archer.errors import ArcherError
-from archer.models.lora import policy_weights, trainable_parameters
+from archer.models.lora import policy_weights, save_merged, trainable_parameters
 
 SINGLE = DistContext.single("cpu")
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -85,13 +86,13 @@ def test_train_steps_on_two_ranks_match_one_process(runs):
     assert_weights(ranks["after_step3"], ref["after_step3"], exact=False)
 
 
-def test_full_weights_stream_equals_the_plain_state_dict(runs):
+def test_the_weight_stream_on_two_ranks_equals_the_plain_state_dict(runs):
     ref, ranks = runs["ref"], runs["ranks"]
     tied = {"lm_head.weight"} - set(ranks["initial"])  # tied to the embedding: given once
     assert_weights(ranks["initial"], {k: v for k, v in ref["initial"].items() if k not in tied}, exact=True)
 
 
-def test_lora_merged_stream_on_two_ranks_equals_policy_weights(runs):
+def test_the_lora_merged_stream_on_two_ranks_equals_the_unsharded_one(runs):
     ref, ranks = runs["ref"], runs["ranks"]
     assert [name for name, _ in ranks["lora_initial"]] == [name for name, _ in ref["lora_initial"]]
     assert not any("lora_" in name or "base_layer" in name for name, _ in ranks["lora_initial"])
@@ -168,7 +169,7 @@ def test_lora_export_in_one_process_is_the_merged_model(tmp_path, tiny_model_dir
     from archer.models.loading import load_tokenizer
 
     lora = load_model(tiny_model_dir, lora=True).eval()
-    export_hf(lora, load_tokenizer(tiny_model_dir), tmp_path / "hf", SINGLE)
+    save_merged(lora, load_tokenizer(tiny_model_dir), tmp_path / "hf", SINGLE)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     merged = dict(policy_weights(lora.get_base_model()))
     saved = exported.state_dict()
@@ -212,7 +213,7 @@ def test_world_one_is_the_plain_model_and_shard_bounds_split_like_numpy(tiny_mod
         shard_bounds(4, 2, 2)
     with pytest.raises(ArcherError, match="no sharded checkpoint"):
         load_sharded(tmp_path, model, None, SINGLE)
-    stream = dict(full_weights(model))  # world 1: the plain parameters' own storage, no copy
+    stream = dict(policy_weights(model))  # world 1: the plain parameters' own storage, no copy
     assert all(stream[name].data_ptr() == param.data_ptr() for name, param in model.named_parameters())
     assert [type(layer).__name__ for layer in decoder_layers(model)] == ["Qwen2DecoderLayer"] * 2
     with pytest.raises(ArcherError, match="no decoder-layer classes"):

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[3])
 from workers_support import hand_batch, ppo_config
 from archer.distributed.context import DistContext
-from archer.distributed.fsdp import full_weights
+from archer.models.lora import policy_weights
 from archer.workers.actor import ActorWorker
 
 model_dir, out = sys.argv[1], Path(sys.argv[2])
@@ -63,7 +63,7 @@ result = {
     "moved": float((plain[1] - plain[0]).abs().max()),
     "grad_norm": [plain[2]["actor/grad_norm"], sharded[2]["actor/grad_norm"]],
     "responses": [list(plain[3].shape), list(sharded[3].shape)],
-    "engine_matches_policy": max(float((dict(full_weights(sharded_actor.model))[name].to(tensor.dtype).cpu()
+    "engine_matches_policy": max(float((dict(policy_weights(sharded_actor.model))[name].to(tensor.dtype).cpu()
                                         - tensor.cpu()).abs().max())
                                  for name, tensor in sharded_actor.rollout.engine.model.named_parameters()),
     "dcp": names,

@@ -1,6 +1,5 @@
-"""FSDP2 for archer's models: sharding a model over the ranks of a ``DistContext``, the full weights as a
-stream of named tensors (what the rollout engines and the HF export take), and gradient clipping by the
-global norm.
+"""FSDP2 for archer's models: sharding a model over the ranks of a ``DistContext``, loading it from rank 0's
+weights, gathering whole tensors out of the shards, and gradient clipping by the global norm.
 
 Sharding (``shard_model``) follows verl's ``apply_fsdp2``: ``fully_shard`` on every decoder layer (the classes
 in ``model._no_split_modules``; with LoRA the adapters live inside those layers and are sharded with them),
@@ -9,11 +8,14 @@ GPU, reductions in fp32) and optional CPU offload. Gradients are SUMMED over ran
 normalises its loss by the whole (global) mini-batch's totals, so the summed gradient is the single-process
 one up to float reduction order.
 
-Loading: every rank loads the full HF model from the same folder on the CPU, then ``shard_model`` moves each
-rank's 1/world shard to its device and drops the rest. Host memory therefore peaks at one full copy per rank
-while loading (8 ranks of a 14B model in float32: ~450 GB on the node). A broadcast-from-rank-0 load (the
-other ranks built on the meta device, verl's ``fsdp2_load_full_state_dict``) would bring that to one copy per
-node; it is not implemented here.
+Loading: rank 0 reads the HF folder into host memory and the other ranks build the model on the meta device;
+``shard_model`` then shards the architecture and ``load_from_rank0`` allocates each rank's shards and
+broadcasts rank 0's weights into them (verl's ``fsdp2_load_full_state_dict``): one full copy per node in host
+memory, not one per rank. A LoRA base is read by every rank (peft makes the adapters on each).
+
+The whole weights of a model (what the rollout engines and the HF export take) are
+``archer.models.lora.policy_weights``, which gathers them one at a time with ``reshard``, ``full_tensor`` and
+``whole_parameters`` from here: one stream, one LoRA merge, sharded or not.
 
 Every function here is a collective when the model is sharded: all ranks must call it, in the same order
 (each ``full_tensor()`` is an all-gather). At world 1 (no mesh) the same functions work on the plain model,
@@ -22,13 +24,12 @@ so a worker calls them unconditionally.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 
 import torch
 from peft import PeftModel
-from peft.tuners.lora import LoraLayer
-from peft.utils.other import transpose
 from torch import nn
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -119,9 +120,9 @@ def load_from_rank0(model: nn.Module, state: dict[str, torch.Tensor], buffers: d
             buffer.copy_(moved)
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: a DTensor's shards all-gathered (on the mesh's device when they were offloaded),
-    a plain tensor as it is."""
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor's shards all-gathered (on the mesh's device when they were offloaded), a
+    plain tensor as it is (no copy)."""
     if not isinstance(tensor, DTensor):
         return tensor
     mesh_device = tensor.device_mesh.device_type
@@ -130,48 +131,30 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor()
 
 
-def _reshard(root: nn.Module) -> None:
-    """Every FSDP unit back to its sharded state, so each rank sees the same DTensor parameters."""
-    for module in root.modules():
+def reshard(model: nn.Module) -> None:
+    """Every FSDP unit of ``model`` back to its sharded state (a forward with ``reshard_after_forward=False``
+    leaves the root gathered), so that each rank sees the same DTensor parameters; nothing unsharded."""
+    for module in unwrap(model).modules():
         if isinstance(module, FSDPModule):
             module.reshard()
 
 
-@torch.no_grad()
-def full_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's whole weights, lazily, one parameter at a time, as (name, tensor) pairs named as in the
-    plain HF model's state dict (tied weights once; peft's ``base_model.model.`` / ``.base_layer`` never
-    appear). A LoRA layer gives its merged weight ``W + scaling * B @ A`` (computed out of place in float32,
-    returned in W's dtype; the module is never modified) and its base bias, in the order and with the exact
-    values of ``archer.models.lora.policy_weights`` on the unsharded model.
-
-    On a sharded model every rank must iterate the whole stream in step (each item is an all-gather) between
-    optimizer steps, not between a forward and its backward; a rank that needs nothing (not rank 0 in an
-    export) still drains it. Each tensor lives on the model's device and may alias a parameter at world 1:
-    copy it before keeping it."""
-    root = unwrap(model)
-    _reshard(root)
-    layers = {name: module for name, module in root.named_modules() if isinstance(module, LoraLayer)}
-    inside = tuple(f"{name}." for name in layers)
-    for name, param in root.named_parameters():
-        if not name.startswith(inside):
-            yield name, _full(param.detach())
-    for name, layer in layers.items():
-        base = layer.get_base_layer()
-        weight = _full(base.weight.detach())
-        merged = weight.float()
-        for adapter in layer.active_adapters:
-            if adapter not in layer.lora_A:
-                continue
-            if layer.use_dora.get(adapter) or getattr(layer, "lora_variant", {}).get(adapter) is not None:
-                raise ArcherError(f"{name}: adapter {adapter!r} is a LoRA variant (DoRA, ...) that the sharded "
-                                  "weight stream cannot merge", "use plain LoRA adapters")
-            lora_b = _full(layer.lora_B[adapter].weight.detach()).float()
-            lora_a = _full(layer.lora_A[adapter].weight.detach()).float()
-            merged = merged + transpose(lora_b @ lora_a, layer.fan_in_fan_out) * layer.scaling[adapter]
-        yield f"{name}.weight", merged.to(weight.dtype)
-        if getattr(base, "bias", None) is not None:
-            yield f"{name}.bias", _full(base.bias.detach())
+@contextlib.contextmanager
+def whole_parameters(*modules: nn.Module) -> Iterator[None]:
+    """Inside the block, the sharded (DTensor) parameters held directly by ``modules`` are their whole tensors
+    (gathered, detached), for code that reads a module's weights itself (peft's ``get_delta_weight``); the
+    shards are put back after. Unsharded parameters are left as they are. Not for a forward or backward."""
+    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    try:
+        for module in modules:
+            for name, param in list(module._parameters.items()):
+                if isinstance(param, DTensor):
+                    swapped.append((module, name, param))
+                    module._parameters[name] = nn.Parameter(full_tensor(param.detach()), requires_grad=False)
+        yield
+    finally:
+        for module, name, param in swapped:
+            module._parameters[name] = param
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
@@ -185,7 +168,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
     grads = [p.grad for p in params]
     total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     if isinstance(total, DTensor):
-        total = _full(total)
+        total = full_tensor(total)
     norm = float(total)
     if math.isfinite(norm) and max_norm is not None and max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, float(max_norm), total.to(grads[0].device))

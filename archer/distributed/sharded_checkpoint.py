@@ -1,5 +1,5 @@
-"""Sharded checkpoints of a model and its optimizer (torch distributed checkpoint, DCP) and the export of the
-whole model as an ordinary Hugging Face folder.
+"""Sharded checkpoints of a model and its optimizer (torch distributed checkpoint, DCP), and a single-process
+checkpoint read into a sharded model.
 
 ``save_sharded`` writes one file per rank plus ``.metadata`` (keys are the parameters' fully qualified names,
 the plain HF names with peft's ``lora_A`` / ``lora_B`` inside LoRA layers; the optimizer state keyed by the
@@ -8,8 +8,7 @@ ranks resumes in one process without a process group (and the other way round). 
 model's base) are not saved: they come from the model folder the run starts from. DCP does not promise to
 read checkpoints of another torch version.
 
-``export_hf`` writes what ``from_pretrained`` loads (the LoRA layers merged): rank 0 collects the full-weight
-stream in host memory (one full copy, on rank 0 only) and writes; every rank iterates the stream.
+The HF folder beside them (what ``from_pretrained`` loads, LoRA merged) is ``archer.models.lora.save_merged``'s.
 """
 
 from __future__ import annotations
@@ -24,10 +23,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from transformers import PreTrainedTokenizerBase
 
 from archer.distributed.context import DistContext
-from archer.distributed.fsdp import full_weights, unwrap
+from archer.distributed.fsdp import unwrap
 from archer.errors import ArcherError
 
 METADATA = ".metadata"
@@ -88,24 +86,6 @@ def load_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim
     set_state_dict(unwrap(model), optimizer if optimizer is not None else [],
                    model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}),
                    options=_LOAD_OPTIONS)
-
-
-def export_hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path,
-              ctx: DistContext) -> Path:
-    """The whole model (LoRA merged) and its tokenizer as an ordinary HF folder at ``out_dir``, in the
-    weights' own dtype. Every rank calls it (the weights are gathered one at a time); rank 0 writes."""
-    folder = Path(out_dir)
-    state: dict[str, torch.Tensor] = {}
-    for name, tensor in full_weights(model):
-        if ctx.is_main:
-            state[name] = tensor.to("cpu", copy=True).contiguous()
-    if ctx.is_main:
-        folder.mkdir(parents=True, exist_ok=True)
-        unwrap(model).save_pretrained(str(folder), state_dict=state)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(folder))
-    ctx.barrier()
-    return folder
 
 
 def load_full_state(model_dir: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -10,9 +10,11 @@ layers (trace/influence_capture.py's ``select_modules``); what needs peft goes t
 - ``base_policy``: the reference policy, i.e. the same module with the adapters off (peft's
   ``disable_adapter``), so that no second copy of the model is held;
 - ``policy_weights``: ``(name, tensor)`` pairs in the plain model's state-dict names, every LoRA layer merged
-  (``W + scaling * B @ A``, computed one layer at a time in float32 and given back in the base's dtype), which
-  the fast engine copies into its own weights and the HF export saves; the module itself is never modified
-  (no merge / unmerge round trip, which would change the base's bits);
+  (``W + scaling * B @ A`` by peft's ``get_delta_weight``, one layer at a time in float32, given back in the
+  base's dtype), which the engines take and ``save_merged`` (the HF export) saves; the module itself is never
+  modified (no merge / unmerge round trip, which would change the base's bits). The same stream serves a model
+  sharded with FSDP2: each tensor is gathered whole in turn (archer/distributed/fsdp.py), so there is one
+  merge whatever the number of ranks;
 - ``save_adapter`` / ``load_adapter``: the adapters in peft's format (``adapter_config.json`` and
   ``adapter_model.safetensors``, float32) in a ``lora_adapter/`` folder beside the merged HF export; loading
   them into a freshly built policy resumes exactly, and ``model.lora_adapter_path`` starts a run from them
@@ -35,6 +37,8 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from archer.distributed.context import DistContext
+from archer.distributed.fsdp import full_tensor, reshard, unwrap, whole_parameters
 from archer.errors import ArcherError
 
 log = logging.getLogger("archer.models")
@@ -150,34 +154,60 @@ def _lora_layers(model: nn.Module) -> dict[str, LoraLayer]:
 
 @torch.no_grad()
 def policy_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The policy's weights as (state-dict name, tensor) pairs named as in the plain model (tied weights
-    once). A LoRA layer gives its merged weight ``W + scaling * B @ A`` (made in float32, returned in W's
-    dtype, one layer at a time) and its base bias; plain parameters are given as they are (no copy)."""
-    layers = _lora_layers(model)
+    """The policy's weights as (state-dict name, tensor) pairs named as in the plain model (tied weights once;
+    peft's ``base_model.model.`` / ``.base_layer`` never appear), lazily, one parameter at a time. A LoRA layer
+    gives its merged weight ``W + scaling * B @ A`` (peft's delta added in float32, returned in W's dtype) and
+    its base bias; plain parameters are given as they are (no copy at world 1: copy a tensor before keeping it).
+
+    On a model sharded with FSDP2 every tensor is all-gathered whole, with the same values as on the unsharded
+    model: every rank must iterate the whole stream in step, between optimiser steps (not between a forward
+    and its backward); a rank that needs nothing (not rank 0 in an export) still drains it."""
+    root = unwrap(model)
+    reshard(root)
+    layers = _lora_layers(root)
     inside = tuple(f"{name}." for name in layers)
-    for name, param in model.named_parameters():
+    for name, param in root.named_parameters():
         if not name.startswith(inside):
-            yield name, param.detach()
+            yield name, full_tensor(param.detach())
     for name, layer in layers.items():
         base = layer.get_base_layer()
-        merged = base.weight.float()
-        for adapter in layer.active_adapters:
-            if adapter in layer.lora_A:
-                merged = merged + layer.get_delta_weight(adapter).float()
-        yield f"{name}.weight", merged.to(base.weight.dtype)
+        weight = full_tensor(base.weight.detach())
+        yield f"{name}.weight", _merged(name, layer, weight)
         if getattr(base, "bias", None) is not None:
-            yield f"{name}.bias", base.bias.detach()
+            yield f"{name}.bias", full_tensor(base.bias.detach())
 
 
-def save_merged(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path) -> Path:
-    """An ordinary HF folder (AutoModelForCausalLM.from_pretrained loads it) with the LoRA layers merged, in
-    the base's dtype; the module is left as it is."""
+def _merged(name: str, layer: LoraLayer, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (the layer's whole base weight) plus every active adapter's delta, added in float32."""
+    merged = weight.float()
+    for adapter in layer.active_adapters:
+        if adapter not in layer.lora_A:
+            continue
+        if layer.use_dora.get(adapter) or getattr(layer, "lora_variant", {}).get(adapter) is not None:
+            raise ArcherError(f"{name}: adapter {adapter!r} is a LoRA variant (DoRA, ...), whose merge is not "
+                              "W + scaling * B @ A", "use plain LoRA adapters")
+        with whole_parameters(layer.lora_A[adapter], layer.lora_B[adapter]):
+            merged = merged + layer.get_delta_weight(adapter).float()
+    return merged.to(weight.dtype)
+
+
+def save_merged(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path,
+                ctx: DistContext | None = None) -> Path:
+    """An ordinary HF folder (AutoModelForCausalLM.from_pretrained loads it) with the LoRA layers merged, in the
+    weights' own dtype; the module is left as it is. Sharded over ``ctx``'s ranks, every rank calls it (the
+    weights are gathered one at a time) and rank 0 collects them in host memory and writes."""
+    ctx = ctx if ctx is not None else DistContext.single("cpu")
     folder = Path(out_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {name: tensor.to("cpu", copy=True).contiguous() for name, tensor in policy_weights(model)}
-    model.save_pretrained(str(folder), state_dict=state)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(folder))
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in policy_weights(model):
+        if ctx.is_main:
+            state[name] = tensor.to("cpu", copy=True).contiguous()
+    if ctx.is_main:
+        folder.mkdir(parents=True, exist_ok=True)
+        unwrap(model).save_pretrained(str(folder), state_dict=state)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(folder))
+    ctx.barrier()
     return folder
 
 

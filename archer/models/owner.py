@@ -24,12 +24,12 @@ from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from archer.distributed.context import DistContext
-from archer.distributed.fsdp import full_weights, load_from_rank0, shard_model
-from archer.distributed.sharded_checkpoint import export_hf, load_full_state, load_sharded, save_sharded
+from archer.distributed.fsdp import load_from_rank0, shard_model
+from archer.distributed.sharded_checkpoint import load_full_state, load_sharded, save_sharded
 from archer.errors import ArcherError
 from archer.models.hf_checkpoint import load_policy, save_policy
 from archer.models.loading import default_dtype, load_causal_lm, load_value_model, parse_dtype
-from archer.models.lora import LoraSettings, add_lora, policy_weights, trainable_parameters
+from archer.models.lora import LoraSettings, add_lora, policy_weights, save_merged, trainable_parameters
 from archer.models.optim import (
     OPTIM_STATE,
     LRSchedule,
@@ -125,14 +125,14 @@ class ModelOwner:
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy's weights as (state-dict name, tensor) pairs, LoRA layers merged: what an engine syncs.
         Sharded, each is gathered in turn: every rank must read the whole stream."""
-        return full_weights(self.model) if self.sharded else policy_weights(self.model)
+        return policy_weights(self.model)
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     def save_model(self, out_dir: Path, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         """The model's HF folder (from_pretrained loads it); with LoRA the merged model (and, unsharded,
         ``lora_adapter/``). Sharded, every rank calls it and rank 0 writes."""
         if self.sharded:
-            export_hf(self.model, tokenizer, out_dir, self.ctx)
+            save_merged(self.model, tokenizer, out_dir, self.ctx)
         else:
             save_policy(self.model, self.peft, tokenizer, out_dir)
 
