@@ -1,4 +1,4 @@
-"""verl's param_offload / optimizer_offload (workers/offload.py): the same training with and without them, and
+"""verl's param_offload / optimizer_offload (models/offload.py): the same training with and without them, and
 where the tensors live while they are offloaded."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from workers_support import ppo_config
 
 from archer.batch import Batch
 from archer.models.loading import load_causal_lm, load_tokenizer
+from archer.models.offload import Offload
 from archer.workers.actor import ActorWorker
-from archer.workers.offload import Offload
 
 CPU = torch.device("cpu")
 OFFLOAD = "actor_rollout_ref.actor.fsdp_config"

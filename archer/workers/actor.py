@@ -7,7 +7,7 @@ multi-turn tool loop); a batch in, old log-probs and entropies out; a batch in, 
 trace asks for tokens in ``info``, their captured gradient factors) out. The worker keeps the engine's weights
 in step with the model and frees the engine's memory (KV cache and weight copy) around the update
 (``rollout.free_cache_engine``); on a GPU it checks the memory plan (workers/memory.py) before anything runs, and
-moves the policy's weights / Adam's states to host memory where verl's offload keys ask (workers/offload.py).
+moves the policy's weights / Adam's states to host memory where verl's offload keys ask (models/offload.py).
 
 Log-probs and entropies come from the chunked kernel in models/logprobs.py (no full float32 tokens x vocab
 tensor). The update splits the batch into mini-batches (one optimiser step each) and micro-batches
@@ -40,6 +40,7 @@ from archer.models.loading import autocast_for, load_tokenizer, parse_dtype
 from archer.models.logprobs import layout_logprobs
 from archer.models.lora import LoraSettings, trainable_parameters
 from archer.models.micro_batches import MicroBatching
+from archer.models.offload import Offload
 from archer.models.optim import LRSchedule, clip_and_step
 from archer.models.owner import ModelOwner, OwnsModel
 from archer.rollout.factory import build_engine, uses_fast_engine
@@ -57,7 +58,6 @@ from archer.workers.actor_objective import ActorObjective
 from archer.workers.data_parallel import rank_passes, reduce_metric_sums
 from archer.workers.memory import MemoryPlan, card_figures, plan_actor_memory, release_cached_blocks
 from archer.workers.mini_batches import StepAverages, mini_batches
-from archer.workers.offload import Offload
 from archer.workers.reference import ReferenceWorker
 from archer.workers.rollout import FIRST_PROMPT, ROLLOUT_STATS, RolloutWorker, pad_sequences
 
