@@ -39,9 +39,9 @@ def train(model_dir, *overrides: str) -> tuple[ActorWorker, list[dict[str, float
     generate, offloaded = engine.generate, []
 
     def recording_generate(*args, **kwargs):
-        buffers = actor.offload.copies.buffers
+        buffers = actor.owner.offload.copies.buffers
         offloaded.append(all(("param", i) in buffers and p.data_ptr() == buffers[("param", i)].data_ptr()
-                             for i, p in enumerate(actor.offload.params)))
+                             for i, p in enumerate(actor.owner.offload.params)))
         return generate(*args, **kwargs)
 
     engine.generate = recording_generate
@@ -66,8 +66,8 @@ def test_offload_trains_exactly_as_without(tiny_model_dir):
         assert torch.allclose(p, q, atol=1e-6), name
     start = load_causal_lm(tiny_model_dir, device=CPU)
     assert not torch.allclose(start.lm_head.weight, both.model.lm_head.weight, atol=1e-4)  # the weights did move
-    buffers = both.offload.copies.buffers
-    states = [both.optimizer.state[p] for p in both.offload.params]
+    buffers = both.owner.offload.copies.buffers
+    states = [both.optimizer.state[p] for p in both.owner.offload.params]
     assert all(s["exp_avg"].data_ptr() == buffers[("state", i, "exp_avg")].data_ptr() for i, s in enumerate(states))
     assert all(s["exp_avg_sq"].data_ptr() == buffers[("state", i, "exp_avg_sq")].data_ptr()
                for i, s in enumerate(states))

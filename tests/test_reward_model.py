@@ -13,7 +13,6 @@ import pytest
 import torch
 import yaml
 from transformers import (
-    AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     Qwen2Config,
     Qwen2ForSequenceClassification,
@@ -28,6 +27,7 @@ from archer.models.tiny import train_tokenizer
 from archer.rewards.reward_stage import ModelRewardMix, RewardManager
 from archer.trainer.config_check import check_config
 from archer.trainer.ppo import PPOTrainer, check_data_against_config
+from archer.workers.colocated import models_beside_actor
 from archer.workers.reward_model import RewardModelWorker
 
 # The reward model's own chat template, unlike the policy's (ChatML): scoring must re-render the conversation.
@@ -280,14 +280,12 @@ def test_grpo_steps_with_the_reward_model_log_its_scores_and_train_on_them(
     assert "reward" in timings
 
 
-def test_the_memory_plan_gets_the_reward_models_bytes_per_policy_parameter(tiny_model_dir: Path, rm_dir: Path,
-                                                                          policy_tok) -> None:
+def test_the_rank_memory_plan_counts_the_reward_model_whole(tiny_model_dir: Path, rm_dir: Path, policy_tok) -> None:
+    """Each rank holds a whole copy of the reward model: the plan of its card takes its bytes as they are."""
     w = worker(tiny_model_dir, rm_dir, policy_tok)
     rm_params = sum(p.numel() for p in AutoModelForSequenceClassification.from_pretrained(str(rm_dir)).parameters())
-    policy_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)).parameters())
     assert w.bytes == 4 * rm_params  # float32 on the CPU
-    policy = rm_config(tiny_model_dir, rm_dir).actor_rollout_ref.model
-    assert w.bytes_per_policy_param(policy) == pytest.approx(4 * rm_params / policy_params)
+    assert models_beside_actor(None, None, w) == {"reward model": 4 * rm_params}
 
 
 def test_a_reward_model_path_without_enable_warns_that_the_rules_score(tiny_model_dir: Path, rm_dir: Path,

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from workers_support import ppo_config
 
+from archer.distributed.context import DistContext
 from archer.errors import ArcherError
+from archer.models.optim import LRSchedule
+from archer.models.owner import ModelOwner
 from archer.rollout.fast.engine import workspace_bytes
 from archer.rollout.fast.model import ModelSpec, model_spec, weight_bytes
 from archer.rollout.fast.pages import budget_pages, page_bytes
@@ -26,6 +30,7 @@ from archer.workers.memory import (
 H100 = int(79.2 * GIB)
 BF16 = torch.bfloat16
 CUDA = torch.device("cuda")  # only a name here: the CUDA calls are replaced by the card's recorded figures
+CPU = torch.device("cpu")
 # name: (hidden, layers, heads, kv heads, intermediate, tied embeddings)
 SHAPES = {"qwen2.5-0.5b": (896, 24, 14, 2, 4864, True), "qwen2.5-1.5b": (1536, 28, 12, 2, 8960, True),
           "qwen2.5-3b": (2048, 36, 16, 2, 11008, True), "qwen2.5-7b": (3584, 28, 28, 4, 18944, False)}
@@ -276,18 +281,70 @@ def test_the_8b_lora_plan_counts_other_processes_and_refuses_what_would_fail_at_
 
 
 def test_sharded_ranks_hold_their_share_of_the_training_state_and_a_whole_engine(tiny_model_dir):
-    """With FSDP2 over 8 ranks each card holds 1/8 of the policy, its gradients, Adam's states and the models
-    beside it; the engine's weights and the activations stay whole. The 7B shape in full fine-tuning does not fit
-    one card but fits 8."""
+    """With FSDP2 over 8 ranks each card holds 1/8 of the policy, its gradients and Adam's states; the engine's
+    weights and the activations stay whole; the models beside it are taken as they sit on the card (the critic's
+    1/8, test_models_beside_the_actor_count_their_share_of_the_card). The 7B shape in full fine-tuning does not
+    fit one card but fits 8."""
     cfg = ppo_config(tiny_model_dir, *WORKLOAD).actor_rollout_ref
     model = meta_model("qwen2.5-1.5b")
     one = plan_actor_memory(cfg, model, total=H100, fast_engine=True, others={"critic": 16 * 10**9})
-    eight = plan_actor_memory(cfg, model, total=H100, fast_engine=True, others={"critic": 16 * 10**9}, shards=8)
+    eight = plan_actor_memory(cfg, model, total=H100, fast_engine=True, others={"critic": 2 * 10**9}, shards=8)
     assert (eight.policy, eight.gradients, eight.optimizer) == (-(-one.policy // 8), -(-one.gradients // 8),
                                                                 -(-one.optimizer // 8))
-    assert eight.others == {"critic": 2 * 10**9}
+    assert eight.others == {"critic": 2 * 10**9} and eight.update()["critic"] == 2 * 10**9
     assert (eight.engine_weights, eight.activations) == (one.engine_weights, one.activations)
     big = ppo_config(tiny_model_dir, *WORKLOAD).actor_rollout_ref
     with pytest.raises(ArcherError):
         plan_actor_memory(big, meta_model("qwen2.5-7b"), total=H100, fast_engine=True).check()
     plan_actor_memory(big, meta_model("qwen2.5-7b"), total=H100, fast_engine=True, shards=8).check()
+
+
+def test_the_models_beside_the_actor_are_held_in_both_stages():
+    """The reference, critic and reward model stay on the card while the engine generates and during the
+    update; figures by hand (GiB): the update holds 10 + 10 + 30 + 4 + 20 + 5 + 1 = 80, generation 10 + 20 + 30
+    + 4 + 1 = 65, so a 79 GiB card holds generation but not the update, and only because of the others."""
+    others = {"critic": 30 * GIB, "reward model": 4 * GIB}
+    plan = MemoryPlan(total=79 * GIB, policy=10 * GIB, gradients=10 * GIB, optimizer=20 * GIB, activations=5 * GIB,
+                      engine_share=0, engine_weights=0, engine_workspace=0, others=others)
+    assert plan.update() == {"policy": 10 * GIB, "gradients": 10 * GIB, **others, "optimizer states": 20 * GIB,
+                             "activations": 5 * GIB, "CUDA context": GIB, "other processes": 0}
+    assert plan.generation() == {"policy": 10 * GIB, "optimizer states": 20 * GIB, **others, "CUDA context": GIB,
+                                 "other processes": 0}
+    with pytest.raises(ArcherError, match=r"cannot hold the policy update: it needs 80\.0 GiB") as err:
+        plan.check()
+    assert "critic 30.0, reward model 4.0" in err.value.problem
+    MemoryPlan(**{**vars(plan), "others": {}}).check()  # alone, the actor fits
+
+
+def test_models_beside_the_actor_count_their_share_of_the_card():
+    """ModelOwner.card_bytes, what the rank's plan takes for each model beside the actor: the weights, and with an
+    optimiser their gradients and Adam's two states (the critic's 16 bytes per float32 parameter); 1/8 of it on
+    each of 8 ranks."""
+    owner = ModelOwner(meta_model("qwen2.5-1.5b"), device=CUDA)
+    params = sum(p.numel() for p in owner.model.parameters())
+    assert owner.card_bytes() == 4 * params  # frozen float32 weights only
+    owner.attach_optimizer(OmegaConf.create({"lr": 1e-6, "weight_decay": 0.0}), LRSchedule("constant", 0, 10))
+    assert owner.card_bytes() == 16 * params
+    owner.ctx = DistContext(rank=0, world_size=8, local_rank=0, device=CUDA)  # the figures of one rank of 8
+    assert owner.card_bytes() == -(-16 * params // 8)
+
+
+def test_the_rank_plan_takes_each_model_beside_the_actor_from_its_worker(tiny_model_dir):
+    """models_beside_actor: the reference's own copy and the critic with its training state (a LoRA policy's
+    reference is its own module: nothing beside it); the reward model's bytes are test_reward_model's."""
+    from archer.workers.actor import ActorWorker
+    from archer.workers.colocated import models_beside_actor
+    from archer.workers.critic import CriticWorker
+
+    cfg = ppo_config(tiny_model_dir, "algorithm.adv_estimator=gae")
+    actor = ActorWorker(cfg.actor_rollout_ref, device=CPU, total_steps=1, start_rollout=False)
+    assert actor.rollout is None  # the engine waits for the plan
+    ref = actor.make_reference()
+    critic = CriticWorker(cfg.critic, rollout_n=1, device=CPU, total_steps=1)
+    ref_params = sum(p.numel() for p in ref.model.parameters())
+    critic_params = sum(p.numel() for p in critic.model.parameters())
+    assert models_beside_actor(ref, critic, None) == {"reference policy": 4 * ref_params,  # float32 on the CPU
+                                                      "critic": 16 * critic_params}
+    lora = ppo_config(tiny_model_dir, "actor_rollout_ref.model.lora_rank=4")
+    lora_actor = ActorWorker(lora.actor_rollout_ref, device=CPU, total_steps=1, start_rollout=False)
+    assert models_beside_actor(lora_actor.make_reference(), None, None) == {}

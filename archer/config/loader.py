@@ -339,6 +339,12 @@ def save_config(cfg: DictConfig, path: Path) -> None:
     write_text_atomically(path, OmegaConf.to_yaml(cfg))
 
 
+def world_size(trainer: DictConfig) -> int:
+    """The number of ranks of a run: ``trainer.nnodes`` x ``trainer.n_gpus_per_node`` (``trainer``: the config's
+    ``trainer`` section)."""
+    return int(trainer.nnodes) * int(trainer.n_gpus_per_node)
+
+
 def as_list(value: Any) -> list:
     """A config value that may be a single item, a list, or null, as a Python list."""
     if value is None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from archer.config.loader import world_size
 from archer.errors import ArcherError
 
 log = logging.getLogger("archer.config")
@@ -159,7 +160,7 @@ def check_no_ops(cfg: DictConfig, table: tuple[NoOp, ...] = NO_OPS) -> None:
     """Refuse a value whose no-op would change the result (the first, as an ArcherError); warn once about each
     other key set to a value archer does not act on."""
     found = set_no_ops(cfg, table)
-    if int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node) > 1:
+    if world_size(cfg.trainer) > 1:
         found = [(entry, value) for entry, value in found if not entry.sharded_only]
     for entry, value in found:
         if entry.refuse is not None and entry.refuse(value):

@@ -10,8 +10,8 @@ one up to float reduction order.
 
 Loading: rank 0 reads the HF folder into host memory and the other ranks build the model on the meta device;
 ``shard_model`` then shards the architecture and ``load_from_rank0`` allocates each rank's shards and
-broadcasts rank 0's weights into them (verl's ``fsdp2_load_full_state_dict``): one full copy per node in host
-memory, not one per rank. A LoRA base is read by every rank (peft makes the adapters on each).
+broadcasts rank 0's weights into them (verl's ``fsdp2_load_full_state_dict``): one full copy in host memory,
+on rank 0, not one per rank. A LoRA base is read by every rank (peft makes the adapters on each).
 
 The whole weights of a model (what the rollout engines and the HF export take) are
 ``archer.models.lora.policy_weights``, which gathers them one at a time with ``reshard``, ``full_tensor`` and

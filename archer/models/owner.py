@@ -1,6 +1,9 @@
 """ModelOwner: one model a worker trains or holds frozen on one device. It owns the loading (dtype, device,
-gradient checkpointing, LoRA through models/lora.py), the optimiser and learning-rate schedule, the checkpoint
-(model folder plus optimiser state) and the stream of named weights a rollout engine takes.
+gradient checkpointing, LoRA through models/lora.py), the optimiser and learning-rate schedule with its clipped
+step, the offload of weights and optimiser state to host memory (verl's ``param_offload`` /
+``optimizer_offload``, models/offload.py), the checkpoint (model folder plus optimiser state), the stream of
+named weights a rollout engine takes, and what the model keeps on its card (``card_bytes``, for the rank's
+memory plan).
 
 The actor, the critic, the reference and the SFT trainer each hold one; the dtype rule lives here only: full
 fine-tuning trains float32 master weights, LoRA trains float32 adapters on a base in the device's dtype (bf16
@@ -30,11 +33,13 @@ from archer.errors import ArcherError
 from archer.models.hf_checkpoint import load_policy, save_policy
 from archer.models.loading import default_dtype, load_causal_lm, load_value_model, parse_dtype
 from archer.models.lora import LoraSettings, add_lora, policy_weights, save_merged, trainable_parameters
+from archer.models.offload import Offload
 from archer.models.optim import (
     OPTIM_STATE,
     LRSchedule,
     build_optimizer,
     build_scheduler,
+    clip_and_step,
     load_optim_state,
     save_optim_state,
 )
@@ -42,7 +47,8 @@ from archer.models.optim import (
 
 class ModelOwner:
     """``model`` (with LoRA: the base model with peft's layers injected, and ``peft`` peft's wrapper of it) on
-    ``device``; ``optimizer`` / ``scheduler`` once ``attach_optimizer`` ran (None for a frozen model)."""
+    ``device``; ``optimizer`` / ``scheduler`` / ``offload`` once ``attach_optimizer`` ran (None for a frozen
+    model)."""
 
     def __init__(self, model: PreTrainedModel, *, device: torch.device, peft: PeftModel | None = None) -> None:
         self.model = model
@@ -50,6 +56,7 @@ class ModelOwner:
         self.device = device
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.offload: Offload | None = None
         self.ctx = DistContext.single(device)  # ``shard`` replaces it at world > 1
         # Sharded loading (``load_on``): rank 0 read the weights into host memory, the other ranks hold the
         # architecture on the meta device; ``shard`` then hands every rank its shards from rank 0.
@@ -117,10 +124,32 @@ class ModelOwner:
         self.from_rank0 = ctx is not None and ctx.distributed
         return self
 
-    def attach_optimizer(self, optim: DictConfig, schedule: LRSchedule) -> None:
-        """AdamW over the trainable parameters (LoRA: the adapters) from ``optim``, stepped along ``schedule``."""
+    def attach_optimizer(self, optim: DictConfig, schedule: LRSchedule, *, param_offload: bool = False,
+                         optimizer_offload: bool = False) -> None:
+        """AdamW over the trainable parameters (LoRA: the adapters) from ``optim``, stepped along ``schedule``.
+        ``param_offload`` / ``optimizer_offload`` (verl's keys): on one device the weights live in host memory
+        while an engine generates (``offload.params_to_host``) and Adam's states except during ``step``; a
+        sharded model has FSDP2's CPU offload instead (``shard``'s ``cpu_offload``), so they do nothing here."""
         self.optimizer = build_optimizer(trainable_parameters(self.model), optim)
         self.scheduler = build_scheduler(self.optimizer, schedule)
+        self.offload = Offload(self.model.parameters(), self.optimizer, self.device,
+                               param_offload=param_offload and not self.sharded,
+                               optimizer_offload=optimizer_offload and not self.sharded)
+
+    def step(self, grad_clip: float, *, step: bool = True) -> tuple[float, bool]:
+        """The optimiser step on the accumulated gradients: clipped to ``grad_clip`` (by the global norm when
+        sharded), taken when the norm is finite (and ``step``), gradients zeroed; Adam's states on the device
+        for it when they are offloaded. Returns (grad_norm, stepped)."""
+        with self.offload.optimizer_step():
+            return clip_and_step(self.model, self.optimizer, grad_clip, step=step)
+
+    def card_bytes(self) -> int:
+        """Bytes the model keeps on its device, for the rank's memory plan: its weights and, once an optimiser
+        is attached, the gradients and Adam's two states of its trainable parameters (float32: 12 bytes each);
+        sharded over N ranks, 1/N of that."""
+        weights, trainable = model_bytes(self.model)
+        held = weights + (12 * trainable if self.optimizer is not None else 0)
+        return -(-held // self.ctx.world_size)
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy's weights as (state-dict name, tensor) pairs, LoRA layers merged: what an engine syncs.
@@ -162,6 +191,7 @@ class ModelOwner:
         elif not self.sharded:
             self.load_model(in_dir, model_key)
             load_optim_state(in_dir, self.optimizer, self.scheduler, self.device)
+            self.offload.optimizer_to_host()
         elif self.peft is not None:
             raise ArcherError(f"{in_dir} is a single-device LoRA checkpoint; resuming it on several ranks is not "
                               "supported", f"resume it with trainer.n_gpus_per_node=1 trainer.nnodes=1, or start "
@@ -191,9 +221,17 @@ class OwnsModel:
         return self.owner.scheduler
 
 
+def model_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of every parameter, number of trainable parameters) of the whole model (a sharded model's
+    global sizes); tied weights count once."""
+    params = list(model.parameters())
+    return (sum(p.numel() * p.element_size() for p in params),
+            sum(p.numel() for p in params if p.requires_grad))
+
+
 def load_on(device: torch.device, ctx: DistContext | None) -> tuple[torch.device, bool]:
     """Where a model's weights are read and whether the rank builds an empty (meta) model instead: in one
-    process onto ``device``; in a sharded run rank 0 reads them into host memory (one copy per node, not per
+    process onto ``device``; in a sharded run rank 0 reads them into host memory (one copy in the run, not per
     rank) and the others read nothing, ``ModelOwner.shard`` then sending each rank its shards."""
     if ctx is None or not ctx.distributed:
         return device, False

@@ -14,7 +14,7 @@ import logging
 from omegaconf import DictConfig, OmegaConf
 
 from archer.algorithms.policy_loss import POLICY_LOSSES
-from archer.config.loader import as_list
+from archer.config.loader import as_list, world_size
 from archer.config.no_ops import check_no_ops
 from archer.errors import ArcherError
 from archer.models.lora import LoraSettings
@@ -88,7 +88,7 @@ def check_counts(cfg: DictConfig) -> None:
 def check_world(cfg: DictConfig) -> None:
     """What a run on several ranks (trainer.nnodes x trainer.n_gpus_per_node > 1) cannot do yet."""
     trainer = cfg.trainer
-    world = int(trainer.nnodes) * int(trainer.n_gpus_per_node)
+    world = world_size(trainer)
     if world == 1 or trainer.val_only:
         return
     trace = trainer.influence_trace

@@ -24,7 +24,7 @@ from archer.algorithms.grouping import count_groups
 from archer.algorithms.kl import apply_kl_penalty, make_kl_controller
 from archer.atomic_files import write_json_atomically, write_text_atomically
 from archer.batch import Batch
-from archer.config.loader import as_list, save_config
+from archer.config.loader import as_list, save_config, world_size
 from archer.controller.factory import build_worker_group
 from archer.controller.worker_group import WorkerGroup
 from archer.data.loader import collate_prompts
@@ -59,7 +59,7 @@ from archer.trainer.plots import plot_metrics
 from archer.trainer.step_metrics import MemoryPeaks, compute_data_metrics, compute_timing_metrics, timer
 from archer.trainer.tracking import Tracking
 from archer.workers.actor import INFLUENCE_TOKENS
-from archer.workers.colocated import RankWorkers, world_size
+from archer.workers.colocated import RankWorkers
 from archer.workers.generator import GenerationWorker
 from archer.workers.rollout import ROLLOUT_STATS, concat_sequences
 
@@ -158,7 +158,7 @@ class PPOTrainer:
         algo = cfg.algorithm
         self.use_ref = bool(ref_cfg.actor.use_kl_loss or algo.use_kl_in_reward)
         self.use_critic = algo.adv_estimator == "gae"
-        self.world = world_size(cfg)
+        self.world = world_size(cfg.trainer)
         local = self.world == 1  # the driver's tokenizer goes to an in-process worker; ranks load their own
         worker_kwargs = {"cfg": cfg, "total_steps": self.total_steps, "use_ref": self.use_ref,
                          "use_critic": self.use_critic, "tokenizer": self.tokenizer if local else None,

@@ -14,8 +14,7 @@ import torch
 
 from archer.batch import Batch, response_attention
 from archer.rewards.extras import REWARD_EXTRAS, numeric_columns
-
-GIB = 1 << 30
+from archer.units import GIB
 
 
 @contextmanager

@@ -6,8 +6,9 @@ sequences out (``generate_sequences``, sampling settings in ``info``; with tools
 multi-turn tool loop); a batch in, old log-probs and entropies out; a batch in, metrics (and, when the influence
 trace asks for tokens in ``info``, their captured gradient factors) out. The worker keeps the engine's weights
 in step with the model and frees the engine's memory (KV cache and weight copy) around the update
-(``rollout.free_cache_engine``); on a GPU it checks the memory plan (workers/memory.py) before anything runs, and
-moves the policy's weights / Adam's states to host memory where verl's offload keys ask (models/offload.py).
+(``rollout.free_cache_engine``); its model owner moves the policy's weights / Adam's states to host memory where
+verl's offload keys ask (models/offload.py). The memory plan of the card is the rank's colocated workers'
+(workers/colocated.py).
 
 Log-probs and entropies come from the chunked kernel in models/logprobs.py (no full float32 tokens x vocab
 tensor). The update splits the batch into mini-batches (one optimiser step each) and micro-batches
@@ -40,8 +41,7 @@ from archer.models.loading import autocast_for, load_tokenizer, parse_dtype
 from archer.models.logprobs import layout_logprobs
 from archer.models.lora import LoraSettings, trainable_parameters
 from archer.models.micro_batches import MicroBatching
-from archer.models.offload import Offload
-from archer.models.optim import LRSchedule, clip_and_step
+from archer.models.optim import LRSchedule
 from archer.models.owner import ModelOwner, OwnsModel
 from archer.rollout.factory import build_engine, uses_fast_engine
 from archer.trace.influence_capture import (
@@ -56,7 +56,7 @@ from archer.trace.influence_capture import (
 )
 from archer.workers.actor_objective import ActorObjective
 from archer.workers.data_parallel import rank_passes, reduce_metric_sums
-from archer.workers.memory import MemoryPlan, card_figures, plan_actor_memory, release_cached_blocks
+from archer.workers.memory import release_cached_blocks
 from archer.workers.mini_batches import StepAverages, mini_batches
 from archer.workers.reference import ReferenceWorker
 from archer.workers.rollout import FIRST_PROMPT, ROLLOUT_STATS, RolloutWorker, pad_sequences
@@ -72,64 +72,75 @@ class ActorWorker(OwnsModel):
 
     def __init__(self, cfg: DictConfig, *, device: torch.device, total_steps: int,
                  tokenizer: PreTrainedTokenizerBase | None = None,
-                 chat_template_kwargs: Mapping[str, Any] | None = None,
-                 other_models: Mapping[str, int] | None = None, ctx: DistContext | None = None) -> None:
-        """``other_models``: the models beside the actor on the device (reference, critic), as bytes per policy
-        parameter each holds, for the memory plan (workers/memory.py) checked here on a GPU. ``ctx``: the rank
-        of a data-parallel run (archer/distributed/context.py; default: one process on ``device``); the policy
-        is then sharded with FSDP2 and the offload keys become FSDP2's CPU offload."""
+                 chat_template_kwargs: Mapping[str, Any] | None = None, ctx: DistContext | None = None,
+                 start_rollout: bool = True) -> None:
+        """``ctx``: the rank of a data-parallel run (archer/distributed/context.py; default: one process on
+        ``device``); the policy is then sharded with FSDP2 and the offload keys become FSDP2's CPU offload.
+        ``start_rollout``: build the rollout engine now; the rank's colocated workers pass False and call
+        ``start_rollout`` once the card's memory plan is checked (workers/colocated.py), since the fast engine
+        takes its share of the card when built."""
         self.cfg = cfg
         self.actor_cfg = cfg.actor
         self.device = device
         self.ctx = ctx if ctx is not None else DistContext.single(device)
-        offload = self.actor_cfg.fsdp_config
-        self.owner = ModelOwner.policy(cfg.model.path, device=device, lora=LoraSettings.from_config(cfg.model),
-                                       gradient_checkpointing=bool(cfg.model.enable_gradient_checkpointing),
-                                       trust_remote_code=bool(cfg.model.trust_remote_code),
-                                       master_dtype=parse_dtype(offload.model_dtype,
-                                                                "actor_rollout_ref.actor.fsdp_config.model_dtype"),
-                                       ctx=self.ctx)
-        offload_keys = bool(offload.param_offload), bool(offload.optimizer_offload)
-        sharded = self.ctx.distributed
-        if sharded:
-            self.owner.shard(self.ctx, offload, cpu_offload=any(offload_keys))
-        self.owner.attach_optimizer(self.actor_cfg.optim, LRSchedule.from_rl_optim(self.actor_cfg.optim, total_steps))
-        self.offload = Offload(self.model.parameters(), self.optimizer, device,
-                               param_offload=offload_keys[0] and not sharded,
-                               optimizer_offload=offload_keys[1] and not sharded)
+        self.owner = self._load_policy(total_steps)
         self.temperature = float(cfg.rollout.temperature)
         self.chunk_size = self.actor_cfg.logprob_chunk_size
-        self.update_micro = MicroBatching.from_config(
-            self.actor_cfg, size_key="ppo_micro_batch_size", dynamic_key="use_dynamic_bsz",
-            budget_key="ppo_max_token_len_per_gpu", remove_padding=bool(cfg.model.use_remove_padding))
-        self.log_prob_micro = MicroBatching.from_config(
-            cfg.rollout, size_key="log_prob_micro_batch_size", dynamic_key="log_prob_use_dynamic_bsz",
-            budget_key="log_prob_max_token_len_per_gpu", remove_padding=bool(cfg.model.use_remove_padding))
+        self.update_micro, self.log_prob_micro = self._micro_batching()
         self.objective = ActorObjective.from_config(self.actor_cfg)
-        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path, role="model")
-        self.pad_token_id = int(tokenizer.pad_token_id)
-        fast = uses_fast_engine(cfg.rollout, self.model, device)
-        self.memory_plan: MemoryPlan | None = None
-        if device.type == "cuda":
-            params = sum(p.numel() for p in self.model.parameters())
-            others = {name: int(per_param * params) for name, per_param in (other_models or {}).items()}
-            total, elsewhere = card_figures(device)
-            self.memory_plan = plan_actor_memory(cfg, self.model, total=total, fast_engine=fast, others=others,
-                                                 elsewhere=elsewhere, shards=self.ctx.world_size)
-            self.memory_plan.check()
-        if self.offload.param_offload and not fast:
-            log.warning("actor.fsdp_config.param_offload=true has no effect with the hf engine, which generates "
-                        "with the policy's own weights")
-            self.offload.param_offload = False
-        engine = build_engine(cfg.rollout, self.model, tokenizer, device, standalone=sharded,
-                              weights=self.owner.weights() if sharded and fast else None)
-        self.rollout = RolloutWorker(engine, cfg.rollout, device=device, tokenizer=tokenizer,
-                                     chat_template=cfg.model.custom_chat_template,
-                                     template_kwargs=chat_template_kwargs)
-        # the weights changed since the engine last took them (a sharded policy's hf engine never took them)
-        self._engine_is_stale = sharded and not fast
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path, role="model")
+        self.pad_token_id = int(self.tokenizer.pad_token_id)
+        self.chat_template_kwargs = chat_template_kwargs
+        self.fast_engine = uses_fast_engine(cfg.rollout, self.model, device)
+        self.rollout: RolloutWorker | None = None
+        self._engine_is_stale = False  # the weights changed since the engine last took them
         # the influence trace's settings, hooked modules and their projections (setup_influence)
         self.influence: tuple[CaptureSettings, dict[str, torch.nn.Linear], dict[str, ModuleProjection]] | None = None
+        if start_rollout:
+            self.start_rollout()
+
+    def _load_policy(self, total_steps: int) -> ModelOwner:
+        """The policy's owner: loaded (float32 master weights, or a LoRA base with float32 adapters), sharded at
+        world > 1, with its optimiser, schedule and offload (actor.fsdp_config's keys)."""
+        model_cfg, fsdp = self.cfg.model, self.actor_cfg.fsdp_config
+        owner = ModelOwner.policy(model_cfg.path, device=self.device, lora=LoraSettings.from_config(model_cfg),
+                                  gradient_checkpointing=bool(model_cfg.enable_gradient_checkpointing),
+                                  trust_remote_code=bool(model_cfg.trust_remote_code),
+                                  master_dtype=parse_dtype(fsdp.model_dtype,
+                                                           "actor_rollout_ref.actor.fsdp_config.model_dtype"),
+                                  ctx=self.ctx)
+        param_offload, optimizer_offload = bool(fsdp.param_offload), bool(fsdp.optimizer_offload)
+        if self.ctx.distributed:
+            owner.shard(self.ctx, fsdp, cpu_offload=param_offload or optimizer_offload)
+        owner.attach_optimizer(self.actor_cfg.optim, LRSchedule.from_rl_optim(self.actor_cfg.optim, total_steps),
+                               param_offload=param_offload, optimizer_offload=optimizer_offload)
+        return owner
+
+    def _micro_batching(self) -> tuple[MicroBatching, MicroBatching]:
+        """(the update's, the log-prob pass's) micro-batches, from verl's keys."""
+        remove_padding = bool(self.cfg.model.use_remove_padding)
+        update = MicroBatching.from_config(self.actor_cfg, size_key="ppo_micro_batch_size",
+                                           dynamic_key="use_dynamic_bsz", budget_key="ppo_max_token_len_per_gpu",
+                                           remove_padding=remove_padding)
+        log_prob = MicroBatching.from_config(self.cfg.rollout, size_key="log_prob_micro_batch_size",
+                                             dynamic_key="log_prob_use_dynamic_bsz",
+                                             budget_key="log_prob_max_token_len_per_gpu", remove_padding=remove_padding)
+        return update, log_prob
+
+    def start_rollout(self) -> None:
+        """Build the rollout engine (with the policy's weights) and the rollout worker around it."""
+        offload = self.owner.offload
+        if offload.param_offload and not self.fast_engine:
+            log.warning("actor.fsdp_config.param_offload=true has no effect with the hf engine, which generates "
+                        "with the policy's own weights")
+            offload.param_offload = False
+        sharded = self.ctx.distributed
+        engine = build_engine(self.cfg.rollout, self.model, self.tokenizer, self.device, standalone=sharded,
+                              weights=self.owner.weights() if sharded and self.fast_engine else None)
+        self.rollout = RolloutWorker(engine, self.cfg.rollout, device=self.device, tokenizer=self.tokenizer,
+                                     chat_template=self.cfg.model.custom_chat_template,
+                                     template_kwargs=self.chat_template_kwargs)
+        self._engine_is_stale = sharded and not self.fast_engine  # a sharded policy's hf engine has its own module
 
     def make_reference(self) -> ReferenceWorker:
         """The reference worker beside this actor: with LoRA the policy's base (adapters off, no second copy),
@@ -145,13 +156,13 @@ class ActorWorker(OwnsModel):
         if self._engine_is_stale:
             self.rollout.engine.sync_weights(self.owner.weights())
             self._engine_is_stale = False
-        self.offload.params_to_host()
+        self.owner.offload.params_to_host()
         try:
             return self._generate_rank_share(prompts)
         finally:
             if self.cfg.rollout.free_cache_engine:  # the weight copy went too: the next generation syncs again
                 self._engine_is_stale = True
-            self.offload.params_to_device()
+            self.owner.offload.params_to_device()
 
     def _generate_rank_share(self, prompts: Batch) -> Batch:
         """The responses to this rank's prompts (all of them at world 1), each sampled with the seed of its index
@@ -273,9 +284,7 @@ class ActorWorker(OwnsModel):
         out = {f"actor/{name}": value for name, value in sums.result().items()}
         if objective.use_kl_loss:
             out["actor/kl_coef"] = objective.kl_loss_coef
-        with self.offload.optimizer_step():
-            grad_norm, stepped = clip_and_step(self.model, self.optimizer, float(self.actor_cfg.grad_clip),
-                                               step=step_optimizer)
+        grad_norm, stepped = self.owner.step(float(self.actor_cfg.grad_clip), step=step_optimizer)
         out["actor/grad_norm"] = grad_norm
         out["actor/skipped_steps"] = 0.0 if stepped else 1.0
         return out
@@ -316,5 +325,4 @@ class ActorWorker(OwnsModel):
 
     def load(self, in_dir: Path) -> None:
         self.owner.load(in_dir, "actor_rollout_ref.model")
-        self.offload.optimizer_to_host()
         self._engine_is_stale = True

@@ -7,6 +7,10 @@ Every method gets the whole batch; each role takes its rank's rows (archer/worke
 returns them, or, for an update, runs its share of every mini-batch and returns the metrics all ranks agree on.
 At world > 1 the rank joins the process group the worker group describes in its environment and the models are
 sharded with FSDP2 (archer/distributed/fsdp.py); at world 1 nothing changes from a plain single-device run.
+
+Knowing every model on the card, the rank makes its memory plan (workers/memory.py) on a GPU: after the models
+are loaded and before the actor's engine takes its share of the card, so that a setting that cannot fit stops
+there with its figures.
 """
 
 from __future__ import annotations
@@ -22,28 +26,21 @@ from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
 from archer.batch import Batch
+from archer.config.loader import world_size
 from archer.distributed.context import DistContext
 from archer.models.loading import load_tokenizer, pick_device
 from archer.rollout.rollout_stats import RolloutStats
 from archer.trace.influence_capture import CaptureSettings, merge_rank_factors
+from archer.units import GIB
 from archer.workers.actor import INFLUENCE_CAPTURED, ActorWorker
 from archer.workers.critic import CriticWorker
 from archer.workers.dispatch import collect, concat_batches, rank_zero, shard_rows
-from archer.workers.memory import GIB
+from archer.workers.memory import MemoryPlan, card_figures, plan_actor_memory
+from archer.workers.reference import ReferenceWorker
 from archer.workers.reward_model import RewardModelWorker
 from archer.workers.rollout import ROLLOUT_STATS
 
 log = logging.getLogger("archer.workers")
-
-# The memory plan's figures for the models beside the actor, per policy parameter: the reference policy in bf16,
-# the critic (a value model of the policy's size) in float32 with its gradients and Adam's two states.
-REFERENCE_BYTES_PER_PARAM = 2
-CRITIC_BYTES_PER_PARAM = 16
-
-
-def world_size(cfg: DictConfig) -> int:
-    """trainer.nnodes x trainer.n_gpus_per_node: the number of ranks of a run."""
-    return int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
 
 
 def concat_generated(results: list[Batch]) -> Batch:
@@ -66,6 +63,21 @@ def merge_updates(results: list[Batch]) -> Batch:
     return out
 
 
+def models_beside_actor(ref: ReferenceWorker | None, critic: CriticWorker | None,
+                        reward_model: RewardModelWorker | None) -> dict[str, int]:
+    """The bytes each model beside the actor keeps on this rank's card: the reference's own copy (none with
+    LoRA, whose reference is the policy's module) and the critic with its training state, as sharded; the
+    reward model whole (each rank holds a copy)."""
+    beside: dict[str, int] = {}
+    if ref is not None and ref.owner is not None:
+        beside["reference policy"] = ref.owner.card_bytes()
+    if critic is not None:
+        beside["critic"] = critic.owner.card_bytes()
+    if reward_model is not None:
+        beside["reward model"] = reward_model.bytes
+    return beside
+
+
 def max_over_ranks(results: list[dict[str, float]]) -> dict[str, float]:
     """Each figure's maximum over the ranks (peak memory per device)."""
     return {name: max(r[name] for r in results) for name in results[0]}
@@ -81,7 +93,7 @@ class RankWorkers:
         device = pick_device(cfg.trainer.device)
         # The value model returns its logits as a view; nothing writes into it in place (models/loading.py).
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        if world_size(cfg) == 1:
+        if world_size(cfg.trainer) == 1:
             self.ctx = DistContext.single(device)
         else:
             self.ctx = DistContext.init_from_env(device.type, float(cfg.actor_rollout_ref.nccl_timeout))
@@ -89,22 +101,28 @@ class RankWorkers:
         ref_cfg = cfg.actor_rollout_ref
         if tokenizer is None:
             tokenizer = load_tokenizer(ref_cfg.model.path, role="model")
-        lora = int(ref_cfg.model.lora_rank) > 0  # the reference is then the LoRA policy's base: no second copy
-        others = {"reference policy": REFERENCE_BYTES_PER_PARAM} if use_ref and not lora else {}
-        if use_critic:
-            others["critic"] = CRITIC_BYTES_PER_PARAM
         self.reward_model: RewardModelWorker | None = None
         if cfg.reward_model.enable:
             self.reward_model = RewardModelWorker(cfg.reward_model, device=self.ctx.device, policy_tokenizer=tokenizer,
                                                   policy_path=str(ref_cfg.model.path))
-            if self.ctx.device.type == "cuda":
-                # the plan divides the models beside the actor by the ranks; the reward model is a whole copy each
-                others["reward model"] = self.reward_model.bytes_per_policy_param(ref_cfg.model) * self.ctx.world_size
-        self.actor = ActorWorker(ref_cfg, device=self.ctx.device, ctx=self.ctx, total_steps=total_steps, tokenizer=tokenizer,
-                                 chat_template_kwargs=chat_template_kwargs, other_models=others)
+        self.actor = ActorWorker(ref_cfg, device=self.ctx.device, ctx=self.ctx, total_steps=total_steps,
+                                 tokenizer=tokenizer, chat_template_kwargs=chat_template_kwargs, start_rollout=False)
         self.ref = self.actor.make_reference() if use_ref else None
         self.critic = (CriticWorker(cfg.critic, rollout_n=int(ref_cfg.rollout.n), device=self.ctx.device, ctx=self.ctx,
                                     total_steps=total_steps) if use_critic else None)
+        self.memory_plan = self.plan_memory() if self.ctx.device.type == "cuda" else None
+        self.actor.start_rollout()
+
+    def plan_memory(self) -> MemoryPlan:
+        """The card's memory plan (workers/memory.py): the actor's policy, training state and engine, and the
+        models beside it as they sit on the card; checked (one ArcherError with the figures when a stage cannot
+        fit)."""
+        total, elsewhere = card_figures(self.ctx.device)
+        plan = plan_actor_memory(self.actor.cfg, self.actor.model, total=total, fast_engine=self.actor.fast_engine,
+                                 others=models_beside_actor(self.ref, self.critic, self.reward_model),
+                                 elsewhere=elsewhere, shards=self.ctx.world_size)
+        plan.check()
+        return plan
 
     # -- the step's stages ------------------------------------------------------------------------------------
     @collect(concat_generated)

@@ -19,7 +19,7 @@ from archer.distributed.context import DistContext
 from archer.models.forward import MODEL_INPUTS
 from archer.models.loading import autocast_for, parse_dtype, value_forward
 from archer.models.micro_batches import MicroBatching
-from archer.models.optim import LRSchedule, clip_and_step
+from archer.models.optim import LRSchedule
 from archer.models.owner import ModelOwner, OwnsModel
 from archer.workers.data_parallel import rank_passes, reduce_metric_sums
 from archer.workers.mini_batches import StepAverages, mini_batches
@@ -96,7 +96,7 @@ class CriticWorker(OwnsModel):
                 mini_sums.add({"critic/vf_loss": total_metric(loss), "critic/vf_clipfrac": clipfrac,
                                "critic/vpred_mean": masked_mean_metric(vpreds, mask)}, weight)
             reduce_metric_sums(mini_sums, self.ctx)
-            grad_norm, _ = clip_and_step(self.model, self.optimizer, float(c.grad_clip))
+            grad_norm, _ = self.owner.step(float(c.grad_clip))
             averages.add({**mini_sums.result(), "critic/grad_norm": grad_norm})
         metrics = averages.result()
         metrics["critic/lr"] = self.scheduler.get_last_lr()[0]  # the lr of this update, as verl reports it

@@ -1,5 +1,9 @@
 """The memory plan of an RL step on one GPU: what each stage holds on the card, checked before any step runs.
 
+The rank's colocated workers (workers/colocated.py) make it: they know every model on the card (the actor's
+policy, and beside it the reference, the critic and the reward model as each sits there, ``ModelOwner.card_bytes``)
+and check the plan before the actor's engine takes its share.
+
 verl's ``rollout.gpu_memory_utilization`` is the share of the card that the generation engine holds (its weights,
 KV cache and workspace). Everything else the process keeps on the card must fit beside it, stage by stage:
 
@@ -23,10 +27,11 @@ import torch
 from omegaconf import DictConfig
 
 from archer.errors import ArcherError
+from archer.models.logprobs import LOGITS_BYTES_PER_CHUNK
+from archer.models.owner import model_bytes
+from archer.units import GIB
 
-GIB = 1 << 30
 CONTEXT_BYTES = 1 * GIB  # the CUDA context, kernels' workspaces and the allocator's rounding
-LOGIT_CHUNK_BYTES = 256 << 20  # the log-prob kernel's float32 logits per chunk (models/logprobs.py)
 # Bytes an autocast (bf16) forward over float32 weights keeps per token and decoder layer for the backward:
 # about 34 x hidden (residual stream, norms, q/k/v/o inputs and outputs, rope, attention) + 10 x intermediate
 # (the gate/up outputs, SiLU and product). With gradient checkpointing a layer keeps only its float32 input.
@@ -45,7 +50,7 @@ def activation_bytes(*, hidden: int, intermediate: int, layers: int, tokens: int
     the final hidden states, their gradient and two logit chunks of the log-prob kernel."""
     full_layer = PER_LAYER_HIDDEN_BYTES * hidden + PER_LAYER_INTERMEDIATE_BYTES * intermediate
     per_token = (layers * CHECKPOINTED_HIDDEN_BYTES * hidden + full_layer) if checkpointing else layers * full_layer
-    return tokens * (per_token + 8 * hidden) + 2 * LOGIT_CHUNK_BYTES
+    return tokens * (per_token + 8 * hidden) + 2 * LOGITS_BYTES_PER_CHUNK
 
 
 def micro_batch_tokens(cfg: DictConfig, max_length: int) -> int:
@@ -155,13 +160,6 @@ class MemoryPlan:
         return "try " + "; or ".join(text for _, text in sorted(options, key=lambda o: -o[0]))
 
 
-def model_bytes(model: torch.nn.Module) -> tuple[int, int]:
-    """(bytes of every parameter, number of trainable parameters); tied weights count once."""
-    params = list(model.parameters())
-    return (sum(p.numel() * p.element_size() for p in params),
-            sum(p.numel() for p in params if p.requires_grad))
-
-
 def held_elsewhere(*, total: int, free: int, reserved: int) -> int:
     """Bytes of a card of ``total`` bytes, ``free`` of them free, that neither this process's caching allocator
     (``reserved``, after its free blocks were given back) nor its CUDA context (CONTEXT_BYTES) holds: other
@@ -179,11 +177,12 @@ def card_figures(device: torch.device) -> tuple[int, int]:
 
 def plan_actor_memory(cfg: DictConfig, model: torch.nn.Module, *, total: int, fast_engine: bool,
                       others: dict[str, int] | None = None, elsewhere: int = 0, shards: int = 1) -> MemoryPlan:
-    """The plan of an actor (``actor_rollout_ref`` config ``cfg``) whose policy is ``model``, on a card of ``total``
-    bytes of which other processes hold ``elsewhere``; ``fast_engine``: the engine holds its own weights and KV
-    cache (rollout.gpu_memory_utilization); ``shards``: the ranks FSDP2 shards the models over (each card holds
-    1/shards of the policy, its gradients, its optimiser state and the models beside it; the engine's copy and the
-    activations are whole)."""
+    """The plan of a card holding an actor (``actor_rollout_ref`` config ``cfg``) whose policy is ``model``, on a
+    card of ``total`` bytes of which other processes hold ``elsewhere``; ``fast_engine``: the engine holds its own
+    weights and KV cache (rollout.gpu_memory_utilization); ``others``: the bytes each other model keeps on this
+    card (the colocated workers' ``ModelOwner.card_bytes``; a reward model whole); ``shards``: the ranks FSDP2
+    shards the policy over (each card holds 1/shards of the policy, its gradients and its optimiser state; the
+    engine's copy and the activations are whole)."""
     from archer.rollout.fast.engine import PAGE_SIZE, workspace_bytes
     from archer.rollout.fast.model import model_spec, weight_bytes
     from archer.rollout.fast.pages import page_bytes
@@ -208,7 +207,7 @@ def plan_actor_memory(cfg: DictConfig, model: torch.nn.Module, *, total: int, fa
     offload = cfg.actor.fsdp_config
     return MemoryPlan(total=total, policy=policy, gradients=4 * trainable, optimizer=8 * trainable,
                       activations=activations, engine_share=share, engine_weights=weights, engine_workspace=workspace,
-                      others={name: -(-size // shards) for name, size in (others or {}).items()},
+                      others=dict(others or {}),
                       kv_limit=kv_limit, utilization=utilization,
                       param_offload=bool(offload.param_offload),
                       optimizer_offload=bool(offload.optimizer_offload),

@@ -29,15 +29,15 @@ class ReferenceWorker:
         self.device = device
         self.ctx = ctx if ctx is not None else DistContext.single(device)
         self.lora_policy = lora_policy
+        self.owner: ModelOwner | None = None  # its own copy (None with LoRA: the actor's module)
         if lora_policy is not None:
             self.model = lora_policy.peft.get_base_model()
         else:
-            owner = ModelOwner.frozen_policy(cfg.model.path, device=device,
-                                             trust_remote_code=bool(cfg.model.trust_remote_code), ctx=self.ctx)
+            self.owner = ModelOwner.frozen_policy(cfg.model.path, device=device,
+                                                  trust_remote_code=bool(cfg.model.trust_remote_code), ctx=self.ctx)
             if self.ctx.distributed:
-                owner.shard(self.ctx, cfg.ref.fsdp_config,
-                            cpu_offload=bool(cfg.ref.fsdp_config.param_offload))
-            self.model = owner.model
+                self.owner.shard(self.ctx, cfg.ref.fsdp_config, cpu_offload=bool(cfg.ref.fsdp_config.param_offload))
+            self.model = self.owner.model
         self.temperature = float(cfg.rollout.temperature)
         self.micro = MicroBatching.from_config(
             cfg.ref, size_key="log_prob_micro_batch_size", dynamic_key="log_prob_use_dynamic_bsz",

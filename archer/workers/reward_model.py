@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 from omegaconf import DictConfig
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from archer.batch import Batch, response_attention
 from archer.data.rl_dataset import TRUNCATION_MODES, truncate_ids
@@ -44,8 +44,8 @@ from archer.models.loading import (
     read_model_config,
 )
 from archer.models.micro_batches import MicroBatching
+from archer.models.owner import model_bytes
 from archer.rewards.reward_stage import on_last_token
-from archer.workers.memory import model_bytes
 
 RM = "reward_model"
 # The head whose per-token output is the score: decoder reward models (Llama, Qwen2, Mistral, Gemma ...
@@ -200,16 +200,8 @@ class RewardModelWorker:
 
     @property
     def bytes(self) -> int:
-        """What the reward model's weights take on its device."""
+        """What the reward model's weights take on its device (the rank's memory plan counts them)."""
         return model_bytes(self.model)[0]
-
-    def bytes_per_policy_param(self, policy: DictConfig) -> float:
-        """The reward model's bytes per parameter of the policy (``actor_rollout_ref.model``): the unit in which
-        the actor's memory plan (workers/memory.py) takes the models beside it."""
-        config = read_model_config(str(policy.path), trust_remote_code=bool(policy.trust_remote_code))
-        with torch.device("meta"):  # counts the policy's parameters without allocating them
-            policy_model = AutoModelForCausalLM.from_config(config, trust_remote_code=bool(policy.trust_remote_code))
-        return self.bytes / sum(p.numel() for p in policy_model.parameters())
 
     @torch.no_grad()
     def score_sequences(self, sequences: list[list[int]]) -> torch.Tensor:

@@ -15,9 +15,9 @@ import torch
 
 from archer.errors import ArcherError
 from archer.rollout.fast.model import ModelSpec, weight_bytes
+from archer.units import GIB
 
 TRASH_PAGE = 0
-_GIB = 1 << 30
 
 
 @dataclass(eq=False)
@@ -61,18 +61,18 @@ def budget_pages(spec: ModelSpec, page_size: int, dtype: torch.dtype, device: to
         if share < 2 * page:
             raise ArcherError(
                 f"rollout.gpu_memory_utilization={utilization} leaves no room for the fast engine's KV cache: of "
-                f"the GPU's {total / _GIB:.1f} GiB it may hold {utilization * total / _GIB:.1f} GiB, its weights take "
-                f"{weight_bytes(spec, dtype) / _GIB:.1f} GiB and its activations {workspace / _GIB:.1f} GiB",
+                f"the GPU's {total / GIB:.1f} GiB it may hold {utilization * total / GIB:.1f} GiB, its weights take "
+                f"{weight_bytes(spec, dtype) / GIB:.1f} GiB and its activations {workspace / GIB:.1f} GiB",
                 "raise actor_rollout_ref.rollout.gpu_memory_utilization, or lower rollout.max_num_seqs / "
                 "rollout.max_num_batched_tokens")
         pages = min(int(share // page), max_pages)
         if pages * page + workspace > free:
             own = torch.cuda.memory_reserved(device)
             raise ArcherError(
-                f"the fast engine's KV cache ({pages * page / _GIB:.1f} GiB) and activations "
-                f"({workspace / _GIB:.1f} GiB) do not fit in the {free / _GIB:.1f} GiB the GPU has free (of "
-                f"{total / _GIB:.1f} GiB; {own / _GIB:.1f} GiB are held by this process's tensors: the policy, its "
-                f"optimiser, other models and the engine's weights; {(total - free - own) / _GIB:.1f} GiB by CUDA "
+                f"the fast engine's KV cache ({pages * page / GIB:.1f} GiB) and activations "
+                f"({workspace / GIB:.1f} GiB) do not fit in the {free / GIB:.1f} GiB the GPU has free (of "
+                f"{total / GIB:.1f} GiB; {own / GIB:.1f} GiB are held by this process's tensors: the policy, its "
+                f"optimiser, other models and the engine's weights; {(total - free - own) / GIB:.1f} GiB by CUDA "
                 "contexts and other processes)",
                 "lower actor_rollout_ref.rollout.gpu_memory_utilization, or set "
                 "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true / param_offload=true, or free the GPU "
@@ -83,7 +83,7 @@ def budget_pages(spec: ModelSpec, page_size: int, dtype: torch.dtype, device: to
     if pages < 2:
         raise ArcherError(
             f"rollout.gpu_memory_utilization={utilization} leaves no room for the fast engine's KV cache "
-            f"({free / _GIB:.1f} GiB of memory are free; activations need {workspace / _GIB:.1f} GiB)",
+            f"({free / GIB:.1f} GiB of memory are free; activations need {workspace / GIB:.1f} GiB)",
             "raise actor_rollout_ref.rollout.gpu_memory_utilization, or lower rollout.max_num_seqs / "
             "rollout.max_num_batched_tokens")
     return pages
