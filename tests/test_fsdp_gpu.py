@@ -43,7 +43,7 @@ def step(worker):
     batch = hand_batch()
     batch["old_log_probs"] = worker.compute_log_prob(batch)["old_log_probs"]
     batch["advantages"] = torch.tensor([[1.0, -0.5, 0.25], [0.5, 0.5, -1.0], [-0.25, 1.0, 0.75]])
-    metrics = worker.update_actor(batch).info["metrics"]
+    metrics = worker.update_actor(batch).metrics
     after = worker.compute_log_prob(batch)["old_log_probs"]
     prompts = hand_batch().select(["input_ids", "attention_mask", "position_ids"])
     prompts.info.update(validate=True, seed=1)

@@ -40,7 +40,6 @@ from archer.trace.format import TraceReader
 from archer.trace.influence_capture import CaptureSettings, TracedTokens, select_modules
 from archer.trainer.ppo import PPOTrainer
 from archer.trainer.sft import response_logprobs, run_sft
-from archer.workers.actor import INFLUENCE_TOKENS
 from archer.workers.generator import GenerationWorker
 from archer.workers.reference import ReferenceWorker
 
@@ -321,10 +320,9 @@ def test_influence_factors_equal_the_merged_models(output_function, tiny_model_d
     tokens = TracedTokens(rows=np.array([0, 1, 2]), token_response=np.array([0, 0, 1, 1, 1, 2]),
                           token_position=np.array([0, 1, 0, 1, 2, 0]))
     batch = policy_batch(lora, random_advantages(7))
-    batch.info[INFLUENCE_TOKENS] = tokens
     groups = {name: out for name, out in
-              (("lora", lora.update_actor(batch).info["influence"]),
-               ("plain", plain.update_actor(batch).info["influence"]))}
+              (("lora", lora.update_actor(batch, tokens).influence),
+               ("plain", plain.update_actor(batch, tokens).influence))}
     assert sum(len(group.modules) for group in groups["lora"]) == 14  # 7 linear layers x 2 decoder layers
     for mine, theirs in zip(groups["lora"], groups["plain"], strict=True):
         assert mine.modules == theirs.modules

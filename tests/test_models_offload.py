@@ -50,7 +50,7 @@ def train(model_dir, *overrides: str) -> tuple[ActorWorker, list[dict[str, float
         batch = actor.generate_sequences(prompts(model_dir, seed=step))
         batch = batch.union(actor.compute_log_prob(batch))
         batch["advantages"] = torch.linspace(-0.5, 1.5, len(batch)).unsqueeze(1) * batch["response_mask"]
-        metrics.append(actor.update_actor(batch).info["metrics"])
+        metrics.append(actor.update_actor(batch).metrics)
     return actor, metrics, offloaded
 
 

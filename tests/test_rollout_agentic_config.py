@@ -21,7 +21,8 @@ from archer.rollout.agentic_config import (
 from archer.rollout.base import SamplingParams
 from archer.rollout.branching import BranchSettings
 from archer.trainer.config_check import check_config
-from archer.workers.rollout import ROLLOUT_STATS, RolloutWorker, sampling_params
+from archer.workers.results import ROLLOUT_STATS
+from archer.workers.rollout import RolloutWorker, sampling_params
 
 ROLLOUT = "actor_rollout_ref.rollout"
 REQUIRED = ["actor_rollout_ref.model.path=/no/model", "data.train_files=/no/train.parquet"]

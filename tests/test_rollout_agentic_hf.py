@@ -26,7 +26,7 @@ from archer.config.loader import load_config
 from archer.data.loader import collate_prompts
 from archer.models.loading import load_tokenizer
 from archer.workers.actor import ActorWorker
-from archer.workers.rollout import ROLLOUT_STATS
+from archer.workers.results import ROLLOUT_STATS
 
 CPU = torch.device("cpu")
 ROLLOUT = "actor_rollout_ref.rollout"
@@ -141,7 +141,7 @@ def test_the_policy_update_never_reads_tool_tokens(model_dir):
         b = batch.select(list(batch.tensors) + list(batch.rows))
         b["advantages"] = torch.where(tool, garbage, advantages)
         b["old_log_probs"] = torch.where(tool, -garbage, batch["old_log_probs"])
-        return actor.update_actor(b).info["metrics"]
+        return actor.update_actor(b).metrics
 
     clean, dirty = loss(0.0), loss(1e3)
     assert clean["actor/pg_loss"] == pytest.approx(dirty["actor/pg_loss"], abs=1e-6)

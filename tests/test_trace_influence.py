@@ -38,7 +38,7 @@ from archer.trace.influence_capture import (
     sign_products,
 )
 from archer.trace.influence_score import Scopes, ScoreOptions, module_scores, solve_damped
-from archer.workers.actor import INFLUENCE_TOKENS, ActorWorker
+from archer.workers.actor import ActorWorker
 
 MLP = "[mlp.gate_proj,mlp.up_proj,mlp.down_proj]"
 UIDS = ["a", "a", "a", "b", "b", "b", "c", "c"]
@@ -392,9 +392,7 @@ def run_capture(model_dir: Path, run_dir: Path, *extra: str):
     modules = actor.setup_influence(CaptureSettings.from_config(cfg.trainer.influence_trace))
     trace = InfluenceTrace(cfg, run_dir, load_tokenizer(model_dir), modules, torch.device("cpu"))
     selection = trace.select(1, batch)
-    batch.info[INFLUENCE_TOKENS] = selection.tokens
-    captured = actor.update_actor(batch).info["influence"]
-    batch.info.pop(INFLUENCE_TOKENS)
+    captured = actor.update_actor(batch, selection.tokens).influence
     return cfg, actor, batch, initial, trace, selection, captured
 
 

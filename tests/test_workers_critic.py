@@ -56,7 +56,7 @@ def test_update_critic_fits_fixed_returns(tiny_model_dir):
     for _ in range(6):
         batch = value_batch(critic)
         values = batch["values"]
-        metrics = critic.update_critic(batch).info["metrics"]
+        metrics = critic.update_critic(batch).metrics
         assert set(metrics) == CRITIC_METRICS
         # one mini-batch, one epoch: the update's forward sees V_old itself, so the clip is inactive
         expected_loss = 0.5 * float(((values - RETURNS)[mask] ** 2).mean())
@@ -74,7 +74,7 @@ def test_update_critic_fits_fixed_returns(tiny_model_dir):
 
 def test_critic_lr_follows_the_warmup_across_calls(tiny_model_dir):
     critic = make_critic(tiny_model_dir, "critic.optim.lr=0.01", "critic.optim.lr_warmup_steps=2")
-    lrs = [critic.update_critic(value_batch(critic)).info["metrics"]["critic/lr"] for _ in range(3)]
+    lrs = [critic.update_critic(value_batch(critic)).metrics["critic/lr"] for _ in range(3)]
     assert lrs == pytest.approx([0.0, 0.005, 0.01])
 
 
@@ -85,7 +85,7 @@ def test_unequal_micro_batches_give_the_metrics_of_the_whole_mini_batch(tiny_mod
         critic = make_critic(tiny_model_dir, "critic.optim.lr=0.0", f"critic.ppo_micro_batch_size_per_gpu={micro}")
         batch = value_batch(critic)
         batch["values"] = batch["values"] + shift * batch["response_mask"]
-        metrics.append(critic.update_critic(batch).info["metrics"])
+        metrics.append(critic.update_critic(batch).metrics)
     whole, split = metrics
     assert 0 < whole["critic/vf_clipfrac"] < 1
     assert split == pytest.approx(whole, rel=1e-5, abs=1e-7)
@@ -106,7 +106,7 @@ def test_padding_free_token_budget_values_and_update_equal_the_padded_ones(tiny_
         shift = torch.linspace(-0.9, 0.9, 30).view(6, 5)  # some V_old far enough off to be clipped
         batch["values"] = batch["values"] + shift * batch["response_mask"]
         batch["returns"] = torch.linspace(1.0, -1.0, 30).view(6, 5) * batch["response_mask"]
-        metrics = critic.update_critic(batch).info["metrics"]
+        metrics = critic.update_critic(batch).metrics
         results.append((batch["values"] - shift * batch["response_mask"], metrics, critic.compute_values(batch)))
     (values, metrics, after), (free_values, free_metrics, free_after) = results
     torch.testing.assert_close(free_values, values, atol=1e-6, rtol=0)

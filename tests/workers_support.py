@@ -73,4 +73,4 @@ def float64_logprobs(model: torch.nn.Module, batch: Batch, temperature: float) -
 
 def update(actor, batch: Batch) -> dict[str, float]:
     """The metrics of one ``update_actor`` call."""
-    return actor.update_actor(batch).info["metrics"]
+    return actor.update_actor(batch).metrics

@@ -58,10 +58,10 @@ from archer.trainer.model_check import check_sequence_lengths
 from archer.trainer.plots import plot_metrics
 from archer.trainer.step_metrics import MemoryPeaks, compute_data_metrics, compute_timing_metrics, timer
 from archer.trainer.tracking import Tracking
-from archer.workers.actor import INFLUENCE_TOKENS
 from archer.workers.colocated import RankWorkers
 from archer.workers.generator import GenerationWorker
-from archer.workers.rollout import ROLLOUT_STATS, concat_sequences
+from archer.workers.results import ROLLOUT_STATS
+from archer.workers.rollout import concat_sequences
 
 log = logging.getLogger("archer.trainer")
 
@@ -271,20 +271,18 @@ class PPOTrainer:
                     self.entropy_trace.record(step, batch)
             if self.use_critic:
                 with timer("update_critic", timings, self.peaks):
-                    metrics.update(self.workers.call("update_critic", batch).info["metrics"])
+                    metrics.update(self.workers.call("update_critic", batch).metrics)
             if int(cfg.trainer.critic_warmup) <= step:  # verl: steps count from 1, so k skips k-1 updates
                 selection = None
                 if self.influence_trace is not None:
                     with timer("influence_select", timings, self.peaks):
                         selection = self.influence_trace.select(step, batch)
-                    if selection is not None:
-                        batch.info[INFLUENCE_TOKENS] = selection.tokens
                 with timer("update_actor", timings, self.peaks):
-                    update = self.workers.call("update_actor", batch)
-                batch.info.pop(INFLUENCE_TOKENS, None)
-                metrics.update(update.info["metrics"])
+                    update = self.workers.call("update_actor", batch,
+                                               influence_tokens=None if selection is None else selection.tokens)
+                metrics.update(update.metrics)
                 if selection is not None:
-                    metrics.update(self.influence_trace.finish(step, batch, selection, update.info["influence"]))
+                    metrics.update(self.influence_trace.finish(step, batch, selection, update.influence))
             if cfg.trainer.rollout_data_dir:
                 with timer("dump_rollout", timings, self.peaks):
                     write_generations(Path(cfg.trainer.rollout_data_dir) / f"step_{step}.jsonl", batch,

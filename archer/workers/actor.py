@@ -3,8 +3,8 @@ log-probs/entropies, its PPO update and the influence hooks on its layers.
 
 The trainer talks to it in Batches and plain data only (so that it can move into another process): prompts in,
 sequences out (``generate_sequences``, sampling settings in ``info``; with tools configured, through the
-multi-turn tool loop); a batch in, old log-probs and entropies out; a batch in, metrics (and, when the influence
-trace asks for tokens in ``info``, their captured gradient factors) out. The worker keeps the engine's weights
+multi-turn tool loop); a batch in, old log-probs and entropies out; a batch (and the influence trace's tokens)
+in, an ``UpdateResult`` out (workers/results.py: metrics, and the tokens' captured gradient factors). The worker keeps the engine's weights
 in step with the model and frees the engine's memory (KV cache and weight copy) around the update
 (``rollout.free_cache_engine``); its model owner moves the policy's weights / Adam's states to host memory where
 verl's offload keys ask (models/offload.py). The memory plan of the card is the rank's colocated workers'
@@ -59,13 +59,10 @@ from archer.workers.data_parallel import rank_passes, reduce_metric_sums
 from archer.workers.memory import release_cached_blocks
 from archer.workers.mini_batches import StepAverages, mini_batches
 from archer.workers.reference import ReferenceWorker
-from archer.workers.rollout import FIRST_PROMPT, ROLLOUT_STATS, RolloutWorker, pad_sequences
+from archer.workers.results import ROLLOUT_STATS, UpdateResult
+from archer.workers.rollout import FIRST_PROMPT, RolloutWorker, pad_sequences
 
 log = logging.getLogger("archer.actor")
-
-INFLUENCE_TOKENS = "influence_tokens"  # info key of update_actor's input: the TracedTokens to capture
-INFLUENCE_CAPTURED = "influence_captured"  # info key of a data-parallel rank's update: tokens captured per module
-
 
 class ActorWorker(OwnsModel):
     """Owns the policy model, its optimiser and schedule, and the rollout engine, on one device."""
@@ -206,13 +203,12 @@ class ActorWorker(OwnsModel):
                                              store_device=store), tokens)
 
     # -- update ------------------------------------------------------------------------------------------
-    def update_actor(self, batch: Batch) -> Batch:
-        """PPO epochs over mini-batches. Returns ``info["metrics"]``: verl-named metrics averaged over optimiser
-        steps; and, when ``batch.info["influence_tokens"]`` names tokens, ``info["influence"]``: their captured
-        gradient factors per group of modules, on this device (on the CPU with grad_offload_to_cpu; see
+    def update_actor(self, batch: Batch, influence_tokens: TracedTokens | None = None) -> UpdateResult:
+        """PPO epochs over mini-batches: verl-named metrics averaged over optimiser steps; with
+        ``influence_tokens``, their captured gradient factors per group of modules, on this device (on the CPU
+        with grad_offload_to_cpu, or on a rank of several, with the tokens it captured: see
         trace/influence_capture.py)."""
-        tokens: TracedTokens | None = batch.info.get(INFLUENCE_TOKENS)
-        capture = self._token_capture(tokens) if tokens is not None else None
+        capture = self._token_capture(influence_tokens) if influence_tokens is not None else None
         metrics: dict[str, float] = {}
         if capture is not None and self.influence[0].extra_pass:
             start = perf_counter()
@@ -222,15 +218,13 @@ class ActorWorker(OwnsModel):
         in_update = capture if capture is not None and not self.influence[0].extra_pass else None
         metrics.update(self._update_policy(batch, in_update, step_optimizer=not skip_step))
         self._engine_is_stale = True
-        out = Batch(info={"metrics": metrics})
-        if capture is not None:
-            if self.ctx.distributed:  # this rank's rows only, on the CPU for the driver to merge
-                factors = capture.collect(complete=False)
-                out.info["influence"] = [FactorGroup(g.modules, g.u.cpu(), g.v.cpu()) for g in factors]
-                out.info[INFLUENCE_CAPTURED] = capture.capture.captured
-            else:
-                out.info["influence"] = capture.collect()
-        return out
+        if capture is None:
+            return UpdateResult(metrics)
+        if not self.ctx.distributed:
+            return UpdateResult(metrics, influence=capture.collect())
+        factors = capture.collect(complete=False)  # this rank's rows only, on the CPU for the driver to merge
+        return UpdateResult(metrics, influence=[FactorGroup(g.modules, g.u.cpu(), g.v.cpu()) for g in factors],
+                            captured=capture.capture.captured)
 
     def _update_policy(self, batch: Batch, influence: TokenCapture | None, *, step_optimizer: bool
                        ) -> dict[str, float]:

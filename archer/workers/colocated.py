@@ -30,15 +30,15 @@ from archer.config.loader import world_size
 from archer.distributed.context import DistContext
 from archer.models.loading import load_tokenizer, pick_device
 from archer.rollout.rollout_stats import RolloutStats
-from archer.trace.influence_capture import CaptureSettings, merge_rank_factors
+from archer.trace.influence_capture import CaptureSettings, TracedTokens, merge_rank_factors
 from archer.units import GIB
-from archer.workers.actor import INFLUENCE_CAPTURED, ActorWorker
+from archer.workers.actor import ActorWorker
 from archer.workers.critic import CriticWorker
 from archer.workers.dispatch import collect, concat_batches, rank_zero, shard_rows
 from archer.workers.memory import MemoryPlan, card_figures, plan_actor_memory
 from archer.workers.reference import ReferenceWorker
+from archer.workers.results import ROLLOUT_STATS, UpdateResult
 from archer.workers.reward_model import RewardModelWorker
-from archer.workers.rollout import ROLLOUT_STATS
 
 log = logging.getLogger("archer.workers")
 
@@ -53,14 +53,14 @@ def concat_generated(results: list[Batch]) -> Batch:
     return batch
 
 
-def merge_updates(results: list[Batch]) -> Batch:
-    """The actor update's metrics (every rank's are the same, all-reduced) and, when influence was traced, the
-    factors every rank captured for its rows, merged into those of the whole batch."""
-    out = results[0]
-    if INFLUENCE_CAPTURED in out.info:
-        captured = [(r.info["influence"], r.info.pop(INFLUENCE_CAPTURED)) for r in results]
-        out.info["influence"] = merge_rank_factors(captured, out.info["influence"][0].u.shape[1])
-    return out
+def merge_updates(results: list[UpdateResult]) -> UpdateResult:
+    """The actor update's metrics (every rank's are the same, all-reduced) and, when influence was traced on
+    several ranks, the factors every rank captured for its rows, merged into those of the whole batch."""
+    first = results[0]
+    if first.captured is None:
+        return first
+    captured = [(r.influence, r.captured) for r in results]
+    return UpdateResult(first.metrics, influence=merge_rank_factors(captured, first.influence[0].u.shape[1]))
 
 
 def models_beside_actor(ref: ReferenceWorker | None, critic: CriticWorker | None,
@@ -148,12 +148,12 @@ class RankWorkers:
         return self.critic.compute_values(batch)
 
     @collect(rank_zero)
-    def update_critic(self, batch: Batch) -> Batch:
+    def update_critic(self, batch: Batch) -> UpdateResult:
         return self.critic.update_critic(batch)
 
     @collect(merge_updates)
-    def update_actor(self, batch: Batch) -> Batch:
-        return self.actor.update_actor(batch)
+    def update_actor(self, batch: Batch, influence_tokens: TracedTokens | None = None) -> UpdateResult:
+        return self.actor.update_actor(batch, influence_tokens)
 
     @collect(rank_zero)
     def setup_influence(self, settings: CaptureSettings) -> list[str]:

@@ -23,6 +23,7 @@ from archer.models.optim import LRSchedule
 from archer.models.owner import ModelOwner, OwnsModel
 from archer.workers.data_parallel import rank_passes, reduce_metric_sums
 from archer.workers.mini_batches import StepAverages, mini_batches
+from archer.workers.results import UpdateResult
 
 
 class CriticWorker(OwnsModel):
@@ -72,9 +73,9 @@ class CriticWorker(OwnsModel):
         self.model.train()
         return Batch({"values": values[passes.rows]})
 
-    def update_critic(self, batch: Batch) -> Batch:
-        """PPO epochs of the value loss over mini-batches. Returns ``info["metrics"]``: verl-named metrics
-        averaged over optimiser steps (as the actor's update_actor)."""
+    def update_critic(self, batch: Batch) -> UpdateResult:
+        """PPO epochs of the value loss over mini-batches: verl-named metrics averaged over optimiser steps (as
+        the actor's update_actor)."""
         c = self.cfg
         mini = int(c.ppo_mini_batch_size) * self.rollout_n
         data = batch.select([*MODEL_INPUTS, "responses", "response_mask", "values", "returns"])
@@ -101,7 +102,7 @@ class CriticWorker(OwnsModel):
         metrics = averages.result()
         metrics["critic/lr"] = self.scheduler.get_last_lr()[0]  # the lr of this update, as verl reports it
         self.scheduler.step()
-        return Batch(info={"metrics": metrics})
+        return UpdateResult(metrics)
 
     def save(self, out_dir: Path) -> None:
         """The value model's HF folder (its ``score`` head included) plus optimiser and scheduler state."""

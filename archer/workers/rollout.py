@@ -32,10 +32,10 @@ from archer.batch import Batch, response_attention
 from archer.models.loading import autocast_for
 from archer.rollout.agentic_config import branch_settings, build_agentic_rollout, uses_tools
 from archer.rollout.base import RolloutEngine, SamplingParams
+from archer.workers.results import ROLLOUT_STATS
 
 log = logging.getLogger("archer.rollout")
 
-ROLLOUT_STATS = "rollout_stats"  # info key of a generated batch: the agentic loop's RolloutStats
 
 
 FIRST_PROMPT = "first_prompt"  # info key of a rank's slice of prompts: the index of its first prompt in the batch

@@ -1,0 +1,26 @@
+"""What the workers hand back to the driver besides tensors: the typed result of an update, and the info key of
+the agentic loop's statistics on a generated batch. The trainer reads worker results from here only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from archer.trace.influence_capture import FactorGroup
+
+ROLLOUT_STATS = "rollout_stats"  # info key of a generated batch: the agentic loop's RolloutStats
+
+
+@dataclass
+class UpdateResult:
+    """The result of ``update_actor`` / ``update_critic``.
+
+    ``metrics``: verl-named metrics averaged over the optimiser steps (every rank's are the same, all-reduced).
+    ``influence``: the actor's captured gradient factors of the influence tokens it was given, per group of
+    modules (None when none were asked for). ``captured``: on a rank of a data-parallel run, the tokens each
+    module captured for the rank's own rows, which the driver needs to merge the ranks' factors (None in one
+    process and once merged)."""
+
+    metrics: dict[str, float]
+    influence: list[FactorGroup] | None = None
+    captured: dict[str, int] | None = None
