@@ -45,7 +45,6 @@ def test_defaults_are_independent_samples_with_arpos_tags():
     assert cfg.multi_turn.format == "arpo"
     train = branch_settings(cfg, SamplingParams(n=1, seed=0), validate=False)
     assert train == BranchSettings(n=1, initial_rollouts=1, beam_size=1, branch_probability=0.5, entropy_weight=0.2)
-    assert not train.branches
 
 
 def test_training_branches_and_validation_and_greedy_do_not():
@@ -56,7 +55,6 @@ def test_training_branches_and_validation_and_greedy_do_not():
     assert settings == BranchSettings(n=16, initial_rollouts=8, beam_size=2, branch_probability=0.5,
                                       entropy_weight=0.2, dynamic_rollouts=True, dynamic_rollout_beta=0.5,
                                       consecutive_branch_penalty=0.05)
-    assert settings.branches
     assert branch_settings(cfg, sample, validate=True) is None
     assert branch_settings(cfg, SamplingParams(n=16, seed=0, do_sample=False), validate=False) is None
 

@@ -107,7 +107,6 @@ class RankPlace:
 
     bundle: int
     node_id: str
-    node_ip: str
     local_rank: int
     local_world_size: int
 
@@ -122,7 +121,7 @@ def rank_layout(bundle_nodes: dict[int, str], node_ips: dict[str, str]) -> list[
         node = bundle_nodes[b]
         local.append(per_node.get(node, 0))
         per_node[node] = local[-1] + 1
-    return [RankPlace(b, bundle_nodes[b], node_ips[bundle_nodes[b]], lr, per_node[bundle_nodes[b]])
+    return [RankPlace(b, bundle_nodes[b], lr, per_node[bundle_nodes[b]])
             for b, lr in zip(order, local)]
 
 

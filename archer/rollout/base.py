@@ -22,8 +22,6 @@ import torch
 
 from archer.errors import ArcherError
 
-FINISH_REASONS = ("eos", "stop", "length")
-
 
 @dataclass
 class SamplingParams:

@@ -42,11 +42,6 @@ class BranchSettings:
     dynamic_rollout_beta: float = 0.5
     consecutive_branch_penalty: float = 0.0
 
-    @property
-    def branches(self) -> bool:
-        """Whether a trajectory can ever branch."""
-        return self.beam_size > 1 and (self.dynamic_rollouts or self.initial_rollouts < self.n)
-
 
 def segment_entropy(entropies: torch.Tensor, window: int, vocab_size: int) -> float:
     """Mean entropy of the first ``window`` tokens over ln(vocab_size); 0 for an empty segment."""

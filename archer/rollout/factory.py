@@ -2,7 +2,8 @@
 
 - ``fast``: archer's own engine (archer/rollout/fast/); an architecture it cannot run is an error naming ``hf``;
 - ``hf``: the Hugging Face decoding loop (archer/rollout/hf_engine.py), for every architecture and the CPU;
-- ``auto`` (the default): ``fast`` on a GPU for the architectures it runs, else ``hf`` (saying why once);
+- ``auto`` (the default): ``fast`` on a GPU for the architectures it runs, else ``hf`` (a warning says why, each
+  time the choice is made);
 - verl's ``vllm`` / ``sglang``: as ``auto``, with a note that archer generates with its own engines.
 """
 

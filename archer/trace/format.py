@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import queue
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -44,7 +43,6 @@ LATEST = "latest_step.txt"
 STEPS_DIR = "steps"
 TOKENIZER_DIR = "tokenizer"
 STEP_FILE_PATTERN = "steps/step_{step:06d}.npz"
-_STEP_FILE = re.compile(r"step_(\d{6,})\.npz")
 _SUMMARY_FIELDS = ("format_version", "kind", "created_at", "updated_at", "latest_step", "num_steps_written",
                    "write_every", "step_file_pattern", "tokenizer")
 

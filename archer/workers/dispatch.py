@@ -3,12 +3,15 @@
 Every rank receives the same full arguments (one object-store copy); a worker takes its own rows with
 ``shard_bounds``/``shard_rows``. A method declares how the per-rank results are collected with ``@collect``:
 
-    class ActorWorker:
+    class RankWorkers:                    # workers/colocated.py
         @collect(concat_batches)          # each rank returns the Batch of its rows, concatenated in rank order
         def compute_log_prob(self, batch: Batch) -> Batch: ...
 
         @collect(rank_zero)               # ranks agree by construction (metrics already all-reduced)
-        def update_actor(self, batch: Batch) -> dict[str, float]: ...
+        def update_critic(self, batch: Batch) -> UpdateResult: ...
+
+        @collect(merge_updates)           # rank 0's metrics, every rank's influence factors merged
+        def update_actor(self, batch: Batch, influence_tokens=None) -> UpdateResult: ...
 
 A worker group refuses to call a method that declares no collector, so no result is dropped silently.
 """
