@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -241,33 +241,45 @@ def _tools_check(args: argparse.Namespace) -> None:
         raise ArcherError("this machine cannot isolate the Python tool's snippets", "see the lines marked OFF above")
 
 
+Subcommands = argparse._SubParsersAction  # what add_subparsers returns (argparse names no public type)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="archer", description="RL post-training of language models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_config_command(sub, "train", _train, "ppo_trainer", TRAIN_HELP_KEYS,
+                        summary="RL training (PPO/GRPO/...) with Hydra overrides in verl's key names",
+                        overrides="key=value or +key=value, e.g. data.train_files=F")
+    _add_config_command(sub, "sft", _sft, "sft_trainer", SFT_HELP_KEYS,
+                        summary="supervised fine-tuning on prompt/response data",
+                        overrides="key=value, e.g. model.partial_pretrain=DIR data.train_files=F")
+    for add in (_add_eval, _add_data, _add_quickstart, _add_viz, _add_build_index, _add_tools):
+        add(sub)
+    return parser
 
-    p = sub.add_parser("train", help="RL training (PPO/GRPO/...) with Hydra overrides in verl's key names",
-                       epilog=config_help("ppo_trainer", TRAIN_HELP_KEYS),
+
+def _add_config_command(sub: Subcommands, name: str, func: Callable[[argparse.Namespace], None], config_name: str,
+                        help_keys: Sequence[str], *, summary: str, overrides: str) -> None:
+    """A trainer command (train, sft): Hydra overrides of ``config_name``, --cfg job and a user's config file;
+    its --help lists ``help_keys`` with their defaults."""
+    p = sub.add_parser(name, help=summary, epilog=config_help(config_name, help_keys),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("overrides", nargs="*", help="key=value or +key=value, e.g. data.train_files=F")
+    p.add_argument("overrides", nargs="*", help=overrides)
     p.add_argument("--cfg", choices=["job"], help="print the resolved config (checked, as YAML) and exit")
     _config_file_args(p)
-    p.set_defaults(func=_train)
+    p.set_defaults(func=func)
 
-    p = sub.add_parser("sft", help="supervised fine-tuning on prompt/response data",
-                       epilog=config_help("sft_trainer", SFT_HELP_KEYS),
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("overrides", nargs="*", help="key=value, e.g. model.partial_pretrain=DIR data.train_files=F")
-    p.add_argument("--cfg", choices=["job"], help="print the resolved config (checked, as YAML) and exit")
-    _config_file_args(p)
-    p.set_defaults(func=_sft)
 
+def _add_eval(sub: Subcommands) -> None:
     p = sub.add_parser("eval", help="evaluate a model on benchmarks: mean@n, pass@k, maj@k (README 'Evaluation')",
                        epilog=EVAL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="e.g. model=DIR benchmark=[gsm8k,math500] n=8 k=[1,4,8] data_dir=D")
     p.add_argument("--cfg", choices=["job"], help="print the resolved config (as YAML) and exit")
     p.set_defaults(func=_eval)
 
+
+def _add_data(sub: Subcommands) -> None:
     p = sub.add_parser("data", help="generate a built-in task's train/val/sft parquet files")
     p.add_argument("--task", default="arithmetic", help="built-in task name (arithmetic, countdown, tool_arithmetic)")
     p.add_argument("--out", required=True, help="output folder")
@@ -277,11 +289,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE", help="task difficulty option")
     p.set_defaults(func=_data)
 
+
+def _add_quickstart(sub: Subcommands) -> None:
     p = sub.add_parser("quickstart", help="tiny model, SFT warm start, GRPO, before/after accuracy (CPU, minutes)")
     p.add_argument("--out", default=None, help="run directory (default runs/quickstart)")
     p.add_argument("overrides", nargs="*", help="e.g. seed=3, task=tool_arithmetic, or trainer keys for the RL stage")
     p.set_defaults(func=_quickstart)
 
+
+def _add_viz(sub: Subcommands) -> None:
     p = sub.add_parser("viz", help="explore an entropy or influence trace in the browser (Gradio)")
     p.add_argument("--trace-dir", required=True, help="a trace folder, e.g. <run>/entropy_trace")
     p.add_argument("--model-path", default=None, help="tokenizer folder (default: the trace's own tokenizer/)")
@@ -289,18 +305,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=7862)
     p.set_defaults(func=_viz)
 
+
+def _add_build_index(sub: Subcommands) -> None:
     p = sub.add_parser("build-index", help="build a local BM25 index for the search tool (bm25s)")
     p.add_argument("--corpus", required=True, help="passages as .jsonl or .parquet with text (and id, title)")
     p.add_argument("--out", required=True, help="index folder: new or empty (a folder of other files is refused)")
     p.add_argument("--overwrite", action="store_true", help="replace the archer index already in --out (atomically)")
     p.set_defaults(func=_build_index)
 
+
+def _add_tools(sub: Subcommands) -> None:
     p = sub.add_parser("tools", help="tool utilities: `archer tools check` prints the sandbox's protections here")
     tools = p.add_subparsers(dest="tools_command", required=True)
     p = tools.add_parser("check", help="which protections of the Python tool are active on this machine")
     p.add_argument("--python", default=None, help="the tool's interpreter (default: the one running archer)")
     p.set_defaults(func=_tools_check)
-    return parser
 
 
 # Library notices a user cannot act on (transformers 5 renamed a keyword that torch's module call passes on).
