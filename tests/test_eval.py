@@ -57,6 +57,14 @@ def test_problem_metrics_by_hand() -> None:
                                "pass@4": 1.0, "best@4": 1.0, "maj@4": 1.0})
 
 
+def test_a_sample_with_accuracy_exactly_one_half_counts_as_correct_for_pass_at_k() -> None:
+    # partial credit: accuracies 0.5 (correct: acc >= 0.5), 0.49 and 0.0 (not), 1.0 (correct): c = 2 of n = 4
+    m = problem_metrics(ProblemSamples("s", [0.5, 0.49, 0.0, 1.0]), [1, 2])
+    assert m == pytest.approx({"mean@4": 1.99 / 4, "pass@1": 2 / 4, "best@1": 0.5,
+                               "pass@2": 1 - comb(2, 2) / comb(4, 2), "best@2": 0.5})
+    assert problem_metrics(ProblemSamples("s", [0.5]), [1])["pass@1"] == 1.0
+
+
 def test_answers_normalise_for_votes() -> None:
     assert normalise("1,000.50", "math") == normalise("1000.5", "math") == "1000.5"
     assert normalise(r"\dfrac{1}{2}", "math") == normalise(r"\frac{1}{2} ", "math")

@@ -266,3 +266,38 @@ def test_kl_cov_selects_at_least_one_token():
     assert metrics["cov_selected_tokens"].value == 1
     assert loss.item() == pytest.approx((-2.0 + 0.3 - 3.0 + 1.0 + math.log(1.5)) / 4, rel=1e-12)
     assert grad[3] == pytest.approx(1.0 / 4, rel=1e-12)
+
+
+# ---------------------------------------------------------------- asymmetric clip ranges per entropy class
+# clip_ratio_low != clip_ratio_high in both classes: low-entropy (L) tokens eps 0.1 below / 0.3 above, high-entropy
+# (H) tokens 0.4 below / 0.6 above, so that swapping a class's low and high bound changes every token below.
+ASYMMETRIC = {"low_entropy_clip_ratio_low": 0.1, "low_entropy_clip_ratio_high": 0.3,
+              "high_entropy_clip_ratio_low": 0.4, "high_entropy_clip_ratio_high": 0.6}
+# (A, r, high-entropy) of five tokens, one per row
+ASYMMETRIC_TOKENS = [(-1.0, 0.85, False), (1.0, 1.25, False), (-1.0, 0.55, True), (1.0, 1.5, True), (1.0, 1.35, False)]
+
+
+def asymmetric(loss_mode: str, clip_ratio_c: float):
+    adv, ratios, high = ([[token[i]] for token in ASYMMETRIC_TOKENS] for i in range(3))
+    return run(loss_mode, ratios, adv, clip_ratio_c=clip_ratio_c, high_entropy_mask=torch.tensor(high), **ASYMMETRIC)
+
+
+def test_archer_takes_each_classes_lower_and_upper_bound_apart():
+    # L A=-1 r=0.85: max(0.85, 1-0.1=0.9) = 0.9 (clipped) | L A=1 r=1.25 < 1+0.3: -1.25
+    # H A=-1 r=0.55: max(0.55, 1-0.4=0.6) = 0.6 (clipped) | H A=1 r=1.5 < 1+0.6: -1.5
+    # L A=1 r=1.35 > 1.3: -1.3 (clipped); the dual-clip bound -A*c = 10 is never reached
+    loss, metrics, grad = asymmetric("archer", clip_ratio_c=10.0)
+    assert loss.item() == pytest.approx((0.9 - 1.25 + 0.6 - 1.5 - 1.3) / 5, rel=1e-12)
+    assert grad.flatten().tolist() == pytest.approx([0.0, -1.25 / 5, 0.0, -1.5 / 5, 0.0], abs=1e-12)
+    assert values(metrics)["pg_clipfrac"] == pytest.approx(3 / 5)
+
+
+def test_aspo_takes_each_classes_lower_and_upper_bound_apart():
+    # A < 0: r_hat = max(r, 1-eps_l), loss -A*r_hat, gradient -A*r unless clamped
+    #   L r=0.85 -> 0.9 (clamped, gradient 0) | H r=0.55 -> 0.6 (clamped)
+    # A > 0: r_hat = min(r, 1+eps_h), value -A/r_hat, gradient -A/r unless clamped
+    #   L r=1.25 < 1.3: -0.8, gradient -0.8 | H r=1.5 < 1.6: -1/1.5 | L r=1.35 -> 1.3: -1/1.3, gradient 0
+    loss, metrics, grad = asymmetric("aspo", clip_ratio_c=3.0)
+    assert loss.item() == pytest.approx((0.9 - 0.8 + 0.6 - 1 / 1.5 - 1 / 1.3) / 5, rel=1e-12)
+    assert grad.flatten().tolist() == pytest.approx([0.0, -0.8 / 5, 0.0, -1 / 1.5 / 5, 0.0], abs=1e-12)
+    assert values(metrics)["pg_clipfrac"] == pytest.approx(3 / 5)
