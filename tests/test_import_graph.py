@@ -10,6 +10,7 @@ top-level module (``archer.batch``); docs/architecture.md draws the order these 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -56,8 +57,9 @@ def _imported_names(tree: ast.AST, module: str, is_package: bool) -> list[str]:
     return names
 
 
+@functools.cache
 def module_graph(root: Path = ARCHER) -> dict[str, set[str]]:
-    """module -> the archer modules it imports (itself excluded)."""
+    """module -> the archer modules it imports (itself excluded); read once per tree."""
     known = _modules(root)
     graph: dict[str, set[str]] = {}
     for module, path in known.items():
