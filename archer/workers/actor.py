@@ -33,6 +33,7 @@ from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
 from archer.algorithms.metrics import MetricSums
+from archer.algorithms.rollout_correction import RolloutCorrection
 from archer.batch import Batch
 from archer.distributed.context import DistContext, shard_bounds
 from archer.distributed.data_parallel import rank_passes, reduce_metric_sums
@@ -73,11 +74,13 @@ class ActorWorker(OwnsModel):
     def __init__(self, cfg: DictConfig, *, device: torch.device, total_steps: int,
                  tokenizer: PreTrainedTokenizerBase | None = None,
                  chat_template_kwargs: Mapping[str, Any] | None = None,
-                 other_models: Mapping[str, int] | None = None, ctx: DistContext | None = None) -> None:
+                 other_models: Mapping[str, int] | None = None, ctx: DistContext | None = None,
+                 rollout_correction: RolloutCorrection | None = None) -> None:
         """``other_models``: the models beside the actor on the device (reference, critic), as bytes per policy
         parameter each holds, for the memory plan (workers/memory.py) checked here on a GPU. ``ctx``: the rank
         of a data-parallel run (archer/distributed/context.py; default: one process on ``device``); the policy
-        is then sharded with FSDP2 and the offload keys become FSDP2's CPU offload."""
+        is then sharded with FSDP2 and the offload keys become FSDP2's CPU offload. ``rollout_correction``:
+        algorithm.rollout_correction (its bypass mode corrects in the loss; default: off)."""
         self.cfg = cfg
         self.actor_cfg = cfg.actor
         self.device = device
@@ -105,7 +108,7 @@ class ActorWorker(OwnsModel):
         self.log_prob_micro = MicroBatching.from_config(
             cfg.rollout, size_key="log_prob_micro_batch_size", dynamic_key="log_prob_use_dynamic_bsz",
             budget_key="log_prob_max_token_len_per_gpu", remove_padding=bool(cfg.model.use_remove_padding))
-        self.objective = ActorObjective.from_config(self.actor_cfg)
+        self.objective = ActorObjective.from_config(self.actor_cfg, rollout_correction)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path, role="model")
         self.pad_token_id = int(tokenizer.pad_token_id)
         fast = uses_fast_engine(cfg.rollout, self.model, device)
@@ -229,7 +232,7 @@ class ActorWorker(OwnsModel):
         n = int(self.cfg.rollout.n)
         mini = int(a.ppo_mini_batch_size) * n
         keys = [*MODEL_INPUTS, "responses", "response_mask", "old_log_probs", "advantages"]
-        keys += [k for k in ("ref_log_prob",) if k in batch.tensors]
+        keys += [k for k in ("ref_log_prob", "rollout_is_weights") if k in batch.tensors]
         data = batch.select(keys)
         data["row_id"] = torch.arange(len(data))
         averages = StepAverages()
@@ -266,11 +269,13 @@ class ActorWorker(OwnsModel):
                 loss, metrics = objective.micro_batch_loss(
                     log_prob=logp.float(), entropy=None if ent is None else ent.float(),
                     old_log_prob=mb["old_log_probs"], advantages=mb["advantages"], mask=mask,
-                    ref_log_prob=mb.tensors.get("ref_log_prob"), agg_kwargs=agg_kwargs, pg_agg_kwargs=pg_agg_kwargs)
+                    ref_log_prob=mb.tensors.get("ref_log_prob"), agg_kwargs=agg_kwargs, pg_agg_kwargs=pg_agg_kwargs,
+                    rollout_is_weights=mb.tensors.get("rollout_is_weights"))
                 (loss * weight).backward()
             sums.add(metrics, weight)
         reduce_metric_sums(sums, self.ctx)
-        out = {f"actor/{name}": value for name, value in sums.result().items()}
+        # the objective's own metrics go under actor/; a named family (rollout_corr/...) keeps its name
+        out = {name if "/" in name else f"actor/{name}": value for name, value in sums.result().items()}
         if objective.use_kl_loss:
             out["actor/kl_coef"] = objective.kl_loss_coef
         with self.offload.optimizer_step():

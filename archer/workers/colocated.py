@@ -21,6 +21,7 @@ import torch
 from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
+from archer.algorithms.rollout_correction import RolloutCorrection
 from archer.batch import Batch
 from archer.distributed.context import DistContext
 from archer.distributed.dispatch import collect, concat_batches, rank_zero, shard_rows
@@ -101,7 +102,8 @@ class RankWorkers:
                 # the plan divides the models beside the actor by the ranks; the reward model is a whole copy each
                 others["reward model"] = self.reward_model.bytes_per_policy_param(ref_cfg.model) * self.ctx.world_size
         self.actor = ActorWorker(ref_cfg, device=self.ctx.device, ctx=self.ctx, total_steps=total_steps, tokenizer=tokenizer,
-                                 chat_template_kwargs=chat_template_kwargs, other_models=others)
+                                 chat_template_kwargs=chat_template_kwargs, other_models=others,
+                                 rollout_correction=RolloutCorrection.from_config(cfg.algorithm.rollout_correction))
         self.ref = self.actor.make_reference() if use_ref else None
         self.critic = (CriticWorker(cfg.critic, rollout_n=int(ref_cfg.rollout.n), device=self.ctx.device, ctx=self.ctx,
                                     total_steps=total_steps) if use_critic else None)
