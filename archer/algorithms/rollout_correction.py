@@ -331,7 +331,7 @@ def correct(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, respon
     if not train_log_prob.shape == rollout_log_prob.shape == response_mask.shape:
         raise ValueError(f"log-prob and mask shapes differ: {tuple(train_log_prob.shape)}, "
                          f"{tuple(rollout_log_prob.shape)}, {tuple(response_mask.shape)}")
-    train_log_prob, rollout_log_prob = train_log_prob.detach().float(), rollout_log_prob.detach().float()
+    train_log_prob, rollout_log_prob = train_log_prob.detach(), rollout_log_prob.detach()
     log_ratio = train_log_prob - rollout_log_prob
     metrics: dict[str, Metric] = {}
     weights = None

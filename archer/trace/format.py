@@ -299,6 +299,9 @@ def check_step_arrays(arrays: dict[str, np.ndarray], kind: str) -> None:
         if name in TOKEN_FIELDS and array.shape != shape:
             raise ValueError(f"trace field {name} has shape {array.shape}, expected {shape}")
     _check_tool_fields(arrays)
+    if "rollout_rs_rejected" in arrays and np.any(arrays["rollout_rs_rejected"] & ~arrays["response_mask"]):
+        raise ValueError("trace field rollout_rs_rejected is True at a token response_mask leaves out (the policy "
+                         "wrote every rejected token)")
 
 
 def _check_tool_fields(arrays: dict[str, np.ndarray]) -> None:
