@@ -127,8 +127,9 @@ def masked_min_metric(x: torch.Tensor, mask: torch.Tensor) -> Min:
 
 
 def masked_moments_metric(x: torch.Tensor, mask: torch.Tensor, statistic: str) -> Moments:
-    """The Moments of x (detached) over the entries where ``mask`` is set."""
-    x = x.detach()
+    """The Moments of x (detached) over the entries where ``mask`` is set, summed in float64: a variance is a
+    difference of the two sums, which float32 would leave with few correct digits for values near each other."""
+    x = x.detach().double()
     return Moments(masked_sum(x, mask), masked_sum(x * x, mask), mask_count(mask), statistic)
 
 

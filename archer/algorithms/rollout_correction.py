@@ -36,7 +36,6 @@ from archer.algorithms.masked import mask_count, masked_mean, masked_sum
 from archer.algorithms.metrics import (
     Mean,
     Metric,
-    Moments,
     masked_max_metric,
     masked_mean_metric,
     masked_min_metric,
@@ -411,8 +410,7 @@ def _is_metrics(weights: torch.Tensor, raw: torch.Tensor, level_ratio: torch.Ten
     raw_response_mean = masked_mean(raw, mask, dim=-1)
     metrics.update({
         "rollout_is_seq_mean": _rows(response_mean),
-        "rollout_is_seq_std": Moments(response_mean.sum(), response_mean.square().sum(), response_mean.numel(),
-                                      "sample_std"),
+        "rollout_is_seq_std": masked_moments_metric(response_mean, torch.ones_like(response_mean), "sample_std"),
         "rollout_is_seq_max": _row_max(response_mean),
         "rollout_is_seq_min": _row_min(response_mean),
         "rollout_is_seq_max_deviation": _row_max((response_mean - 1.0).abs()),
