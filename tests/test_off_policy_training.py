@@ -3,7 +3,8 @@ decoupled mode's rollout_corr/* metrics and rejected tokens in the trace, the by
 old-log-prob pass, the training/off_policy/* metrics of the synchronous loop, and the trace's policy versions.
 
 On the CPU the hf engine's log-probs match the trainer's to float rounding (tests/test_workers_rollout.py), so
-the IS weights are 1 to about 1e-5 and the bypass mode's first update is the decoupled mode's."""
+the IS weights are 1 to about 1e-5 and the bypass mode's first update is the decoupled mode's. The micro model and
+the task come from conftest.py."""
 
 from __future__ import annotations
 
@@ -13,10 +14,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from train_support import task_model
 
 from archer.config.loader import load_config
-from archer.data.tasks import write_task_files
 from archer.trace.format import TraceReader
 from archer.trainer.ppo import PPOTrainer
 
@@ -25,17 +24,6 @@ pytestmark = pytest.mark.slow
 RC = "algorithm.rollout_correction."
 OFF_POLICY_KEYS = [f"training/off_policy/{name}/{stat}" for name in ("trajectory_staleness",
                    "trajectory_staleness_worst", "trajectory_spans") for stat in ("mean", "max", "min")]
-
-
-@pytest.fixture(scope="module")
-def task_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return write_task_files("arithmetic", tmp_path_factory.mktemp("arithmetic"), n_train=16, n_val=4, n_sft=32,
-                            seed=0, max_operand=9)
-
-
-@pytest.fixture(scope="module")
-def micro_model(tmp_path_factory: pytest.TempPathFactory, task_files: dict[str, Path]) -> Path:
-    return task_model(tmp_path_factory.mktemp("micro_model"), task_files["sft"], max_positions=128)
 
 
 def train(root: Path, name: str, model: Path, files: dict[str, Path], *extra: str) -> tuple[Path, dict[int, dict]]:

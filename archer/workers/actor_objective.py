@@ -6,10 +6,11 @@ rollout correction (archer.algorithms.rollout_correction): in the decoupled mode
 micro-batch is corrected here, against the current policy, and the bypass loss type may replace the policy loss.
 
 Every term is normalised over its whole mini-batch (the normalisers come from `mini_batch_normalisers`), so
-the micro-batch losses add up to the mini-batch loss, and every metric is declared as a Mean or a Total
-(archer.algorithms.metrics), so the micro-batch metrics add up to the mini-batch's too. (AEPO's
-entropy-aware advantage standardises the entropy over each micro-batch, as its paper's code does; that step
-alone depends on the split.) Token entropies come from the training forward pass (detached) whenever a term
+the micro-batch losses add up to the mini-batch loss, and every metric is declared (a Mean, a Total, or for
+the bypass mode's rollout_corr/* also a Max, Min or Moments: archer.algorithms.metrics), so the micro-batch
+metrics add up to the mini-batch's too. (AEPO's entropy-aware advantage standardises the entropy over each
+micro-batch, as its paper's code does, and the bypass mode's rollout_is_batch_normalize divides by each
+micro-batch's mean weight, as verl's; those steps alone depend on the split.) Token entropies come from the training forward pass (detached) whenever a term
 needs them, whatever entropy_coeff is.
 """
 
