@@ -32,11 +32,12 @@ TRAIN_HELP_KEYS = {
     "actor_rollout_ref": ("model.path", "model.lora_rank", "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size_per_gpu",
                           "actor.optim.lr", "actor.use_kl_loss", "actor.policy_loss.loss_mode", "rollout.n",
                           "rollout.temperature"),
-    "algorithm": ("adv_estimator", "use_kl_in_reward"),
+    "algorithm": ("adv_estimator", "use_kl_in_reward", "rollout_correction.rollout_is",
+                  "rollout_correction.bypass_mode"),
     "custom_reward_function": ("path", "name"),
     "reward_model": ("enable", "model.path", "rm_weight", "rule_weight"),
     "trainer": ("total_epochs", "total_training_steps", "default_local_dir", "save_freq", "test_freq",
-                "val_before_train", "val_only", "resume_mode", "logger", "device"),
+                "val_before_train", "val_only", "resume_mode", "logger", "device", "v1.trainer_mode"),
 }
 SFT_HELP_KEYS = {
     "data": ("train_files", "val_files", "prompt_key", "response_key", "max_length", "train_batch_size",

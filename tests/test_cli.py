@@ -96,6 +96,7 @@ def test_sft_on_generated_data_writes_a_loadable_model(data_run, tiny_model_dir:
     ("train", "ppo_trainer", ["data.train_files = null", "data.train_batch_size = 1024",
                               "actor_rollout_ref.rollout.n = 1", "algorithm.adv_estimator = gae",
                               "trainer.logger = [console, jsonl, tensorboard]", "trainer.val_only = false",
+                              "algorithm.rollout_correction.bypass_mode = false", "trainer.v1.trainer_mode = sync",
                               "config groups: algorithm=NAME, NAME one of aepo, archer, arpo, aspo, clip_cov,"]),
     ("sft", "sft_trainer", ["model.partial_pretrain = ??? (required)", "data.micro_batch_size_per_gpu = 4",
                             "optim.lr_scheduler = cosine", "trainer.logger = [console, jsonl]"]),

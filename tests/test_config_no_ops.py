@@ -45,7 +45,7 @@ def test_the_table_lists_every_marked_key_once():
     assert {entry.key for entry in NO_OPS if not entry.sharded_only} == marked_keys()
     cfg = load_config("ppo_trainer", REQUIRED)
     assert all(OmegaConf.select(cfg, entry.key) == entry.default for entry in NO_OPS if entry.sharded_only)
-    assert len(keys) == 75 and sum(entry.sharded_only for entry in NO_OPS) == 9
+    assert len(keys) == 78 and sum(entry.sharded_only for entry in NO_OPS) == 9
 
 
 def test_defaults_and_every_algorithm_preset_are_silent(caplog):

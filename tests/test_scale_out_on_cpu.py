@@ -5,7 +5,8 @@ FSDP2, against the single-process run of the same config.
   absolute), the trained weights within 1e-5 (float32; only the order of float sums differs), and the entropy
   and influence traces (each rank's rows reach the driver's one writer) within 1e-4 relative (float16 factors:
   4 units in the last place).
-- So do LoRA with FSDP2's CPU offload, a critic (GAE) and a reward model mixed with the rule reward.
+- So do LoRA with FSDP2's CPU offload, a critic (GAE), a reward model mixed with the rule reward and the rollout
+  correction's bypass mode (its extremes and moments reduced over the ranks).
 - The checkpoint is sharded (one DCP file per rank) beside an HF export that from_pretrained loads.
 - The driver killed with SIGKILL after a checkpoint, then relaunched, logs the uninterrupted run's metrics.
 - A rank killed mid-run stops the run with one error naming the rank and how to resume; resuming works.
@@ -159,21 +160,31 @@ def test_the_traces_of_two_ranks_are_those_of_one_process(one_process: Path, two
                     assert np.array_equal(a[name], b[name]), f"{kind} step {step}: {name}"
 
 
-def test_lora_offload_critic_and_reward_model_on_two_ranks(task: dict[str, Path], tmp_path: Path) -> None:
+def test_lora_offload_critic_reward_model_and_bypass_correction_on_two_ranks(task: dict[str, Path],
+                                                                           tmp_path: Path) -> None:
     corpus = [json.dumps(row) for row in pq.read_table(task["train"]).to_pylist()[:32]]
     reward_model = build_reward_model(tmp_path / "reward_model", corpus)
     variant = ("trainer.total_training_steps=2", "actor_rollout_ref.model.lora_rank=8",
                "actor_rollout_ref.model.lora_alpha=16", "actor_rollout_ref.actor.fsdp_config.param_offload=true",
                "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true", "algorithm.adv_estimator=gae",
                "reward_model.enable=true", f"reward_model.model.path={reward_model}", "reward_model.rule_weight=0.5",
-               "trainer.influence_trace.enable=false")
+               "trainer.influence_trace.enable=false",
+               # corrected in the actor's loss: its rollout_corr/* extremes and moments reduced over the ranks
+               "algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=token",
+               "algorithm.rollout_correction.rollout_rs=token_k3", "algorithm.rollout_correction.rollout_rs_threshold=1e-4")
     runs = {ranks: tmp_path / f"ranks_{ranks}" for ranks in (1, 2)}
     for ranks, run_dir in runs.items():
         train(task, run_dir, ranks, *variant)
     want, got = metrics(runs[1]), metrics(runs[2])
     assert want[1]["critic/vf_loss"] > 0 and "reward/rm_score/mean" in want[1]
+    assert "timing_s/old_log_prob" not in want[1] and want[2]["rollout_corr/rollout_is_max"] > 1
     for step in want:
-        assert_close_metrics(got[step], want[step], step)
+        # the rollout_corr/* statistics of ratios within float rounding of 1 (a chi-squared is E[w^2] - 1): close
+        # in absolute terms; every other metric as in the test above
+        corr = [{k: v for k, v in m.items() if k.startswith("rollout_corr/")} for m in (got[step], want[step])]
+        rest = [{k: v for k, v in m.items() if not k.startswith("rollout_corr/")} for m in (got[step], want[step])]
+        assert_close_metrics(*rest, step)
+        assert_close_metrics(*corr, step, abs_=1e-6)
     actor = runs[2] / "checkpoints" / "global_step_2"
     assert (actor / "actor" / "dcp" / ".metadata").is_file() and (actor / "critic" / "dcp" / ".metadata").is_file()
 

@@ -110,6 +110,25 @@ def test_response_arrays_record_the_tool_fields_of_a_tool_run() -> None:
     check_step_arrays(chosen, "entropy")
 
 
+def test_response_arrays_record_policy_versions_staleness_and_rejected_tokens() -> None:
+    batch = traced_batch()
+    batch["policy_version"] = np.array([6, 6, 5])
+    batch["staleness"] = np.array([0, 0, 1])
+    # the rollout correction took token 1 of row 1 out of the loss (RESPONSE_MASK [[1,1,0],[1,1,1],[1,0,0]])
+    batch["rollout_rs_rejected"] = torch.tensor([[False] * 3, [False, True, False], [False] * 3])
+    batch["response_mask"] = batch["response_mask"] * ~batch["rollout_rs_rejected"]
+    arrays = response_arrays(batch)
+    assert arrays["policy_version"].dtype == np.int32 and arrays["policy_version"].tolist() == [6, 6, 5]
+    assert arrays["staleness"].dtype == np.int32 and arrays["staleness"].tolist() == [0, 0, 1]
+    # the policy wrote the rejected token: it stays in response_mask, marked in rollout_rs_rejected
+    assert arrays["response_mask"].tolist() == [[True, True, False], [True, True, True], [True, False, False]]
+    assert arrays["rollout_rs_rejected"].tolist() == [[False] * 3, [False, True, False], [False] * 3]
+    assert arrays["advantage"].tolist() == [2.0, 4.0, 5.0], "over the learned tokens: (2 + 6) / 2"
+    check_step_arrays(arrays, "entropy")
+    assert queries.overview_table(arrays)[["learned_tokens", "rejected_tokens"]].values.tolist() == [
+        [2, 0], [2, 1], [1, 0]]
+
+
 def test_a_run_without_tools_records_no_tool_fields() -> None:
     arrays = response_arrays(traced_batch())
     assert not {"tool_mask", "num_tool_calls", "num_turns", "branch_parent", "branch_position"} & set(arrays)

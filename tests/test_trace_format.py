@@ -493,6 +493,38 @@ def test_a_step_file_written_before_the_tool_fields_still_loads(tmp_path: Path) 
     assert sorted(step) == sorted(old) and not set(TOOL_FIELDS) & set(step) and "finish_reason" not in step
 
 
+def off_policy_arrays() -> dict[str, np.ndarray]:
+    """entropy_arrays() of a run with the policy versions and the rollout correction's rejection."""
+    return {**entropy_arrays(), "policy_version": np.array([4, 3], dtype=np.int32),
+            "staleness": np.array([0, 1], dtype=np.int32),
+            "rollout_rs_rejected": np.array([[False, True, False], [False, False, False]])}
+
+
+def test_the_off_policy_fields_round_trip_and_are_checked(tmp_path: Path) -> None:
+    assert [field_spec(name)[0] for name in ("policy_version", "staleness", "rollout_rs_rejected")] == [
+        "int32", "int32", "bool"]
+    arrays = off_policy_arrays()
+    TraceWriter(tmp_path, kind="entropy").write_step(1, arrays, {})
+    step = TraceReader(tmp_path).load_step(1)
+    for name, array in arrays.items():
+        assert step[name].dtype == array.dtype and np.array_equal(step[name], array), name
+    for name, bad, message in (("policy_version", np.array([4, 3]), "policy_version must be int32"),
+                               ("staleness", np.zeros((2, 3), np.int32), "staleness has shape"),
+                               ("rollout_rs_rejected", np.zeros((2, 2), bool), "rollout_rs_rejected has shape"),
+                               ("rollout_rs_rejected", np.array([[False, False, True], [False] * 3]),
+                                "rollout_rs_rejected is True at a token response_mask leaves out")):
+        with pytest.raises(ValueError, match=message):
+            check_step_arrays({**arrays, name: bad}, "entropy")
+
+
+def test_a_step_file_written_before_the_policy_versions_still_loads(tmp_path: Path) -> None:
+    old = tool_arrays()  # what this archer wrote before the off-policy fields
+    TraceWriter(tmp_path, kind="entropy").write_step(1, old, {})
+    step = TraceReader(tmp_path).load_step(1)
+    assert sorted(step) == sorted(old)
+    assert not {"policy_version", "staleness", "rollout_rs_rejected"} & set(step)
+
+
 def test_reward_extra_fields_are_float32_per_response() -> None:
     dtype, description = field_spec("reward_extra/f1")
     assert dtype == "float32" and "NaN in the rows it did not" in description

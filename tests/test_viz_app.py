@@ -139,6 +139,27 @@ def test_the_influence_scale_is_the_responses_own_by_default_or_the_steps_and_sa
         explorer.response(3, 0, influence_scale="run")
 
 
+def test_the_response_view_shows_policy_versions_staleness_and_rejected_tokens(tmp_path, tokenizer) -> None:
+    trace = trace_support.write_trace(tmp_path / "entropy_trace", tokenizer, steps=(5,), off_policy=True)
+    explorer = Explorer(trace)
+    stale, fresh = explorer.response(5, 1), explorer.response(5, 0)
+    assert "**policy_version** 3 | **staleness** 1" in stale.metadata
+    assert "**policy_version** 4 | **staleness** 0" in fresh.metadata
+    assert "**rejected_tokens** 1" in fresh.metadata and "**rejected_tokens** 0" in explorer.response(5, 4).metadata
+    first = fresh.entropy_html.split('data-pos="0"')[0].rsplit("<span", 1)[1]
+    assert "archer-tok--rejected" in first and "archer-tok--rejected" not in stale.entropy_html.split(
+        'data-pos="1"')[0].rsplit("<span", 1)[1]
+    assert "rejected by the rollout correction (no loss)" in fresh.entropy_html
+    arrays = trace_support.step_arrays(tokenizer, 5, off_policy=True)
+    assert fresh.response == tokenizer.decode(arrays["responses"][0][arrays["response_mask"][0]].tolist()), \
+        "a rejected token is still part of the response"
+
+
+def test_an_old_trace_shows_no_policy_versions(explorer) -> None:
+    metadata = explorer.response(2, 1).metadata
+    assert "policy_version" not in metadata and "staleness" not in metadata and "rejected" not in metadata
+
+
 def test_csv_exports_are_pruned_to_the_newest(explorer) -> None:
     views = [(step, row, sort) for step in (1, 2, 4) for row in range(6) for sort in queries.SORTS]  # 54 CSVs
     paths = [explorer.response(step, row, sort=sort).csv_path for step, row, sort in views]

@@ -1,14 +1,17 @@
 """ActorObjective: config reading (each loss's own defaults, the GSPO aggregation warning), when entropies are
-needed, top-entropy normalisers, the Archer split KL, the entropy bonus, and micro-batch losses, gradients and
+needed, top-entropy normalisers, the Archer split KL, the entropy bonus, the rollout correction (decoupled IS
+weights, the bypass mode's per-micro-batch correction and REINFORCE), and micro-batch losses, gradients and
 metrics that add up to the mini-batch's (docs/algorithms.md)."""
 
 import logging
+import math
 
 import pytest
 import torch
 
 from archer.algorithms.metric_sums import MetricSums
 from archer.algorithms.policy_loss import LOSS_INPUTS, POLICY_LOSSES
+from archer.algorithms.rollout_correction import RolloutCorrection
 from archer.config.loader import load_config
 from archer.errors import ArcherError
 from archer.workers.actor_objective import INPUT_BUILDERS, ActorObjective
@@ -17,9 +20,13 @@ F64 = torch.float64
 ACTOR = "actor_rollout_ref.actor."
 
 
+RC = "algorithm.rollout_correction."
+
+
 def objective(*overrides: str) -> ActorObjective:
     cfg = load_config("ppo_trainer", ["data.train_files=x", "actor_rollout_ref.model.path=y", *overrides])
-    return ActorObjective.from_config(cfg.actor_rollout_ref.actor)
+    return ActorObjective.from_config(cfg.actor_rollout_ref.actor,
+                                      RolloutCorrection.from_config(cfg.algorithm.rollout_correction))
 
 
 def lengths_mask(lengths: list[int], width: int = 5) -> torch.Tensor:
@@ -394,3 +401,80 @@ def test_entropy_aware_advantage_is_the_same_loss_on_scaled_advantages_for_every
     extra = {k: v for k, v in metrics.items() if k not in expected_metrics}
     assert sorted(extra) == ["entropy_adv_flipped_frac", "entropy_adv_scale_mean", "entropy_adv_scale_neg",
                              "entropy_adv_scale_pos"]
+
+
+# -- rollout correction ------------------------------------------------------------------------------------------
+# One response of 4 tokens, A = 1, 1, -1, -1; pi_theta / pi_rollout = 3, 1.1, 0.9, 0.25 (old_log_prob: the rollout's)
+BYPASS_RATIOS = [3.0, 1.1, 0.9, 0.25]
+BYPASS_ADV = torch.tensor([[1.0, 1.0, -1.0, -1.0]], dtype=F64)
+
+
+def bypass_loss(obj: ActorObjective) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    old = torch.full((1, 4), -1.0, dtype=F64)
+    log_prob = (old + torch.tensor([BYPASS_RATIOS], dtype=F64).log()).requires_grad_(True)
+    mask = torch.ones(1, 4, dtype=F64)
+    agg, pg_agg = obj.mini_batch_normalisers(mask, [torch.arange(1)])
+    loss, metrics = obj.micro_batch_loss(log_prob=log_prob, entropy=None, old_log_prob=old, advantages=BYPASS_ADV,
+                                         mask=mask, ref_log_prob=None, agg_kwargs=agg, pg_agg_kwargs=pg_agg)
+    (grad,) = torch.autograd.grad(loss, log_prob)
+    return loss, {k: m.value for k, m in metrics.items()}, grad
+
+
+def test_bypass_ppo_clip_rejects_tokens_of_the_current_policy_and_reports_its_diagnostics():
+    obj = objective(RC + "bypass_mode=true", RC + "rollout_is=token", RC + "rollout_rs=token_k1",
+                    RC + "rollout_rs_threshold=0.5_2.0")
+    assert obj.loss_mode == "vanilla" and obj.bypass is not None
+    loss, metrics, grad = bypass_loss(obj)
+    # token_k1 keeps 1 / r within [0.5, 2]: 1.1 and 0.9; PPO clip on them (-1.1, then A < 0: max(0.9, 0.8) = 0.9),
+    # normalised by the mini-batch's 4 tokens; the IS weights are diagnostics only
+    assert loss.item() == pytest.approx((-1.1 + 0.9) / 4)
+    assert grad[0].tolist() == pytest.approx([0.0, -1.1 / 4, 0.9 / 4, 0.0])
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(2 / 4)
+    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx((2.0 + 1.1 + 0.9 + 0.25) / 4)
+    assert metrics["rollout_corr/kl"] == pytest.approx(-math.log(3.0 * 1.1 * 0.9 * 0.25) / 4)
+    assert float(metrics["pg_clipfrac"]) == 0.0, "over the kept tokens: neither is clipped"
+
+
+def test_bypass_reinforce_weights_the_log_likelihood_gradient():
+    obj = objective(RC + "bypass_mode=true", RC + "loss_type=reinforce", RC + "rollout_is=token")
+    assert obj.loss_mode == "reinforce"
+    loss, metrics, grad = bypass_loss(obj)
+    weights = [2.0, 1.1, 0.9, 0.25]  # min(pi_theta / pi_rollout, 2)
+    logp = [-1.0 + math.log(r) for r in BYPASS_RATIOS]
+    adv = BYPASS_ADV[0].tolist()
+    assert loss.item() == pytest.approx(-sum(a * w * lp for a, w, lp in zip(adv, weights, logp)) / 4)
+    assert grad[0].tolist() == pytest.approx([-a * w / 4 for a, w in zip(adv, weights)])
+    assert metrics["ppo_kl"] == pytest.approx(-sum(map(math.log, BYPASS_RATIOS)) / 4)
+
+
+def test_decoupled_weights_multiply_the_policy_loss_only():
+    obj = objective(ACTOR + "entropy_coeff=0.1", ACTOR + "use_kl_loss=true", ACTOR + "kl_loss_type=kl")
+    assert obj.bypass is None, "the decoupled mode corrects in the trainer"
+    data = random_mini_batch(2)
+    agg, pg_agg = obj.mini_batch_normalisers(data["mask"], [torch.arange(4)])
+    common = {"log_prob": data["log_prob"], "entropy": data["entropy"], "old_log_prob": data["old_log_prob"],
+              "advantages": data["advantages"], "mask": data["mask"], "ref_log_prob": data["ref_log_prob"],
+              "agg_kwargs": agg, "pg_agg_kwargs": pg_agg}
+    _, plain = obj.micro_batch_loss(**common)
+    _, weighted = obj.micro_batch_loss(**common, rollout_is_weights=torch.full((4, 5), 0.5, dtype=F64))
+    assert weighted["pg_loss"].value == pytest.approx(0.5 * plain["pg_loss"].value)
+    assert weighted["entropy_loss"].value == plain["entropy_loss"].value
+    assert weighted["kl_loss"].value == plain["kl_loss"].value
+
+
+@pytest.mark.parametrize("overrides", [
+    (RC + "bypass_mode=true", RC + "rollout_is=token", RC + "rollout_rs='token_k1,seq_mean_k3'",
+     RC + "rollout_rs_threshold='0.6_1.6,0.15'"),
+    (RC + "bypass_mode=true", RC + "loss_type=reinforce", RC + "rollout_is=sequence", RC + "rollout_is_threshold=1.5",
+     RC + "rollout_rs=seq_max_k2", RC + "rollout_rs_threshold=0.26"),
+])
+def test_the_bypass_mode_adds_up_over_micro_batches(overrides):
+    obj = objective(*overrides)
+    data = random_mini_batch(5, spread=1.6)
+    whole, whole_grad, whole_metrics = accumulate(obj, data, 4)
+    assert 0 < whole_metrics["rollout_corr/rollout_rs_masked_fraction"] < 1
+    for micro in (3, 1):
+        split, split_grad, split_metrics = accumulate(obj, data, micro)
+        assert split == pytest.approx(whole, rel=1e-9)
+        assert torch.allclose(split_grad, whole_grad, rtol=1e-9, atol=1e-12)
+        assert split_metrics == pytest.approx(whole_metrics, rel=1e-9, abs=1e-12)

@@ -5,8 +5,9 @@ tokenizer (spaces, newlines and tabs included), right-padded with the pad id; en
 float16 from a seeded generator (padding entropy 0). uids differ between steps while the prompts repeat, as
 in training, so the same prompt is found at two steps only by its token ids. Every step has one reward extra,
 ``reward_extra/f1`` (NaN on every third response). Influence traces add influence (NaN at padding and at every
-fifth valid token), accepted (reward equals the group maximum) and group_id. ``write_tool_trace`` writes the
-entropy trace of a tool run: tool output, tool calls and branches (TOOL_GROUPS).
+fifth valid token), accepted (reward equals the group maximum) and group_id. Without ``off_policy`` a step holds
+the fields archer wrote before the policy versions (an old trace). ``write_tool_trace`` writes the entropy trace
+of a tool run: tool output, tool calls and branches (TOOL_GROUPS).
 """
 
 from __future__ import annotations
@@ -37,8 +38,11 @@ def tiny_tokenizer(vocab_size: int = 300) -> Any:
 
 
 def step_arrays(tokenizer: Any, step: int, *, kind: str = "entropy", num_prompts: int = 2, rollout_n: int = 3,
-                response_len: int = 32, prompt_len: int = 40, seed: int = 0) -> dict[str, np.ndarray]:
-    """The arrays of one step (fields of trace/format.py), deterministic in (step, seed)."""
+                response_len: int = 32, prompt_len: int = 40, seed: int = 0,
+                off_policy: bool = False) -> dict[str, np.ndarray]:
+    """The arrays of one step (fields of trace/format.py), deterministic in (step, seed). ``off_policy`` adds
+    policy_version and staleness (odd rows sampled one version before the step's, as an asynchronous run) and
+    rollout_rs_rejected (the first token of every response of the first prompt)."""
     rng = np.random.default_rng([seed, step])
     n = num_prompts * rollout_n
     pad = tokenizer.pad_token_id
@@ -73,6 +77,12 @@ def step_arrays(tokenizer: Any, step: int, *, kind: str = "entropy", num_prompts
         "data_source": np.asarray(["arithmetic" if i % 2 == 0 else "countdown" for i in range(n)]),
         "reward_extra/f1": np.where(np.arange(n) % 3 == 2, np.nan, 0.25 + 0.5 * reward).astype(np.float32),
     }
+    if off_policy:
+        stale = (np.arange(n) % 2).astype(np.int32)
+        rejected = np.zeros_like(mask)
+        rejected[:rollout_n, 0] = True
+        arrays.update({"policy_version": (step - 1 - stale).astype(np.int32), "staleness": stale,
+                       "rollout_rs_rejected": rejected})
     if kind == "influence":
         influence = rng.normal(0.0, 0.5, (n, response_len))
         computed = mask & (np.arange(response_len) % 5 != 4)

@@ -1,10 +1,11 @@
 """Metrics that declare how they reduce over the micro-batches of a mini-batch.
 
 A loss returns each metric as a `Mean` (a sum and the count it is a mean over, e.g. a clipped fraction over the
-valid tokens) or a `Total` (a quantity that adds up: a token count, or a loss already normalised over the whole
-mini-batch). `MetricSums` adds the micro-batch values and divides each Mean's sums only at the end, so the
-metrics of a mini-batch do not depend on how it was split into micro-batches. A bare number or tensor is
-refused: a new metric cannot be averaged the wrong way by accident.
+valid tokens), a `Total` (a quantity that adds up: a token count, or a loss already normalised over the whole
+mini-batch), a `Max` / `Min` (an extreme over the items), or `Moments` (sums of x and x^2 over the items, for a
+standard deviation or an effective sample size). `MetricSums` adds the micro-batch values and divides each
+Mean's sums only at the end, so the metrics of a mini-batch do not depend on how it was split into
+micro-batches. A bare number or tensor is refused: a new metric cannot be averaged the wrong way by accident.
 """
 
 from __future__ import annotations
@@ -44,7 +45,65 @@ class Total:
         return float(self.total)
 
 
-Metric = Mean | Total
+@dataclass(frozen=True)
+class Max:
+    """The largest of a set of values (-inf for none, reported as 0)."""
+
+    largest: Number
+
+    @property
+    def value(self) -> float:
+        largest = float(self.largest)
+        return largest if largest != float("-inf") else 0.0
+
+
+@dataclass(frozen=True)
+class Min:
+    """The smallest of a set of values (inf for none, reported as 0)."""
+
+    smallest: Number
+
+    @property
+    def value(self) -> float:
+        smallest = float(self.smallest)
+        return smallest if smallest != float("inf") else 0.0
+
+
+MOMENT_STATISTICS = ("std", "sample_std", "ess")
+
+
+@dataclass(frozen=True)
+class Moments:
+    """Sums of x (``total``) and x^2 (``total_sq``) over ``count`` items, reported as ``statistic``:
+
+    std         the population standard deviation, sqrt(max(E[x^2] - E[x]^2, 0)); 0 for fewer than 2 items
+    sample_std  the Bessel-corrected one, sqrt(max((sum x^2 - (sum x)^2 / n) / (n - 1), 0)); 0 for n < 2
+    ess         the effective sample size of weights x as a fraction of n: (E[x] + 1e-8)^2 / E[x^2]
+                (1 / E[(x / (E[x] + 1e-8))^2], verl's formula); 0 when every weight is 0
+    """
+
+    total: Number
+    total_sq: Number
+    count: Number
+    statistic: str
+
+    def __post_init__(self) -> None:
+        if self.statistic not in MOMENT_STATISTICS:
+            raise ValueError(f"Moments.statistic must be one of {MOMENT_STATISTICS}, got {self.statistic!r}")
+
+    @property
+    def value(self) -> float:
+        total, total_sq, count = float(self.total), float(self.total_sq), float(self.count)
+        if self.statistic == "ess":
+            return (total / count + 1e-8) ** 2 / (total_sq / count) if count and total_sq else 0.0
+        if count < 2:
+            return 0.0
+        if self.statistic == "std":
+            return max(total_sq / count - (total / count) ** 2, 0.0) ** 0.5
+        return max((total_sq - total * total / count) / (count - 1), 0.0) ** 0.5
+
+
+Metric = Mean | Total | Max | Min | Moments
 
 
 def masked_mean_metric(x: torch.Tensor, mask: torch.Tensor) -> Mean:
@@ -57,6 +116,56 @@ def total_metric(x: torch.Tensor) -> Total:
     return Total(x.detach())
 
 
+def masked_max_metric(x: torch.Tensor, mask: torch.Tensor) -> Max:
+    """The largest entry of x (detached) where ``mask`` is set."""
+    return Max(x.detach().masked_fill(~mask.bool(), float("-inf")).max() if x.numel() else float("-inf"))
+
+
+def masked_min_metric(x: torch.Tensor, mask: torch.Tensor) -> Min:
+    """The smallest entry of x (detached) where ``mask`` is set."""
+    return Min(x.detach().masked_fill(~mask.bool(), float("inf")).min() if x.numel() else float("inf"))
+
+
+def masked_moments_metric(x: torch.Tensor, mask: torch.Tensor, statistic: str) -> Moments:
+    """The Moments of x (detached) over the entries where ``mask`` is set, summed in float64: a variance is a
+    difference of the two sums, which float32 would leave with few correct digits for values near each other."""
+    x = x.detach().double()
+    return Moments(masked_sum(x, mask), masked_sum(x * x, mask), mask_count(mask), statistic)
+
+
+def _weighted(metric: Metric, weight: float) -> Metric:
+    """``metric`` counted ``weight`` times (0: a data-parallel rank's padding pass, which adds nothing)."""
+    if weight == 1.0:
+        return metric
+    if isinstance(metric, Mean):
+        return Mean(metric.total * weight, metric.count * weight)
+    if isinstance(metric, Total):
+        return Total(metric.total * weight)
+    if isinstance(metric, Moments):
+        return Moments(metric.total * weight, metric.total_sq * weight, metric.count * weight, metric.statistic)
+    if isinstance(metric, Max | Min) and weight != 0.0:
+        raise ValueError(f"an extreme ({type(metric).__name__}) can be counted once or not at all, not {weight} times")
+    if isinstance(metric, Max):
+        return Max(float("-inf"))
+    if isinstance(metric, Min):
+        return Min(float("inf"))
+    return metric
+
+
+def _combined(kept: Metric, metric: Metric) -> Metric:
+    """Two micro-batches' values of one metric as one."""
+    if isinstance(metric, Mean):
+        return Mean(kept.total + metric.total, kept.count + metric.count)
+    if isinstance(metric, Total):
+        return Total(kept.total + metric.total)
+    if isinstance(metric, Max):
+        return Max(max(float(kept.largest), float(metric.largest)))
+    if isinstance(metric, Min):
+        return Min(min(float(kept.smallest), float(metric.smallest)))
+    return Moments(kept.total + metric.total, kept.total_sq + metric.total_sq, kept.count + metric.count,
+                   metric.statistic)
+
+
 class MetricSums:
     """Adds up the declared metrics of the micro-batches of one mini-batch."""
 
@@ -67,32 +176,43 @@ class MetricSums:
         """Add a micro-batch's metrics; ``weight`` 0 adds their names with nothing in them (a data-parallel
         rank's padding pass, archer/workers/data_parallel.py)."""
         for name, metric in metrics.items():
-            if weight != 1.0:
-                metric = (Mean(metric.total * weight, metric.count * weight) if isinstance(metric, Mean)
-                          else Total(metric.total * weight) if isinstance(metric, Total) else metric)
             kept = self._sums.get(name)
-            if not isinstance(metric, Mean | Total) or (kept is not None and type(kept) is not type(metric)):
-                raise TypeError(f"metric {name!r} must be declared as archer.algorithms.metric_sums.Mean or Total "
-                                f"(the same kind in every micro-batch), got {type(metric).__name__}")
-            if kept is None:
-                self._sums[name] = metric
-            elif isinstance(metric, Mean):
-                self._sums[name] = Mean(kept.total + metric.total, kept.count + metric.count)
-            else:
-                self._sums[name] = Total(kept.total + metric.total)
+            if not isinstance(metric, Metric) or (kept is not None and type(kept) is not type(metric)) or (
+                    isinstance(metric, Moments) and kept is not None and kept.statistic != metric.statistic):
+                raise TypeError(f"metric {name!r} must be declared as archer.algorithms.metric_sums.Mean, Total, Max, Min "
+                                f"or Moments (the same kind in every micro-batch), got {type(metric).__name__}")
+            metric = _weighted(metric, weight)
+            self._sums[name] = metric if kept is None else _combined(kept, metric)
 
-    def reduce(self, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Replace every total and count by its sum over the ranks of a data-parallel update, in one call of
-        ``sum_over_ranks`` on a float64 vector (every rank holds the same names: the order is by name)."""
+    def reduce(self, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor],
+               max_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Replace every metric by its value over the ranks of a data-parallel update: totals and counts summed in
+        one call of ``sum_over_ranks`` on a float64 vector, extremes in one call of ``max_over_ranks`` (a Min as
+        the maximum of its negation); every rank holds the same names, so the order is by name."""
         names = sorted(self._sums)
-        values = []
+        sums, extremes = [], []
         for name in names:
             metric = self._sums[name]
-            values += [float(metric.total), float(metric.count) if isinstance(metric, Mean) else 0.0]
-        summed = sum_over_ranks(torch.tensor(values, dtype=torch.float64)).tolist()
-        for i, name in enumerate(names):
-            total, count = summed[2 * i], summed[2 * i + 1]
-            self._sums[name] = Mean(total, count) if isinstance(self._sums[name], Mean) else Total(total)
+            if isinstance(metric, Max | Min):
+                extremes.append(float(metric.largest) if isinstance(metric, Max) else -float(metric.smallest))
+            else:
+                sums += [float(metric.total), float(metric.total_sq) if isinstance(metric, Moments) else 0.0,
+                         float(metric.count) if isinstance(metric, Mean | Moments) else 0.0]
+        if extremes and max_over_ranks is None:
+            raise ValueError("metrics declared as Max or Min need max_over_ranks to be reduced over ranks")
+        summed = sum_over_ranks(torch.tensor(sums, dtype=torch.float64)).tolist() if sums else []
+        maxima = max_over_ranks(torch.tensor(extremes, dtype=torch.float64)).tolist() if extremes else []
+        for name in names:
+            metric = self._sums[name]
+            if isinstance(metric, Max):
+                self._sums[name] = Max(maxima.pop(0))
+            elif isinstance(metric, Min):
+                self._sums[name] = Min(-maxima.pop(0))
+            else:
+                total, total_sq, count = summed[:3]
+                del summed[:3]
+                self._sums[name] = (Mean(total, count) if isinstance(metric, Mean) else Total(total)
+                                    if isinstance(metric, Total) else Moments(total, total_sq, count, metric.statistic))
 
     def result(self) -> dict[str, float]:
         """Each metric of the mini-batch as a float."""

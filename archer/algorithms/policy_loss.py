@@ -7,7 +7,13 @@ config knobs with their defaults, the per-micro-batch inputs the actor must comp
 switches it supports. Its function takes exactly those, plus the common arguments, as keyword arguments
 (checked when it is registered), and returns (scalar loss, metrics): pg_clipfrac, ppo_kl and pg_clipfrac_lower
 plus the metrics of its own mechanism, each declared as a `Mean` or a `Total` (archer.algorithms.metric_sums).
+Among the common arguments, ``rollout_is_weights`` (verl's rollout correction, algorithms/rollout_correction.py)
+multiplies every token's loss before aggregation when it is given (`is_weighted`).
 Adding a loss touches one function, its registration and its YAML keys.
+
+The bypass mode of the rollout correction has its own loss types (``algorithm.rollout_correction.loss_type``):
+``ppo_clip`` trains with the configured loss against the rollout log-probs; the others (REINFORCE) are
+registered in BYPASS_LOSS_TYPES with the same declaration check.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ LOG_RATIO_CLAMP = 20.0
 GSPO_LOG_RATIO_MAX = 10.0
 
 # Keyword arguments every loss takes.
-COMMON_ARGUMENTS = ("old_log_prob", "log_prob", "advantages", "response_mask", "loss_agg_mode", "agg_kwargs")
+COMMON_ARGUMENTS = ("old_log_prob", "log_prob", "advantages", "response_mask", "loss_agg_mode", "agg_kwargs",
+                    "rollout_is_weights")
 # verl's actor settings shared by several losses; each has one default, in the YAML (clip_ratio_low/high: null
 # means clip_ratio).
 SHARED_SETTINGS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
@@ -106,6 +113,9 @@ def option_keyword(key: str) -> str:
 
 
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", "actor_rollout_ref.actor.policy_loss.loss_mode")
+# The bypass mode's loss types besides PPO_CLIP, which is the configured loss (POLICY_LOSSES) itself.
+PPO_CLIP = "ppo_clip"
+BYPASS_LOSS_TYPES: Registry[PolicyLoss] = Registry("bypass-mode loss type", "algorithm.rollout_correction.loss_type")
 
 
 def register_policy_loss(
@@ -116,8 +126,10 @@ def register_policy_loss(
     inputs: tuple[str, ...] = (),
     agg_mode: str | None = None,
     switches: tuple[str, ...] = (),
+    registry: Registry[PolicyLoss] = POLICY_LOSSES,
 ) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator: make a policy loss available as `actor.policy_loss.loss_mode=<name>`, with what it needs.
+    """Decorator: make a policy loss available as `actor.policy_loss.loss_mode=<name>` (or, with ``registry``
+    BYPASS_LOSS_TYPES, as a bypass-mode loss_type), with what it needs.
 
     The function's keyword-only parameters must be exactly COMMON_ARGUMENTS plus the declared settings,
     option keywords, inputs and switches, so that nothing is passed to it undeclared or silently dropped.
@@ -127,7 +139,7 @@ def register_policy_loss(
         entry = PolicyLoss(name, fn, tuple(settings), dict(options or {}), tuple(inputs), agg_mode,
                            tuple(switches))
         _check_declaration(entry)
-        POLICY_LOSSES.add(name, entry)
+        registry.add(name, entry)
         return fn
 
     return add
@@ -153,7 +165,7 @@ def _check_declaration(entry: PolicyLoss) -> None:
 
 
 def compute_policy_loss(
-    loss_mode: str,
+    loss_mode: str | PolicyLoss,
     *,
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -161,12 +173,14 @@ def compute_policy_loss(
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
     agg_kwargs: dict[str, Any] | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
     **named: Any,
 ) -> tuple[torch.Tensor, dict[str, Metric]]:
-    """Run the named policy loss. `named` holds the settings and inputs it declares (required) and any of its
-    options (omitted ones take the loss's default) and switches (omitted ones are off); a loss with a fixed
-    aggregation ignores `loss_agg_mode`."""
-    entry = POLICY_LOSSES.lookup(loss_mode)
+    """Run the named policy loss (or a registered entry). `named` holds the settings and inputs it declares
+    (required) and any of its options (omitted ones take the loss's default) and switches (omitted ones are off);
+    a loss with a fixed aggregation ignores `loss_agg_mode`. `rollout_is_weights` [B, R] (detached) multiply
+    each token's loss; None leaves it as it is."""
+    entry = loss_mode if isinstance(loss_mode, PolicyLoss) else POLICY_LOSSES.lookup(loss_mode)
     return entry.fn(
         old_log_prob=old_log_prob,
         log_prob=log_prob,
@@ -174,8 +188,15 @@ def compute_policy_loss(
         response_mask=response_mask,
         loss_agg_mode=entry.agg_mode or loss_agg_mode,
         agg_kwargs=agg_kwargs or {},
+        rollout_is_weights=rollout_is_weights,
         **entry.arguments(named),
     )
+
+
+def is_weighted(token_losses: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> torch.Tensor:
+    """Each token's loss times its rollout-correction IS weight (verl's ``pg_losses * rollout_is_weights``);
+    unchanged without weights."""
+    return token_losses if rollout_is_weights is None else token_losses * rollout_is_weights
 
 
 Bound = float | torch.Tensor
@@ -219,6 +240,7 @@ def vanilla_policy_loss(
     response_mask: torch.Tensor,
     loss_agg_mode: str,
     agg_kwargs: dict[str, Any],
+    rollout_is_weights: torch.Tensor | None,
     clip_ratio_low: float,
     clip_ratio_high: float,
     clip_ratio_c: float,
@@ -228,7 +250,7 @@ def vanilla_policy_loss(
     token_losses, log_ratio, clip_active, dual_active = _dual_clip_losses(
         old_log_prob, log_prob, advantages, clip_ratio_low, clip_ratio_high, clip_ratio_c,
         enable_entropy_balanced_clipping)
-    loss = agg_loss(token_losses, response_mask, loss_agg_mode, **agg_kwargs)
+    loss = agg_loss(is_weighted(token_losses, rollout_is_weights), response_mask, loss_agg_mode, **agg_kwargs)
     metrics = _metrics(log_ratio, clip_active, dual_active, response_mask)
     if enable_entropy_balanced_clipping:
         metrics.update(_balanced_clip_metrics(clip_active, advantages, response_mask))
@@ -275,6 +297,7 @@ def archer_policy_loss(
     response_mask: torch.Tensor,
     loss_agg_mode: str,
     agg_kwargs: dict[str, Any],
+    rollout_is_weights: torch.Tensor | None,
     clip_ratio_c: float,
     high_entropy_mask: torch.Tensor,
     low_entropy_clip_ratio_low: float,
@@ -290,7 +313,7 @@ def archer_policy_loss(
     eps_high = _split_bounds(high_entropy_mask, low_entropy_clip_ratio_high, high_entropy_clip_ratio_high, log_prob)
     token_losses, log_ratio, clip_active, dual_active = _dual_clip_losses(
         old_log_prob, log_prob, advantages, eps_low, eps_high, clip_ratio_c, enable_entropy_balanced_clipping)
-    loss = agg_loss(token_losses, response_mask, loss_agg_mode, **agg_kwargs)
+    loss = agg_loss(is_weighted(token_losses, rollout_is_weights), response_mask, loss_agg_mode, **agg_kwargs)
     metrics = _metrics(log_ratio, clip_active, dual_active, response_mask)
     metrics.update(_entropy_class_metrics(high_entropy_mask, clip_active, response_mask))
     if enable_entropy_balanced_clipping:
@@ -309,6 +332,7 @@ def aspo_policy_loss(
     response_mask: torch.Tensor,
     loss_agg_mode: str,
     agg_kwargs: dict[str, Any],
+    rollout_is_weights: torch.Tensor | None,
     clip_ratio_c: float,
     high_entropy_mask: torch.Tensor,
     low_entropy_clip_ratio_low: float,
@@ -339,7 +363,7 @@ def aspo_policy_loss(
     token_losses = torch.where(negative, neg_loss, pos_loss)
     clip_active = torch.where(negative, ratio < 1 - eps_low, ratio > 1 + eps_high)
     soft_active = torch.where(negative, neg_soft, pos_soft)
-    loss = agg_loss(token_losses, response_mask, loss_agg_mode, **agg_kwargs)
+    loss = agg_loss(is_weighted(token_losses, rollout_is_weights), response_mask, loss_agg_mode, **agg_kwargs)
     metrics = _metrics(log_ratio, clip_active, soft_active, response_mask)
     metrics.update(_entropy_class_metrics(high_entropy_mask, clip_active, response_mask))
     return loss, metrics
@@ -356,6 +380,7 @@ def clip_cov_policy_loss(
     response_mask: torch.Tensor,
     loss_agg_mode: str,
     agg_kwargs: dict[str, Any],
+    rollout_is_weights: torch.Tensor | None,
     clip_ratio_low: float,
     clip_ratio_high: float,
     clip_cov_ratio: float,
@@ -372,7 +397,7 @@ def clip_cov_policy_loss(
     cov = advantage_logp_covariance(advantages, log_prob, response_mask)
     cut = clip_cov_tokens(cov, response_mask.bool() & ~clip_active, clip_cov_ratio, clip_cov_lb, clip_cov_ub)
     token_losses = torch.where(cut, 0.0, ppo_losses)
-    loss = agg_loss(token_losses, response_mask, loss_agg_mode, **agg_kwargs)
+    loss = agg_loss(is_weighted(token_losses, rollout_is_weights), response_mask, loss_agg_mode, **agg_kwargs)
     metrics = _metrics(log_ratio, clip_active, torch.zeros_like(clip_active), response_mask)
     metrics["cov_selected_tokens"] = Total(cut.sum().float())
     if enable_entropy_balanced_clipping:
@@ -389,6 +414,7 @@ def kl_cov_policy_loss(
     response_mask: torch.Tensor,
     loss_agg_mode: str,
     agg_kwargs: dict[str, Any],
+    rollout_is_weights: torch.Tensor | None,
     kl_cov_ratio: float,
     ppo_kl_coef: float,
 ) -> tuple[torch.Tensor, dict[str, Metric]]:
@@ -401,7 +427,7 @@ def kl_cov_policy_loss(
     cov = advantage_logp_covariance(advantages, log_prob, response_mask)
     penalised = kl_cov_tokens(cov, kl_cov_ratio)
     token_losses = torch.where(penalised, pg_losses + ppo_kl_coef * log_ratio.abs(), pg_losses)
-    loss = agg_loss(token_losses, response_mask, loss_agg_mode, **agg_kwargs)
+    loss = agg_loss(is_weighted(token_losses, rollout_is_weights), response_mask, loss_agg_mode, **agg_kwargs)
     no_clip = torch.zeros_like(penalised)
     metrics = _metrics(log_ratio, no_clip, no_clip, response_mask)
     metrics["cov_selected_tokens"] = Total(penalised.sum().float())
@@ -420,6 +446,7 @@ def gspo_policy_loss(
     response_mask: torch.Tensor,
     loss_agg_mode: str,
     agg_kwargs: dict[str, Any],
+    rollout_is_weights: torch.Tensor | None,
     clip_ratio_low: float,
     clip_ratio_high: float,
 ) -> tuple[torch.Tensor, dict[str, Metric]]:
@@ -436,9 +463,28 @@ def gspo_policy_loss(
     token_losses, clip_active = clipped_token_losses(
         token_log_ratio.exp(), advantages, clip_ratio_low, clip_ratio_high
     )
-    loss = agg_loss(token_losses, response_mask, loss_agg_mode, **agg_kwargs)
+    loss = agg_loss(is_weighted(token_losses, rollout_is_weights), response_mask, loss_agg_mode, **agg_kwargs)
     no_dual = torch.zeros_like(clip_active)
     return loss, _metrics(log_ratio, clip_active, no_dual, response_mask)
+
+
+@register_policy_loss("reinforce", registry=BYPASS_LOSS_TYPES)
+def reinforce_policy_loss(
+    *,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    agg_kwargs: dict[str, Any],
+    rollout_is_weights: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, Metric]]:
+    """The bypass mode's REINFORCE (verl's loss_type=reinforce): L = -A * sg(w) * logp per token, no clipping,
+    with w the rollout-correction IS weight pi_theta / pi_rollout (1 without rollout_is); ``old_log_prob`` are the
+    rollout log-probs, read for ppo_kl only."""
+    token_losses = -advantages * log_prob
+    loss = agg_loss(is_weighted(token_losses, rollout_is_weights), response_mask, loss_agg_mode, **agg_kwargs)
+    return loss, {"ppo_kl": masked_mean_metric(old_log_prob - log_prob, response_mask)}
 
 
 def _entropy_class_metrics(

@@ -4,8 +4,10 @@ The arrays come from the old-log-prob pass (``old_log_probs``, ``entropies``), s
 model work: it copies tensors to numpy, compresses them and replaces files atomically. The step file also
 holds what the explorer needs without the run: prompt ids, reward, advantage, data_source, log-probs, the
 reward's numeric extras (``reward_extra/<key>``, float32, NaN where a response has none), each response's
-finish_reason and, for a run with tools, the tool fields (format.TOOL_FIELDS: tool_mask, num_tool_calls,
-num_turns, branch_parent, branch_position). Both trace kinds take their per-response fields from here.
+finish_reason, policy_version and staleness (trainer/off_policy.py), the tokens the rollout correction rejected
+(``rollout_rs_rejected``, when it rejects) and, for a run with tools, the tool fields (format.TOOL_FIELDS:
+tool_mask, num_tool_calls, num_turns, branch_parent, branch_position). Both trace kinds take their per-response
+fields from here.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from omegaconf import DictConfig
 
 from archer.algorithms.grouping import index_within_group
+from archer.algorithms.rollout_correction import RS_REJECTED
 from archer.batch import Batch
 from archer.rewards.extras import REWARD_EXTRAS, numeric_columns
 from archer.trace.format import REWARD_EXTRA_PREFIX, TraceWriter, value_stats
@@ -28,7 +31,10 @@ def response_arrays(batch: Batch, rows: np.ndarray | None = None) -> dict[str, n
     """The per-response fields shared by both trace kinds, for ``rows`` of the batch (all rows by default)."""
     rows = np.arange(len(batch)) if rows is None else np.asarray(rows, dtype=np.int64)
     index = torch.as_tensor(rows, dtype=torch.long)
-    mask = batch["response_mask"][index].bool()
+    learned = batch["response_mask"][index].bool()
+    rejected = batch[RS_REJECTED][index].bool() if RS_REJECTED in batch.tensors else None
+    # the policy wrote the tokens the rollout correction rejected: shown, though it learns nothing from them
+    mask = learned if rejected is None else learned | rejected
     uids = np.asarray([str(u) for u in batch["uid"]])
     prompt_mask = batch["attention_mask"][index, : batch["prompts"].shape[1]]
     advantages = batch["advantages"][index].float() if "advantages" in batch.tensors else None
@@ -47,7 +53,7 @@ def response_arrays(batch: Batch, rows: np.ndarray | None = None) -> dict[str, n
                                    for i in rows], dtype=str),  # str also when no row is chosen
     }
     if advantages is not None:
-        m = mask.float()
+        m = learned.float()
         arrays["advantage"] = ((advantages * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)).numpy()
     if REWARD_EXTRAS in batch.rows:
         for key, column in numeric_columns(batch[REWARD_EXTRAS][rows]).items():
@@ -56,7 +62,9 @@ def response_arrays(batch: Batch, rows: np.ndarray | None = None) -> dict[str, n
         arrays["finish_reason"] = np.asarray([str(r) for r in batch["finish_reason"][rows]], dtype=str)
     if "tool_mask" in batch.tensors:
         arrays["tool_mask"] = batch["tool_mask"][index].bool().numpy()
-    for name in ("num_tool_calls", "num_turns", "branch_parent", "branch_position"):
+    if rejected is not None:
+        arrays[RS_REJECTED] = rejected.numpy()
+    for name in ("num_tool_calls", "num_turns", "branch_parent", "branch_position", "policy_version", "staleness"):
         if name in batch.rows:
             arrays[name] = batch[name][rows].astype(np.int32)
     return arrays

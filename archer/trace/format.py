@@ -9,7 +9,8 @@ A trace directory holds
                         response_len, num_valid_tokens and statistics of the step
     latest_step.txt     the newest written step
     steps/step_XXXXXX.npz   np.savez_compressed arrays of one step (fields below; each numeric reward extra
-                        adds a float32 field ``reward_extra/<key>``; a run with tools adds TOOL_FIELDS)
+                        adds a float32 field ``reward_extra/<key>``; a run with tools adds TOOL_FIELDS;
+                        policy_version, staleness and rollout_rs_rejected came later: older traces lack them)
     tokenizer/          the run's tokenizer, so the trace can be read without the run
 
 Every file is replaced atomically (temporary file + os.replace, optional fsync): a crash leaves either the
@@ -50,7 +51,8 @@ _SUMMARY_FIELDS = ("format_version", "kind", "created_at", "updated_at", "latest
 RESPONSE_FIELDS = {
     "entropies": ("float16", "[num_responses, response_len] entropy of each response token (old policy)"),
     "response_mask": ("bool", "[num_responses, response_len] True on the tokens the policy wrote and learns "
-                      "from (and an eos appended at call_limit); False on padding and tool output"),
+                      "from (and an eos appended at call_limit; the tokens of rollout_rs_rejected too); False on "
+                      "padding and tool output"),
     "responses": ("int32", "[num_responses, response_len] response token ids"),
     "response_index": ("int32", "[num_responses] row of the response in the step's batch"),
     "prompt_length": ("int32", "[num_responses] number of real prompt tokens"),
@@ -62,6 +64,13 @@ RESPONSE_FIELDS = {
     "advantage": ("float32", "[num_responses] mean advantage over the response's tokens"),
     "data_source": ("str", "[num_responses] data_source of the prompt"),
     "finish_reason": ("str", "[num_responses] why generation ended: eos | stop | length | call_limit"),
+    "policy_version": ("int32", "[num_responses] the policy version that sampled the response: the global step "
+                       "whose update made its weights (0: the initial model); with a partial rollout, the newest"),
+    "staleness": ("int32", "[num_responses] policy versions between policy_version and the version the step "
+                  "updates (0 in the synchronous loop)"),
+    "rollout_rs_rejected": ("bool", "[num_responses, response_len] True on the tokens the rollout correction's "
+                            "rejection (algorithm.rollout_correction.rollout_rs) took out of the loss; "
+                            "response_mask is True there too"),
 }
 # Fields of a run with tools (the multi-turn loop, archer/rollout/agentic.py); absent otherwise.
 TOOL_FIELDS = {
@@ -86,7 +95,8 @@ INFLUENCE_FIELDS = {
 }
 
 ALL_FIELDS = {**RESPONSE_FIELDS, **TOOL_FIELDS, **INFLUENCE_FIELDS}
-TOKEN_FIELDS = ("entropies", "response_mask", "responses", "old_log_probs", "influence", "tool_mask")
+TOKEN_FIELDS = ("entropies", "response_mask", "responses", "old_log_probs", "influence", "tool_mask",
+                "rollout_rs_rejected")
 
 
 def field_spec(name: str) -> tuple[str, str] | None:
@@ -287,6 +297,9 @@ def check_step_arrays(arrays: dict[str, np.ndarray], kind: str) -> None:
         if name in TOKEN_FIELDS and array.shape != shape:
             raise ValueError(f"trace field {name} has shape {array.shape}, expected {shape}")
     _check_tool_fields(arrays)
+    if "rollout_rs_rejected" in arrays and np.any(arrays["rollout_rs_rejected"] & ~arrays["response_mask"]):
+        raise ValueError("trace field rollout_rs_rejected is True at a token response_mask leaves out (the policy "
+                         "wrote every rejected token)")
 
 
 def _check_tool_fields(arrays: dict[str, np.ndarray]) -> None:

@@ -13,7 +13,7 @@ import logging
 
 from omegaconf import DictConfig, OmegaConf
 
-from archer.algorithms.policy_loss import POLICY_LOSSES
+from archer.algorithms.rollout_correction import RolloutCorrection
 from archer.config.loader import as_list, world_size
 from archer.config.no_ops import check_no_ops
 from archer.errors import ArcherError
@@ -112,7 +112,13 @@ def check_config(cfg: DictConfig) -> None:
     check_engine_name(cfg.actor_rollout_ref.rollout.name)
     LoraSettings.from_config(cfg.actor_rollout_ref.model)  # lora_rank, lora_alpha, target_modules
     actor = cfg.actor_rollout_ref.actor
-    loss_switches(POLICY_LOSSES.lookup(actor.policy_loss.loss_mode), actor)  # a loss mode and switches it takes
+    correction = RolloutCorrection.from_config(cfg.algorithm.rollout_correction)
+    loss_switches(correction.policy_loss(actor.policy_loss.loss_mode), actor)  # a loss (mode) and switches it takes
+    if correction.is_level is not None and not correction.applies_weights:
+        log.warning("algorithm.rollout_correction.rollout_is=%s with bypass_mode and loss_type=ppo_clip: the IS "
+                    "weights are diagnostics only (rollout_corr/*); the PPO ratio pi_theta / pi_rollout corrects "
+                    "(loss_type=reinforce applies them)", correction.is_level.name)
+    check_trainer_mode(cfg)
     check_agentic_config(cfg.actor_rollout_ref.rollout)
     check_trainer_modes(cfg.trainer, has_val_files=bool(as_list(cfg.data.val_files)))
     if not cfg.trainer.val_only and not as_list(cfg.data.train_files):
@@ -139,6 +145,42 @@ def check_config(cfg: DictConfig) -> None:
     elif cfg.data.gen_batch_size is not None and int(cfg.data.gen_batch_size) != train_bs:
         raise ArcherError(f"data.gen_batch_size={cfg.data.gen_batch_size} differs from data.train_batch_size={train_bs} "
                           "but dynamic sampling is off", "set algorithm.filter_groups.enable=true, or drop data.gen_batch_size")
+
+
+TRAINER_MODES = ("sync", "colocate_async", "separate_async")
+OFF_POLICY_STRATEGIES = ("drop", "wait")
+
+
+def check_trainer_mode(cfg: DictConfig) -> None:
+    """verl's V1 trainer keys (trainer.v1, actor_rollout_ref.rollout.nnodes): values in range, and the sync loop,
+    the one archer runs; the asynchronous modes and standalone rollout GPUs are refused until they are built
+    (docs/async.md), so that none of their keys is accepted and ignored."""
+    v1 = cfg.trainer.v1
+    mode = v1.trainer_mode
+    if mode not in TRAINER_MODES:
+        raise ArcherError(f"unknown trainer.v1.trainer_mode {mode!r}", f"use one of: {', '.join(TRAINER_MODES)}")
+    for key in ("colocate_async.num_warmup_batches", "separate_async.num_warmup_batches",
+                "sampler.max_off_policy_threshold"):
+        value = OmegaConf.select(v1, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ArcherError(f"trainer.v1.{key}={value!r} must be an integer of at least 0",
+                              f"set trainer.v1.{key} to 0 or more")
+    sync_step = v1.separate_async.parameter_sync_step
+    if not isinstance(sync_step, int) or isinstance(sync_step, bool) or sync_step < 1:
+        raise ArcherError(f"trainer.v1.separate_async.parameter_sync_step={sync_step!r} must be an integer of at "
+                          "least 1", "set it to 1 or more")
+    if v1.sampler.max_off_policy_strategy not in OFF_POLICY_STRATEGIES:
+        raise ArcherError(f"unknown trainer.v1.sampler.max_off_policy_strategy "
+                          f"{v1.sampler.max_off_policy_strategy!r}", f"use one of: {', '.join(OFF_POLICY_STRATEGIES)}")
+    if mode != "sync":
+        raise ArcherError(f"trainer.v1.trainer_mode={mode} is not built yet: archer runs the synchronous loop "
+                          "(generate, then train, each step); docs/async.md has the plan of the asynchronous modes",
+                          "set trainer.v1.trainer_mode=sync (the default)")
+    nodes = cfg.actor_rollout_ref.rollout.nnodes
+    if nodes != 0:
+        raise ArcherError(f"actor_rollout_ref.rollout.nnodes={nodes!r}: standalone rollout GPUs serve "
+                          "trainer.v1.trainer_mode=separate_async, which is not built yet (docs/async.md)",
+                          "set actor_rollout_ref.rollout.nnodes=0 (the trainer's GPUs generate)")
 
 
 def check_trainer_modes(trainer: DictConfig, *, has_val_files: bool) -> None:

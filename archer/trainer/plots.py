@@ -52,6 +52,14 @@ DEFAULT_GROUPS: dict[str, Group] = {
     "overlong": ["reward/overlong_penalised_frac", "reward/overlong_penalty_mean"],
     # the numeric extras a reward returns (f1, used_tool, ...), in training and in validation
     "reward_extras": ["reward/*/mean", "val-aux/*/mean@*"],
+    # the gap between the engine's and the trainer's policy, and what the rollout correction did about it
+    "rollout_correction": {"KL(rollout || train)": ["rollout_corr/kl", "rollout_corr/k3_kl"],
+                           "IS weights": ["rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_eff_sample_size"],
+                           "share rejected": ["rollout_corr/rollout_rs_masked_fraction",
+                                              "rollout_corr/rollout_rs_seq_masked_fraction"]},
+    # how old the trained responses were (policy versions; 0 in the synchronous loop)
+    "off_policy": ["training/off_policy/trajectory_staleness/mean", "training/off_policy/trajectory_staleness/max",
+                   "training/off_policy/stale_fraction"],
     # an agentic run's tool use (archer/tools/executor.py tool_metrics, rollout_stats.py)
     "tools": {"calls per step": ["tools/*/calls", "tools/*/failures", "tools/invalid_calls",
                                  "tools/disallowed_calls"],
@@ -63,6 +71,7 @@ Y_LABELS = {  # a group without one is labelled with its own name
     "kl_clip": "KL / fraction of tokens", "losses": "loss", "grad_norm": "gradient norm", "timing": "seconds",
     "entropy_classes": "fraction of tokens", "token_selection": "tokens", "group_sampling": "prompt groups",
     "overlong": "fraction / penalty", "reward_extras": "mean over responses",
+    "off_policy": "policy versions / fraction of responses",
 }
 COLOURS = colormaps["tab10"].colors
 LINE_STYLES = ("-", "--", "-.", ":")  # with the 10 colours: 40 distinct lines before a pair repeats

@@ -55,6 +55,7 @@ from archer.trainer.group_filter import (
     uniform_accuracy_rows,
 )
 from archer.trainer.model_check import check_sequence_lengths
+from archer.trainer.off_policy import RolloutCorrectionStage, record_staleness, stamp_policy_version
 from archer.trainer.plots import plot_metrics
 from archer.trainer.step_metrics import MemoryPeaks, compute_data_metrics, compute_timing_metrics, timer
 from archer.trainer.tracking import Tracking
@@ -156,6 +157,7 @@ class PPOTrainer:
         steps = cfg.trainer.total_training_steps
         self.total_steps = int(steps) if steps else self.loader.steps_per_epoch * int(cfg.trainer.total_epochs)
         algo = cfg.algorithm
+        self.rollout_correction = RolloutCorrectionStage(algo.rollout_correction)
         self.use_ref = bool(ref_cfg.actor.use_kl_loss or algo.use_kl_in_reward)
         self.use_critic = algo.adv_estimator == "gae"
         self.world = world_size(cfg.trainer)
@@ -182,6 +184,7 @@ class PPOTrainer:
         prompts.info.update(validate=False, seed=self.seed * 1_000_003 + step + gen_index * GEN_BATCH_SEED_STRIDE)
         with timer("gen", timings, self.peaks):
             batch = self.workers.call("generate_sequences", prompts)
+        stamp_policy_version(batch, step - 1)  # the engine holds the weights of the previous step's update
         if ROLLOUT_STATS in batch.info:
             rollout_stats.append(batch.info.pop(ROLLOUT_STATS))
         with timer("reward", timings, self.peaks):
@@ -244,8 +247,12 @@ class PPOTrainer:
                 log.warning("step %d: rejection sampling dropped every prompt group (all accuracies 0 or 1); "
                             "no update this step", step)
                 return {**metrics, "training/global_step": float(step), "training/epoch": float(self.loader.epoch)}
-            with timer("old_log_prob", timings, self.peaks):
-                batch = batch.union(self.workers.call("compute_log_prob", batch))
+            metrics.update(record_staleness(batch, trainer_version=step - 1))  # this step updates version step - 1
+            if self.rollout_correction.bypass:  # the engine's log-probs are the old ones: no old-log-prob pass
+                batch = batch.union(self.rollout_correction.rollout_log_probs_as_old(batch))
+            else:
+                with timer("old_log_prob", timings, self.peaks):
+                    batch = batch.union(self.workers.call("compute_log_prob", batch))
             if self.use_ref:
                 with timer("ref", timings, self.peaks):
                     batch = batch.union(self.workers.call("compute_ref_log_prob", batch))
@@ -261,6 +268,7 @@ class PPOTrainer:
                 else:
                     rewards = batch["token_level_scores"]
                 batch["token_level_rewards"] = rewards
+                metrics.update(self.rollout_correction.correct_batch(batch))  # decoupled mode: weights, rejection
                 adv, returns = compute_advantage(
                     algo.adv_estimator, token_level_rewards=rewards, response_mask=batch["response_mask"],
                     index=batch["uid"], values=batch.tensors.get("values"), gamma=float(algo.gamma),

@@ -90,19 +90,25 @@ def _row_means(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
 
 
 def overview_table(arrays: Arrays) -> pd.DataFrame:
-    """One row per response: its metadata, learned_tokens (the policy's tokens: response_mask), reward extras (each under its key, or its field
-    name when the key is taken) and mean/max entropy (and mean influence)."""
+    """One row per response: its metadata (policy_version and staleness when the trace has them),
+    learned_tokens (the policy's tokens the loss learned from: response_mask less rollout_rs_rejected, whose
+    count is rejected_tokens), reward extras (each under its key, or its field name when the key is taken) and
+    mean/max entropy (and mean influence)."""
     mask = arrays["response_mask"]
     n = mask.shape[0]
     table: dict[str, Any] = {"row": np.arange(n), "response_index": arrays["response_index"]}
     for name in ("uid", "sample_index", "data_source"):
         if name in arrays:
             table[name] = arrays[name]
-    table["learned_tokens"] = mask.sum(axis=1)  # the policy's own tokens (the loss's); tool output not counted
+    rejected = arrays.get("rollout_rs_rejected")
+    # the policy's own tokens the loss learned from; tool output and the rollout correction's rejections not counted
+    table["learned_tokens"] = mask.sum(axis=1) - (0 if rejected is None else rejected.sum(axis=1))
+    if rejected is not None:
+        table["rejected_tokens"] = rejected.sum(axis=1)
     if "tool_mask" in arrays:
         table["tool_tokens"] = arrays["tool_mask"].sum(axis=1)
     for name in ("reward", "advantage", "accepted", "group_id", "num_tool_calls", "num_turns", "branch_parent",
-                 "branch_position", "finish_reason"):
+                 "branch_position", "finish_reason", "policy_version", "staleness"):
         if name in arrays:
             table[name] = arrays[name]
     for name in sorted(n for n in arrays if n.startswith(REWARD_EXTRA_PREFIX)):  # the reward's extras
@@ -179,9 +185,9 @@ def check_row(arrays: Arrays, row: int) -> int:
 
 
 def token_table(arrays: Arrays, row: int, decode: Decode, *, tags: CallTags = DEFAULT_CALL_TAGS) -> pd.DataFrame:
-    """Every position of one response: position, token, token_id, entropy, log_prob, prob, influence, valid and,
-    in a run with tools, tool (tool output) and tool_call (the model's tokens of a call: ``tags``, the run's
-    ``call_tags``)."""
+    """Every position of one response: position, token, token_id, entropy, log_prob, prob, influence, valid,
+    rejected (when the trace records the rollout correction's rejections) and, in a run with tools, tool (tool
+    output) and tool_call (the model's tokens of a call: ``tags``, the run's ``call_tags``)."""
     row = check_row(arrays, row)
     ids = arrays["responses"][row]
     texts = decode(ids)
@@ -194,6 +200,8 @@ def token_table(arrays: Arrays, row: int, decode: Decode, *, tags: CallTags = DE
     if "influence" in arrays:
         table["influence"] = arrays["influence"][row].astype(np.float64)
     table["valid"] = arrays["response_mask"][row]
+    if "rollout_rs_rejected" in arrays:
+        table["rejected"] = arrays["rollout_rs_rejected"][row]
     if "tool_mask" in arrays:
         table["tool"] = arrays["tool_mask"][row]
         table["tool_call"] = call_tokens(texts, arrays["response_mask"][row], tags)

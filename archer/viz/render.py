@@ -36,6 +36,7 @@ HEATMAP_CSS = (
     ".archer-heatmap .archer-tok--pad{outline:1px dashed #999}"
     ".archer-tok--tool{color:#8a8a8a;font-style:italic}"
     f".archer-tok--call{{box-shadow:inset 0 -3px 0 {CALL};color:#3f1d6b;font-weight:600}}"
+    ".archer-tok--rejected{text-decoration:line-through}"
     ".archer-heatmap .archer-tok:hover{outline:1px solid #000}"
     # side-by-side panels wrap onto further rows rather than run off the right edge
     ".archer-panels{display:grid;gap:8px;grid-template-columns:repeat(auto-fill,minmax(280px,1fr))}"
@@ -94,6 +95,8 @@ def token_title(token: dict) -> str:
         parts.append("padding")
     if token.get("tool_call"):
         parts.append("tool call")
+    if token.get("rejected"):
+        parts.append("rejected by the rollout correction (no loss)")
     return " | ".join(parts)
 
 
@@ -125,7 +128,8 @@ def heatmap_html(tokens: pd.DataFrame, *, colour_by: str = "entropy", vmax: floa
 
     Tokens where ``in_view`` is False get the class ``archer-tok--out`` (grey, no colour); padding tokens get
     ``archer-tok--pad``; tool output (``tool``) gets ``archer-tok--tool`` and the grey ``TOOL`` background,
-    the model's tool calls (``tool_call``) ``archer-tok--call``. ``max_tokens`` cuts the heatmap and says how
+    the model's tool calls (``tool_call``) ``archer-tok--call``, tokens the rollout correction rejected
+    (``rejected``) ``archer-tok--rejected`` (struck through). ``max_tokens`` cuts the heatmap and says how
     many tokens were left out; ``legend`` puts the colour scale above it (``scale`` naming what it spans).
     """
     if colour_by not in ("entropy", "influence"):
@@ -142,7 +146,8 @@ def heatmap_html(tokens: pd.DataFrame, *, colour_by: str = "entropy", vmax: floa
         tool = bool(token.get("tool"))
         classes = ("archer-tok" + ("" if inside else " archer-tok--out")
                    + (" archer-tok--tool" if tool else "" if token["valid"] else " archer-tok--pad")
-                   + (" archer-tok--call" if token.get("tool_call") else ""))
+                   + (" archer-tok--call" if token.get("tool_call") else "")
+                   + (" archer-tok--rejected" if token.get("rejected") else ""))
         data = f'data-pos="{token["position"]}" data-entropy="{_number(token["entropy"])}"'
         if has_influence:
             data += f' data-influence="{_number(token["influence"])}"'

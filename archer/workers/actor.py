@@ -34,6 +34,7 @@ from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
 from archer.algorithms.metric_sums import MetricSums
+from archer.algorithms.rollout_correction import RolloutCorrection
 from archer.batch import Batch
 from archer.distributed.context import DistContext, shard_bounds
 from archer.models.forward import MODEL_INPUTS, compute_log_probs
@@ -70,12 +71,13 @@ class ActorWorker(OwnsModel):
     def __init__(self, cfg: DictConfig, *, device: torch.device, total_steps: int,
                  tokenizer: PreTrainedTokenizerBase | None = None,
                  chat_template_kwargs: Mapping[str, Any] | None = None, ctx: DistContext | None = None,
-                 start_rollout: bool = True) -> None:
+                 start_rollout: bool = True, rollout_correction: RolloutCorrection | None = None) -> None:
         """``ctx``: the rank of a data-parallel run (archer/distributed/context.py; default: one process on
         ``device``); the policy is then sharded with FSDP2 and the offload keys become FSDP2's CPU offload.
         ``start_rollout``: build the rollout engine now; the rank's colocated workers pass False and call
         ``start_rollout`` once the card's memory plan is checked (workers/colocated.py), since the fast engine
-        takes its share of the card when built."""
+        takes its share of the card when built. ``rollout_correction``: algorithm.rollout_correction (its bypass
+        mode corrects in the loss; default: off)."""
         self.cfg = cfg
         self.actor_cfg = cfg.actor
         self.device = device
@@ -84,7 +86,7 @@ class ActorWorker(OwnsModel):
         self.temperature = float(cfg.rollout.temperature)
         self.chunk_size = self.actor_cfg.logprob_chunk_size
         self.update_micro, self.log_prob_micro = self._micro_batching()
-        self.objective = ActorObjective.from_config(self.actor_cfg)
+        self.objective = ActorObjective.from_config(self.actor_cfg, rollout_correction)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path, role="model")
         self.pad_token_id = int(self.tokenizer.pad_token_id)
         self.chat_template_kwargs = chat_template_kwargs
@@ -234,7 +236,7 @@ class ActorWorker(OwnsModel):
         n = int(self.cfg.rollout.n)
         mini = int(a.ppo_mini_batch_size) * n
         keys = [*MODEL_INPUTS, "responses", "response_mask", "old_log_probs", "advantages"]
-        keys += [k for k in ("ref_log_prob",) if k in batch.tensors]
+        keys += [k for k in ("ref_log_prob", "rollout_is_weights") if k in batch.tensors]
         data = batch.select(keys)
         data["row_id"] = torch.arange(len(data))
         averages = StepAverages()
@@ -271,11 +273,13 @@ class ActorWorker(OwnsModel):
                 loss, metrics = objective.micro_batch_loss(
                     log_prob=logp.float(), entropy=None if ent is None else ent.float(),
                     old_log_prob=mb["old_log_probs"], advantages=mb["advantages"], mask=mask,
-                    ref_log_prob=mb.tensors.get("ref_log_prob"), agg_kwargs=agg_kwargs, pg_agg_kwargs=pg_agg_kwargs)
+                    ref_log_prob=mb.tensors.get("ref_log_prob"), agg_kwargs=agg_kwargs, pg_agg_kwargs=pg_agg_kwargs,
+                    rollout_is_weights=mb.tensors.get("rollout_is_weights"))
                 (loss * weight).backward()
             sums.add(metrics, weight)
         reduce_metric_sums(sums, self.ctx)
-        out = {f"actor/{name}": value for name, value in sums.result().items()}
+        # the objective's own metrics go under actor/; a named family (rollout_corr/...) keeps its name
+        out = {name if "/" in name else f"actor/{name}": value for name, value in sums.result().items()}
         if objective.use_kl_loss:
             out["actor/kl_coef"] = objective.kl_loss_coef
         grad_norm, stepped = self.owner.step(float(self.actor_cfg.grad_clip), step=step_optimizer)

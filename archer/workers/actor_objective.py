@@ -1,12 +1,17 @@
 """The actor's objective on one micro-batch: the policy loss with the settings, options, inputs and switches
 its registration declares (archer.algorithms.policy_loss), top-entropy token selection, AEPO's entropy-aware
-advantage, the entropy bonus and the KL loss (Archer's split KL for a loss on the entropy split).
+advantage, the entropy bonus and the KL loss (Archer's split KL for a loss on the entropy split), and verl's
+rollout correction (archer.algorithms.rollout_correction): in the decoupled mode the trainer's IS weights
+(``rollout_is_weights``) multiply the policy loss; in the bypass mode (old_log_probs are the rollout's) each
+micro-batch is corrected here, against the current policy, and the bypass loss type may replace the policy loss.
 
 Every term is normalised over its whole mini-batch (the normalisers come from `mini_batch_normalisers`), so
-the micro-batch losses add up to the mini-batch loss, and every metric is declared as a Mean or a Total
-(archer.algorithms.metric_sums), so the micro-batch metrics add up to the mini-batch's too. (AEPO's
-entropy-aware advantage standardises the entropy over each micro-batch, as its paper's code does; that step
-alone depends on the split.) Token entropies come from the training forward pass (detached) whenever a term
+the micro-batch losses add up to the mini-batch loss, and every metric is declared (a Mean, a Total, or for
+the bypass mode's rollout_corr/* also a Max, Min or Moments: archer.algorithms.metric_sums), so the micro-batch
+metrics add up to the mini-batch's too. (AEPO's entropy-aware advantage standardises the entropy over each
+micro-batch, as its paper's code does, and the bypass mode's rollout_is_batch_normalize divides by each
+micro-batch's mean weight, as verl's; those steps alone depend on the split.) Token entropies come from the training forward pass
+(detached) whenever a term
 needs them, whatever entropy_coeff is.
 """
 
@@ -33,6 +38,7 @@ from archer.algorithms.policy_loss import (
     compute_policy_loss,
     option_keyword,
 )
+from archer.algorithms.rollout_correction import RolloutCorrection, correct
 from archer.algorithms.token_selection import high_entropy_tokens, top_entropy_count, top_entropy_tokens
 from archer.errors import ArcherError
 
@@ -45,12 +51,14 @@ ACTOR_KEY = "actor_rollout_ref.actor"
 class ActorObjective:
     """The loss settings of `actor_rollout_ref.actor`, read once.
 
+    policy_loss: the loss it trains with (actor.policy_loss.loss_mode's, or the bypass mode's loss type).
     loss_kwargs: the keyword arguments of the policy loss that come from the config (the shared settings it
     declares, its options, a null option resolved to the loss's own default, and the switches it supports).
     entropy_balanced_advantage(_coef): AEPO's entropy-aware advantage and its coefficient.
+    bypass: the rollout correction when its bypass mode is on (each micro-batch corrected in the loss), else None.
     """
 
-    loss_mode: str
+    policy_loss: PolicyLoss
     loss_agg_mode: str
     entropy_coeff: float
     use_kl_loss: bool
@@ -62,11 +70,14 @@ class ActorObjective:
     entropy_balanced_advantage: bool
     entropy_balanced_advantage_coef: float
     loss_kwargs: dict[str, float | bool] = field(default_factory=dict)
+    bypass: RolloutCorrection | None = None
 
     @classmethod
-    def from_config(cls, a: DictConfig) -> ActorObjective:
-        """Read and check the settings; unknown names fail here, before any model work."""
-        loss = POLICY_LOSSES.lookup(a.policy_loss.loss_mode)
+    def from_config(cls, a: DictConfig, rollout_correction: RolloutCorrection | None = None) -> ActorObjective:
+        """Read and check the settings (``rollout_correction``: algorithm.rollout_correction's, read by the
+        caller); unknown names fail here, before any model work."""
+        correction = rollout_correction or RolloutCorrection()
+        loss = correction.policy_loss(str(a.policy_loss.loss_mode))
         agg_mode = str(a.loss_agg_mode)
         AGG_MODES.lookup(agg_mode)
         if a.use_kl_loss:
@@ -78,17 +89,19 @@ class ActorObjective:
         kwargs.update(loss_options(loss, a))
         kwargs.update(loss_switches(loss, a))
         return cls(
-            loss_mode=loss.name, loss_agg_mode=agg_mode, entropy_coeff=float(a.entropy_coeff),
+            policy_loss=loss, loss_agg_mode=agg_mode, entropy_coeff=float(a.entropy_coeff),
             use_kl_loss=bool(a.use_kl_loss), kl_loss_coef=float(a.kl_loss_coef), kl_loss_type=str(a.kl_loss_type),
             entropy_top_ratio=None if a.entropy_top_ratio is None else float(a.entropy_top_ratio),
             token_entropy_quantile=float(a.token_entropy_quantile),
             high_entropy_kl_loss_scale_coef=float(a.high_entropy_kl_loss_scale_coef),
             entropy_balanced_advantage=bool(a.enable_entropy_balanced_advantage),
-            entropy_balanced_advantage_coef=float(a.entropy_balanced_advantage_coef), loss_kwargs=kwargs)
+            entropy_balanced_advantage_coef=float(a.entropy_balanced_advantage_coef), loss_kwargs=kwargs,
+            bypass=correction if correction.bypass_mode else None)
 
     @property
-    def policy_loss(self) -> PolicyLoss:
-        return POLICY_LOSSES[self.loss_mode]
+    def loss_mode(self) -> str:
+        """The name of the policy loss it trains with."""
+        return self.policy_loss.name
 
     @property
     def splits_by_entropy(self) -> bool:
@@ -117,9 +130,11 @@ class ActorObjective:
 
     def micro_batch_loss(self, *, log_prob: torch.Tensor, entropy: torch.Tensor | None, old_log_prob: torch.Tensor,
                          advantages: torch.Tensor, mask: torch.Tensor, ref_log_prob: torch.Tensor | None,
-                         agg_kwargs: dict[str, Any], pg_agg_kwargs: dict[str, Any]
-                         ) -> tuple[torch.Tensor, dict[str, Metric]]:
-        """(total loss, metrics without the "actor/" prefix, the policy loss as pg_loss) of one micro-batch."""
+                         agg_kwargs: dict[str, Any], pg_agg_kwargs: dict[str, Any],
+                         rollout_is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Metric]]:
+        """(total loss, metrics without the "actor/" prefix, the policy loss as pg_loss; the bypass mode's
+        rollout_corr/* under their own names) of one micro-batch. ``rollout_is_weights``: the decoupled mode's
+        IS weights of its rows."""
         metrics: dict[str, Metric] = {}
         pg_mask = mask
         if self.entropy_top_ratio is not None:
@@ -131,11 +146,16 @@ class ActorObjective:
             scale = entropy_advantage_scale(entropy, mask, self.entropy_balanced_advantage_coef)
             metrics.update(entropy_advantage_metrics(scale, advantages, pg_mask))
             advantages = advantages * scale
+        if self.bypass is not None:  # old_log_prob are the rollout's: pi_theta against pi_rollout, per micro-batch
+            correction = correct(log_prob, old_log_prob, pg_mask, self.bypass)
+            metrics.update(correction.metrics)
+            pg_mask = correction.mask
+            rollout_is_weights = correction.weights if self.bypass.applies_weights else None
         inputs = {name: INPUT_BUILDERS[name](self, entropy, mask) for name in self.policy_loss.inputs}
         pg_loss, pg_metrics = compute_policy_loss(
-            self.loss_mode, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
+            self.policy_loss, old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
             response_mask=pg_mask, loss_agg_mode=self.loss_agg_mode, agg_kwargs=pg_agg_kwargs,
-            **self.loss_kwargs, **inputs)
+            rollout_is_weights=rollout_is_weights, **self.loss_kwargs, **inputs)
         metrics["pg_loss"] = total_metric(pg_loss)
         metrics.update(pg_metrics)
         loss = pg_loss

@@ -25,6 +25,7 @@ import torch
 from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
+from archer.algorithms.rollout_correction import RolloutCorrection
 from archer.batch import Batch
 from archer.config.loader import world_size
 from archer.distributed.context import DistContext
@@ -106,7 +107,8 @@ class RankWorkers:
             self.reward_model = RewardModelWorker(cfg.reward_model, device=self.ctx.device, policy_tokenizer=tokenizer,
                                                   policy_path=str(ref_cfg.model.path))
         self.actor = ActorWorker(ref_cfg, device=self.ctx.device, ctx=self.ctx, total_steps=total_steps,
-                                 tokenizer=tokenizer, chat_template_kwargs=chat_template_kwargs, start_rollout=False)
+                                 tokenizer=tokenizer, chat_template_kwargs=chat_template_kwargs, start_rollout=False,
+                                 rollout_correction=RolloutCorrection.from_config(cfg.algorithm.rollout_correction))
         self.ref = self.actor.make_reference() if use_ref else None
         self.critic = (CriticWorker(cfg.critic, rollout_n=int(ref_cfg.rollout.n), device=self.ctx.device, ctx=self.ctx,
                                     total_steps=total_steps) if use_critic else None)

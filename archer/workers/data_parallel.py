@@ -57,6 +57,7 @@ def rank_passes(attention_mask: torch.Tensor, micro: MicroBatching, ctx: DistCon
 
 
 def reduce_metric_sums(sums: MetricSums, ctx: DistContext) -> None:
-    """Sum every rank's metric sums in place (each rank must hold the same metric names)."""
+    """Sum every rank's metric sums (and take the extremes over the ranks) in place; each rank must hold the same
+    metric names."""
     if ctx.distributed:
-        sums.reduce(ctx.all_reduce_sum)
+        sums.reduce(ctx.all_reduce_sum, ctx.all_reduce_max)

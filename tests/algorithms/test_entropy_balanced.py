@@ -132,7 +132,7 @@ def test_losses_without_a_token_ratio_clip_do_not_take_the_switch(loss_mode):
 def test_a_registered_switch_is_passed_when_given_and_off_otherwise():
     @register_policy_loss("test_switched", switches=(BALANCED,))
     def switched(*, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, agg_kwargs,
-                 enable_entropy_balanced_clipping) -> tuple[torch.Tensor, dict[str, Metric]]:
+                 rollout_is_weights, enable_entropy_balanced_clipping) -> tuple[torch.Tensor, dict[str, Metric]]:
         return advantages.sum() * (2.0 if enable_entropy_balanced_clipping else 1.0), {"n": Total(1.0)}
 
     ones = torch.ones(1, 2, dtype=F64)

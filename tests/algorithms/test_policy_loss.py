@@ -135,8 +135,8 @@ def test_every_loss_declares_its_settings_options_and_inputs():
 
 def test_a_registered_loss_gets_its_options_with_their_defaults():
     @register_policy_loss("test_scaled", settings=("clip_ratio_c",), options={"policy_loss.scale": 2.0})
-    def scaled(*, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, agg_kwargs, clip_ratio_c,
-               scale):
+    def scaled(*, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, agg_kwargs,
+               rollout_is_weights, clip_ratio_c, scale):
         return (advantages * response_mask).sum() * scale * clip_ratio_c, {"n": Total(response_mask.sum())}
 
     common = {"old_log_prob": ADV, "log_prob": ADV, "advantages": ADV.abs(), "response_mask": torch.ones_like(ADV)}
@@ -153,16 +153,20 @@ def test_a_registered_loss_gets_its_options_with_their_defaults():
 
 
 def test_a_loss_whose_parameters_differ_from_its_declaration_is_refused():
-    def swallowing(*, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, agg_kwargs, **_):
+    def swallowing(*, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, agg_kwargs,
+                   rollout_is_weights, **_):
         return advantages.sum(), {}
 
-    def undeclared(*, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, agg_kwargs, scale):
+    def undeclared(*, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, agg_kwargs,
+                   rollout_is_weights, scale):
         return advantages.sum(), {}
 
-    def unknown_input(*, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, agg_kwargs, tokens):
+    def unknown_input(*, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, agg_kwargs,
+                      rollout_is_weights, tokens):
         return advantages.sum(), {}
 
-    def unknown_switch(*, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, agg_kwargs, turbo):
+    def unknown_switch(*, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, agg_kwargs,
+                       rollout_is_weights, turbo):
         return advantages.sum(), {}
 
     for fn, declaration in [(swallowing, {}), (undeclared, {}), (unknown_input, {"inputs": ("tokens",)}),
