@@ -17,6 +17,13 @@ import re
 from transformers import PreTrainedTokenizerBase
 
 TRUNCATE_SIDES = ("left", "right", "middle")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_unicode(text: str) -> str:
+    """``text`` with each surrogate code point (a JSON escape can write a lone one, which neither the tokenizer
+    nor a UTF-8 file accepts) replaced by U+FFFD."""
+    return _SURROGATE.sub("\ufffd", text)
 
 
 def encode_plain(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -27,6 +34,7 @@ def encode_plain(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     occurrence of an added token's string is encoded one character at a time between plainly encoded pieces
     (only a one-character added token can stay itself).
     """
+    text = valid_unicode(text)
     added = tokenizer.get_added_vocab()
     ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     control = set(added.values())
