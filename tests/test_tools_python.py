@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 
 from archer.errors import ArcherError
-from archer.tools import ToolCall, ToolExecutor, sandbox, tool_metrics
+from archer.tools import ToolCall, ToolExecutor, memory_cgroup, sandbox, tool_metrics
 from archer.tools.python_tool import PythonTool, strip_code_fence
 from archer.tools.search import SearchTool
 
 PRELUDE_MARK = sandbox.PRELUDE.splitlines()[0]
-OWNER_MARK = f'"owner": {os.getpid()}'  # in the config argument of the sandboxes this test process starts
+OWNER_MARK = sandbox.CALL_MARK  # the last argument of the sandboxes this test process starts
 # a host folder outside /tmp (the sandbox's scratch tmpfs covers /tmp, and CI may clone the repo there)
 OUTSIDE = Path("/var/tmp") if Path("/var/tmp").is_dir() else Path.home()
 LIMITS = {"timeout": 1.0, "memory_mb": 256, "max_processes": 8, "max_file_mb": 1, "max_output_chars": 200}
@@ -158,12 +158,53 @@ def test_only_the_system_and_the_interpreter_are_mounted(isolated: PythonTool, t
     paths = [str(p) for p in (secret, run_file, project, Path.home() / ".bashrc", "/run", "/home", "/sys", "/tmp",
                               "/etc/passwd", "/var")]
     try:
-        result = isolated.execute(f"import os\n[p for p in {paths!r} if os.path.exists(p)]")
+        result = isolated.execute(f"import os\n{{p: sorted(os.listdir(p)) if os.path.isdir(p) else None "
+                                  f"for p in {paths!r} if os.path.exists(p)}}")
     finally:
         secret.unlink()
-    visible = [p for p in eval(result.text) if not any(Path(p).is_relative_to(r)
-                                                        for r in isolated.sandbox.interpreter.roots)]
-    assert visible == []
+    roots = [Path(r) for r in isolated.sandbox.interpreter.roots]
+
+    def leaks(path: str, listing: list[str] | None) -> bool:
+        """Whether a path the snippet sees shows something of the host: not an interpreter folder, nor a folder
+        made anew above one (holding only the way down to it: a venv under /tmp makes /tmp)."""
+        if any(Path(path).is_relative_to(r) for r in roots):
+            return False
+        below = {r.relative_to(path).parts[0] for r in roots if r.is_relative_to(path)}
+        return not below or listing is None or set(listing) != below
+
+    visible = eval(result.text)
+    assert [p for p, listing in visible.items() if leaks(p, listing)] == []
+
+
+def test_the_mount_check_counts_a_folder_above_a_venv_only_for_what_it_holds(tmp_path: Path) -> None:
+    # the make-test failure: a venv under /tmp makes /tmp exist in the sandbox, holding only the venv's folder
+    venv = Path(tempfile.mkdtemp(prefix="archer-venv-", dir="/tmp"))
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+        venv.chmod(0o755)
+        tool = PythonTool(**LIMITS, python=str(venv / "bin" / "python"))
+        if tool.isolation != sandbox.NAMESPACES:
+            pytest.skip("no namespace sandbox here")
+        listing = eval(tool.execute("import os\nos.listdir('/tmp')").text)
+        assert listing == [venv.name]  # nothing else of the host's /tmp
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)
+
+
+def test_proc_shows_nothing_of_the_host_but_the_interpreters_folders(isolated: PythonTool) -> None:
+    roomy = PythonTool(**{**LIMITS, "max_output_chars": 20_000})
+    host_boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    code = ("import os, socket, sys\ntry:\n    boot = open('/proc/sys/kernel/random/boot_id').read()\n"
+            "except OSError as e:\n    boot = type(e).__name__\n"
+            "print(repr((socket.gethostname(), boot, open('/proc/1/cmdline').read().rstrip('\\0').split('\\0'), "
+            "sys.path)))")
+    hostname, boot, init_argv, path = eval(roomy.execute(code).text)
+    assert hostname == "sandbox" and host_boot_id not in boot
+    assert init_argv[1] == "--args" and init_argv[3:5] == ["--", isolated.sandbox.interpreter.executable]
+    project = str(Path(__file__).resolve().parents[1])
+    shown = " ".join(init_argv + path)
+    assert init_argv[-1] == sandbox.CALL_MARK and project not in shown and '"owner"' not in shown
+    assert all(any(Path(p).is_relative_to(r) for r in isolated.sandbox.interpreter.roots + ("/usr",)) for p in path)
 
 
 # --- hostile snippets ---
@@ -472,3 +513,87 @@ def test_the_watchdog_counts_the_cpu_time_of_children_already_reaped() -> None:
         proc.kill()
         proc.wait()
         proc.stdout.close()
+
+
+# --- memory outside every process's RSS, other socket families (issue 28) ---
+
+SHM_2GB = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.shmat.restype = ctypes.c_void_p\n"
+           "libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]\n"
+           "for _ in range(64):  # 2 GB of SysV segments, each touched through a mapping that is then dropped\n"
+           "    shmid = libc.shmget(0, ctypes.c_size_t(32 << 20), 0o1600)\n"
+           "    if shmid < 0:\n        raise SystemExit(f'refused {ctypes.get_errno()}')\n"
+           "    addr = libc.shmat(shmid, None, 0)\n    ctypes.memset(addr, 1, 32 << 20)\n"
+           "    libc.shmdt(ctypes.c_void_p(addr))\nprint('held 2 GB')")
+MEMFD_2GB = ("import os\nfds = []\nfor _ in range(32):  # 2 GB of memfd files, none mapped\n    try:\n"
+             "        fds.append(os.memfd_create('x'))\n    except OSError as e:\n"
+             "        raise SystemExit(f'refused {e.errno}')\n    os.write(fds[-1], b'x' * (64 << 20))\nprint('held 2 GB')")
+TCP_2GB = ("import os, socket, time\ntry:\n    server = socket.create_server(('127.0.0.1', 0), backlog=256)\n"
+           "except OSError as e:\n    raise SystemExit(f'refused {e.errno}')\n"
+           "for _ in range(3):  # 4 processes of 40 connections\n    if os.fork() == 0:\n        break\n"
+           "held, conns = 0, []\nfor _ in range(40):  # unaccepted, each filled until the kernel takes no more\n"
+           "    conns.append(socket.create_connection(server.getsockname()))\n    conns[-1].setblocking(False)\n"
+           "    try:\n        while True:\n            held += conns[-1].send(b'x' * (1 << 20))\n"
+           "    except BlockingIOError:\n        pass\nprint('queued MB', held >> 20, flush=True)\ntime.sleep(1)")
+UNIX_SOCKETS = ("import socket\ntry:\n    socket.socket(socket.AF_UNIX).setsockopt(socket.SOL_SOCKET, "
+                "socket.SO_SNDBUF, 64 << 20)\n    grown = 'grown'\nexcept OSError as e:\n    grown = e.errno\nheld = 0\n"
+                "for _ in range(28):\n    for s in socket.socketpair():\n        s.setblocking(False)\n        try:\n"
+                "            while True:\n                held += s.send(b'x' * (1 << 16))\n"
+                "        except BlockingIOError:\n            pass\nprint(grown, held >> 20)")
+
+
+@pytest.fixture(params=["cgroup", "no cgroup"])
+def confined(request: pytest.FixtureRequest, isolated: PythonTool, monkeypatch: pytest.MonkeyPatch) -> PythonTool:
+    """The sandbox with a memory cgroup per call (where this machine allows one) and without one; max_file_mb 64
+    so that a memfd may grow."""
+    if request.param == "cgroup":
+        parent, reason = memory_cgroup.find_parent()
+        if parent is None:
+            pytest.skip(f"no memory cgroup here: {reason}")
+    else:
+        monkeypatch.setattr(memory_cgroup, "find_parent", lambda: (None, "none in this test"))
+    tool = PythonTool(**{**LIMITS, "timeout": 5.0, "max_file_mb": 64})
+    assert (tool.sandbox.confinement.cgroup is not None) == (request.param == "cgroup")
+    return tool
+
+
+def host_shm_segments() -> list[str]:
+    return Path("/proc/sysvipc/shm").read_text().splitlines()[1:]
+
+
+@pytest.mark.parametrize("attack", ["shm", "memfd"])
+def test_two_gigabytes_outside_every_process_are_stopped_at_memory_mb_or_refused(confined: PythonTool,
+                                                                                 attack: str) -> None:
+    segments = host_shm_segments()
+    start = time.monotonic()
+    result = confined.execute(SHM_2GB if attack == "shm" else MEMFD_2GB)
+    assert time.monotonic() - start < 4.0  # fails fast: the host neither fills nor swaps
+    if confined.sandbox.confinement.cgroup is not None:  # the cgroup counts what no RSS shows
+        assert not result.ok and "together used more than 256 MB of memory" in result.text
+    else:  # without one, the seccomp filter refuses what nothing would bound
+        assert not result.ok and result.text == "refused 1"  # EPERM
+    assert host_shm_segments() == segments  # nothing outlived the call (its IPC namespace died with it)
+
+
+def test_tcp_buffers_of_unaccepted_connections_stay_within_memory_mb_or_ip_is_refused(confined: PythonTool) -> None:
+    result = confined.execute(TCP_2GB)
+    if confined.sandbox.confinement.cgroup is not None:  # 4 x 40 connections held at once: 600 MB without a limit
+        queued = [int(line.split()[-1]) for line in result.text.splitlines() if line.startswith("queued")]
+        # the kernel counts the buffers' pages; loopback data coalesced in the receiver's queue takes fewer
+        assert (len(queued) == 4 and sum(queued) <= 1.25 * 256) or "together used more than 256 MB" in result.text
+    else:  # TCP and UDP buffers are bounded only host-wide (tcp_mem, shared with the trainer): no IP sockets
+        assert not result.ok and result.text == "refused 97"  # EAFNOSUPPORT
+
+
+def test_unix_socket_buffers_keep_the_kernels_default_size(confined: PythonTool) -> None:
+    # no cgroup counts unix socket buffers: SO_SNDBUF is refused, so 56 sockets hold their default size only
+    grown, held_mb = confined.execute(UNIX_SOCKETS).text.split()
+    default = max(int(Path(f"/proc/sys/net/core/{n}").read_text()) for n in ("wmem_default", "rmem_default"))
+    assert grown == "1" and int(held_mb) <= (56 * (default + 2**16)) >> 20  # one 64 KB send past each buffer
+
+
+@pytest.mark.parametrize("family", [40, 17, 31])  # AF_VSOCK, AF_PACKET, AF_BLUETOOTH
+def test_sockets_of_other_families_are_refused(isolated: PythonTool, family: int) -> None:
+    # AF_VSOCK is not isolated by the network namespace: a snippet could bind the VM's ports or reach the hypervisor
+    code = f"import socket\nsocket.socket({family}, socket.SOCK_STREAM)"
+    result = isolated.execute(code)
+    assert not result.ok and result.text.endswith("OSError: [Errno 97] Address family not supported by protocol")

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from archer.errors import ArcherError
-from archer.tools.base import Tool, ToolResult
+from archer.tools.base import Tool, ToolResult, call_deadline
 from archer.tools.sandbox import Sandbox, SandboxLimits, SandboxRun
 
 _FENCE = re.compile(r"^\s*```[A-Za-z0-9_+-]*[ \t]*\n(.*?)\n?```\s*$", re.DOTALL)
@@ -93,7 +93,7 @@ class PythonTool(Tool):
         return self.sandbox.level
 
     def execute(self, text: str) -> ToolResult:
-        return self.result_of(self.sandbox.run(strip_code_fence(text)))
+        return self.result_of(self.sandbox.run(strip_code_fence(text), call_deadline()))
 
     def result_of(self, run: SandboxRun) -> ToolResult:
         """The text the model sees, and whether the code ran to a normal end with its whole output."""
