@@ -46,6 +46,11 @@ def processes_with(*markers: str) -> list[Path]:
     return found
 
 
+def host_shm_segments() -> list[str]:
+    """The host's SysV shared memory segments (the test process's IPC namespace)."""
+    return Path("/proc/sysvipc/shm").read_text().splitlines()[1:]
+
+
 @pytest.fixture(scope="module")
 def tool() -> PythonTool:
     return PythonTool(**LIMITS)
@@ -299,6 +304,8 @@ def test_without_namespaces_it_logs_once_and_runs_with_limits_only(no_bubblewrap
         PythonTool(**LIMITS, require_isolation=False, python=shared_python)
     warnings = [r for r in caplog.records if "WITHOUT isolation" in r.getMessage()]
     assert len(warnings) == 1 and "bubblewrap could not create the sandbox" in warnings[0].getMessage()
+    leftovers = "is removed after it" if os.geteuid() == 0 else "stays there after it"
+    assert leftovers in warnings[0].getMessage() and "SysV IPC is refused" in warnings[0].getMessage()
     assert tool.isolation == sandbox.RLIMITS
     before = set(Path(tempfile.gettempdir()).glob("archer-python-*"))
     text = tool.execute("import os\nprint(os.path.basename(os.getcwd()).startswith('archer-python-'))\n6 * 7").text
@@ -347,6 +354,25 @@ def test_opting_out_under_root_kills_daemons_and_counts_processes(no_bubblewrap,
     assert int(tool.execute(forks).text) == LIMITS["max_processes"] - 1  # the snippet and 7 children
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="only a root-started call has a uid of its own to tell its files by")
+def test_opting_out_under_root_leaves_no_files_or_sysv_objects_behind(no_bubblewrap, shared_python) -> None:
+    tool = PythonTool(**LIMITS, require_isolation=False, python=shared_python)
+    marker = f"archer-left-{uuid.uuid4().hex}"
+    folders = ["/tmp", "/var/tmp", "/dev/shm"]
+    code = (f"import ctypes, os\nfor folder in {folders!r}:\n    open(f'{{folder}}/{marker}', 'w').write('x')\n"
+            f"    os.makedirs(f'{{folder}}/{marker}-dir/inner')\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "print(libc.shmget(0, 4096, 0o1600), ctypes.get_errno(), libc.msgget(0, 0o1600), ctypes.get_errno())")
+    segments = host_shm_segments()
+    try:
+        assert tool.execute(code).text == "-1 1 -1 1\n"  # SysV IPC refused: its objects would outlive the call
+        assert [f for f in folders for name in (marker, f"{marker}-dir") if (Path(f) / name).exists()] == []
+        assert host_shm_segments() == segments
+    finally:
+        for folder in folders:
+            (Path(folder) / marker).unlink(missing_ok=True)
+            shutil.rmtree(Path(folder) / f"{marker}-dir", ignore_errors=True)
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or readable_by_all(sys.executable), reason="needs root and a private Python")
 def test_opting_out_under_root_with_a_private_interpreter_is_a_startup_error(no_bubblewrap) -> None:
     with pytest.raises(ArcherError, match="must be able to read the interpreter"):
@@ -368,6 +394,24 @@ def test_isolation_is_required_by_default_with_one_clear_error(no_bubblewrap) ->
     assert "SECURITY.md" in str(err.value)
 
 
+def test_a_bwrap_that_never_reports_its_sandbox_is_a_startup_error_not_a_hang(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    fake, marker = tmp_path / "bwrap", f"{time.time_ns() % 10**6}.125"
+    fake.write_text(f"#!/bin/sh\nexec sleep {marker}\n")  # ignores --info-fd, holding it open
+    fake.chmod(0o755)
+    monkeypatch.setattr(sandbox, "bwrap_executable", lambda: str(fake))
+    monkeypatch.setattr(sandbox, "_START_S", 0.5)
+    sandbox.isolation_level.cache_clear()
+    start = time.monotonic()
+    try:
+        with pytest.raises(ArcherError, match="no sandbox reported within 0.5 s") as err:
+            PythonTool(**LIMITS)
+    finally:
+        sandbox.isolation_level.cache_clear()
+    assert time.monotonic() - start < 3 and str(fake) in str(err.value)
+    assert processes_with(marker) == []  # killed with its process group
+
+
 def test_limits_must_be_positive() -> None:
     with pytest.raises(ArcherError, match="params.memory_mb must be a positive number, got 0"):
         PythonTool(memory_mb=0)
@@ -376,6 +420,18 @@ def test_limits_must_be_positive() -> None:
 def test_a_broken_interpreter_is_a_startup_error(tmp_path: Path) -> None:
     with pytest.raises(ArcherError, match="does not run"):
         PythonTool(python=str(tmp_path / "no-python"))
+
+
+def test_a_conda_env_whose_python_links_out_of_the_env_runs_the_links_target(tmp_path: Path) -> None:
+    # ARPO's {conda_path}/envs/{conda_env}/bin/python, here a link to an interpreter installed elsewhere: the env
+    # is not what Python runs from (its prefix is the target's), so the target is what the sandbox runs
+    real = os.path.realpath(sys.executable)
+    (tmp_path / "conda" / "envs" / "x" / "bin").mkdir(parents=True)
+    (tmp_path / "conda" / "envs" / "x" / "bin" / "python").symlink_to(real)
+    tool = PythonTool(**LIMITS, conda_path=str(tmp_path / "conda"), conda_env="x")
+    if tool.isolation != sandbox.NAMESPACES:
+        pytest.skip("no namespace sandbox here")
+    assert tool.sandbox.interpreter.executable == real and tool.execute("6 * 7").text == "42\n"
 
 
 def test_start_up_cost_per_call_is_small(tool: PythonTool) -> None:
@@ -455,6 +511,21 @@ def test_shared_memory_is_a_bounded_tmpfs(isolated: PythonTool) -> None:
     assert not result.ok and "No space left on device" in result.text
 
 
+def test_a_call_abandoned_at_the_round_timeout_stops_and_leaves_the_next_round_its_worker(patient: PythonTool
+                                                                                           ) -> None:
+    # the executor gives up after 1 s; the snippet (timeout 5 s) learns that deadline and stops there
+    executor = ToolExecutor({"python": patient}, max_workers=1, timeout=1.0, retry_count=0)
+    try:
+        start = time.monotonic()
+        (abandoned,) = executor.run([ToolCall("python", "while True:\n    pass")])
+        assert abandoned.text == "Error: Tool(python) did not answer within 1 s."
+        (benign,) = executor.run([ToolCall("python", "print(2 + 2)")])
+        assert benign.text == "4\n" and benign.record.ok
+        assert time.monotonic() - start < 3
+    finally:
+        executor.close()
+
+
 def test_the_calls_running_at_once_share_one_memory_budget() -> None:
     budget = sandbox.MemoryBudget(300)
     running, peak, lock = [0], [0], threading.Lock()
@@ -474,6 +545,8 @@ def test_the_calls_running_at_once_share_one_memory_budget() -> None:
     for t in threads:
         t.join()
     assert peak[0] == 2 and budget.used_mb == 0  # 2 x 128 MB fit in 300, a third waits
+    with budget.reserve(250), budget.reserve(128, deadline=time.monotonic() + 0.1) as reserved:
+        assert not reserved and budget.used_mb == 250  # no room by its deadline: it gives up, holding nothing
     with pytest.raises(ArcherError, match="more than max_total_memory_mb=100"):
         PythonTool(memory_mb=64, scratch_mb=32, max_total_memory_mb=100)  # 64 + 2 x 32 = 128 MB per call
 
@@ -554,10 +627,6 @@ def confined(request: pytest.FixtureRequest, isolated: PythonTool, monkeypatch: 
     tool = PythonTool(**{**LIMITS, "timeout": 5.0, "max_file_mb": 64})
     assert (tool.sandbox.confinement.cgroup is not None) == (request.param == "cgroup")
     return tool
-
-
-def host_shm_segments() -> list[str]:
-    return Path("/proc/sysvipc/shm").read_text().splitlines()[1:]
 
 
 @pytest.mark.parametrize("attack", ["shm", "memfd"])
