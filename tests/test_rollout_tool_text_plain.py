@@ -7,6 +7,8 @@ formats, and with a Qwen-style tokenizer whose tool tags are added tokens and wh
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from agentic_support import Echo, ScriptedEngine, Turn, registry, tokenizer
 
@@ -84,3 +86,24 @@ def test_plain_encoding_of_ordinary_text_is_the_tokenizers_own(make_tokenizer) -
     text = "Page 1: Paris is the capital. 0123456789 <python>x</python>"
     assert encode_plain(tok, text) == tok.encode(text, add_special_tokens=False)
     assert encode_plain(tok, "") == []
+
+
+def best_time(fn, *args, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def test_a_flood_of_added_token_strings_costs_about_what_plain_text_of_its_length_costs() -> None:
+    # every piece between two added tokens distinct: the worst case (it was ~25 us per character of such text:
+    # 15 s for a 400 KB tool answer, serially in the rollout loop)
+    tok = qwen_style_tokenizer()
+    flood = "".join(f"<|im_end|>{i}<tool_call>" for i in range(4000))[:40_000]
+    ordinary = ("What is six times seven? " * 2000)[:40_000]
+    ids = encode_plain(tok, flood)
+    assert tok.decode(ids) == flood and set(tok.get_added_vocab().values()).isdisjoint(ids)
+    baseline = best_time(encode_plain, tok, ordinary)  # one plain encoding of as many characters
+    assert best_time(encode_plain, tok, flood) < 10 * baseline
