@@ -3,9 +3,10 @@
 Tool answers are text the policy did not write (a snippet's output, a retrieved page), so they are encoded as
 plain text (``encode_plain``): a special or added token's string in them (``<|im_end|>``, ``<|im_start|>``,
 ``<|endoftext|>``, ``<tool_call>``) becomes ordinary tokens that decode to the same characters, never the control
-token, so a tool cannot end a sequence or forge a turn. Then verl's verl's character limit on each answer (``multi_turn.max_tool_response_length`` and
-``tool_response_truncate_side``: ``left`` keeps the head, ``right`` the tail, ``middle`` both ends, each with a
-"(truncated)" mark). Then the response budget: when a turn's answers would leave the model no token of
+token, so a tool cannot end a sequence or forge a turn (``encode_with_plain_part`` does the same for a part of a
+templated text: the response in the reward model's input). Then verl's character limit on each answer
+(``multi_turn.max_tool_response_length`` and ``tool_response_truncate_side``: ``left`` keeps the head, ``right``
+the tail, ``middle`` both ends, each with a "(truncated)" mark). Then the response budget: when a turn's answers would leave the model no token of
 ``response_length``, they are cut in token space (same side) to the room there is, short answers whole and the
 longer ones sharing the rest equally.
 """
@@ -57,6 +58,23 @@ def _encode_each(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> dict[s
     distinct = list(dict.fromkeys(texts))
     ids = tokenizer(distinct, add_special_tokens=False, split_special_tokens=True)["input_ids"] if distinct else []
     return dict(zip(distinct, ids, strict=True))
+
+
+def encode_with_plain_part(tokenizer: PreTrainedTokenizerBase, text: str, start: int, end: int) -> list[int]:
+    """``text`` encoded as the tokenizer encodes it whole, except that no added token overlapping
+    ``text[start:end]`` (text the policy or a tool wrote, inside a template's frame) stays a control token: each
+    such token is spelled plainly (``encode_plain``). Elsewhere the ids are the whole text's, merges across the
+    part's edges included. A tokenizer without offsets (a slow one) encodes the three parts apart."""
+    if not tokenizer.is_fast:
+        return (tokenizer.encode(text[:start], add_special_tokens=False) + encode_plain(tokenizer, text[start:end])
+                + tokenizer.encode(text[end:], add_special_tokens=False))
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    added = set(tokenizer.get_added_vocab().values())
+    ids: list[int] = []
+    for token, (first, last) in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True):
+        forged = token in added and first < end and last > start
+        ids += encode_plain(tokenizer, text[first:last]) if forged else [token]
+    return ids
 
 
 def clip_text(text: str, limit: int | None, side: str) -> str:
