@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from archer.cli import main
-from archer.tools import memory_cgroup, sandbox
+from archer.tools import memory_cgroup, sandbox, sandbox_launch
 from archer.tools.check import protections
 from archer.tools.python_tool import PythonTool
 
@@ -21,7 +21,7 @@ OPEN_SOCKETS = ("import socket\nfor family in (socket.AF_UNIX, socket.AF_INET, 4
 
 
 def isolated_here() -> None:
-    level, reason = sandbox.isolation_level(sandbox.describe_interpreter(sys.executable))
+    level, reason = sandbox.isolation_level(sandbox_launch.describe_interpreter(sys.executable))
     if level != sandbox.NAMESPACES:
         pytest.skip(f"no namespace sandbox here: {reason}")
 

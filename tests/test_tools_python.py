@@ -21,12 +21,20 @@ from pathlib import Path
 import pytest
 
 from archer.errors import ArcherError
-from archer.tools import ToolCall, ToolExecutor, memory_cgroup, sandbox, tool_metrics
+from archer.tools import (
+    ToolCall,
+    ToolExecutor,
+    memory_cgroup,
+    sandbox,
+    sandbox_launch,
+    sandbox_watch,
+    tool_metrics,
+)
 from archer.tools.python_tool import PythonTool, strip_code_fence
 from archer.tools.search import SearchTool
 
-PRELUDE_MARK = sandbox.PRELUDE.splitlines()[0]
-OWNER_MARK = sandbox.CALL_MARK  # the last argument of the sandboxes this test process starts
+PRELUDE_MARK = sandbox_launch.PRELUDE.splitlines()[0]
+OWNER_MARK = sandbox_launch.CALL_MARK  # the last argument of the sandboxes this test process starts
 # a host folder outside /tmp (the sandbox's scratch tmpfs covers /tmp, and CI may clone the repo there)
 OUTSIDE = Path("/var/tmp") if Path("/var/tmp").is_dir() else Path.home()
 LIMITS = {"timeout": 1.0, "memory_mb": 256, "max_processes": 8, "max_file_mb": 1, "max_output_chars": 200}
@@ -208,7 +216,7 @@ def test_proc_shows_nothing_of_the_host_but_the_interpreters_folders(isolated: P
     assert init_argv[1] == "--args" and init_argv[3:5] == ["--", isolated.sandbox.interpreter.executable]
     project = str(Path(__file__).resolve().parents[1])
     shown = " ".join(init_argv + path)
-    assert init_argv[-1] == sandbox.CALL_MARK and project not in shown and '"owner"' not in shown
+    assert init_argv[-1] == sandbox_launch.CALL_MARK and project not in shown and '"owner"' not in shown
     assert all(any(Path(p).is_relative_to(r) for r in isolated.sandbox.interpreter.roots + ("/usr",)) for p in path)
 
 
@@ -285,7 +293,7 @@ def no_bubblewrap(monkeypatch: pytest.MonkeyPatch):
 
 def readable_by_all(python: str) -> bool:
     """Whether every folder above ``python``'s prefix is enterable by other users (the opt-out level's fresh uid)."""
-    prefix = Path(sandbox.describe_interpreter(python).roots[0])
+    prefix = Path(sandbox_launch.describe_interpreter(python).roots[0])
     return all(p.stat().st_mode & 0o001 for p in [prefix, *prefix.parents])
 
 
@@ -568,7 +576,7 @@ def test_scratch_is_private_when_the_interpreter_lives_under_tmp(tmp_path_factor
 
 def test_the_watchdog_finds_every_process_without_children_lists(patient: PythonTool,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sandbox, "children_files", lambda: False)  # a kernel without CONFIG_PROC_CHILDREN
+    monkeypatch.setattr(sandbox_watch, "children_files", lambda: False)  # a kernel without CONFIG_PROC_CHILDREN
     result = patient.execute(FORKED_MEMORY)
     assert not result.ok and "together used more than 256 MB of memory" in result.text
 
@@ -580,7 +588,7 @@ def test_the_watchdog_counts_the_cpu_time_of_children_already_reaped() -> None:
     proc = subprocess.Popen([sys.executable, "-c", burner], stdout=subprocess.PIPE)
     try:
         assert proc.stdout.readline() == b"reaped\n"
-        memory, cpu = sandbox._usage(sandbox._process_tree(proc.pid))
+        memory, cpu = sandbox_watch.usage(sandbox_watch.process_tree(proc.pid))
         assert cpu >= 0.3 and memory > 0  # the child's 0.3 s live on in its parent's cutime
     finally:
         proc.kill()

