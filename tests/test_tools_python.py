@@ -189,8 +189,9 @@ def test_only_the_system_and_the_interpreter_are_mounted(isolated: PythonTool, t
     assert [p for p, listing in visible.items() if leaks(p, listing)] == []
 
 
-def test_the_mount_check_counts_a_folder_above_a_venv_only_for_what_it_holds(tmp_path: Path) -> None:
-    # the make-test failure: a venv under /tmp makes /tmp exist in the sandbox, holding only the venv's folder
+@pytest.fixture(scope="module")
+def tmp_venv_tool():
+    """The sandbox running a virtualenv that lives under /tmp (as `make test` from such a venv does)."""
     venv = Path(tempfile.mkdtemp(prefix="archer-venv-", dir="/tmp"))
     try:
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
@@ -198,10 +199,15 @@ def test_the_mount_check_counts_a_folder_above_a_venv_only_for_what_it_holds(tmp
         tool = PythonTool(**LIMITS, python=str(venv / "bin" / "python"))
         if tool.isolation != sandbox.NAMESPACES:
             pytest.skip("no namespace sandbox here")
-        listing = eval(tool.execute("import os\nos.listdir('/tmp')").text)
-        assert listing == [venv.name]  # nothing else of the host's /tmp
+        yield tool, venv
     finally:
         shutil.rmtree(venv, ignore_errors=True)
+
+
+def test_the_mount_check_counts_a_folder_above_a_venv_only_for_what_it_holds(tmp_venv_tool) -> None:
+    # the make-test failure: a venv under /tmp makes /tmp exist in the sandbox, holding only the venv's folder
+    tool, venv = tmp_venv_tool
+    assert eval(tool.execute("import os\nos.listdir('/tmp')").text) == [venv.name]  # nothing else of the host's
 
 
 def test_proc_shows_nothing_of_the_host_but_the_interpreters_folders(isolated: PythonTool) -> None:
@@ -559,19 +565,11 @@ def test_the_calls_running_at_once_share_one_memory_budget() -> None:
         PythonTool(memory_mb=64, scratch_mb=32, max_total_memory_mb=100)  # 64 + 2 x 32 = 128 MB per call
 
 
-def test_scratch_is_private_when_the_interpreter_lives_under_tmp(tmp_path_factory) -> None:
-    venv = Path(tempfile.mkdtemp(prefix="archer-venv-", dir="/tmp"))
-    try:
-        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-        venv.chmod(0o755)
-        tool = PythonTool(**LIMITS, python=str(venv / "bin" / "python"))
-        if tool.isolation != sandbox.NAMESPACES:
-            pytest.skip("no namespace sandbox here")
-        text = tool.execute("import os, sys\nopen('mine', 'w').write('x')\nprint(os.getcwd(), os.listdir('.'), "
-                            "sys.executable)").text
-        assert text == f"/scratch ['mine'] {venv / 'bin' / 'python'}\n"
-    finally:
-        shutil.rmtree(venv, ignore_errors=True)
+def test_scratch_is_private_when_the_interpreter_lives_under_tmp(tmp_venv_tool) -> None:
+    tool, venv = tmp_venv_tool
+    text = tool.execute("import os, sys\nopen('mine', 'w').write('x')\nprint(os.getcwd(), os.listdir('.'), "
+                        "sys.executable)").text
+    assert text == f"/scratch ['mine'] {venv / 'bin' / 'python'}\n"
 
 
 def test_the_watchdog_finds_every_process_without_children_lists(patient: PythonTool,
