@@ -210,6 +210,19 @@ def test_the_mount_check_counts_a_folder_above_a_venv_only_for_what_it_holds(tmp
     assert eval(tool.execute("import os\nos.listdir('/tmp')").text) == [venv.name]  # nothing else of the host's
 
 
+def test_a_unix_socket_inside_the_interpreters_folder_is_reachable_as_tools_check_reports(tmp_venv_tool) -> None:
+    # not contained (SECURITY.md; `archer tools check` says OFF): a read-only mount does not stop connect()
+    tool, venv = tmp_venv_tool
+    path = venv / "service.sock"
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(path))
+        path.chmod(0o777)  # a socket every user may write to: the fresh uid of a root-started call reaches it
+        server.listen()
+        result = tool.execute(f"import socket\nsocket.socket(socket.AF_UNIX).connect({str(path)!r})\nprint('in')")
+    path.unlink()
+    assert result.text == "in\n"
+
+
 def test_proc_shows_nothing_of_the_host_but_the_interpreters_folders(isolated: PythonTool) -> None:
     roomy = PythonTool(**{**LIMITS, "max_output_chars": 20_000})
     host_boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()

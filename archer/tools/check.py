@@ -62,6 +62,9 @@ def protections(python: str) -> list[Protection]:
         Protection("/proc hides the host (hostname, boot id, the trainer's pid and paths)", isolated,
                    f"hostname {sandbox_launch.HOSTNAME!r}; the interpreter's folders keep their host paths" if isolated
                    else off),
+        Protection("unix sockets inside the interpreter's folders unreachable", False,
+                   "not enforced: a read-only mount does not stop connect() (SECURITY.md); keep no live socket "
+                   f"in {', '.join(interp.roots)}"),
         Protection("snippet never runs as root", True,
                    "a fresh random uid per call" if root else "archer's own (non-root) user"
                    + ("" if isolated else ", trainer made non-dumpable")),
