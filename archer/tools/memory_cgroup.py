@@ -68,6 +68,8 @@ class CallCgroup:
         self.path = parent.path / f"{_PREFIX}{os.getpid()}-{next(_COUNTER)}"
         self.path.mkdir()
         try:
+            if not (self.path / "cgroup.procs").exists():  # the kernel makes a cgroup's files with it
+                raise NotADirectoryError(errno.ENOTDIR, f"{parent.path} is not a cgroup folder")
             _set_limits(self.path, self.version, memory_mb << 20)
         except OSError:
             self.remove()
@@ -140,19 +142,20 @@ def _unescape(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
 
 
-def _mounts() -> Iterator[tuple[str, Path, str, set[str]]]:
-    """(root inside the hierarchy, mount point, file system type, super options) of each mount."""
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+def _mounts(mountinfo: str) -> Iterator[tuple[str, Path, str, set[str]]]:
+    """(root inside the hierarchy, mount point, file system type, super options) of each mount of a
+    /proc/self/mountinfo text."""
+    for line in mountinfo.splitlines():
         left, _, right = line.partition(" - ")
         fields, tail = left.split(), right.split()
         if len(fields) >= 5 and len(tail) >= 3:
             yield _unescape(fields[3]), Path(_unescape(fields[4])), tail[0], set(tail[2].split(","))
 
 
-def _own_cgroups() -> dict[str, str]:
-    """This process's cgroup path per v1 controller, and under "" its cgroup v2 path."""
+def _own_cgroups(cgroups: str) -> dict[str, str]:
+    """A process's cgroup path per v1 controller, and under "" its cgroup v2 path, from its /proc/<pid>/cgroup."""
     own = {}
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
+    for line in cgroups.splitlines():
         _, controllers, path = line.split(":", 2)
         for controller in controllers.split(","):
             own[controller] = path
@@ -166,11 +169,11 @@ def _folder(mount_root: str, mount_point: Path, path: str) -> Path | None:
     return mount_point / Path(path).relative_to(mount_root)
 
 
-def _candidates() -> list[CgroupParent]:
-    """Where this process might make cgroups, best first."""
-    own = _own_cgroups()
+def candidates(mountinfo: str, cgroups: str) -> list[CgroupParent]:
+    """Where a process with these /proc files (mountinfo, cgroup) might make cgroups, best first."""
+    own = _own_cgroups(cgroups)
     found = []
-    for root, point, fstype, options in _mounts():
+    for root, point, fstype, options in _mounts(mountinfo):
         if fstype == "cgroup" and "memory" in options and "memory" in own:
             folder = _folder(root, point, own["memory"])
             found += [CgroupParent(folder, 1)] if folder else []
@@ -221,15 +224,15 @@ def find_parent() -> tuple[CgroupParent | None, str]:
         if named:
             path = Path(named)
             version = 2 if (path / "cgroup.controllers").exists() else 1
-            candidates = [CgroupParent(path, version)]
+            places = [CgroupParent(path, version)]
         else:
-            candidates = _candidates()
+            places = candidates(Path("/proc/self/mountinfo").read_text(), Path("/proc/self/cgroup").read_text())
     except OSError as e:
         return None, f"cannot read this process's cgroups ({e})"
-    if not candidates:
+    if not places:
         return None, "no cgroup hierarchy with a memory controller is mounted"
     reasons = []
-    for parent in candidates:
+    for parent in places:
         try:
             reason = _usable(parent)
         except (OSError, subprocess.SubprocessError) as e:
