@@ -7,7 +7,8 @@ it, so where archer may create cgroups each call runs in a cgroup of its own who
 sandbox stops the call for memory. The call's first process enters its cgroup before it starts bubblewrap or the
 launcher (``CallCgroup.enter``), so every process of the call is inside.
 
-Where the calls' cgroups live (``find_parent``, once per process; each call's is ``archer-<pid>-<n>`` below it):
+Where the calls' cgroups live (``find_parent``, once per process; each call's is ``archer-<pid>-<n>`` below it,
+removed after the call; a trainer killed mid-call leaves an empty one behind):
 
 - ``$ARCHER_SANDBOX_CGROUP`` when set: a cgroup folder archer may create cgroups in (delegated to its user, with
   the memory controller enabled for its children on cgroup v2);
@@ -206,16 +207,6 @@ def _usable(parent: CgroupParent) -> str:
     return ""
 
 
-def _remove_stale(parent: CgroupParent) -> None:
-    """Remove the calls' cgroups that a process of archer which is gone left behind (a crash)."""
-    with contextlib.suppress(OSError):
-        for entry in parent.path.glob(f"{_PREFIX}*-*"):
-            pid = entry.name[len(_PREFIX):].split("-")[0]
-            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-                with contextlib.suppress(OSError):
-                    entry.rmdir()
-
-
 @functools.cache
 def find_parent() -> tuple[CgroupParent | None, str]:
     """(where this process makes its calls' cgroups, "") or (None, why there is no such place)."""
@@ -238,7 +229,6 @@ def find_parent() -> tuple[CgroupParent | None, str]:
         except (OSError, subprocess.SubprocessError) as e:
             reason = f"cannot make a cgroup below {parent.path} ({e.strerror if isinstance(e, OSError) else e})"
         if not reason:
-            _remove_stale(parent)
             return parent, ""
         reasons.append(reason)
     hint = f"run archer as root, or set {ENV} to a cgroup delegated to archer's user"
