@@ -4,9 +4,8 @@
 thread pool (``max_workers``), retries a call whose tool raised (``retry_count`` more attempts, none after the
 round's time), gives up on calls still running ``timeout`` seconds after the round started (a tool learns that
 deadline from ``call_deadline()``: the Python tool stops its snippet by then, and a call still waiting for memory
-does not start), and returns, in call order, the text for
-the model and a ``CallRecord`` for the metrics. It never raises for what a call does: a failure becomes
-ARPO's error text. ``tool_metrics`` turns a step's records into ``tools/<name>/{calls, failures,
+does not start), and returns, in call order, the text for the model and a ``CallRecord`` for the metrics. It
+never raises for what a call does: a failure becomes ARPO's error text. ``tool_metrics`` turns a step's records into ``tools/<name>/{calls, failures,
 mean_latency_s}``, ``tools/calls_per_response`` and ``tools/call_limit_reached``.
 """
 
