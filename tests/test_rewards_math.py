@@ -141,7 +141,7 @@ def test_the_verify_pool_scores_in_parallel_processes_and_caches_verdicts() -> N
         with ThreadPoolExecutor(4) as threads:
             verdicts = list(threads.map(lambda p: pool.equivalent(*p, 5.0), pairs * 2))
         assert verdicts == [True] * 6 + [False] + [True] * 6 + [False]
-        assert set(pool._cache) == set(pairs) and not pool._pending
+        assert set(pool._cache) == {math_reward.verdict_key(*p) for p in pairs} and not pool._pending
         assert {w._process.pid for w in pool._workers} == pids  # no worker was replaced
     finally:
         pool.close()
@@ -152,10 +152,34 @@ def test_a_timeout_is_not_cached_and_the_worker_memory_is_capped() -> None:
     try:
         hostile = ("10", r"9^{9^{9^{9^{9}}}}")
         assert pool.equivalent(*hostile, 0.5) is None  # killed past the limit: no verdict, nothing cached
-        assert hostile not in pool._cache
+        assert math_reward.verdict_key(*hostile) not in pool._cache
         assert pool.equivalent("2", r"\sqrt{4}", 5.0) is True
         limits = Path(f"/proc/{pool._workers[0]._process.pid}/limits").read_text()
         (line,) = [x for x in limits.splitlines() if x.startswith("Max address space")]
         assert line.split()[3] == str(math_reward.VERIFY_MEMORY_MB * 1024 * 1024)
     finally:
         pool.close()
+
+
+class CountingWorker:
+    """A verify worker that answers at once and counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def equivalent(self, gold: str, pred: str, timeout_s: float) -> bool:
+        self.calls += 1
+        return False
+
+
+def test_the_verdict_cache_holds_digests_not_the_answers() -> None:
+    # at capacity, 100 KB answers used to take ~9 GB of keys
+    pool = math_reward._VerifyPool()
+    worker = CountingWorker()
+    pool._workers, pool._idle = [worker], math_reward.queue.SimpleQueue()
+    pool._idle.put(worker)
+    answers = [f"{i}" + "x" * 100_000 for i in range(3)]
+    assert [pool.equivalent("5", a, 5.0) for a in answers + answers] == [False] * 6
+    assert worker.calls == 3  # the repeats are cache hits
+    assert list(pool._cache) == [math_reward.verdict_key("5", a) for a in answers]
+    assert all(len(key) == 16 for key in pool._cache) and not pool._pending

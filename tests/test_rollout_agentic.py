@@ -269,6 +269,47 @@ def test_hermes_runs_every_call_of_a_turn_and_answers_unreadable_ones():
     assert out.stats.metrics()["tools/python/calls"] == 2.0 and "tools/nope/calls" not in out.stats.metrics()
 
 
+HOSTILE_CALLS = {
+    "huge integer": '<tool_call>{"name": "python", "arguments": {"code": ' + "9" * 5000 + "}}</tool_call>",
+    "huge integer name": '<tool_call>{"name": ' + "1" * 4301 + "}</tool_call>",
+    "deep arguments": '<tool_call>{"name": "python", "arguments": ' + "[" * 5000 + "]" * 5000 + "}</tool_call>",
+}
+
+
+@pytest.mark.parametrize("hostile", HOSTILE_CALLS)
+def test_a_hostile_hermes_call_is_an_invalid_call_of_its_own_trajectory_only(hostile: str):
+    # json.loads raises ValueError past 4300 digits and RecursionError past the stack: neither may stop the batch
+    tool = Echo()
+
+    def script(state, session):
+        if state.turns:
+            return Turn("done", eos=True)
+        bad = "bad" in session.text(state.prompt)
+        return Turn(HOSTILE_CALLS[hostile] if bad else hermes_call(arguments={"code": "ok"}), eos=True)
+
+    loop = hermes_loop(script, tool, budget=20_000)
+    out = loop.generate([enc("bad q"), enc("good q")], SamplingParams(n=1, seed=0), None)
+    assert tool.calls == ["ok"]  # the good trajectory's call ran; the hostile one ran nothing
+    bad, good = TOK.decode(present(out, 0)), TOK.decode(present(out, 1))
+    reason = "is nested too deeply" if hostile == "deep arguments" else "cannot be read (Exceeds the limit (4300 digits)"
+    assert f"<|im_start|>tool\nError: the tool call's JSON {reason}" in bad and bad.endswith("done<|im_end|>")
+    assert "<|im_start|>tool\nko<|im_end|>" in good
+    assert out.finish_reasons == ["eos", "eos"] and out.num_tool_calls == [1, 1] and out.stats.invalid_calls == 1
+
+
+def test_lone_surrogates_of_a_hermes_call_reach_neither_the_tool_nor_the_tokenizer_raw():
+    tool = Echo()
+    calls = hermes_call(arguments={"code": "a\ud800b"}) + hermes_call(name="\udfff")  # json.dumps escapes them
+
+    def script(state, session):
+        return Turn(calls, eos=True) if state.turns == 0 else Turn("done", eos=True)
+
+    out = hermes_loop(script, tool, budget=600).generate([enc("q")], SamplingParams(n=1, seed=0), None)
+    assert tool.calls == ["a\ufffdb"]
+    text = TOK.decode(present(out, 0))
+    assert "b\ufffda" in text and "Error: there is no tool named '\ufffd' (tools: python)." in text
+
+
 def test_hermes_call_beyond_the_limit_ends_on_the_turns_own_eos():
     reg = registry(Echo(), call_limit=0)
     loop = AgenticRollout(ScriptedEngine(lambda s, _: Turn(hermes_call(), eos=True), TOK), TOK, reg, HermesCalls(TOK),

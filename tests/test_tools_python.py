@@ -21,12 +21,20 @@ from pathlib import Path
 import pytest
 
 from archer.errors import ArcherError
-from archer.tools import ToolCall, ToolExecutor, sandbox, tool_metrics
+from archer.tools import (
+    ToolCall,
+    ToolExecutor,
+    memory_cgroup,
+    sandbox,
+    sandbox_launch,
+    sandbox_watch,
+    tool_metrics,
+)
 from archer.tools.python_tool import PythonTool, strip_code_fence
 from archer.tools.search import SearchTool
 
-PRELUDE_MARK = sandbox.PRELUDE.splitlines()[0]
-OWNER_MARK = f'"owner": {os.getpid()}'  # in the config argument of the sandboxes this test process starts
+PRELUDE_MARK = sandbox_launch.PRELUDE.splitlines()[0]
+OWNER_MARK = sandbox_launch.CALL_MARK  # the last argument of the sandboxes this test process starts
 # a host folder outside /tmp (the sandbox's scratch tmpfs covers /tmp, and CI may clone the repo there)
 OUTSIDE = Path("/var/tmp") if Path("/var/tmp").is_dir() else Path.home()
 LIMITS = {"timeout": 1.0, "memory_mb": 256, "max_processes": 8, "max_file_mb": 1, "max_output_chars": 200}
@@ -44,6 +52,11 @@ def processes_with(*markers: str) -> list[Path]:
             except OSError:  # it ended while we looked
                 pass
     return found
+
+
+def host_shm_segments() -> list[str]:
+    """The host's SysV shared memory segments (the test process's IPC namespace)."""
+    return Path("/proc/sysvipc/shm").read_text().splitlines()[1:]
 
 
 @pytest.fixture(scope="module")
@@ -158,12 +171,72 @@ def test_only_the_system_and_the_interpreter_are_mounted(isolated: PythonTool, t
     paths = [str(p) for p in (secret, run_file, project, Path.home() / ".bashrc", "/run", "/home", "/sys", "/tmp",
                               "/etc/passwd", "/var")]
     try:
-        result = isolated.execute(f"import os\n[p for p in {paths!r} if os.path.exists(p)]")
+        result = isolated.execute(f"import os\n{{p: sorted(os.listdir(p)) if os.path.isdir(p) else None "
+                                  f"for p in {paths!r} if os.path.exists(p)}}")
     finally:
         secret.unlink()
-    visible = [p for p in eval(result.text) if not any(Path(p).is_relative_to(r)
-                                                        for r in isolated.sandbox.interpreter.roots)]
-    assert visible == []
+    roots = [Path(r) for r in isolated.sandbox.interpreter.roots]
+
+    def leaks(path: str, listing: list[str] | None) -> bool:
+        """Whether a path the snippet sees shows something of the host: not an interpreter folder, nor a folder
+        made anew above one (holding only the way down to it: a venv under /tmp makes /tmp)."""
+        if any(Path(path).is_relative_to(r) for r in roots):
+            return False
+        below = {r.relative_to(path).parts[0] for r in roots if r.is_relative_to(path)}
+        return not below or listing is None or set(listing) != below
+
+    visible = eval(result.text)
+    assert [p for p, listing in visible.items() if leaks(p, listing)] == []
+
+
+@pytest.fixture(scope="module")
+def tmp_venv_tool():
+    """The sandbox running a virtualenv that lives under /tmp (as `make test` from such a venv does)."""
+    venv = Path(tempfile.mkdtemp(prefix="archer-venv-", dir="/tmp"))
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+        venv.chmod(0o755)
+        tool = PythonTool(**LIMITS, python=str(venv / "bin" / "python"))
+        if tool.isolation != sandbox.NAMESPACES:
+            pytest.skip("no namespace sandbox here")
+        yield tool, venv
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)
+
+
+def test_the_mount_check_counts_a_folder_above_a_venv_only_for_what_it_holds(tmp_venv_tool) -> None:
+    # the make-test failure: a venv under /tmp makes /tmp exist in the sandbox, holding only the venv's folder
+    tool, venv = tmp_venv_tool
+    assert eval(tool.execute("import os\nos.listdir('/tmp')").text) == [venv.name]  # nothing else of the host's
+
+
+def test_a_unix_socket_inside_the_interpreters_folder_is_reachable_as_tools_check_reports(tmp_venv_tool) -> None:
+    # not contained (SECURITY.md; `archer tools check` says OFF): a read-only mount does not stop connect()
+    tool, venv = tmp_venv_tool
+    path = venv / "service.sock"
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(path))
+        path.chmod(0o777)  # a socket every user may write to: the fresh uid of a root-started call reaches it
+        server.listen()
+        result = tool.execute(f"import socket\nsocket.socket(socket.AF_UNIX).connect({str(path)!r})\nprint('in')")
+    path.unlink()
+    assert result.text == "in\n"
+
+
+def test_proc_shows_nothing_of_the_host_but_the_interpreters_folders(isolated: PythonTool) -> None:
+    roomy = PythonTool(**{**LIMITS, "max_output_chars": 20_000})
+    host_boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    code = ("import os, socket, sys\ntry:\n    boot = open('/proc/sys/kernel/random/boot_id').read()\n"
+            "except OSError as e:\n    boot = type(e).__name__\n"
+            "print(repr((socket.gethostname(), boot, open('/proc/1/cmdline').read().rstrip('\\0').split('\\0'), "
+            "sys.path)))")
+    hostname, boot, init_argv, path = eval(roomy.execute(code).text)
+    assert hostname == "sandbox" and host_boot_id not in boot
+    assert init_argv[1] == "--args" and init_argv[3:5] == ["--", isolated.sandbox.interpreter.executable]
+    project = str(Path(__file__).resolve().parents[1])
+    shown = " ".join(init_argv + path)
+    assert init_argv[-1] == sandbox_launch.CALL_MARK and project not in shown and '"owner"' not in shown
+    assert all(any(Path(p).is_relative_to(r) for r in isolated.sandbox.interpreter.roots + ("/usr",)) for p in path)
 
 
 # --- hostile snippets ---
@@ -239,7 +312,7 @@ def no_bubblewrap(monkeypatch: pytest.MonkeyPatch):
 
 def readable_by_all(python: str) -> bool:
     """Whether every folder above ``python``'s prefix is enterable by other users (the opt-out level's fresh uid)."""
-    prefix = Path(sandbox.describe_interpreter(python).roots[0])
+    prefix = Path(sandbox_launch.describe_interpreter(python).roots[0])
     return all(p.stat().st_mode & 0o001 for p in [prefix, *prefix.parents])
 
 
@@ -258,6 +331,8 @@ def test_without_namespaces_it_logs_once_and_runs_with_limits_only(no_bubblewrap
         PythonTool(**LIMITS, require_isolation=False, python=shared_python)
     warnings = [r for r in caplog.records if "WITHOUT isolation" in r.getMessage()]
     assert len(warnings) == 1 and "bubblewrap could not create the sandbox" in warnings[0].getMessage()
+    leftovers = "is removed after it" if os.geteuid() == 0 else "stays there after it"
+    assert leftovers in warnings[0].getMessage() and "SysV IPC is refused" in warnings[0].getMessage()
     assert tool.isolation == sandbox.RLIMITS
     before = set(Path(tempfile.gettempdir()).glob("archer-python-*"))
     text = tool.execute("import os\nprint(os.path.basename(os.getcwd()).startswith('archer-python-'))\n6 * 7").text
@@ -306,6 +381,25 @@ def test_opting_out_under_root_kills_daemons_and_counts_processes(no_bubblewrap,
     assert int(tool.execute(forks).text) == LIMITS["max_processes"] - 1  # the snippet and 7 children
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="only a root-started call has a uid of its own to tell its files by")
+def test_opting_out_under_root_leaves_no_files_or_sysv_objects_behind(no_bubblewrap, shared_python) -> None:
+    tool = PythonTool(**LIMITS, require_isolation=False, python=shared_python)
+    marker = f"archer-left-{uuid.uuid4().hex}"
+    folders = ["/tmp", "/var/tmp", "/dev/shm"]
+    code = (f"import ctypes, os\nfor folder in {folders!r}:\n    open(f'{{folder}}/{marker}', 'w').write('x')\n"
+            f"    os.makedirs(f'{{folder}}/{marker}-dir/inner')\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "print(libc.shmget(0, 4096, 0o1600), ctypes.get_errno(), libc.msgget(0, 0o1600), ctypes.get_errno())")
+    segments = host_shm_segments()
+    try:
+        assert tool.execute(code).text == "-1 1 -1 1\n"  # SysV IPC refused: its objects would outlive the call
+        assert [f for f in folders for name in (marker, f"{marker}-dir") if (Path(f) / name).exists()] == []
+        assert host_shm_segments() == segments
+    finally:
+        for folder in folders:
+            (Path(folder) / marker).unlink(missing_ok=True)
+            shutil.rmtree(Path(folder) / f"{marker}-dir", ignore_errors=True)
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or readable_by_all(sys.executable), reason="needs root and a private Python")
 def test_opting_out_under_root_with_a_private_interpreter_is_a_startup_error(no_bubblewrap) -> None:
     with pytest.raises(ArcherError, match="must be able to read the interpreter"):
@@ -327,6 +421,24 @@ def test_isolation_is_required_by_default_with_one_clear_error(no_bubblewrap) ->
     assert "SECURITY.md" in str(err.value)
 
 
+def test_a_bwrap_that_never_reports_its_sandbox_is_a_startup_error_not_a_hang(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    fake, marker = tmp_path / "bwrap", f"{time.time_ns() % 10**6}.125"
+    fake.write_text(f"#!/bin/sh\nexec sleep {marker}\n")  # ignores --info-fd, holding it open
+    fake.chmod(0o755)
+    monkeypatch.setattr(sandbox, "bwrap_executable", lambda: str(fake))
+    monkeypatch.setattr(sandbox, "_START_S", 0.5)
+    sandbox.isolation_level.cache_clear()
+    start = time.monotonic()
+    try:
+        with pytest.raises(ArcherError, match="no sandbox reported within 0.5 s") as err:
+            PythonTool(**LIMITS)
+    finally:
+        sandbox.isolation_level.cache_clear()
+    assert time.monotonic() - start < 3 and str(fake) in str(err.value)
+    assert processes_with(marker) == []  # killed with its process group
+
+
 def test_limits_must_be_positive() -> None:
     with pytest.raises(ArcherError, match="params.memory_mb must be a positive number, got 0"):
         PythonTool(memory_mb=0)
@@ -335,6 +447,18 @@ def test_limits_must_be_positive() -> None:
 def test_a_broken_interpreter_is_a_startup_error(tmp_path: Path) -> None:
     with pytest.raises(ArcherError, match="does not run"):
         PythonTool(python=str(tmp_path / "no-python"))
+
+
+def test_a_conda_env_whose_python_links_out_of_the_env_runs_the_links_target(tmp_path: Path) -> None:
+    # ARPO's {conda_path}/envs/{conda_env}/bin/python, here a link to an interpreter installed elsewhere: the env
+    # is not what Python runs from (its prefix is the target's), so the target is what the sandbox runs
+    real = os.path.realpath(sys.executable)
+    (tmp_path / "conda" / "envs" / "x" / "bin").mkdir(parents=True)
+    (tmp_path / "conda" / "envs" / "x" / "bin" / "python").symlink_to(real)
+    tool = PythonTool(**LIMITS, conda_path=str(tmp_path / "conda"), conda_env="x")
+    if tool.isolation != sandbox.NAMESPACES:
+        pytest.skip("no namespace sandbox here")
+    assert tool.sandbox.interpreter.executable == real and tool.execute("6 * 7").text == "42\n"
 
 
 def test_start_up_cost_per_call_is_small(tool: PythonTool) -> None:
@@ -414,6 +538,21 @@ def test_shared_memory_is_a_bounded_tmpfs(isolated: PythonTool) -> None:
     assert not result.ok and "No space left on device" in result.text
 
 
+def test_a_call_abandoned_at_the_round_timeout_stops_and_leaves_the_next_round_its_worker(patient: PythonTool
+                                                                                           ) -> None:
+    # the executor gives up after 1 s; the snippet (timeout 5 s) learns that deadline and stops there
+    executor = ToolExecutor({"python": patient}, max_workers=1, timeout=1.0, retry_count=0)
+    try:
+        start = time.monotonic()
+        (abandoned,) = executor.run([ToolCall("python", "while True:\n    pass")])
+        assert abandoned.text == "Error: Tool(python) did not answer within 1 s."
+        (benign,) = executor.run([ToolCall("python", "print(2 + 2)")])
+        assert benign.text == "4\n" and benign.record.ok
+        assert time.monotonic() - start < 3
+    finally:
+        executor.close()
+
+
 def test_the_calls_running_at_once_share_one_memory_budget() -> None:
     budget = sandbox.MemoryBudget(300)
     running, peak, lock = [0], [0], threading.Lock()
@@ -433,28 +572,22 @@ def test_the_calls_running_at_once_share_one_memory_budget() -> None:
     for t in threads:
         t.join()
     assert peak[0] == 2 and budget.used_mb == 0  # 2 x 128 MB fit in 300, a third waits
+    with budget.reserve(250), budget.reserve(128, deadline=time.monotonic() + 0.1) as reserved:
+        assert not reserved and budget.used_mb == 250  # no room by its deadline: it gives up, holding nothing
     with pytest.raises(ArcherError, match="more than max_total_memory_mb=100"):
         PythonTool(memory_mb=64, scratch_mb=32, max_total_memory_mb=100)  # 64 + 2 x 32 = 128 MB per call
 
 
-def test_scratch_is_private_when_the_interpreter_lives_under_tmp(tmp_path_factory) -> None:
-    venv = Path(tempfile.mkdtemp(prefix="archer-venv-", dir="/tmp"))
-    try:
-        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-        venv.chmod(0o755)
-        tool = PythonTool(**LIMITS, python=str(venv / "bin" / "python"))
-        if tool.isolation != sandbox.NAMESPACES:
-            pytest.skip("no namespace sandbox here")
-        text = tool.execute("import os, sys\nopen('mine', 'w').write('x')\nprint(os.getcwd(), os.listdir('.'), "
-                            "sys.executable)").text
-        assert text == f"/scratch ['mine'] {venv / 'bin' / 'python'}\n"
-    finally:
-        shutil.rmtree(venv, ignore_errors=True)
+def test_scratch_is_private_when_the_interpreter_lives_under_tmp(tmp_venv_tool) -> None:
+    tool, venv = tmp_venv_tool
+    text = tool.execute("import os, sys\nopen('mine', 'w').write('x')\nprint(os.getcwd(), os.listdir('.'), "
+                        "sys.executable)").text
+    assert text == f"/scratch ['mine'] {venv / 'bin' / 'python'}\n"
 
 
 def test_the_watchdog_finds_every_process_without_children_lists(patient: PythonTool,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sandbox, "children_files", lambda: False)  # a kernel without CONFIG_PROC_CHILDREN
+    monkeypatch.setattr(sandbox_watch, "children_files", lambda: False)  # a kernel without CONFIG_PROC_CHILDREN
     result = patient.execute(FORKED_MEMORY)
     assert not result.ok and "together used more than 256 MB of memory" in result.text
 
@@ -466,9 +599,89 @@ def test_the_watchdog_counts_the_cpu_time_of_children_already_reaped() -> None:
     proc = subprocess.Popen([sys.executable, "-c", burner], stdout=subprocess.PIPE)
     try:
         assert proc.stdout.readline() == b"reaped\n"
-        memory, cpu = sandbox._usage(sandbox._process_tree(proc.pid))
+        memory, cpu = sandbox_watch.usage(sandbox_watch.process_tree(proc.pid))
         assert cpu >= 0.3 and memory > 0  # the child's 0.3 s live on in its parent's cutime
     finally:
         proc.kill()
         proc.wait()
         proc.stdout.close()
+
+
+# --- memory outside every process's RSS, other socket families (issue 28) ---
+
+SHM_2GB = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.shmat.restype = ctypes.c_void_p\n"
+           "libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]\n"
+           "for _ in range(64):  # 2 GB of SysV segments, each touched through a mapping that is then dropped\n"
+           "    shmid = libc.shmget(0, ctypes.c_size_t(32 << 20), 0o1600)\n"
+           "    if shmid < 0:\n        raise SystemExit(f'refused {ctypes.get_errno()}')\n"
+           "    addr = libc.shmat(shmid, None, 0)\n    ctypes.memset(addr, 1, 32 << 20)\n"
+           "    libc.shmdt(ctypes.c_void_p(addr))\nprint('held 2 GB')")
+MEMFD_2GB = ("import os\nfds = []\nfor _ in range(32):  # 2 GB of memfd files, none mapped\n    try:\n"
+             "        fds.append(os.memfd_create('x'))\n    except OSError as e:\n"
+             "        raise SystemExit(f'refused {e.errno}')\n    os.write(fds[-1], b'x' * (64 << 20))\nprint('held 2 GB')")
+TCP_2GB = ("import os, socket, time\ntry:\n    server = socket.create_server(('127.0.0.1', 0), backlog=256)\n"
+           "except OSError as e:\n    raise SystemExit(f'refused {e.errno}')\n"
+           "for _ in range(3):  # 4 processes of 40 connections\n    if os.fork() == 0:\n        break\n"
+           "held, conns = 0, []\nfor _ in range(40):  # unaccepted, each filled until the kernel takes no more\n"
+           "    conns.append(socket.create_connection(server.getsockname()))\n    conns[-1].setblocking(False)\n"
+           "    try:\n        while True:\n            held += conns[-1].send(b'x' * (1 << 20))\n"
+           "    except BlockingIOError:\n        pass\nprint('queued MB', held >> 20, flush=True)\ntime.sleep(1)")
+UNIX_SOCKETS = ("import socket\ntry:\n    socket.socket(socket.AF_UNIX).setsockopt(socket.SOL_SOCKET, "
+                "socket.SO_SNDBUF, 64 << 20)\n    grown = 'grown'\nexcept OSError as e:\n    grown = e.errno\nheld = 0\n"
+                "for _ in range(28):\n    for s in socket.socketpair():\n        s.setblocking(False)\n        try:\n"
+                "            while True:\n                held += s.send(b'x' * (1 << 16))\n"
+                "        except BlockingIOError:\n            pass\nprint(grown, held >> 20)")
+
+
+@pytest.fixture(params=["cgroup", "no cgroup"])
+def confined(request: pytest.FixtureRequest, isolated: PythonTool, monkeypatch: pytest.MonkeyPatch) -> PythonTool:
+    """The sandbox with a memory cgroup per call (where this machine allows one) and without one; max_file_mb 64
+    so that a memfd may grow."""
+    if request.param == "cgroup":
+        parent, reason = memory_cgroup.find_parent()
+        if parent is None:
+            pytest.skip(f"no memory cgroup here: {reason}")
+    else:
+        monkeypatch.setattr(memory_cgroup, "find_parent", lambda: (None, "none in this test"))
+    tool = PythonTool(**{**LIMITS, "timeout": 5.0, "max_file_mb": 64})
+    assert (tool.sandbox.confinement.cgroup is not None) == (request.param == "cgroup")
+    return tool
+
+
+@pytest.mark.parametrize("attack", ["shm", "memfd"])
+def test_two_gigabytes_outside_every_process_are_stopped_at_memory_mb_or_refused(confined: PythonTool,
+                                                                                 attack: str) -> None:
+    segments = host_shm_segments()
+    start = time.monotonic()
+    result = confined.execute(SHM_2GB if attack == "shm" else MEMFD_2GB)
+    assert time.monotonic() - start < 4.0  # fails fast: the host neither fills nor swaps
+    if confined.sandbox.confinement.cgroup is not None:  # the cgroup counts what no RSS shows
+        assert not result.ok and "together used more than 256 MB of memory" in result.text
+    else:  # without one, the seccomp filter refuses what nothing would bound
+        assert not result.ok and result.text == "refused 1"  # EPERM
+    assert host_shm_segments() == segments  # nothing outlived the call (its IPC namespace died with it)
+
+
+def test_tcp_buffers_of_unaccepted_connections_stay_within_memory_mb_or_ip_is_refused(confined: PythonTool) -> None:
+    result = confined.execute(TCP_2GB)
+    if confined.sandbox.confinement.cgroup is not None:  # 4 x 40 connections held at once: 600 MB without a limit
+        queued = [int(line.split()[-1]) for line in result.text.splitlines() if line.startswith("queued")]
+        # the kernel counts the buffers' pages; loopback data coalesced in the receiver's queue takes fewer
+        assert (len(queued) == 4 and sum(queued) <= 1.25 * 256) or "together used more than 256 MB" in result.text
+    else:  # TCP and UDP buffers are bounded only host-wide (tcp_mem, shared with the trainer): no IP sockets
+        assert not result.ok and result.text == "refused 97"  # EAFNOSUPPORT
+
+
+def test_unix_socket_buffers_keep_the_kernels_default_size(confined: PythonTool) -> None:
+    # no cgroup counts unix socket buffers: SO_SNDBUF is refused, so 56 sockets hold their default size only
+    grown, held_mb = confined.execute(UNIX_SOCKETS).text.split()
+    default = max(int(Path(f"/proc/sys/net/core/{n}").read_text()) for n in ("wmem_default", "rmem_default"))
+    assert grown == "1" and int(held_mb) <= (56 * (default + 2**16)) >> 20  # one 64 KB send past each buffer
+
+
+@pytest.mark.parametrize("family", [40, 17, 31])  # AF_VSOCK, AF_PACKET, AF_BLUETOOTH
+def test_sockets_of_other_families_are_refused(isolated: PythonTool, family: int) -> None:
+    # AF_VSOCK is not isolated by the network namespace: a snippet could bind the VM's ports or reach the hypervisor
+    code = f"import socket\nsocket.socket({family}, socket.SOCK_STREAM)"
+    result = isolated.execute(code)
+    assert not result.ok and result.text.endswith("OSError: [Errno 97] Address family not supported by protocol")

@@ -6,12 +6,14 @@ else goes to math-verify (``verify(parse(gold), parse(pred))``, gold first), whi
 worker process so that a hostile answer (a tower of exponents, deeply nested LaTeX) can never hang the
 caller: past the time limit the worker is killed, restarted on the next call, and the answer scores 0.
 The worker's memory is capped too (math_worker.py). ``set_verify_workers(n)`` lets n callers (threads) verify
-at once in n processes; verdicts are cached per (gold, answer) (a timeout is not: it is tried again).
+at once in n processes; verdicts are cached per (gold, answer) (a timeout is not: it is tried again), keyed by a
+16-byte digest, so that the cache's size does not grow with the answers' length.
 """
 
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import os
 import queue
@@ -206,10 +208,17 @@ class _VerifyWorker:
             return None
 
 
+def verdict_key(gold: str, pred: str) -> bytes:
+    """The cache key of a (gold, answer) pair: a digest, whatever the answer's length (hostile ones run to 100 KB)."""
+    pair = json.dumps([gold, pred]).encode()  # JSON: unambiguous, and any str encodes (lone surrogates escaped)
+    return hashlib.blake2b(pair, digest_size=16).digest()
+
+
 class _VerifyPool:
     """Up to ``size`` verify workers, each serving one caller at a time: concurrent callers (the evaluator's
     scoring threads) verify in parallel processes. Workers start on first use; a verdict (a timeout's False
-    included) is cached per (gold, pred), so a repeated answer, hostile or not, costs one verification."""
+    included) is cached per (gold, pred), so a repeated answer, hostile or not, costs one verification. The cache
+    holds ``CACHE_SIZE`` digests and verdicts (a few MB), not the answers."""
 
     CACHE_SIZE = 100_000
 
@@ -217,8 +226,8 @@ class _VerifyPool:
         self._workers = [_VerifyWorker()]
         self._idle: queue.SimpleQueue[_VerifyWorker] = queue.SimpleQueue()
         self._idle.put(self._workers[0])
-        self._cache: OrderedDict[tuple[str, str], bool] = OrderedDict()
-        self._pending: dict[tuple[str, str], Future[bool | None]] = {}  # pairs being verified now
+        self._cache: OrderedDict[bytes, bool] = OrderedDict()
+        self._pending: dict[bytes, Future[bool | None]] = {}  # pairs being verified now
         self._cache_lock = threading.Lock()
 
     @property
@@ -261,7 +270,7 @@ class _VerifyPool:
 
     def equivalent(self, gold: str, pred: str, timeout_s: float) -> bool | None:
         """The verdict (None: timed out; not cached, so a later call tries again)."""
-        key = (gold, pred)
+        key = verdict_key(gold, pred)
         with self._cache_lock:
             if key in self._cache:
                 self._cache.move_to_end(key)

