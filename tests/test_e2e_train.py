@@ -383,15 +383,15 @@ def test_ppo_with_critic(variant: str, micro_model: Path, task_files: dict[str, 
         assert all("actor/reward_kl_penalty" not in line for line in metrics.values())
 
 
-def test_padding_free_token_budget_step_equals_the_padded_step(micro_model: Path, task_files: dict[str, Path],
-                                                                tmp_path: Path) -> None:
-    """One PPO step (critic, reference, KL loss) padded, and padding-free with token-budget micro-batches in
-    every pass: the same rollouts, so the same metrics to float rounding."""
+def test_packed_token_budget_step_equals_the_padded_step(micro_model: Path, task_files: dict[str, Path],
+                                                          tmp_path: Path) -> None:
+    """One PPO step (critic, reference, KL loss) padded in every pass, and packed with token-budget micro-batches
+    in every pass: the same rollouts, so the same metrics to float rounding."""
     free = ["actor_rollout_ref.model.use_remove_padding=true", "critic.model.use_remove_padding=true",
             "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=80",
             "critic.ppo_max_token_len_per_gpu=100"]
     metrics = []
-    for name, extra in (("padded", []), ("free", free)):
+    for name, extra in (("padded", ["actor_rollout_ref.rollout.log_prob_by_tokens=false"]), ("free", free)):
         run = tmp_path / name
         cfg = load_config("ppo_trainer", [
             *base_overrides(micro_model, task_files, run), "algorithm.adv_estimator=gae",

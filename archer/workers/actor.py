@@ -11,8 +11,9 @@ moves the policy's weights / Adam's states to host memory where verl's offload k
 
 Log-probs and entropies come from the chunked kernel in models/logprobs.py (no full float32 tokens x vocab
 tensor). The update splits the batch into mini-batches (one optimiser step each) and micro-batches
-(gradient accumulation: a number of rows, or a token budget, padded or padding-free: models/micro_batches.py);
-every loss is normalised over its whole mini-batch, so accumulation is exact whatever the micro-batches.
+(gradient accumulation: a number of rows, or a token budget, padded or packed: models/micro_batches.py); every
+loss is normalised over its whole mini-batch, so accumulation is exact whatever the micro-batches. The old
+log-probs are packed to a token budget by default.
 
 With ``model.lora_rank > 0`` the policy is the base model with peft's LoRA layers (models/lora.py): only the
 adapters are trained and checkpointed (beside the merged HF folder), the engine takes the merged weights, and
@@ -40,9 +41,10 @@ from archer.models.forward import MODEL_INPUTS, compute_log_probs
 from archer.models.loading import autocast_for, load_tokenizer, parse_dtype
 from archer.models.logprobs import layout_logprobs
 from archer.models.lora import LoraSettings, trainable_parameters
-from archer.models.micro_batches import MicroBatching
+from archer.models.micro_batches import ACTOR_UPDATE, LOG_PROB, MicroBatching, no_grad_micro_batching
 from archer.models.optim import LRSchedule, clip_and_step
 from archer.models.owner import ModelOwner, OwnsModel
+from archer.models.packed_attention import supports_packing
 from archer.rollout.factory import build_engine, uses_fast_engine
 from archer.trace.influence_capture import (
     CaptureSettings,
@@ -55,7 +57,13 @@ from archer.trace.influence_capture import (
     select_modules,
 )
 from archer.workers.actor_objective import ActorObjective
-from archer.workers.memory import MemoryPlan, card_figures, plan_actor_memory, release_cached_blocks
+from archer.workers.memory import (
+    MemoryPlan,
+    card_figures,
+    plan_actor_memory,
+    planned_no_grad_tokens,
+    release_cached_blocks,
+)
 from archer.workers.mini_batches import StepAverages, mini_batches
 from archer.workers.offload import Offload
 from archer.workers.reference import ReferenceWorker
@@ -99,12 +107,8 @@ class ActorWorker(OwnsModel):
                                optimizer_offload=offload_keys[1] and not sharded)
         self.temperature = float(cfg.rollout.temperature)
         self.chunk_size = self.actor_cfg.logprob_chunk_size
-        self.update_micro = MicroBatching.from_config(
-            self.actor_cfg, size_key="ppo_micro_batch_size", dynamic_key="use_dynamic_bsz",
-            budget_key="ppo_max_token_len_per_gpu", remove_padding=bool(cfg.model.use_remove_padding))
-        self.log_prob_micro = MicroBatching.from_config(
-            cfg.rollout, size_key="log_prob_micro_batch_size", dynamic_key="log_prob_use_dynamic_bsz",
-            budget_key="log_prob_max_token_len_per_gpu", remove_padding=bool(cfg.model.use_remove_padding))
+        remove_padding, can_pack = bool(cfg.model.use_remove_padding), supports_packing(self.model)
+        self.update_micro = MicroBatching.from_config(self.actor_cfg, ACTOR_UPDATE, packed=remove_padding and can_pack)
         self.objective = ActorObjective.from_config(self.actor_cfg)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path, role="model")
         self.pad_token_id = int(tokenizer.pad_token_id)
@@ -117,6 +121,9 @@ class ActorWorker(OwnsModel):
             self.memory_plan = plan_actor_memory(cfg, self.model, total=total, fast_engine=fast, others=others,
                                                  elsewhere=elsewhere, shards=self.ctx.world_size)
             self.memory_plan.check()
+        self.log_prob_micro = no_grad_micro_batching(
+            cfg.rollout, "actor_rollout_ref.rollout", LOG_PROB, remove_padding=remove_padding, can_pack=can_pack,
+            planned_tokens=planned_no_grad_tokens(self.memory_plan, self.model), announce=self.ctx.rank == 0)
         if self.offload.param_offload and not fast:
             log.warning("actor.fsdp_config.param_offload=true has no effect with the hf engine, which generates "
                         "with the policy's own weights")
@@ -134,7 +141,7 @@ class ActorWorker(OwnsModel):
     def make_reference(self) -> ReferenceWorker:
         """The reference worker beside this actor: with LoRA the policy's base (adapters off, no second copy),
         else its own frozen copy of actor_rollout_ref.model.path."""
-        return ReferenceWorker(self.cfg, device=self.device, ctx=self.ctx,
+        return ReferenceWorker(self.cfg, device=self.device, ctx=self.ctx, memory_plan=self.memory_plan,
                                lora_policy=self.owner if self.owner.peft is not None else None)
 
     # -- generation --------------------------------------------------------------------------------------
@@ -256,8 +263,8 @@ class ActorWorker(OwnsModel):
             mb = mini_batch.index(rows).to(self.device)
             layout = self.update_micro.layout(mb)
             mask = mb["response_mask"].float()
-            tracing = (influence.micro_batch(mb["row_id"].tolist(), layout.response_start.tolist(),
-                                                 layout.input_ids.shape[1])
+            tracing = (influence.micro_batch(mb["row_id"].tolist(), layout.first_predictor.tolist(),
+                                             tuple(layout.input_ids.shape))
                        if influence is not None and weight else nullcontext())  # padding passes trace nothing
             with tracing:
                 with autocast_for(self.device):
@@ -298,8 +305,8 @@ class ActorWorker(OwnsModel):
             for part in self.update_micro.split(data["attention_mask"]):
                 mb = data.index(part).to(self.device)
                 layout = self.update_micro.layout(mb)
-                with influence.micro_batch(mb["row_id"].tolist(), layout.response_start.tolist(),
-                                                 layout.input_ids.shape[1]):
+                with influence.micro_batch(mb["row_id"].tolist(), layout.first_predictor.tolist(),
+                                           tuple(layout.input_ids.shape)):
                     with autocast_for(self.device):
                         logp, _ = layout_logprobs(self.model, layout, temperature=self.temperature,
                                                   chunk_size=self.chunk_size, compute_entropy=False)

@@ -102,9 +102,12 @@ class RankWorkers:
                 others["reward model"] = self.reward_model.bytes_per_policy_param(ref_cfg.model) * self.ctx.world_size
         self.actor = ActorWorker(ref_cfg, device=self.ctx.device, ctx=self.ctx, total_steps=total_steps, tokenizer=tokenizer,
                                  chat_template_kwargs=chat_template_kwargs, other_models=others)
+        if self.reward_model is not None:  # its token budget needs the plan, which counts its bytes
+            self.reward_model.plan_micro_batches(self.actor.memory_plan, announce=self.ctx.rank == 0)
         self.ref = self.actor.make_reference() if use_ref else None
         self.critic = (CriticWorker(cfg.critic, rollout_n=int(ref_cfg.rollout.n), device=self.ctx.device, ctx=self.ctx,
-                                    total_steps=total_steps) if use_critic else None)
+                                    total_steps=total_steps, memory_plan=self.actor.memory_plan)
+                       if use_critic else None)
 
     # -- the step's stages ------------------------------------------------------------------------------------
     @collect(concat_generated)

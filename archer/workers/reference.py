@@ -12,8 +12,10 @@ from archer.distributed.context import DistContext
 from archer.distributed.data_parallel import rank_passes
 from archer.models.forward import compute_log_probs
 from archer.models.lora import base_policy
-from archer.models.micro_batches import MicroBatching
+from archer.models.micro_batches import LOG_PROB, no_grad_micro_batching
 from archer.models.owner import ModelOwner
+from archer.models.packed_attention import supports_packing
+from archer.workers.memory import MemoryPlan, planned_no_grad_tokens
 
 
 class ReferenceWorker:
@@ -21,10 +23,11 @@ class ReferenceWorker:
     actor's LoRA policy, whose base (adapters off) is the reference."""
 
     def __init__(self, cfg: DictConfig, *, device: torch.device, lora_policy: ModelOwner | None = None,
-                 ctx: DistContext | None = None) -> None:
+                 ctx: DistContext | None = None, memory_plan: MemoryPlan | None = None) -> None:
         """``ctx``: the rank of a data-parallel run (default: one process on ``device``); the reference's own
         copy is then sharded with FSDP2 too (with its shards in host memory, as verl's, under
-        ref.fsdp_config.param_offload)."""
+        ref.fsdp_config.param_offload). ``memory_plan``: the actor's on a GPU, which sets the pass's token
+        budget (models/micro_batches.py)."""
         self.cfg = cfg
         self.device = device
         self.ctx = ctx if ctx is not None else DistContext.single(device)
@@ -39,9 +42,10 @@ class ReferenceWorker:
                             cpu_offload=bool(cfg.ref.fsdp_config.param_offload))
             self.model = owner.model
         self.temperature = float(cfg.rollout.temperature)
-        self.micro = MicroBatching.from_config(
-            cfg.ref, size_key="log_prob_micro_batch_size", dynamic_key="log_prob_use_dynamic_bsz",
-            budget_key="log_prob_max_token_len_per_gpu", remove_padding=bool(cfg.model.use_remove_padding))
+        self.micro = no_grad_micro_batching(
+            cfg.ref, "actor_rollout_ref.ref", LOG_PROB, remove_padding=bool(cfg.model.use_remove_padding),
+            can_pack=supports_packing(self.model), planned_tokens=planned_no_grad_tokens(memory_plan, self.model),
+            announce=self.ctx.rank == 0)
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         passes = rank_passes(batch["attention_mask"], self.micro, self.ctx)
