@@ -203,16 +203,24 @@ def _from_pretrained(
         ) from err
 
 
+def set_gradient_checkpointing(model: PreTrainedModel, on: bool) -> None:
+    """Recompute each decoder layer's activations in the backward (``on``), or keep them (non-reentrant)."""
+    # transformers renamed the methods; older 5.x releases only have gradient_checkpointing_*.
+    if not on:
+        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+        return
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+
+
 def _prepare(model: PreTrainedModel, device: torch.device, gradient_checkpointing: bool) -> PreTrainedModel:
     use_packed_attention(model)  # SDPA as before, and packed rows kept apart (models/packed_attention.py)
     if gradient_checkpointing:
-        # transformers renamed the method; older 5.x releases only have gradient_checkpointing_enable.
-        enable = getattr(model, "activation_checkpointing_enable", None)
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+        set_gradient_checkpointing(model, True)
     return model if next(model.parameters()).is_meta else model.to(device)
 
 

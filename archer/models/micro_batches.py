@@ -150,6 +150,6 @@ def no_grad_micro_batching(section: DictConfig, where: str, keys: PassKeys, *, r
     if announce and rows is not None and keyed.max_tokens is None:
         key = f"{keys.size}_per_gpu" if section[f"{keys.size}_per_gpu"] else keys.size
         log.warning("%s.%s=%d is not used: this no-grad pass packs its rows into micro-batches of at most %d tokens "
-                    "instead (the same results, far fewer passes); set %s.%s=false to keep micro-batches of %d rows",
-                    where, key, rows, budget, where, keys.by_tokens, rows)
+                    "instead (the same results, far fewer passes); set %s.%s=false to keep micro-batches of %d row%s",
+                    where, key, rows, budget, where, keys.by_tokens, rows, "" if rows == 1 else "s")
     return MicroBatching(None, budget, packed=can_pack)
