@@ -8,6 +8,7 @@ import pytest
 import torch
 from workers_support import PAD, hand_batch, unequal_batch
 
+from archer.models import packed_attention as packed_attention_module
 from archer.models.forward import MODEL_INPUTS
 from archer.models.loading import load_causal_lm, load_value_model, value_forward
 from archer.models.logprobs import response_logprobs
@@ -74,6 +75,20 @@ def test_packed_attention_keeps_sequences_apart_and_equals_sdpa_per_sequence():
                                 max_length_q=9)
     assert torch.equal(again[:, :1], out[:, :1]) and torch.equal(again[:, 10:], out[:, 10:])
     assert not torch.allclose(again[:, 1:10], out[:, 1:10])
+
+
+def test_packed_attention_under_autocast_runs_in_its_dtype(monkeypatch):
+    # rope leaves float32 queries and keys beside bf16 values under autocast; SDPA's autocast casts them all, and so
+    # does packed attention before it picks a kernel: torch's flash varlen kernel takes bf16/fp16 only (on a GPU)
+    asked = []
+    monkeypatch.setattr(packed_attention_module, "uses_flash_varlen", lambda q, s: asked.append(q.dtype) or False)
+    query, key, value = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8).bfloat16()
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = packed_attention(None, query, key, value, None, cu_seq_lens_q=cu, max_length_q=3)
+    assert asked == [torch.bfloat16] and out.dtype == torch.bfloat16 and out.shape == (1, 5, 2, 8)
+    packed_attention(None, query, key, value.float(), None, cu_seq_lens_q=cu, max_length_q=3)
+    assert asked[-1] == torch.float32  # no autocast: float32 stays (SDPA per sequence)
 
 
 def test_models_load_with_packed_attention(tiny_model_dir):

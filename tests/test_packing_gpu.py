@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from workers_support import ppo_config, unequal_batch
 
+from archer.models import packed_attention as packed_attention_module
 from archer.models.forward import MODEL_INPUTS
 from archer.models.loading import autocast_for, load_causal_lm
 from archer.models.logprobs import response_logprobs
@@ -59,7 +60,10 @@ def test_flash_varlen_equals_sdpa_per_sequence_with_gradients(heads):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_packed_log_probs_and_gradients_match_padded_ones_under_autocast(tiny_model_dir, checkpointing):
+def test_packed_log_probs_and_gradients_match_padded_ones_under_autocast(tiny_model_dir, checkpointing, monkeypatch):
+    flash_calls = []
+    flash = packed_attention_module._flash_varlen
+    monkeypatch.setattr(packed_attention_module, "_flash_varlen", lambda *a: flash_calls.append(1) or flash(*a))
     model = load_causal_lm(tiny_model_dir, device=CUDA, gradient_checkpointing=checkpointing).train()
     assert model.config._attn_implementation == PACKED_ATTENTION  # transformers on this image takes it
     batch = unequal_batch(model.config.vocab_size).to(CUDA)
@@ -72,6 +76,8 @@ def test_packed_log_probs_and_gradients_match_padded_ones_under_autocast(tiny_mo
         (logp.sum() + entropy.sum()).backward()
         results.append((logp.detach(), entropy.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
     (logp, entropy, grad), (packed_logp, packed_entropy, packed_grad) = results
+    layers = model.config.num_hidden_layers
+    assert len(flash_calls) == (2 if checkpointing else 1) * layers  # every packed layer ran the flash kernel
     torch.testing.assert_close(packed_logp, logp, atol=3e-2, rtol=0)  # bf16 matrix products, other kernels
     torch.testing.assert_close(packed_entropy, entropy, atol=3e-2, rtol=0)
     assert float((packed_grad - grad).norm() / grad.norm()) < 2e-2

@@ -103,9 +103,13 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                                       **kwargs)
     if query.shape[0] != 1 or attention_mask is not None or dropout:
         raise ValueError("packed attention takes one row of sequences without an attention mask or dropout")
+    device = query.device.type
+    if torch.is_autocast_enabled(device):  # as autocast runs SDPA: rope leaves float32 queries and keys
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     if uses_flash_varlen(query, scaling):
-        out = _flash_varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                            cu_seq_lens, int(kwargs["max_length_q"]), scaling)
+        out = _flash_varlen(*(t[0].transpose(0, 1).contiguous() for t in (query, key, value)), cu_seq_lens,
+                            int(kwargs["max_length_q"]), scaling)
         return out.unsqueeze(0), None
     out = _per_sequence_sdpa(query, key, value, cu_seq_lens.tolist(), scaling)
     return out.transpose(1, 2).contiguous(), None
