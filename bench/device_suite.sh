@@ -45,7 +45,7 @@ run_stage() {  # NAME: one stage of the suite
         cp "/tmp/gvt_$s/archer_run/metrics.jsonl" "$out/grpo_vs_trl_archer_metrics_$s.jsonl" 2>/dev/null
       done ;;
     stage_mfu)  # issue 26: per-stage MFU / HBM fraction, padded against packed, 0.5B and 1.5B
-      stage stage_mfu "${SM_TIMEOUT:-240}" python3 bench/stage_mfu.py --json "$out/stage_mfu.json" ;;
+      stage stage_mfu "${SM_TIMEOUT:-240}" python3 bench/stage_mfu.py --json "$out/stage_mfu.json" ${SM_ARGS:-} ;;
     decode)  # issue 26: the fast engine alone at 64, 128 and 512 rows for 0.5B and 1.5B, with its HBM fraction
       for s in qwen2.5-0.5b qwen2.5-1.5b; do
         for rows in 64 128 512; do

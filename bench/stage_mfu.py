@@ -10,7 +10,7 @@ log-prob pass and of the update, and the decode's share of the HBM bound, for ra
   long-tailed lengths: 16 prompts of log-normal length (median 150 tokens) x 8 responses of exponential length
   (mean 400 tokens), both cut at 1024.
 
-Every stage runs archer's own worker code, an ActorWorker on the GPU (``rollout.name=hf``: no engine holds memory
+Each variant runs once on 16 rows (or two micro-batches) before it is timed. Every stage runs archer's own worker code, an ActorWorker on the GPU (``rollout.name=hf``: no engine holds memory
 beside it), with the micro-batching of each variant:
 
 - old_log_prob (no grad): the workload's own micro-batches as archer ran them before (grpo: the whole batch in one
@@ -18,7 +18,8 @@ beside it), with the micro-batching of each variant:
   the memory plan's token budget (workers/memory.py);
 - update (one PPO epoch over the rows: forwards, backwards, optimiser steps): padded micro-batches of R rows,
   packed micro-batches of R rows, packed to a budget of R x the longest row, and packed without gradient
-  checkpointing at the largest budget the free memory holds (``activation_bytes``);
+  checkpointing at the largest budget the free memory holds (``activation_bytes``); ``--profile`` prints
+  torch.profiler's table of the packed token-budget epoch;
 - decode: archer's fast engine on the grpo workload's 128 rows (16 prompts shared by 8 samples each), its second
   call (the first one captures the CUDA graphs; its time is reported too).
 
@@ -158,11 +159,10 @@ def no_grad_rows(actor: ActorWorker, work: Workload, batch: Batch, device: torch
     layout = "one sequence" if work.remove_padding else "padded"
     variants = [(f"{layout}, {work.log_prob_rows or 'all'} row(s) a pass", before),
                 ("packed, planned budget", default)]
-    actor.log_prob_micro = default
-    actor.compute_log_prob(batch.index(slice(0, 8)))  # warm-up: kernels, allocator
     records, logps = [], {}
     for name, micro in variants:
         actor.log_prob_micro = micro
+        actor.compute_log_prob(batch.index(slice(0, 16)))  # warm-up: this layout's kernels, the allocator's blocks
         part = batch.index(slice(0, 32)) if micro.rows == 1 else batch  # one row a pass: timed on 32 rows
         out, seconds, peak = measure(device, lambda part=part: actor.compute_log_prob(part))
         scale = len(batch) / len(part)
@@ -185,29 +185,30 @@ def no_grad_rows(actor: ActorWorker, work: Workload, batch: Batch, device: torch
 
 
 def update_rows(actor: ActorWorker, work: Workload, batch: Batch, device: torch.device, params: int,
-                console: Console) -> list[dict[str, Any]]:
-    """One PPO epoch over the rows with each micro-batching, and packed without checkpointing where memory allows."""
+                console: Console, profile: bool) -> list[dict[str, Any]]:
+    """One PPO epoch over the rows with each micro-batching, and packed without checkpointing where memory allows;
+    ``profile``: then torch.profiler's table of the packed token-budget epoch."""
     real = int(batch["attention_mask"].sum())
     longest = int(batch["attention_mask"].sum(1).max())
     budget = work.micro_rows * longest
     variants = [(f"padded, {work.micro_rows} rows", MicroBatching(work.micro_rows, None, packed=False), True),
                 (f"packed, {work.micro_rows} rows", MicroBatching(work.micro_rows, None, packed=True), True),
                 (f"packed, budget {budget}", MicroBatching(None, budget, packed=True), True)]
-    actor.update_micro = variants[-1][1]
-    actor.update_actor(batch.index(slice(0, 16)))  # warm-up
     config = actor.model.config
     if device.type == "cuda":
         torch.cuda.empty_cache()
         free = torch.cuda.mem_get_info(device)[0]
-        per_token = activation_bytes(hidden=config.hidden_size, intermediate=config.intermediate_size,
-                                     layers=config.num_hidden_layers, tokens=1, checkpointing=False)
-        fits = int(0.6 * free) // per_token
+        shape = {"hidden": config.hidden_size, "intermediate": config.intermediate_size,
+                 "layers": config.num_hidden_layers, "checkpointing": False}
+        fixed = activation_bytes(**shape, tokens=0)  # the log-prob kernel's logit chunks
+        fits = int((0.6 * free - fixed) // (activation_bytes(**shape, tokens=1) - fixed))
         if fits >= longest:
             variants.append((f"packed, budget {fits}, no checkpointing", MicroBatching(None, fits, packed=True), False))
     records = []
     for name, micro, checkpointing in variants:
         actor.update_micro = micro
         set_gradient_checkpointing(actor.model, checkpointing)
+        actor.update_actor(batch.index(slice(0, 2 * work.micro_rows)))  # warm-up, as for the no-grad passes
         out, seconds, peak = measure(device, lambda: actor.update_actor(batch))
         record = {"stage": "update", "variant": name, "micro": repr(micro), "seconds": seconds,
                   "micro_batches": len(micro.split(batch["attention_mask"])),
@@ -216,8 +217,25 @@ def update_rows(actor: ActorWorker, work: Workload, batch: Batch, device: torch.
                   "grad_norm": out.info["metrics"].get("actor/grad_norm")}
         records.append(record)
         console.log(record)
+    if profile:
+        profile_update(actor, batch, variants[2][1], device)
     set_gradient_checkpointing(actor.model, True)
     return records
+
+
+def profile_update(actor: ActorWorker, batch: Batch, micro: MicroBatching, device: torch.device) -> None:
+    """torch.profiler's table of one update epoch with ``micro`` (checkpointing on): where the time goes."""
+    actor.update_micro = micro
+    set_gradient_checkpointing(actor.model, True)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        actor.update_actor(batch)
+        synced(device)
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"profile of one update epoch, {micro}:\n{prof.key_averages().table(sort_by=sort, row_limit=30)}",
+          flush=True)
 
 
 def decode_row(model: torch.nn.Module, tokenizer, device: torch.device, scale: int, console: Console
@@ -269,7 +287,8 @@ def run_shape(shape: str, workloads: list[str], args: argparse.Namespace, device
         console.log(f"{shape} / {name}: {work.rows} rows, {int(batch['attention_mask'].sum())} real tokens of "
                     f"{batch['attention_mask'].numel()} padded, no-grad budget {actor.log_prob_micro.max_tokens}")
         log_prob_records, batch = no_grad_rows(actor, work, batch, device, params, console)
-        records += [{**common, **r} for r in log_prob_records + update_rows(actor, work, batch, device, params, console)]
+        updates = update_rows(actor, work, batch, device, params, console, args.profile)
+        records += [{**common, **r} for r in log_prob_records + updates]
         if name == workloads[-1] and args.decode:
             records.append({**common, "workload": "grpo", **decode_row(actor.model, tokenizer, device, args.scale,
                                                                        console)})
@@ -325,6 +344,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/stage_mfu"))
     parser.add_argument("--scale", type=int, default=1, help="divide rows and lengths by this (a smoke run)")
     parser.add_argument("--no-decode", dest="decode", action="store_false", help="skip the decode stage")
+    parser.add_argument("--profile", action="store_true", help="print torch.profiler's table of a packed update")
     parser.add_argument("--json", type=Path, help="write the records here")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
