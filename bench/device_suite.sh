@@ -38,10 +38,12 @@ stage() {  # NAME SECONDS COMMAND...: runs COMMAND under a time limit and logs h
 
 run_stage() {  # NAME: one stage of the suite
   case $1 in
-    grpo_vs_trl)  # GVT_SHAPES (default SHAPE) names the shapes, each with TRL in the same call
+    grpo_vs_trl)  # GVT_SHAPES (default SHAPE) names the shapes, each with TRL in the same call; TRL above 0.5B
+      # runs with gradient checkpointing (its default): without it TRL's 1.5B runs out of memory on 80 GB
       for s in ${GVT_SHAPES:-$shape}; do
+        trl_gc=$([ "$s" = qwen2.5-0.5b ] || echo --trl-gradient-checkpointing)
         stage "grpo_vs_trl $s" "${GVT_TIMEOUT:-330}" python3 bench/grpo_vs_trl.py --out "/tmp/gvt_$s" --shape "$s" \
-          --steps "${GVT_STEPS:-4}" --trl-steps "${TRL_STEPS:-3}" --json "$out/grpo_vs_trl_$s.json"
+          --steps "${GVT_STEPS:-4}" --trl-steps "${TRL_STEPS:-3}" --json "$out/grpo_vs_trl_$s.json" $trl_gc
         cp "/tmp/gvt_$s/archer_run/metrics.jsonl" "$out/grpo_vs_trl_archer_metrics_$s.jsonl" 2>/dev/null
       done ;;
     stage_mfu)  # issue 26: per-stage MFU / HBM fraction, padded against packed, 0.5B and 1.5B
