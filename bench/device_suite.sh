@@ -9,11 +9,15 @@
 # Run from a folder holding archer/ and bench/ (the repo root, or a copy of both). Packages the machine lacks
 # are installed from ./whl when it exists (bench/device_wheels.sh fills it):
 #   bash bench/device_suite.sh
-# SHAPE (default qwen2.5-0.5b) and GVT_STEPS / TRL_STEPS / TC_STEPS change the workload; STAGES (default all:
-# "grpo_vs_trl quickstart influence_cost trace_cost trace_cost_grpo logprob_memory padding_free gpu_tests")
-# picks stages (also gpu_memory and model_sizes: issue 14's GPU test and bench/model_sizes.py), which run in the
-# order STAGES names them; every stage has its own time limit, so one that hangs
-# leaves the others their time.
+# SHAPE (default qwen2.5-0.5b; GVT_SHAPES for several grpo_vs_trl shapes) and GVT_STEPS / TRL_STEPS / TC_STEPS
+# change the workload; STAGES (default all: "grpo_vs_trl quickstart influence_cost trace_cost trace_cost_grpo
+# logprob_memory padding_free gpu_tests") picks stages (also gpu_memory and model_sizes: issue 14's GPU test and
+# bench/model_sizes.py; stage_mfu, decode and archer2_recipe: issue 26's figures), which run in the order STAGES
+# names them; every stage has its own time limit (*_TIMEOUT), so one that hangs leaves the others their time.
+# Issue 26's two calls on one H100:
+#   STAGES="gpu_tests stage_mfu decode" bash bench/device_suite.sh
+#   STAGES=grpo_vs_trl GVT_SHAPES="qwen2.5-0.5b qwen2.5-1.5b" GVT_STEPS=3 TRL_STEPS=2 bash bench/device_suite.sh
+# and on two: STAGES=archer2_recipe bash bench/device_suite.sh (needs ray among the wheels)
 set -uo pipefail
 out=${OUT:-$PWD/suite_out}
 shape=${SHAPE:-qwen2.5-0.5b}
@@ -34,10 +38,26 @@ stage() {  # NAME SECONDS COMMAND...: runs COMMAND under a time limit and logs h
 
 run_stage() {  # NAME: one stage of the suite
   case $1 in
-    grpo_vs_trl)
-      stage grpo_vs_trl 330 python3 bench/grpo_vs_trl.py --out /tmp/gvt --shape "$shape" \
-        --steps "${GVT_STEPS:-4}" --trl-steps "${TRL_STEPS:-3}" --json "$out/grpo_vs_trl.json"
-      cp /tmp/gvt/archer_run/metrics.jsonl "$out/grpo_vs_trl_archer_metrics.jsonl" 2>/dev/null ;;
+    grpo_vs_trl)  # GVT_SHAPES (default SHAPE) names the shapes, each with TRL in the same call; TRL above 0.5B
+      # runs with gradient checkpointing (its default): without it TRL's 1.5B runs out of memory on 80 GB
+      for s in ${GVT_SHAPES:-$shape}; do
+        trl_gc=$([ "$s" = qwen2.5-0.5b ] || echo --trl-gradient-checkpointing)
+        stage "grpo_vs_trl $s" "${GVT_TIMEOUT:-330}" python3 bench/grpo_vs_trl.py --out "/tmp/gvt_$s" --shape "$s" \
+          --steps "${GVT_STEPS:-4}" --trl-steps "${TRL_STEPS:-3}" --json "$out/grpo_vs_trl_$s.json" $trl_gc
+        cp "/tmp/gvt_$s/archer_run/metrics.jsonl" "$out/grpo_vs_trl_archer_metrics_$s.jsonl" 2>/dev/null
+      done ;;
+    stage_mfu)  # issue 26: per-stage MFU / HBM fraction, padded against packed, 0.5B and 1.5B
+      stage stage_mfu "${SM_TIMEOUT:-240}" python3 bench/stage_mfu.py --json "$out/stage_mfu.json" ${SM_ARGS:-} ;;
+    decode)  # issue 26: the fast engine alone at 64, 128 and 512 rows for 0.5B and 1.5B, with its HBM fraction
+      for s in qwen2.5-0.5b qwen2.5-1.5b; do
+        for rows in 64 128 512; do
+          stage "decode $s $rows" 60 python3 bench/rollout_throughput.py --shape "$s" --batch "$rows" --peers fast \
+            --out "$out/decode.jsonl"
+        done
+      done ;;
+    archer2_recipe)  # issue 26: the Archer2.0 recipe as published, step times on N_GPUS (default 2) GPUs
+      stage archer2_recipe "${A2_TIMEOUT:-900}" python3 bench/archer2_recipe.py --gpus "${N_GPUS:-2}" \
+        --steps "${A2_STEPS:-4}" --json "$out/archer2_recipe.json" ;;
     quickstart)
       stage quickstart 90 python3 -m archer.cli quickstart --out /tmp/qs
       cp /tmp/qs/summary.json "$out/quickstart_summary.json" 2>/dev/null ;;
@@ -63,11 +83,11 @@ run_stage() {  # NAME: one stage of the suite
         --markdown "$out/model_sizes.md" --steps "${MS_STEPS:-6}" --trl-steps "${MS_TRL_STEPS:-6}" \
         ${MS_ROWS:+--rows $MS_ROWS} ${MS_ARGS:-} ;;
     gpu_tests)
-      stage gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_fast_gpu.py \
-        tests/test_rollout_fast_kernels.py tests/test_models_loading.py tests/test_rollout_factory.py \
-        tests/test_trace_influence.py ;;
+      stage gpu_tests "${GT_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_packing_gpu.py \
+        tests/test_rollout_fast_gpu.py tests/test_rollout_fast_kernels.py tests/test_models_loading.py \
+        tests/test_models_sequence_layout.py tests/test_rollout_factory.py tests/test_trace_influence.py ;;
     *) echo "=== unknown stage $1 (known: grpo_vs_trl quickstart influence_cost trace_cost trace_cost_grpo" \
-         "logprob_memory padding_free gpu_memory model_sizes gpu_tests)" ;;
+         "logprob_memory padding_free gpu_memory model_sizes gpu_tests stage_mfu decode archer2_recipe)" ;;
   esac
 }
 

@@ -77,8 +77,9 @@ def run_update(modules: dict[str, StubLinear], tensors: dict[int, tuple[torch.Te
     """Each micro-batch: every module's forward, then the backward of its output (one at a time, to keep
     memory down), inside the capture's micro-batch block when tracing."""
     for rows in micro_rows:
-        starts = [input_length - response_length] * len(rows)  # left-padded prompts: every response starts there
-        with capture.micro_batch(rows, starts, input_length) if capture else nullcontext():
+        # left-padded prompts: every response starts at the same column, scored from the one before it
+        firsts = [i * input_length + input_length - response_length - 1 for i in range(len(rows))]
+        with capture.micro_batch(rows, firsts, (len(rows), input_length)) if capture else nullcontext():
             for module in modules.values():
                 x, _ = tensors[module.in_features]
                 _, grad = tensors[module.out_features]

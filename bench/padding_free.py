@@ -1,13 +1,14 @@
-"""Padded against padding-free micro-batches for the actor's log-prob forward + backward, and the packing
-archer did not choose (every sequence in one row, block-diagonal attention), on a random Qwen2 model and a
-batch of left-padded prompts and long-tailed responses.
+"""Padded against packed micro-batches for the actor's log-prob forward + backward (packed: the sequences of a
+micro-batch in one row, archer's varlen attention, models/packed_attention.py), and packing through transformers'
+own block-diagonal SDPA mask, on a random Qwen2 model and a batch of left-padded prompts and long-tailed responses.
 
     python bench/padding_free.py --threads 1                       # CPU: 4 layers, hidden 256
     python bench/padding_free.py --device cuda --shape qwen2.5-0.5b --rows 64 --max-response 1024 --budget 16384
 
 For each layout: forward + backward time (median), peak extra memory, the tokens the forward computes
 (rows x width summed over micro-batches) and the largest difference of the log-probs and of the gradient
-from the padded batch in one micro-batch.
+from the padded batch in one micro-batch. (The padding-free layout this bench first measured, rows cut to
+their longest sequence, gave way to packing.)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from archer.batch import Batch
 from archer.models.loading import autocast_for
 from archer.models.logprobs import backbone_of, layout_logprobs, logprobs_from_hidden
 from archer.models.micro_batches import MicroBatching
+from archer.models.packed_attention import use_packed_attention
 
 SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocabulary
     "cpu-small": (256, 4, 4, 2, 512, 4096),
@@ -37,9 +39,10 @@ def random_model(shape: str, device: torch.device) -> Qwen2ForCausalLM:
     config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, intermediate_size=intermediate, max_position_embeddings=8192,
                          tie_word_embeddings=True)
-    config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(config).to(device)
+    model = Qwen2ForCausalLM(config).to(device)
+    use_packed_attention(model)  # as archer loads its models: SDPA, plus packed rows
+    return model
 
 
 def rl_batch(rows: int, max_prompt: int, max_response: int, vocab: int) -> Batch:
@@ -70,8 +73,8 @@ def micro_batched(micro: MicroBatching) -> Callable[[torch.nn.Module, Batch, tor
     return run
 
 
-def packed_one_row(model: torch.nn.Module, batch: Batch, device: torch.device) -> tuple[torch.Tensor, int]:
-    """Every sequence in one row with its own positions: transformers builds a block-diagonal mask."""
+def block_diagonal_one_row(model: torch.nn.Module, batch: Batch, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Every sequence in one row with its own positions and no mask: transformers builds a block-diagonal one."""
     present = batch["attention_mask"].bool()
     ids, positions = batch["input_ids"][present][None].to(device), batch["position_ids"][present][None].to(device)
     response_length = batch["responses"].shape[1]
@@ -105,11 +108,11 @@ def main() -> None:
     model = random_model(args.shape, device)
     batch = rl_batch(args.rows, args.max_prompt, args.max_response, model.config.vocab_size)
     layouts = {
-        "padded, one micro-batch": micro_batched(MicroBatching(None, None, remove_padding=False)),
-        f"padded, budget {args.budget}": micro_batched(MicroBatching(None, args.budget, remove_padding=False)),
-        "padding-free, one micro-batch": micro_batched(MicroBatching(None, None, remove_padding=True)),
-        f"padding-free, budget {args.budget}": micro_batched(MicroBatching(None, args.budget, remove_padding=True)),
-        "packed in one row (block-diagonal SDPA mask)": packed_one_row,
+        "padded, one micro-batch": micro_batched(MicroBatching(None, None, packed=False)),
+        f"padded, budget {args.budget}": micro_batched(MicroBatching(None, args.budget, packed=False)),
+        "packed, one micro-batch": micro_batched(MicroBatching(None, None, packed=True)),
+        f"packed, budget {args.budget}": micro_batched(MicroBatching(None, args.budget, packed=True)),
+        "one row, transformers' block-diagonal SDPA mask": block_diagonal_one_row,
     }
     real = int(batch["attention_mask"].sum())
     print(f"{args.rows} rows, {real} real tokens of {batch['input_ids'].numel()} padded; "

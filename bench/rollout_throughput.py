@@ -8,7 +8,8 @@ has Qwen's 151,936 rows all the same): the figures are the cost of generation, n
 samples at temperature 1 from the full vocabulary; the HF paths are told no eos (they write exactly --new
 tokens per row), the fast engine stops at the tokenizer's eos, which a random model draws about once in
 150k tokens. tokens/s = generated tokens / wall time of the generate call (prefill included), after a
-warm-up (compilation, graph capture) that is reported apart.
+warm-up (compilation, graph capture) that is reported apart. The fast engine's record also gives its share of
+the HBM bound (``decode_hbm_bound``: each decode step reads the bf16 weights once and every row's KV cache once).
 
     python bench/rollout_throughput.py --shape qwen2.5-0.5b --batch 128 --prompt 256 --new 512 \
         --peers fast hf-static hf-dynamic --out results.jsonl
@@ -32,9 +33,24 @@ from archer.models.logprobs import response_logprobs
 from archer.models.tiny import train_tokenizer
 from archer.rollout.base import SamplingParams
 from archer.rollout.fast import FastEngine
+from archer.rollout.fast.model import ModelSpec, model_spec, weight_bytes
 from archer.rollout.hf_engine import HFGenerateEngine
 
 PEERS = ("fast", "hf-static", "hf-dynamic", "hf-engine")
+HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # the vendors' datasheets (SXM, HBM3 / HBM3e)
+
+
+def hbm_bandwidth(device_name: str) -> float | None:
+    """Bytes/s of the card named ``device_name`` (None when it is not one of HBM_BYTES_PER_S)."""
+    return next((bw for card, bw in HBM_BYTES_PER_S.items() if card in device_name), None)
+
+
+def decode_hbm_bound(spec: ModelSpec, rows: int, prompt: int, new: int, bandwidth: float) -> float:
+    """The tokens/s of ``rows`` rows decoding ``new`` tokens after ``prompt`` if every step only read the bf16
+    weights once (``weight_bytes``) and each row's keys and values once (at the mean context, prompt + new / 2)."""
+    kv_per_token = spec.layers * 2 * spec.kv_heads * spec.head_dim * torch.bfloat16.itemsize
+    step_bytes = weight_bytes(spec, torch.bfloat16) + rows * (prompt + new / 2) * kv_per_token
+    return rows * bandwidth / step_bytes
 
 
 def build_model(shape: str, device: torch.device):
@@ -85,6 +101,11 @@ def run_fast(model, tokenizer, prompts, args) -> dict:
               "repeat_prefill_s": sum(prefill_s) - first_prefill_s, "warmup_s": build_s + warm_s,
               "same_tokens_on_repeat": bool(torch.equal(out.responses, again.responses)),
               "kv_pages": engine.cache.pages, "eos_rows": out.finish_reasons.count("eos")}
+    bandwidth = hbm_bandwidth(torch.cuda.get_device_name())
+    if bandwidth is not None:
+        bound = decode_hbm_bound(model_spec(model), len(prompts) * args.n, args.prompt, args.new, bandwidth)
+        record.update(hbm_bound_tokens_per_s=bound, hbm_fraction=record["tokens_per_s"] / bound,
+                      repeat_hbm_fraction=record["repeat_tokens_per_s"] / bound)
     if args.check:
         record.update(_check(model, prompts, out, args))
     held = torch.cuda.memory_reserved()
@@ -176,6 +197,9 @@ def main() -> None:
     print(f"\n{args.shape} B={args.batch}x{args.n} P={args.prompt} N={args.new} on {common['device']}")
     for r in records:
         ratio = f"  {r['tokens_per_s'] / best_hf:.2f}x best HF" if best_hf and r["peer"] == "fast" else ""
+        if "repeat_hbm_fraction" in r:
+            ratio += f"  (HBM bound {r['hbm_bound_tokens_per_s']:.0f} tok/s: {r['hbm_fraction']:.0%}, repeat " \
+                     f"{r['repeat_hbm_fraction']:.0%})"
         print(f"  {r['peer']:<11} {r['tokens_per_s']:>10.0f} tok/s  ({r['tokens']} tokens in {r['seconds']:.2f} s,"
               f" warm-up {r['warmup_s']:.1f} s){ratio}")
 

@@ -383,24 +383,28 @@ def test_ppo_with_critic(variant: str, micro_model: Path, task_files: dict[str, 
         assert all("actor/reward_kl_penalty" not in line for line in metrics.values())
 
 
-def test_padding_free_token_budget_step_equals_the_padded_step(micro_model: Path, task_files: dict[str, Path],
-                                                                tmp_path: Path) -> None:
-    """One PPO step (critic, reference, KL loss) padded, and padding-free with token-budget micro-batches in
-    every pass: the same rollouts, so the same metrics to float rounding."""
+def test_packed_token_budget_step_equals_the_padded_step(micro_model: Path, task_files: dict[str, Path],
+                                                          tmp_path: Path) -> None:
+    """One PPO step (critic, reference, KL loss) padded in every pass, and packed with token-budget micro-batches
+    in every pass: the same rollouts, so the same metrics to float rounding."""
     free = ["actor_rollout_ref.model.use_remove_padding=true", "critic.model.use_remove_padding=true",
             "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=80",
             "critic.ppo_max_token_len_per_gpu=100"]
     metrics = []
-    for name, extra in (("padded", []), ("free", free)):
+    for name, extra in (("padded", ["actor_rollout_ref.rollout.log_prob_by_tokens=false"]), ("free", free)):
         run = tmp_path / name
         cfg = load_config("ppo_trainer", [
             *base_overrides(micro_model, task_files, run), "algorithm.adv_estimator=gae",
             "actor_rollout_ref.rollout.n=2", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.entropy_coeff=0.01",
             "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.logger=[jsonl]", "trainer.plots=False",
-            *extra])
+            "trainer.entropy_trace.enable=true", *extra])
         PPOTrainer(cfg).fit()
         metrics.append(read_metrics(run)[1])
+    traces = [TraceReader(tmp_path / name / "entropy_trace").load_step(1) for name in ("padded", "free")]
+    for field in ("entropies", "old_log_probs"):  # float16 in the trace
+        np.testing.assert_allclose(traces[1][field], traces[0][field], atol=2e-3, rtol=0, err_msg=field)
+    assert np.abs(traces[0]["entropies"]).max() > 0.1
     padded, free_metrics = metrics
     compared = [k for k in padded if k.split("/")[0] in ("actor", "critic", "response_length")]
     assert {"actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "critic/vf_loss", "critic/values/mean"} <= set(compared)

@@ -19,6 +19,7 @@ from archer.models.loading import (
     save_hf,
     value_forward,
 )
+from archer.models.packed_attention import PACKED_ATTENTION
 from archer.models.tiny import train_tokenizer
 
 
@@ -63,7 +64,7 @@ def checkpointing_on(model) -> bool:
 def test_load_causal_lm_options(tiny_model_dir):
     model = load_causal_lm(tiny_model_dir, device="cpu")
     assert model.dtype == torch.float32
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == PACKED_ATTENTION  # SDPA, plus packed rows
     assert not checkpointing_on(model)
     half = load_causal_lm(tiny_model_dir, device="cpu", dtype=torch.bfloat16, gradient_checkpointing=True)
     assert half.dtype == torch.bfloat16

@@ -1,5 +1,6 @@
-"""SequenceLayout: the padding-free layout written out by hand, and log-probs, entropies and gradients of the
-padding-free rows equal to the padded rows' on the micro model."""
+"""SequenceLayout and packed attention: the packed layout written out by hand, and log-probs, entropies, values and
+gradients of packed rows of very different lengths equal to the padded rows' on the micro model (float32, the CPU's
+per-sequence attention); the attention implementation keeps the sequences of a packed row apart."""
 
 from __future__ import annotations
 
@@ -7,34 +8,36 @@ import pytest
 import torch
 from workers_support import PAD, hand_batch, unequal_batch
 
+from archer.models import packed_attention as packed_attention_module
 from archer.models.forward import MODEL_INPUTS
-from archer.models.loading import load_causal_lm
+from archer.models.loading import load_causal_lm, load_value_model, value_forward
 from archer.models.logprobs import response_logprobs
-from archer.models.sequence_layout import SequenceLayout
+from archer.models.packed_attention import PACKED_ATTENTION, packed_attention, supports_packing
+from archer.models.sequence_layout import PackedRows, SequenceLayout
 
 
-def test_padding_free_layout_by_hand():
+def test_packed_layout_by_hand():
     batch = hand_batch()  # sequences of 2 + 2, 4 + 3 and 3 + 1 tokens in rows of 4 + 3
-    layout = SequenceLayout.build(*(batch[k] for k in MODEL_INPUTS), 3, remove_padding=True)
-    assert layout.attention_mask is None
-    assert layout.input_ids.tolist() == [[11, 12, 21, 22, PAD, PAD, PAD],
-                                         [13, 14, 15, 16, 23, 24, 25],
-                                         [17, 18, 19, 26, PAD, PAD, PAD]]
-    assert layout.position_ids.tolist() == [list(range(7))] * 3
-    assert layout.response_start.tolist() == [2, 4, 3]
-    # response token k is scored by the output at response_start - 1 + k
-    assert layout.predictor_columns().tolist() == [[1, 2, 3], [3, 4, 5], [2, 3, 4]]
+    layout = SequenceLayout.build(*(batch[k] for k in MODEL_INPUTS), 3, packed=True)
+    assert layout.packed and layout.input_ids.tolist() == [[11, 12, 21, 22, 13, 14, 15, 16, 23, 24, 25, 17, 18, 19, 26]]
+    inputs = layout.model_inputs()
+    assert inputs["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3]]
+    assert inputs["attention_mask"].tolist() == [[1] * 15]  # transformers then makes no mask of its own
+    assert inputs["cu_seq_lens_q"].tolist() == [0, 4, 11, 15] and inputs["cu_seq_lens_q"].dtype == torch.int32
+    assert inputs["max_length_q"] == 7 and inputs["cu_seq_lens_k"] is inputs["cu_seq_lens_q"]
+    # response token k of row i is scored by the output at first_predictor[i] + k (the token before it)
+    assert layout.first_predictor.tolist() == [1, 7, 13]
+    assert layout.predictor_index().tolist() == [[1, 2, 3], [7, 8, 9], [13, 14, 14]]
     assert layout.response_tokens().tolist() == [21, 22, 23, 24, 25, 26]
-    states = torch.arange(21).view(3, 7)
-    assert layout.response_states(states).tolist() == [1, 2, 10, 11, 12, 16]
+    states = torch.arange(15).view(1, 15)
+    assert layout.response_states(states).tolist() == [1, 2, 7, 8, 9, 13]
     assert layout.scatter(torch.arange(6.0)).tolist() == [[0, 1, 0], [2, 3, 4], [5, 0, 0]]
 
-    shorter = SequenceLayout.build(*(batch.index([0, 2])[k] for k in MODEL_INPUTS), 3, remove_padding=True)
-    assert shorter.input_ids.tolist() == [[11, 12, 21, 22], [17, 18, 19, 26]]  # cut to the longest row
-
-    padded = SequenceLayout.build(*(batch[k] for k in MODEL_INPUTS), 3, remove_padding=False)
-    assert padded.attention_mask is batch["attention_mask"] and padded.response_start.tolist() == [4, 4, 4]
+    padded = SequenceLayout.build(*(batch[k] for k in MODEL_INPUTS), 3, packed=False)
+    assert not padded.packed and padded.model_inputs()["attention_mask"] is batch["attention_mask"]
+    assert padded.first_predictor.tolist() == [3, 10, 17]  # row i * 7 columns + column 3
     assert padded.response_tokens().tolist() == [21, 22, 23, 24, 25, 26]
+    assert padded.response_states(torch.arange(21).view(3, 7)).tolist() == [3, 4, 10, 11, 12, 17]
 
 
 def test_a_row_that_is_not_one_run_of_tokens_is_refused():
@@ -42,27 +45,91 @@ def test_a_row_that_is_not_one_run_of_tokens_is_refused():
     holed = batch["attention_mask"].clone()
     holed[1, 5] = 0  # a hole inside the response of row 1
     with pytest.raises(ValueError, match="one run of tokens"):
-        SequenceLayout.build(batch["input_ids"], holed, batch["position_ids"], 3, remove_padding=True)
+        SequenceLayout.build(batch["input_ids"], holed, batch["position_ids"], 3, packed=True)
     no_prompt = batch["attention_mask"].clone()
     no_prompt[0, :4] = 0
-    with pytest.raises(ValueError, match="one run of tokens"):
-        SequenceLayout.build(batch["input_ids"], no_prompt, batch["position_ids"], 3, remove_padding=True)
+    with pytest.raises(ValueError, match="start with a prompt token"):
+        SequenceLayout.build(batch["input_ids"], no_prompt, batch["position_ids"], 3, packed=True)
 
 
-def test_padding_free_log_probs_entropies_and_gradients_equal_the_padded_ones(tiny_model_dir):
+def test_packed_attention_keeps_sequences_apart_and_equals_sdpa_per_sequence():
+    gen = torch.Generator().manual_seed(0)
+    lengths = [1, 9, 3]
+    query = torch.randn(1, 4, 13, 8, generator=gen)
+    key, value = torch.randn(1, 2, 13, 8, generator=gen), torch.randn(1, 2, 13, 8, generator=gen)
+    cu = torch.tensor([0, 1, 10, 13], dtype=torch.int32)
+    out, _ = packed_attention(None, query, key, value, None, scaling=8 ** -0.5, cu_seq_lens_q=cu, max_length_q=9)
+    assert out.shape == (1, 13, 4, 8)
+    start = 0
+    for length in lengths:
+        part = slice(start, start + length)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, part], key[:, :, part].repeat_interleave(2, 1), value[:, :, part].repeat_interleave(2, 1),
+            is_causal=True)
+        torch.testing.assert_close(out[:, part], want.transpose(1, 2), atol=1e-6, rtol=0)
+        start += length
+    # a change in one sequence's keys leaves the others' outputs as they were
+    changed = key.clone()
+    changed[:, :, 1:10] += 1.0
+    again, _ = packed_attention(None, query, changed, value, None, scaling=8 ** -0.5, cu_seq_lens_q=cu,
+                                max_length_q=9)
+    assert torch.equal(again[:, :1], out[:, :1]) and torch.equal(again[:, 10:], out[:, 10:])
+    assert not torch.allclose(again[:, 1:10], out[:, 1:10])
+
+
+def test_packed_attention_under_autocast_runs_in_its_dtype(monkeypatch):
+    # rope leaves float32 queries and keys beside bf16 values under autocast; SDPA's autocast casts them all, and so
+    # does packed attention before it picks a kernel: torch's flash varlen kernel takes bf16/fp16 only (on a GPU)
+    asked = []
+    monkeypatch.setattr(packed_attention_module, "uses_flash_varlen", lambda q, s: asked.append(q.dtype) or False)
+    query, key, value = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8).bfloat16()
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = packed_attention(None, query, key, value, None, cu_seq_lens_q=cu, max_length_q=3)
+    assert asked == [torch.bfloat16] and out.dtype == torch.bfloat16 and out.shape == (1, 5, 2, 8)
+    packed_attention(None, query, key, value.float(), None, cu_seq_lens_q=cu, max_length_q=3)
+    assert asked[-1] == torch.float32  # no autocast: float32 stays (SDPA per sequence)
+
+
+def test_models_load_with_packed_attention(tiny_model_dir):
     model = load_causal_lm(tiny_model_dir, device="cpu")
-    batch = unequal_batch(model.config.vocab_size)
+    assert supports_packing(model) and model.config._attn_implementation == PACKED_ATTENTION
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_log_probs_entropies_and_gradients_equal_the_padded_ones(tiny_model_dir, checkpointing):
+    model = load_causal_lm(tiny_model_dir, device="cpu", gradient_checkpointing=checkpointing).train()
+    batch = unequal_batch(model.config.vocab_size)  # sequences of 6, 7, 6, 6, 6 and 10 tokens
     rows = (*(batch[k] for k in MODEL_INPUTS), 5)
     weights = torch.randn(6, 5, generator=torch.Generator().manual_seed(4))
     results = []
-    for remove_padding in (False, True):
+    for packed in (False, True):
         model.zero_grad(set_to_none=True)
-        logp, entropy = response_logprobs(model, *rows, temperature=0.8, remove_padding=remove_padding)
+        logp, entropy = response_logprobs(model, *rows, temperature=0.8, packed=packed)
         ((logp * weights).sum() + 0.3 * entropy.sum()).backward()
         results.append((logp.detach(), entropy.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (logp, entropy, grads), (free_logp, free_entropy, free_grads) = results
+    (logp, entropy, grads), (packed_logp, packed_entropy, packed_grads) = results
     assert torch.all(logp[rows[1][:, 6:] == 0] == 0) and torch.all(logp[rows[1][:, 6:] == 1] < 0)
-    torch.testing.assert_close(free_logp, logp, atol=1e-6, rtol=0)
-    torch.testing.assert_close(free_entropy, entropy, atol=1e-6, rtol=0)
+    torch.testing.assert_close(packed_logp, logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed_entropy, entropy, atol=1e-5, rtol=0)
     for name, grad in grads.items():
-        torch.testing.assert_close(free_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+        torch.testing.assert_close(packed_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_packed_values_equal_the_padded_ones(tiny_model_dir):
+    critic = load_value_model(tiny_model_dir, device="cpu")
+    batch = unequal_batch(critic.config.vocab_size)
+    rows = tuple(batch[k] for k in MODEL_INPUTS)
+    padded = SequenceLayout.build(*rows, 5, packed=False)
+    packed = SequenceLayout.build(*rows, 5, packed=True)
+    with torch.no_grad():
+        want = padded.response_states(value_forward(critic, **padded.model_inputs()))
+        got = packed.response_states(value_forward(critic, **packed.model_inputs()))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_packed_rows_of_the_reward_model_shape():
+    ids = torch.tensor([[5, 6, PAD], [7, PAD, PAD]])
+    rows = PackedRows.of(ids, (ids != PAD).long(), torch.arange(3).expand(2, 3))
+    assert rows.input_ids.tolist() == [[5, 6, 7]] and rows.position_ids.tolist() == [[0, 1, 0]]
+    assert rows.cu_seq_lens.tolist() == [0, 2, 3] and rows.max_length == 2

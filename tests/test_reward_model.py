@@ -23,10 +23,12 @@ from archer.cli import main
 from archer.config.loader import load_config
 from archer.errors import ArcherError
 from archer.models.loading import load_tokenizer, save_hf
+from archer.models.micro_batches import MicroBatching
 from archer.models.tiny import CHAT_TEMPLATE, train_tokenizer
 from archer.rewards.reward_stage import ModelRewardMix, RewardManager
 from archer.trainer.config_check import check_config
 from archer.trainer.ppo import PPOTrainer, check_data_against_config
+from archer.workers import reward_model as reward_model_module
 from archer.workers.colocated import models_beside_actor
 from archer.workers.reward_model import RewardModelWorker
 
@@ -140,19 +142,25 @@ def test_special_token_text_in_a_response_stays_plain_text_for_the_reward_model(
     assert ids[:len(head) - 1] == head[:-1]  # before the response's special-token text: the whole text's ids
 
 
-def test_a_rows_score_does_not_depend_on_padding_or_micro_batches(tiny_model_dir: Path, rm_dir: Path,
-                                                                  policy_tok) -> None:
+def test_a_rows_score_does_not_depend_on_padding_packing_or_micro_batches(tiny_model_dir: Path, rm_dir: Path,
+                                                                          policy_tok, monkeypatch) -> None:
     short = (QUESTION, "5")
     alone = worker(tiny_model_dir, rm_dir, policy_tok).compute_rm_score(generated(policy_tok, [short]))["rm_scores"]
     rows = [(LONG_QUESTION, "Let me think. 17 + 25 is 42. The answer is 42."), short, (QUESTION, "2 + 3 = 5")]
     batch = generated(policy_tok, rows)
-    scores = {}
-    for name, extra in (("whole", []), ("one", ["reward_model.micro_batch_size_per_gpu=1"]),
+    packed = worker(tiny_model_dir, rm_dir, policy_tok)
+    assert packed.micro == MicroBatching(None, 32768, packed=True)  # by default: packed to a token budget
+    scores = {"packed": packed.compute_rm_score(batch)["rm_scores"]}
+    for name, extra in (("one", ["reward_model.micro_batch_size_per_gpu=1", "reward_model.forward_by_tokens=false"]),
                         ("budget", ["reward_model.use_dynamic_bsz=true", "reward_model.forward_max_token_len_per_gpu=40"])):
         scores[name] = worker(tiny_model_dir, rm_dir, policy_tok, *extra).compute_rm_score(batch)["rm_scores"]
-    assert scores["whole"][1].sum().item() == pytest.approx(alone.sum().item(), abs=1e-5)
-    torch.testing.assert_close(scores["one"], scores["whole"], atol=1e-5, rtol=0)
-    torch.testing.assert_close(scores["budget"], scores["whole"], atol=1e-5, rtol=0)
+    monkeypatch.setattr(reward_model_module, "supports_packing", lambda model: False)  # an architecture that cannot
+    padded = worker(tiny_model_dir, rm_dir, policy_tok)
+    assert padded.micro == MicroBatching(None, 32768, packed=False)
+    scores["padded"] = padded.compute_rm_score(batch)["rm_scores"]
+    assert scores["packed"][1].sum().item() == pytest.approx(alone.sum().item(), abs=1e-5)
+    for name in ("one", "budget", "padded"):
+        torch.testing.assert_close(scores[name], scores["packed"], atol=1e-5, rtol=0, msg=name)
 
 
 def test_truncation_left_keeps_the_responses_end_right_keeps_the_start_error_refuses(

@@ -450,9 +450,9 @@ def test_checkpointing_and_skip_step_capture_the_same_scores(tiny_model_dir: Pat
 
 
 @pytest.mark.parametrize("output_function", ["training_loss", "log_prob"])
-def test_padding_free_token_budget_micro_batches_capture_the_same_scores(tiny_model_dir: Path, tmp_path: Path,
-                                                                          output_function: str) -> None:
-    # sequences of 7, 7, 7, 6, 7, 7, 7 and 6 tokens: a budget of 20 puts two or three rows in a micro-batch, in
+def test_packed_token_budget_micro_batches_capture_the_same_scores(tiny_model_dir: Path, tmp_path: Path,
+                                                                    output_function: str) -> None:
+    # sequences of 7, 7, 7, 6, 7, 7, 7 and 6 tokens: a budget of 20 packs two or three rows into one row, in
     # another order than the padded run's micro-batches of three rows
     common = ("trainer.influence_trace.projection_dim_factor=8", f"trainer.influence_trace.output_function={output_function}")
     padded = run_capture(tiny_model_dir, tmp_path / "a", *common)

@@ -1,5 +1,5 @@
 """ActorWorker on the micro model: log-probs against a float64 forward, the PPO update (signs, masks, clip
-fallbacks, entropy bonus, epochs, warmup, skipped steps), padding-free and token-budget micro-batches against
+fallbacks, entropy bonus, epochs, warmup, skipped steps), packed and token-budget micro-batches against
 the padded ones, and the checkpoint round trip."""
 
 from __future__ import annotations
@@ -242,11 +242,13 @@ def test_entropy_coeff_adds_the_entropy_loss(tiny_model_dir):
     assert any(not torch.equal(v, before[k]) for k, v in actor.model.named_parameters())
 
 
-# -- padding-free micro-batches by token budget ------------------------------------------------------------------
-# unequal_batch's sequences are 6, 7, 6, 6, 6 and 10 tokens: a budget of 24 makes micro-batches of rows 5, 1
-# (2 x 10 tokens) and rows 0, 2, 3, 4 (4 x 6 tokens)
-PADDING_FREE = ("actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
-                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24")
+# -- packed micro-batches by token budget -------------------------------------------------------------------------
+# unequal_batch's sequences are 6, 7, 6, 6, 6 and 10 tokens: a budget of 17 packs rows 5, 1 (17 tokens), rows 0, 2
+# (12) and rows 3, 4 (12); the padded baseline keeps its no-grad passes padded too
+PACKED = ("actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+          "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=17")
+PADDED = ("actor_rollout_ref.rollout.log_prob_by_tokens=false",)
+PACKED_SHAPES = [(1, 17), (1, 12), (1, 12)]
 
 
 def unequal_policy_batch(actor: ActorWorker) -> Batch:
@@ -272,50 +274,70 @@ def record_micro_batches(monkeypatch) -> list[tuple[int, int]]:
     return shapes
 
 
-def test_padding_free_token_budget_log_probs_equal_the_padded_ones(tiny_model_dir, monkeypatch):
-    padded = make_actor(tiny_model_dir)
-    free = make_actor(tiny_model_dir, *PADDING_FREE)  # rollout.log_prob_* follow the actor's keys, as in verl
+def test_packed_token_budget_log_probs_equal_the_padded_ones(tiny_model_dir, monkeypatch):
+    padded = make_actor(tiny_model_dir, *PADDED)
+    packed = make_actor(tiny_model_dir, *PACKED)  # rollout.log_prob_* follow the actor's keys, as in verl
     batch = unequal_batch(padded.model.config.vocab_size)
-    want = padded.compute_log_prob(batch)
     shapes = record_micro_batches(monkeypatch)
-    got = free.compute_log_prob(batch)
-    assert shapes == [(2, 10), (4, 6)]
+    want = padded.compute_log_prob(batch)
+    assert shapes == [(6, 11)]
+    shapes.clear()
+    got = packed.compute_log_prob(batch)
+    assert shapes == PACKED_SHAPES
     for key in ("old_log_probs", "entropies"):
-        torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=0)
+        torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=0)
     assert torch.all(want["old_log_probs"][batch["attention_mask"][:, 6:] == 0] == 0)
 
 
+def test_no_grad_log_probs_do_not_depend_on_the_grouping(tiny_model_dir, monkeypatch):
+    batch = unequal_batch(320)
+    one_row = make_actor(tiny_model_dir, *PADDED, "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1")
+    want = one_row.compute_log_prob(batch)
+    shapes = record_micro_batches(monkeypatch)
+    for budget in (10, 13, 24, 1000):  # every row alone (packed), ..., all six rows in one pass
+        actor = make_actor(tiny_model_dir, "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+                           "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+                           f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={budget}")
+        shapes.clear()
+        got = actor.compute_log_prob(batch)
+        assert sum(width for _, width in shapes) == 41 and all(rows == 1 for rows, _ in shapes)  # real tokens only
+        assert len(shapes) == {10: 6, 13: 4, 24: 2, 1000: 1}[budget]
+        for key in ("old_log_probs", "entropies"):
+            torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-sum-norm"])
-def test_padding_free_token_budget_update_equals_the_padded_update(tiny_model_dir, monkeypatch, loss_agg_mode):
+def test_packed_token_budget_update_equals_the_padded_update(tiny_model_dir, monkeypatch, loss_agg_mode):
     overrides = ("actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.entropy_coeff=0.01",
                  "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.ppo_mini_batch_size=6",
                  f"actor_rollout_ref.actor.loss_agg_mode={loss_agg_mode}")
-    padded = make_actor(tiny_model_dir, *overrides)
-    free = make_actor(tiny_model_dir, *overrides, *PADDING_FREE)
+    padded = make_actor(tiny_model_dir, *overrides, *PADDED)
+    packed = make_actor(tiny_model_dir, *overrides, *PACKED)
     batch = unequal_policy_batch(padded)
     want = update(padded, batch)
     shapes = record_micro_batches(monkeypatch)
-    got = update(free, batch)
-    assert shapes == [(2, 10), (4, 6)] and all(rows * width <= 24 for rows, width in shapes)
+    got = update(packed, batch)
+    assert shapes == PACKED_SHAPES
     assert want["actor/pg_clipfrac"] > 0 and want["actor/grad_norm"] > 0
     assert got.keys() == want.keys()
     for key in want:
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
     after = padded.compute_log_prob(batch)["old_log_probs"]
-    torch.testing.assert_close(free.compute_log_prob(batch)["old_log_probs"], after, atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed.compute_log_prob(batch)["old_log_probs"], after, atol=1e-5, rtol=0)
 
 
 def test_top_entropy_tokens_are_counted_in_each_token_budget_micro_batch(tiny_model_dir):
-    # rows 5, 1 hold 4 + 1 learned tokens (row 5's third is tool output), rows 0, 2, 3, 4 hold 5 + 3 + 2 + 4:
-    # ceil(0.3 * 5) + ceil(0.3 * 14) = 2 + 5 tokens get policy gradient (one micro-batch: ceil(0.3 * 19) = 6)
+    # rows 5, 1 hold 4 + 1 learned tokens (row 5's third is tool output), rows 0, 2 hold 5 + 3 and rows 3, 4 hold
+    # 2 + 4: ceil(0.3 * 5) + ceil(0.3 * 8) + ceil(0.3 * 6) = 2 + 3 + 2 tokens get policy gradient (one micro-batch:
+    # ceil(0.3 * 19) = 6)
     overrides = ("actor_rollout_ref.actor.entropy_top_ratio=0.3", "actor_rollout_ref.actor.ppo_mini_batch_size=6")
-    actor = make_actor(tiny_model_dir, *overrides, *PADDING_FREE)
+    actor = make_actor(tiny_model_dir, *overrides, *PACKED)
     batch = unequal_policy_batch(actor)
     current = actor.compute_log_prob(batch)
     batch["old_log_probs"] = current["old_log_probs"]  # ratio 1: every selected token's loss is -A
     mask = batch["response_mask"]
     selected = torch.zeros_like(mask, dtype=torch.bool)
-    for rows in ([5, 1], [0, 2, 3, 4]):
+    for rows in ([5, 1], [0, 2], [3, 4]):
         selected[rows] = top_entropy_tokens(current["entropies"][rows], mask[rows], 0.3)
     metrics = update(actor, batch)
     assert metrics["actor/top_entropy_selected_tokens"] == 7.0 == float(selected.sum())

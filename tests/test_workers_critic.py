@@ -1,5 +1,5 @@
 """CriticWorker on the micro model: values read at the token before each response token, the value update, and
-padding-free token-budget micro-batches against the padded ones."""
+packed token-budget micro-batches against the padded ones."""
 
 from __future__ import annotations
 
@@ -91,15 +91,19 @@ def test_unequal_micro_batches_give_the_metrics_of_the_whole_mini_batch(tiny_mod
     assert split == pytest.approx(whole, rel=1e-5, abs=1e-7)
 
 
-def test_padding_free_token_budget_values_and_update_equal_the_padded_ones(tiny_model_dir):
-    # sequences of 6, 7, 6, 6, 6 and 10 tokens: budgets of 24 and 20 make micro-batches of rows 5, 1 | 0, 2, 3, 4
-    # for the value pass and 5, 1 | 0, 2, 3 | 4 for the update
-    free_keys = ("critic.model.use_remove_padding=true", "critic.use_dynamic_bsz=true",
-                 "critic.forward_max_token_len_per_gpu=24", "critic.ppo_max_token_len_per_gpu=20")
-    assert [part.tolist() for part in make_critic(tiny_model_dir, *free_keys).update_micro.split(
-        unequal_batch(320)["attention_mask"])] == [[5, 1], [0, 2, 3], [4]]
+def test_packed_token_budget_values_and_update_equal_the_padded_ones(tiny_model_dir):
+    # sequences of 6, 7, 6, 6, 6 and 10 tokens, packed first-fit: a budget of 24 makes micro-batches of rows
+    # 5, 1, 0 | 2, 3, 4 for the value pass, 20 makes 5, 1 | 0, 2, 3 | 4 for the update
+    packed_keys = ("critic.model.use_remove_padding=true", "critic.use_dynamic_bsz=true",
+                   "critic.forward_max_token_len_per_gpu=24", "critic.ppo_max_token_len_per_gpu=20")
+    packed = make_critic(tiny_model_dir, *packed_keys)
+    mask = unequal_batch(320)["attention_mask"]
+    assert [part.tolist() for part in packed.forward_micro.split(mask)] == [[5, 1, 0], [2, 3, 4]]
+    assert [part.tolist() for part in packed.update_micro.split(mask)] == [[5, 1], [0, 2, 3], [4]]
+    padded_keys = ("critic.forward_by_tokens=false",)
+    assert not make_critic(tiny_model_dir, *padded_keys).forward_micro.packed
     results = []
-    for keys in ((), free_keys):
+    for keys in (padded_keys, packed_keys):
         critic = make_critic(tiny_model_dir, "critic.optim.lr=0.01", "critic.ppo_mini_batch_size=6", *keys)
         batch = unequal_batch(critic.model.config.vocab_size)
         batch["values"] = critic.compute_values(batch)["values"]
@@ -109,7 +113,7 @@ def test_padding_free_token_budget_values_and_update_equal_the_padded_ones(tiny_
         metrics = critic.update_critic(batch).metrics
         results.append((batch["values"] - shift * batch["response_mask"], metrics, critic.compute_values(batch)))
     (values, metrics, after), (free_values, free_metrics, free_after) = results
-    torch.testing.assert_close(free_values, values, atol=1e-6, rtol=0)
+    torch.testing.assert_close(free_values, values, atol=1e-5, rtol=0)
     assert torch.all(values[unequal_batch(320)["response_mask"] == 0] == 0)
     assert 0 < metrics["critic/vf_clipfrac"] < 1
     assert free_metrics == pytest.approx(metrics, rel=1e-5, abs=1e-7)

@@ -24,6 +24,8 @@ from archer.workers.memory import (
     card_figures,
     held_elsewhere,
     micro_batch_tokens,
+    no_grad_activation_bytes,
+    no_grad_token_budget,
     plan_actor_memory,
 )
 
@@ -208,6 +210,61 @@ def test_free_cache_engine_false_keeps_the_engine_in_the_update(tiny_model_dir):
     with pytest.raises(ArcherError, match="cannot hold the policy update") as err:
         kept.check()
     assert "rollout.free_cache_engine=true" in err.value.fix
+
+
+def test_no_grad_budget_by_hand():
+    per_token = 24 * 1536 + 8 * 8960  # 1.5B: one layer's tensors at a time
+    chunks = 2 * (256 << 20)
+    assert no_grad_activation_bytes(hidden=1536, intermediate=8960, tokens=1000) == 1000 * per_token + chunks
+    # 0.8 of the room, less the two logit chunks, in tokens; at least the longest row, at most 65536
+    shape = {"hidden": 1536, "intermediate": 8960, "longest": 2048}
+    assert no_grad_token_budget(5 * GIB, **shape) == (int(4 * GIB) - chunks) // per_token == 34622
+    assert no_grad_token_budget(10 * GIB, **shape) == 65536  # 74191 tokens would fit: the cap
+    assert no_grad_token_budget(0, **shape) == 2048
+    assert no_grad_token_budget(1000 * GIB, **shape) == 65536
+
+
+def test_the_no_grad_stage_of_the_plan(tiny_model_dir):
+    default = plan(tiny_model_dir, "qwen2.5-1.5b")
+    # the engine is released (free_cache_engine) and the gradients are gone: policy, Adam's states, the context
+    assert default.no_grad_held() == {"policy": default.policy, "optimizer states": default.optimizer,
+                                      "CUDA context": CONTEXT_BYTES, "other processes": 0}
+    assert default.no_grad_room() == H100 - default.policy - default.optimizer - CONTEXT_BYTES
+    assert default.no_grad_tokens() == 65536  # 60.9 GiB of room: the cap
+    assert default.no_grad()["no-grad activations"] == no_grad_activation_bytes(hidden=1536, intermediate=8960,
+                                                                                 tokens=65536)
+    assert default.no_grad_tokens(hidden=896, intermediate=4864) == 65536  # a smaller model (a reward model)
+    # Archer2.0's recipe on its two cards: the engine keeps 0.7 of each through every stage, 2048-token rows
+    cfg = ppo_config(tiny_model_dir, *WORKLOAD, "actor_rollout_ref.rollout.free_cache_engine=false",
+                     "actor_rollout_ref.rollout.gpu_memory_utilization=0.7", "data.max_prompt_length=1024",
+                     "data.max_response_length=1024", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8")
+    recipe = plan_actor_memory(cfg.actor_rollout_ref, meta_model("qwen2.5-1.5b"), total=H100, fast_engine=True,
+                               shards=2)
+    recipe.check()
+    room = H100 - recipe.policy - recipe.optimizer - recipe.engine - CONTEXT_BYTES
+    assert recipe.no_grad_room() == room and 14 * GIB < room < 15 * GIB
+    assert recipe.no_grad_tokens() == 65536  # (0.8 x 14.1 GiB - 0.5 GiB) / 108544 bytes would be 106k tokens
+    kept = plan_actor_memory(cfg.actor_rollout_ref, meta_model("qwen2.5-1.5b"), total=H100, fast_engine=True)
+    kept_room = H100 - kept.policy - kept.optimizer - kept.engine - CONTEXT_BYTES  # one card: 5.5 GiB
+    assert kept.no_grad_room() == kept_room and 5 * GIB < kept_room < 6 * GIB
+    assert kept.no_grad_tokens() == no_grad_token_budget(kept_room, hidden=1536, intermediate=8960, longest=2048)
+    assert kept.no_grad_tokens() == 38640
+    offloaded = plan(tiny_model_dir, "qwen2.5-1.5b", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true")
+    assert offloaded.no_grad_held()["optimizer states"] == 0
+
+
+def test_a_no_grad_stage_that_cannot_hold_its_longest_row_is_refused():
+    # a 1.5B policy without an engine on a 20 GiB card: generation holds 19 GiB, a no-grad pass of one
+    # 32768-token row needs 3.8 GiB more
+    card = MemoryPlan(total=20 * GIB, policy=6 * GIB, gradients=6 * GIB, optimizer=12 * GIB, activations=GIB,
+                      engine_share=0, engine_weights=0, engine_workspace=0, others={}, model_shape=(1536, 8960),
+                      longest=32768)
+    assert card.no_grad_tokens() == 32768
+    with pytest.raises(ArcherError, match=r"cannot hold the no-grad passes: it needs 22\.\d GiB") as err:
+        card.check()
+    assert "no-grad activations 3.8" in err.value.problem
+    assert err.value.fix.startswith("try actor_rollout_ref.actor.fsdp_config.optimizer_offload=true")
+    assert "ppo_micro_batch_size_per_gpu" not in err.value.fix  # the update's knob does not help here
 
 
 def test_model_spec_of_the_meta_model_matches_the_hand_spec():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from workers_support import float64_logprobs, hand_batch, ppo_config, unequal_batch, update
 
+from archer.models.micro_batches import MicroBatching
 from archer.workers.actor import ActorWorker
 from archer.workers.reference import ReferenceWorker
 
@@ -46,15 +47,20 @@ def test_ref_log_prob_matches_a_float64_forward_and_micro_batches_agree(tiny_mod
     assert torch.all(expected[~batch["response_mask"].bool()] == 0)
 
 
-def test_padding_free_token_budget_ref_log_prob_equals_the_padded_one(tiny_model_dir):
-    padded = ReferenceWorker(ppo_config(tiny_model_dir).actor_rollout_ref, device=CPU)
-    free_cfg = ppo_config(tiny_model_dir, "actor_rollout_ref.model.use_remove_padding=true",
-                          "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
-                          "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=12")
-    free = ReferenceWorker(free_cfg.actor_rollout_ref, device=CPU)
+def test_packed_token_budget_ref_log_prob_equals_the_padded_one(tiny_model_dir):
+    padded_cfg = ppo_config(tiny_model_dir, "actor_rollout_ref.ref.log_prob_by_tokens=false")
+    padded = ReferenceWorker(padded_cfg.actor_rollout_ref, device=CPU)
+    assert padded.micro == MicroBatching(None, None, packed=False)
+    default = ReferenceWorker(ppo_config(tiny_model_dir).actor_rollout_ref, device=CPU)
+    assert default.micro == MicroBatching(None, 16384, packed=True)  # by tokens unless told otherwise
+    packed_cfg = ppo_config(tiny_model_dir, "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
+                            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=12")
+    packed = ReferenceWorker(packed_cfg.actor_rollout_ref, device=CPU)
     batch = unequal_batch(padded.model.config.vocab_size)
-    assert [len(part) for part in free.micro.split(batch["attention_mask"])] == [1, 1, 2, 2]  # 10 | 7 | 6 6 | 6 6
+    # sequences of 6, 7, 6, 6, 6 and 10 tokens, packed first-fit within 12: 10 | 7 | 6 6 | 6 6
+    assert [len(part) for part in packed.micro.split(batch["attention_mask"])] == [1, 1, 2, 2]
     want = padded.compute_ref_log_prob(batch)["ref_log_prob"]
-    torch.testing.assert_close(free.compute_ref_log_prob(batch)["ref_log_prob"], want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(packed.compute_ref_log_prob(batch)["ref_log_prob"], want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(default.compute_ref_log_prob(batch)["ref_log_prob"], want, atol=1e-5, rtol=0)
     reference, _ = float64_logprobs(padded.model, batch, 1.0)  # 0 outside response_mask (row 5's tool token)
     torch.testing.assert_close((want * batch["response_mask"]).double(), reference, atol=1e-5, rtol=0)

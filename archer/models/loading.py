@@ -1,6 +1,7 @@
 """Loading and saving Hugging Face models and tokenizers: device and dtype choice, the policy (causal LM),
 the critic (backbone + scalar value head), the reward model (sequence classification), and clear errors for
-every way a model folder can be broken."""
+every way a model folder can be broken. Every model loads with archer's attention implementation: transformers'
+SDPA, plus packed rows (models/packed_attention.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from transformers import (
 )
 
 from archer.errors import ArcherError
+from archer.models.packed_attention import use_packed_attention
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -182,7 +184,8 @@ def _from_pretrained(
     """from_pretrained with the weight errors turned into ArcherError; ``empty``: the architecture alone, on the
     meta device, no weights read (a rank that receives its shards from rank 0).
 
-    Attention: transformers picks SDPA when the architecture supports it and eager attention otherwise.
+    Attention: ``_prepare`` switches it to archer's (SDPA, plus packed rows) where the architecture takes an
+    attention implementation; otherwise it stays what transformers picked.
     """
     _check_weights(folder)
     if empty:
@@ -200,15 +203,24 @@ def _from_pretrained(
         ) from err
 
 
+def set_gradient_checkpointing(model: PreTrainedModel, on: bool) -> None:
+    """Recompute each decoder layer's activations in the backward (``on``), or keep them (non-reentrant)."""
+    # transformers renamed the methods; older 5.x releases only have gradient_checkpointing_*.
+    if not on:
+        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+        return
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+
+
 def _prepare(model: PreTrainedModel, device: torch.device, gradient_checkpointing: bool) -> PreTrainedModel:
+    use_packed_attention(model)  # SDPA as before, and packed rows kept apart (models/packed_attention.py)
     if gradient_checkpointing:
-        # transformers renamed the method; older 5.x releases only have gradient_checkpointing_enable.
-        enable = getattr(model, "activation_checkpointing_enable", None)
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+        set_gradient_checkpointing(model, True)
     return model if next(model.parameters()).is_meta else model.to(device)
 
 
@@ -268,11 +280,13 @@ def _is_critic_checkpoint(config: PretrainedConfig) -> bool:
 
 
 def value_forward(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+    **packing: torch.Tensor | int,
 ) -> torch.Tensor:
-    """Values [B, T] in float32 from a model made by ``load_value_model`` (no attention mask: causal only)."""
+    """Values [B, T] in float32 from a model made by ``load_value_model``; ``packing``: a packed row's
+    ``cu_seq_lens_*`` / ``max_length_*`` (models/sequence_layout.py)."""
     out = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **packing
     )
     return out.logits.squeeze(-1).float()
 

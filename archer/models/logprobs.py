@@ -203,7 +203,7 @@ def backbone_of(model: nn.Module) -> nn.Module:
     )
 
 
-def backbone_hidden(model: nn.Module, **inputs: torch.Tensor | None) -> torch.Tensor:
+def backbone_hidden(model: nn.Module, **inputs: torch.Tensor | int | None) -> torch.Tensor:
     """The backbone's last hidden states for ``inputs``. A model sharded with FSDP2 runs its whole forward with
     one position of logits, the hidden states taken from the backbone on the way: the root's forward gathers the
     embedding, final norm and LM head it owns and keeps them gathered until its backward (archer/distributed/
@@ -280,11 +280,10 @@ def response_logprobs(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     compute_entropy: bool = True,
-    remove_padding: bool = False,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``layout_logprobs`` of rows that are a left-padded prompt followed by a right-padded response (the
-    last ``response_length`` columns), run padded or (``remove_padding``) padding-free."""
-    layout = SequenceLayout.build(input_ids, attention_mask, position_ids, response_length,
-                                  remove_padding=remove_padding)
+    last ``response_length`` columns), run padded or ``packed`` (models/sequence_layout.py)."""
+    layout = SequenceLayout.build(input_ids, attention_mask, position_ids, response_length, packed=packed)
     return layout_logprobs(model, layout, temperature=temperature, chunk_size=chunk_size,
                            compute_entropy=compute_entropy)

@@ -402,23 +402,24 @@ class TokenCapture:
         return self.capture.capturing()
 
     @contextmanager
-    def micro_batch(self, rows: Sequence[int], response_start: Sequence[int], width: int) -> Iterator[None]:
+    def micro_batch(self, rows: Sequence[int], first_predictor: Sequence[int], shape: tuple[int, int]
+                    ) -> Iterator[None]:
         """Trace the selected rows among ``rows`` (batch row ids of the micro-batch) inside the block;
-        ``response_start``: the input column of each row's first response token, ``width``: the input's columns
-        (models/sequence_layout.py)."""
+        ``first_predictor``: the flat input position whose output scores each row's first response token,
+        ``shape``: the input's (rows, columns), padded or packed (models/sequence_layout.py)."""
         index, token_ids = [], []
-        for i, (row, start) in enumerate(zip(rows, response_start, strict=True)):
+        for row, first_position in zip(rows, first_predictor, strict=True):
             found = self._by_row.get(int(row))
             if found is None:
                 continue
             first, pos = found
-            # The hidden state at input column start - 1 + t scores response token t.
-            index.append(i * width + int(start) - 1 + pos)
+            # The hidden state at flat position first_position + t scores response token t.
+            index.append(int(first_position) + pos)
             token_ids.append(first + np.arange(len(pos)))
         where = None
         if index:
             where = MicroBatchPositions(torch.as_tensor(np.concatenate(index)),
-                                        torch.as_tensor(np.concatenate(token_ids)), (len(rows), width))
+                                        torch.as_tensor(np.concatenate(token_ids)), tuple(shape))
         with self.capture.micro_batch(where):
             yield
 

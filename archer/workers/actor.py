@@ -12,8 +12,9 @@ verl's offload keys ask (models/offload.py). The memory plan of the card is the 
 
 Log-probs and entropies come from the chunked kernel in models/logprobs.py (no full float32 tokens x vocab
 tensor). The update splits the batch into mini-batches (one optimiser step each) and micro-batches
-(gradient accumulation: a number of rows, or a token budget, padded or padding-free: models/micro_batches.py);
-every loss is normalised over its whole mini-batch, so accumulation is exact whatever the micro-batches.
+(gradient accumulation: a number of rows, or a token budget, padded or packed: models/micro_batches.py); every
+loss is normalised over its whole mini-batch, so accumulation is exact whatever the micro-batches. The old
+log-probs are packed to a token budget by default.
 
 With ``model.lora_rank > 0`` the policy is the base model with peft's LoRA layers (models/lora.py): only the
 adapters are trained and checkpointed (beside the merged HF folder), the engine takes the merged weights, and
@@ -41,9 +42,10 @@ from archer.models.forward import MODEL_INPUTS, compute_log_probs
 from archer.models.loading import autocast_for, load_tokenizer, parse_dtype
 from archer.models.logprobs import layout_logprobs
 from archer.models.lora import LoraSettings, trainable_parameters
-from archer.models.micro_batches import MicroBatching
+from archer.models.micro_batches import ACTOR_UPDATE, LOG_PROB, MicroBatching, no_grad_micro_batching
 from archer.models.optim import LRSchedule
 from archer.models.owner import ModelOwner, OwnsModel
+from archer.models.packed_attention import supports_packing
 from archer.rollout.factory import build_engine, uses_fast_engine
 from archer.trace.influence_capture import (
     CaptureSettings,
@@ -57,7 +59,7 @@ from archer.trace.influence_capture import (
 )
 from archer.workers.actor_objective import ActorObjective
 from archer.workers.data_parallel import rank_passes, reduce_metric_sums
-from archer.workers.memory import release_cached_blocks
+from archer.workers.memory import MemoryPlan, planned_no_grad_tokens, release_cached_blocks
 from archer.workers.mini_batches import StepAverages, mini_batches
 from archer.workers.reference import ReferenceWorker
 from archer.workers.results import ROLLOUT_STATS, UpdateResult
@@ -85,7 +87,9 @@ class ActorWorker(OwnsModel):
         self.owner = self._load_policy(total_steps)
         self.temperature = float(cfg.rollout.temperature)
         self.chunk_size = self.actor_cfg.logprob_chunk_size
-        self.update_micro, self.log_prob_micro = self._micro_batching()
+        remove_padding, self.can_pack = bool(cfg.model.use_remove_padding), supports_packing(self.model)
+        self.update_micro = MicroBatching.from_config(self.actor_cfg, ACTOR_UPDATE, packed=remove_padding and self.can_pack)
+        self.plan_micro_batches(None, announce=False)
         self.objective = ActorObjective.from_config(self.actor_cfg, rollout_correction)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path, role="model")
         self.pad_token_id = int(self.tokenizer.pad_token_id)
@@ -115,16 +119,13 @@ class ActorWorker(OwnsModel):
                                param_offload=param_offload, optimizer_offload=optimizer_offload)
         return owner
 
-    def _micro_batching(self) -> tuple[MicroBatching, MicroBatching]:
-        """(the update's, the log-prob pass's) micro-batches, from verl's keys."""
-        remove_padding = bool(self.cfg.model.use_remove_padding)
-        update = MicroBatching.from_config(self.actor_cfg, size_key="ppo_micro_batch_size",
-                                           dynamic_key="use_dynamic_bsz", budget_key="ppo_max_token_len_per_gpu",
-                                           remove_padding=remove_padding)
-        log_prob = MicroBatching.from_config(self.cfg.rollout, size_key="log_prob_micro_batch_size",
-                                             dynamic_key="log_prob_use_dynamic_bsz",
-                                             budget_key="log_prob_max_token_len_per_gpu", remove_padding=remove_padding)
-        return update, log_prob
+    def plan_micro_batches(self, memory_plan: MemoryPlan | None, *, announce: bool) -> None:
+        """The old-log-prob pass's micro-batches: the rollout section's keys and, on a GPU, the memory plan's token
+        budget (models/micro_batches.py); ``announce``: this process speaks for the run."""
+        self.log_prob_micro = no_grad_micro_batching(
+            self.cfg.rollout, "actor_rollout_ref.rollout", LOG_PROB,
+            remove_padding=bool(self.cfg.model.use_remove_padding), can_pack=self.can_pack,
+            planned_tokens=planned_no_grad_tokens(memory_plan, self.model), announce=announce)
 
     def start_rollout(self) -> None:
         """Build the rollout engine (with the policy's weights) and the rollout worker around it."""
@@ -263,8 +264,8 @@ class ActorWorker(OwnsModel):
             mb = mini_batch.index(rows).to(self.device)
             layout = self.update_micro.layout(mb)
             mask = mb["response_mask"].float()
-            tracing = (influence.micro_batch(mb["row_id"].tolist(), layout.response_start.tolist(),
-                                                 layout.input_ids.shape[1])
+            tracing = (influence.micro_batch(mb["row_id"].tolist(), layout.first_predictor.tolist(),
+                                             tuple(layout.input_ids.shape))
                        if influence is not None and weight else nullcontext())  # padding passes trace nothing
             with tracing:
                 with autocast_for(self.device):
@@ -305,8 +306,8 @@ class ActorWorker(OwnsModel):
             for part in self.update_micro.split(data["attention_mask"]):
                 mb = data.index(part).to(self.device)
                 layout = self.update_micro.layout(mb)
-                with influence.micro_batch(mb["row_id"].tolist(), layout.response_start.tolist(),
-                                                 layout.input_ids.shape[1]):
+                with influence.micro_batch(mb["row_id"].tolist(), layout.first_predictor.tolist(),
+                                           tuple(layout.input_ids.shape)):
                     with autocast_for(self.device):
                         logp, _ = layout_logprobs(self.model, layout, temperature=self.temperature,
                                                   chunk_size=self.chunk_size, compute_entropy=False)

@@ -113,6 +113,9 @@ class RankWorkers:
         self.critic = (CriticWorker(cfg.critic, rollout_n=int(ref_cfg.rollout.n), device=self.ctx.device, ctx=self.ctx,
                                     total_steps=total_steps) if use_critic else None)
         self.memory_plan = self.plan_memory() if self.ctx.device.type == "cuda" else None
+        for worker in (self.actor, self.ref, self.critic, self.reward_model):
+            if worker is not None:  # the no-grad passes' token budgets come from the plan (None on a CPU)
+                worker.plan_micro_batches(self.memory_plan, announce=self.ctx.rank == 0)
         self.actor.start_rollout()
 
     def plan_memory(self) -> MemoryPlan:

@@ -1,7 +1,8 @@
 """The critic worker: a value model (backbone + scalar head) for PPO with GAE, its values and its update.
 
-Both passes run in micro-batches of a number of rows or of a token budget, padded or padding-free
-(models/micro_batches.py); the value loss is normalised over its whole mini-batch, so accumulation is exact.
+Both passes run in micro-batches of a number of rows or of a token budget, padded or packed
+(models/micro_batches.py; the value pass packed to a token budget by default); the value loss is normalised over
+its whole mini-batch, so accumulation is exact.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from archer.batch import Batch
 from archer.distributed.context import DistContext
 from archer.models.forward import MODEL_INPUTS
 from archer.models.loading import autocast_for, parse_dtype, value_forward
-from archer.models.micro_batches import MicroBatching
+from archer.models.micro_batches import CRITIC_UPDATE, CRITIC_VALUES, MicroBatching, no_grad_micro_batching
 from archer.models.optim import LRSchedule
 from archer.models.owner import ModelOwner, OwnsModel
+from archer.models.packed_attention import supports_packing
 from archer.workers.data_parallel import rank_passes, reduce_metric_sums
+from archer.workers.memory import MemoryPlan, planned_no_grad_tokens
 from archer.workers.mini_batches import StepAverages, mini_batches
 from archer.workers.results import UpdateResult
 
@@ -48,18 +51,25 @@ class CriticWorker(OwnsModel):
             self.owner.shard(self.ctx, offload,
                              cpu_offload=bool(offload.param_offload or offload.optimizer_offload))
         self.owner.attach_optimizer(cfg.optim, LRSchedule.from_rl_optim(cfg.optim, total_steps))
-        micro = {"dynamic_key": "use_dynamic_bsz", "remove_padding": bool(cfg.model.use_remove_padding)}
-        self.forward_micro = MicroBatching.from_config(cfg, size_key="forward_micro_batch_size",
-                                                       budget_key="forward_max_token_len_per_gpu", **micro)
-        self.update_micro = MicroBatching.from_config(cfg, size_key="ppo_micro_batch_size",
-                                                      budget_key="ppo_max_token_len_per_gpu", **micro)
+        self.can_pack = supports_packing(self.model)
+        self.update_micro = MicroBatching.from_config(
+            cfg, CRITIC_UPDATE, packed=bool(cfg.model.use_remove_padding) and self.can_pack)
+        self.plan_micro_batches(None, announce=False)
+
+    def plan_micro_batches(self, memory_plan: MemoryPlan | None, *, announce: bool) -> None:
+        """The value pass's micro-batches: the critic's keys and, on a GPU, the memory plan's token budget
+        (models/micro_batches.py); ``announce``: this process speaks for the run."""
+        self.forward_micro = no_grad_micro_batching(
+            self.cfg, "critic", CRITIC_VALUES, remove_padding=bool(self.cfg.model.use_remove_padding),
+            can_pack=self.can_pack, planned_tokens=planned_no_grad_tokens(memory_plan, self.model),
+            announce=announce)
 
     def _values(self, mb: Batch, micro: MicroBatching) -> torch.Tensor:
         """Value of each response position: the head's output at the token that precedes it."""
         mb = mb.to(self.device)
         layout = micro.layout(mb)
         with autocast_for(self.device):
-            v = value_forward(self.model, layout.input_ids, layout.attention_mask, layout.position_ids)
+            v = value_forward(self.model, **layout.model_inputs())
         return layout.scatter(layout.response_states(v).float()) * mb["response_mask"].float()
 
     def compute_values(self, batch: Batch) -> Batch:

@@ -12,8 +12,13 @@ KV cache and workspace). Everything else the process keeps on the card must fit 
 - update: policy, gradients, the activations of one micro-batch, Adam's states (with ``optimizer_offload`` only
   during the optimiser step, after the activations are gone), the other models, and the engine's share unless
   ``rollout.free_cache_engine`` releases it (weights and KV cache) for the update;
-- both: what other processes hold on the card when the plan is made (``held_elsewhere``: another job, or a parent
-  process whose caching allocator kept the blocks of a model it drew there), which the engine cannot take either.
+- no-grad passes (rewards, old log-probs, reference, values): policy, Adam's states (not with
+  ``optimizer_offload``), the other models, the engine's share unless ``rollout.free_cache_engine`` released it, and
+  the activations of one packed micro-batch; the room left sets the passes' token budget (``no_grad_tokens``, what
+  models/micro_batches.py packs them to by default);
+- every stage: what other processes hold on the card when the plan is made (``held_elsewhere``: another job, or a
+  parent process whose caching allocator kept the blocks of a model it drew there), which the engine cannot take
+  either.
 
 ``MemoryPlan.check`` raises one ArcherError with every figure in GiB and the knobs that help. The activation
 figure is an estimate (docs/memory.md gives the rule and how it was checked against the GPU).
@@ -38,6 +43,13 @@ CONTEXT_BYTES = 1 * GIB  # the CUDA context, kernels' workspaces and the allocat
 PER_LAYER_HIDDEN_BYTES = 34
 PER_LAYER_INTERMEDIATE_BYTES = 10
 CHECKPOINTED_HIDDEN_BYTES = 4
+# A no-grad forward keeps one layer's tensors at a time: per token about 24 x hidden (the float32 residual stream
+# and norm, q/k/v with rope, the attention output) or 10 x hidden + 8 x intermediate (gate, up, SiLU, product),
+# counted together as an upper bound.
+NO_GRAD_HIDDEN_BYTES = 24
+NO_GRAD_INTERMEDIATE_BYTES = 8
+NO_GRAD_ROOM_SHARE = 0.8  # of the room a no-grad stage leaves, what its micro-batches may take
+NO_GRAD_MAX_TOKENS = 65536  # beyond this a pass is no faster, only riskier
 
 
 def gib(value: float) -> str:
@@ -51,6 +63,20 @@ def activation_bytes(*, hidden: int, intermediate: int, layers: int, tokens: int
     full_layer = PER_LAYER_HIDDEN_BYTES * hidden + PER_LAYER_INTERMEDIATE_BYTES * intermediate
     per_token = (layers * CHECKPOINTED_HIDDEN_BYTES * hidden + full_layer) if checkpointing else layers * full_layer
     return tokens * (per_token + 8 * hidden) + 2 * LOGITS_BYTES_PER_CHUNK
+
+
+def no_grad_activation_bytes(*, hidden: int, intermediate: int, tokens: int) -> int:
+    """A no-grad forward of one micro-batch of ``tokens`` tokens: one layer's tensors at a time (see the constants
+    above) and two logit chunks of the log-prob kernel."""
+    return tokens * (NO_GRAD_HIDDEN_BYTES * hidden + NO_GRAD_INTERMEDIATE_BYTES * intermediate) + 2 * LOGITS_BYTES_PER_CHUNK
+
+
+def no_grad_token_budget(room: int, *, hidden: int, intermediate: int, longest: int) -> int:
+    """The tokens of a no-grad micro-batch that fit NO_GRAD_ROOM_SHARE of ``room`` bytes, at most
+    NO_GRAD_MAX_TOKENS and at least ``longest`` (a row longer than any budget runs alone anyway)."""
+    per_token = NO_GRAD_HIDDEN_BYTES * hidden + NO_GRAD_INTERMEDIATE_BYTES * intermediate
+    tokens = (int(room * NO_GRAD_ROOM_SHARE) - 2 * LOGITS_BYTES_PER_CHUNK) // per_token
+    return int(max(longest, min(tokens, NO_GRAD_MAX_TOKENS)))
 
 
 def micro_batch_tokens(cfg: DictConfig, max_length: int) -> int:
@@ -84,6 +110,8 @@ class MemoryPlan:
     optimizer_offload: bool = False
     free_cache_engine: bool = True
     elsewhere: int = 0  # held on the card by other processes when the plan was made (held_elsewhere)
+    model_shape: tuple[int, int] = (0, 0)  # the policy's (hidden, intermediate): no-grad activations per token
+    longest: int = 0  # the longest sequence (max_model_len): no no-grad budget is below it
 
     @property
     def kv_cache(self) -> int:
@@ -115,6 +143,31 @@ class MemoryPlan:
             held["engine (free_cache_engine=false)"] = self.engine
         return {**held, **self._shared()}
 
+    def no_grad_held(self) -> dict[str, int]:
+        """What the card holds during the no-grad passes, besides their activations."""
+        held = {"policy": self.policy, "optimizer states": 0 if self.optimizer_offload else self.optimizer,
+                **self.others}
+        if not self.free_cache_engine and self.engine_share:
+            held["engine (free_cache_engine=false)"] = self.engine
+        return {**held, **self._shared()}
+
+    def no_grad_room(self) -> int:
+        """Bytes the no-grad passes' activations may take."""
+        return max(0, self.total - sum(self.no_grad_held().values()))
+
+    def no_grad_tokens(self, hidden: int | None = None, intermediate: int | None = None) -> int:
+        """The token budget of a no-grad pass of a model of this (hidden, intermediate) shape (default: the
+        policy's, which the reference and the critic share)."""
+        default_hidden, default_intermediate = self.model_shape
+        return no_grad_token_budget(self.no_grad_room(), hidden=hidden or default_hidden,
+                                    intermediate=intermediate or default_intermediate, longest=self.longest)
+
+    def no_grad(self) -> dict[str, int]:
+        """What the card holds at the peak of a no-grad pass of the policy's shape at its token budget."""
+        hidden, intermediate = self.model_shape
+        activations = no_grad_activation_bytes(hidden=hidden, intermediate=intermediate, tokens=self.no_grad_tokens())
+        return {**self.no_grad_held(), "no-grad activations": activations}
+
     def _shared(self) -> dict[str, int]:
         """What every stage has beside this process's tensors: its CUDA context, and other processes' memory."""
         return {"CUDA context": CONTEXT_BYTES, "other processes": self.elsewhere}
@@ -128,7 +181,9 @@ class MemoryPlan:
                 f"{gib(self.engine_weights)} GiB and its workspace {gib(self.engine_workspace)} GiB",
                 "raise actor_rollout_ref.rollout.gpu_memory_utilization, or lower rollout.max_num_seqs / "
                 "rollout.max_num_batched_tokens")
-        for stage, held in (("generation", self.generation()), ("the policy update", self.update())):
+        stages = (("generation", self.generation()), ("the no-grad passes", self.no_grad()),
+                  ("the policy update", self.update()))
+        for stage, held in stages:
             need = sum(held.values())
             if need > self.total:
                 figures = ", ".join(f"{name} {gib(value)}" for name, value in held.items() if value)
@@ -148,9 +203,10 @@ class MemoryPlan:
             if not self.param_offload:
                 options.append((self.policy, f"{prefix}actor.fsdp_config.param_offload=true"))
         else:
-            options.append((self.activations, f"{prefix}model.enable_gradient_checkpointing=true and a smaller "
-                                              f"{prefix}actor.ppo_micro_batch_size_per_gpu (or use_dynamic_bsz with a "
-                                              "smaller ppo_max_token_len_per_gpu)"))
+            if stage == "the policy update":
+                options.append((self.activations, f"{prefix}model.enable_gradient_checkpointing=true and a smaller "
+                                                  f"{prefix}actor.ppo_micro_batch_size_per_gpu (or use_dynamic_bsz "
+                                                  "with a smaller ppo_max_token_len_per_gpu)"))
             if not self.free_cache_engine and self.engine_share:
                 options.append((self.engine, f"{prefix}rollout.free_cache_engine=true"))
         options.append((self.policy, f"LoRA ({prefix}model.lora_rank > 0) or a smaller model"))
@@ -158,6 +214,14 @@ class MemoryPlan:
             options.append((self.elsewhere, f"a GPU that other processes do not use (they hold {gib(self.elsewhere)} "
                                             "GiB of it: nvidia-smi lists them)"))
         return "try " + "; or ".join(text for _, text in sorted(options, key=lambda o: -o[0]))
+
+
+def planned_no_grad_tokens(plan: MemoryPlan | None, model: torch.nn.Module) -> int | None:
+    """The token budget the memory plan gives a no-grad pass of ``model`` (None without a plan: on a CPU)."""
+    if plan is None:
+        return None
+    config = model.config
+    return plan.no_grad_tokens(getattr(config, "hidden_size", None), getattr(config, "intermediate_size", None))
 
 
 def held_elsewhere(*, total: int, free: int, reserved: int) -> int:
@@ -211,7 +275,8 @@ def plan_actor_memory(cfg: DictConfig, model: torch.nn.Module, *, total: int, fa
                       kv_limit=kv_limit, utilization=utilization,
                       param_offload=bool(offload.param_offload),
                       optimizer_offload=bool(offload.optimizer_offload),
-                      free_cache_engine=bool(rollout.free_cache_engine), elsewhere=elsewhere)
+                      free_cache_engine=bool(rollout.free_cache_engine), elsewhere=elsewhere,
+                      model_shape=(int(config.hidden_size), int(config.intermediate_size)), longest=max_length)
 
 
 def release_cached_blocks(device: torch.device) -> None:

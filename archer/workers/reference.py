@@ -11,9 +11,11 @@ from archer.batch import Batch
 from archer.distributed.context import DistContext
 from archer.models.forward import compute_log_probs
 from archer.models.lora import base_policy
-from archer.models.micro_batches import MicroBatching
+from archer.models.micro_batches import LOG_PROB, no_grad_micro_batching
 from archer.models.owner import ModelOwner
+from archer.models.packed_attention import supports_packing
 from archer.workers.data_parallel import rank_passes
+from archer.workers.memory import MemoryPlan, planned_no_grad_tokens
 
 
 class ReferenceWorker:
@@ -39,9 +41,15 @@ class ReferenceWorker:
                 self.owner.shard(self.ctx, cfg.ref.fsdp_config, cpu_offload=bool(cfg.ref.fsdp_config.param_offload))
             self.model = self.owner.model
         self.temperature = float(cfg.rollout.temperature)
-        self.micro = MicroBatching.from_config(
-            cfg.ref, size_key="log_prob_micro_batch_size", dynamic_key="log_prob_use_dynamic_bsz",
-            budget_key="log_prob_max_token_len_per_gpu", remove_padding=bool(cfg.model.use_remove_padding))
+        self.plan_micro_batches(None, announce=False)
+
+    def plan_micro_batches(self, memory_plan: MemoryPlan | None, *, announce: bool) -> None:
+        """The pass's micro-batches: the ref section's keys and, on a GPU, the memory plan's token budget
+        (models/micro_batches.py); ``announce``: this process speaks for the run."""
+        self.micro = no_grad_micro_batching(
+            self.cfg.ref, "actor_rollout_ref.ref", LOG_PROB, remove_padding=bool(self.cfg.model.use_remove_padding),
+            can_pack=supports_packing(self.model), planned_tokens=planned_no_grad_tokens(memory_plan, self.model),
+            announce=announce)
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         passes = rank_passes(batch["attention_mask"], self.micro, self.ctx)

@@ -17,10 +17,12 @@ reward model reads (``RewardModelInputs``):
 Each sequence longer than ``reward_model.max_length`` (null: the reward model's position limit) is cut as
 ``reward_model.truncation`` says. archer's default ``left`` drops the first tokens, so the reward model always
 reads the end of the response it scores; verl's worker cuts from the right, which can drop the response's end
-and score a token inside it. Sequences are scored in micro-batches (``micro_batch_size_per_gpu``, or a token
-budget with ``use_dynamic_bsz``), each right-padded to its own longest row, without gradients, bf16 on a GPU and
-float32 on the CPU. The score of a row is the classification head's output at its last token, so padding and the
-other rows of a micro-batch do not change it.
+and score a token inside it. Sequences are scored without gradients (bf16 on a GPU, float32 on the CPU) in
+micro-batches, each packed into one row (right-padded to its own longest row for an architecture that cannot be
+packed): by default to a token budget (``forward_by_tokens``; the memory plan's on a GPU, models/micro_batches.py);
+with ``forward_by_tokens=false`` by ``micro_batch_size_per_gpu``, or a token budget with ``use_dynamic_bsz``. The
+score of a row is the classification head's output at its last token, so the other rows of a micro-batch do not
+change it.
 
 ``check_reward_model_config`` runs with the config check, before data or models load: a missing path, a folder
 that is not a one-label sequence-classification model, or settings out of range are one ArcherError each.
@@ -49,10 +51,13 @@ from archer.models.loading import (
     max_positions,
     read_model_config,
 )
-from archer.models.micro_batches import MicroBatching
+from archer.models.micro_batches import REWARD_MODEL, no_grad_micro_batching
 from archer.models.owner import model_bytes
+from archer.models.packed_attention import supports_packing
+from archer.models.sequence_layout import PackedRows
 from archer.rewards.reward_stage import on_last_token
 from archer.rollout.tool_text import encode_with_plain_part
+from archer.workers.memory import MemoryPlan, planned_no_grad_tokens
 
 RM = "reward_model"
 # The head whose per-token output is the score: decoder reward models (Llama, Qwen2, Mistral, Gemma ...
@@ -219,11 +224,17 @@ class RewardModelWorker:
         self.inputs = RewardModelInputs(load_tokenizer(path, role="reward model"), input_tokenizer,
                                         max_length=None if max_length is None else int(max_length),
                                         truncation=str(cfg.truncation))
-        # each micro-batch is right-padded to its own longest row, so a row costs its own length (remove_padding)
-        rows = cfg.micro_batch_size_per_gpu or cfg.micro_batch_size
-        budget = int(cfg.forward_max_token_len_per_gpu) if cfg.use_dynamic_bsz else None
-        self.micro = MicroBatching(None if rows is None else int(rows), budget, remove_padding=True)
+        self.cfg = cfg
         self.pad_token_id = int(self.inputs.tokenizer.pad_token_id)
+        self.plan_micro_batches(None, announce=False)
+
+    def plan_micro_batches(self, memory_plan: MemoryPlan | None, *, announce: bool) -> None:
+        """Micro-batches by the section's keys and, on a GPU, the memory plan's token budget (the actor's plan,
+        made once this model's bytes are in it; models/micro_batches.py). Without packing each micro-batch is
+        right-padded to its own longest row, so a row costs its own length then too."""
+        self.micro = no_grad_micro_batching(
+            self.cfg, RM, REWARD_MODEL, remove_padding=True, can_pack=supports_packing(self.model),
+            planned_tokens=planned_no_grad_tokens(memory_plan, self.model), announce=announce)
 
     @property
     def bytes(self) -> int:
@@ -232,7 +243,7 @@ class RewardModelWorker:
 
     @torch.no_grad()
     def score_sequences(self, sequences: list[list[int]]) -> torch.Tensor:
-        """[N] float32 scores of token sequences (each non-empty), in micro-batches."""
+        """[N] float32 scores of token sequences (each non-empty), in micro-batches, packed or right-padded."""
         lengths = torch.tensor([len(ids) for ids in sequences], dtype=torch.long)
         width = int(lengths.max()) if len(sequences) else 0
         present = torch.arange(width)[None, :] < lengths[:, None]
@@ -240,14 +251,16 @@ class RewardModelWorker:
         for rows in self.micro.split(present.long()):
             longest = int(lengths[rows].max())
             ids = torch.full((len(rows), longest), self.pad_token_id, dtype=torch.long)
-            mask = torch.zeros((len(rows), longest), dtype=torch.long)
             for r, row in enumerate(rows.tolist()):
                 ids[r, :lengths[row]] = torch.tensor(sequences[row], dtype=torch.long)
-                mask[r, :lengths[row]] = 1
-            hidden = self.backbone(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                   use_cache=False).last_hidden_state
-            last = (lengths[rows] - 1).to(self.device)
-            picked = hidden[torch.arange(len(rows), device=self.device), last]
+            ids, mask = ids.to(self.device), present[rows, :longest].long().to(self.device)
+            if self.micro.packed:
+                packing = PackedRows.of(ids, mask, torch.arange(longest, device=self.device).expand_as(ids))
+                hidden = self.backbone(**packing.model_inputs(), use_cache=False).last_hidden_state[0]
+                picked = hidden[packing.cu_seq_lens[1:].long() - 1]
+            else:
+                hidden = self.backbone(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+                picked = hidden[torch.arange(len(rows)), lengths[rows] - 1]
             scores[rows] = self.head(picked).squeeze(-1).float().cpu()
         return scores
 

@@ -1,0 +1,137 @@
+"""Attention over packed rows: several sequences concatenated into one row, each attending only to itself.
+
+A packed micro-batch (models/sequence_layout.py) enters the model as one row of T tokens with each sequence's
+own position ids and ``cu_seq_lens`` (int32 [S + 1], the offsets of its S sequences), which transformers hands
+through the model to the attention function of every layer. archer registers its own attention implementation,
+``PACKED_ATTENTION``, with transformers' attention interfaces, and loads its models with it
+(models/loading.py):
+
+- a packed forward (``cu_seq_lens_q`` given) runs variable-length attention: on a GPU in bf16/fp16, torch's
+  flash kernel (``torch.nn.attention.varlen.varlen_attn``, torch >= 2.10); otherwise (the CPU, float32, an older
+  torch) SDPA once per sequence, causal. Both cost O(sum L^2) and no [T x T] mask;
+- every other forward (padded rows, the packed SFT rows that transformers masks from their position ids,
+  generation with a KV cache) is transformers' own SDPA, unchanged.
+
+A packed row comes with an all-ones attention mask, so transformers makes no mask of its own: with no mask it
+would read the sequences off the position ids and build a [T x T] block-diagonal mask. FlexAttention's document
+masks were the other candidate; they need a compiled kernel per shape and a block mask per micro-batch, where
+varlen attention needs neither.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+log = logging.getLogger("archer.models")
+
+PACKED_ATTENTION = "archer_packed"
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _torch_varlen() -> tuple[Callable[..., torch.Tensor], set[str]] | None:
+    """torch's varlen attention and the names of its parameters (they changed between releases), if present."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
+
+
+VARLEN = _torch_varlen()
+
+
+def uses_flash_varlen(query: torch.Tensor, scaling: float | None) -> bool:
+    """Whether a packed forward of ``query`` [1, H, T, D] runs torch's flash varlen kernel (else SDPA per
+    sequence): a CUDA tensor in half precision, a head size flash takes, and the default scale unless the
+    kernel takes another."""
+    if VARLEN is None or not query.is_cuda or query.dtype not in FLASH_DTYPES or query.shape[-1] > 256:
+        return False
+    default_scale = scaling is None or abs(scaling - query.shape[-1] ** -0.5) < 1e-12
+    return default_scale or "scale" in VARLEN[1]
+
+
+def _flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_lens: torch.Tensor,
+                  max_length: int, scaling: float | None) -> torch.Tensor:
+    """[T, H, D] causal attention of each sequence in [T, H, D] / [T, Hkv, D] queries, keys and values."""
+    attend, params = VARLEN
+    options: dict[str, Any] = {}
+    if "window_size" in params:  # torch >= 2.10
+        options["window_size"] = (-1, 0)
+    else:
+        options["is_causal"] = True
+    if scaling is not None and "scale" in params:
+        options["scale"] = scaling
+    if key.shape[1] != query.shape[1]:
+        if "enable_gqa" in params:
+            options["enable_gqa"] = True
+        else:  # a release without the switch: give every query head its own copy of its key/value head
+            repeat = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    return attend(query, key, value, cu_seq_lens, cu_seq_lens, max_length, max_length, **options)
+
+
+def _per_sequence_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int],
+                       scaling: float | None) -> torch.Tensor:
+    """[1, H, T, D] causal SDPA of each sequence of [1, H(kv), T, D] tensors on its own (``bounds``: the
+    sequences' offsets), concatenated."""
+    grouped = key.shape[1] != query.shape[1]
+    outputs = [F.scaled_dot_product_attention(query[:, :, start:stop], key[:, :, start:stop],
+                                              value[:, :, start:stop], is_causal=True, scale=scaling,
+                                              enable_gqa=grouped)
+               for start, stop in zip(bounds[:-1], bounds[1:], strict=True) if stop > start]
+    return torch.cat(outputs, dim=2)
+
+
+def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention function signature: [B, H, T, D] queries (keys and values with their own head
+    count) in, [B, T, H, D] out. Packed when ``kwargs`` hold ``cu_seq_lens_q`` (B must be 1), else SDPA."""
+    cu_seq_lens = kwargs.get("cu_seq_lens_q")
+    if cu_seq_lens is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if query.shape[0] != 1 or attention_mask is not None or dropout:
+        raise ValueError("packed attention takes one row of sequences without an attention mask or dropout")
+    device = query.device.type
+    if torch.is_autocast_enabled(device):  # as autocast runs SDPA: rope leaves float32 queries and keys
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    if uses_flash_varlen(query, scaling):
+        out = _flash_varlen(*(t[0].transpose(0, 1).contiguous() for t in (query, key, value)), cu_seq_lens,
+                            int(kwargs["max_length_q"]), scaling)
+        return out.unsqueeze(0), None
+    out = _per_sequence_sdpa(query, key, value, cu_seq_lens.tolist(), scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)
+
+
+def use_packed_attention(model: nn.Module) -> None:
+    """Make ``model`` (a transformers model) run ``packed_attention``; one whose architecture takes no attention
+    implementation keeps its own and runs padded rows only (``supports_packing``), with a warning."""
+    if supports_packing(model):
+        return
+    try:
+        model.set_attn_implementation(PACKED_ATTENTION)
+    except (AttributeError, ValueError, NotImplementedError) as err:
+        log.warning("%s takes no attention implementation of archer's (%s): its passes run padded, never packed",
+                    type(model).__name__, err)
+
+
+def supports_packing(model: nn.Module) -> bool:
+    """Whether ``model``'s attention keeps the sequences of a packed row apart (it runs ``packed_attention``)."""
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None) == PACKED_ATTENTION
