@@ -32,7 +32,7 @@ def test_an_uneven_split_pads_the_rank_with_fewer_micro_batches():
     """5 rows over 2 ranks, 2 rows a micro-batch: rank 0 takes rows 0-2 (2 passes), rank 1 rows 3-4 (1 pass and
     1 padding pass over its last micro-batch again); both know every rank's micro-batches."""
     mask = torch.ones(5, 4, dtype=torch.long)
-    micro = MicroBatching(2, None, remove_padding=False)
+    micro = MicroBatching(2, None, packed=False)
     first, second = (rank_passes(mask, micro, rank(r, 2)) for r in (0, 1))
     assert lists(first.parts) == [[0, 1], [2]] and first.own == 2 and first.rows == slice(0, 3)
     assert lists(second.parts) == [[3, 4], [3, 4]] and second.own == 1 and second.rows == slice(3, 5)
@@ -48,7 +48,7 @@ def test_a_token_budget_splits_each_rank_by_its_own_lengths():
     (2, 2) one; rank 1 pads with its micro-batch again."""
     lengths = [6, 1, 1, 2, 2]
     mask = torch.tensor([[1] * n + [0] * (6 - n) for n in lengths])
-    micro = MicroBatching(None, 8, remove_padding=True)
+    micro = MicroBatching(None, 8, packed=False)  # rows x the longest row: the 6 alone
     first, second = (rank_passes(mask, micro, rank(r, 2)) for r in (0, 1))
     assert lists(first.parts) == [[0], [1, 2]] and first.own == 2
     assert lists(second.parts) == [[3, 4], [3, 4]] and second.own == 1
@@ -57,7 +57,7 @@ def test_a_token_budget_splits_each_rank_by_its_own_lengths():
 
 def test_a_rank_without_rows_repeats_row_zero_as_padding():
     mask = torch.ones(1, 3, dtype=torch.long)
-    passes = rank_passes(mask, MicroBatching(None, None, remove_padding=False), rank(1, 2))
+    passes = rank_passes(mask, MicroBatching(None, None, packed=False), rank(1, 2))
     assert lists(passes.parts) == [[0]] and passes.own == 0 and passes.padding(0) and passes.rows == slice(1, 1)
     assert lists(passes.every_rank) == [[0]]
 

@@ -362,7 +362,8 @@ def test_the_models_beside_the_actor_are_held_in_both_stages():
     + 4 + 1 = 65, so a 79 GiB card holds generation but not the update, and only because of the others."""
     others = {"critic": 30 * GIB, "reward model": 4 * GIB}
     plan = MemoryPlan(total=79 * GIB, policy=10 * GIB, gradients=10 * GIB, optimizer=20 * GIB, activations=5 * GIB,
-                      engine_share=0, engine_weights=0, engine_workspace=0, others=others)
+                      engine_share=0, engine_weights=0, engine_workspace=0, others=others,
+                      model_shape=(1536, 8960), longest=2048)
     assert plan.update() == {"policy": 10 * GIB, "gradients": 10 * GIB, **others, "optimizer states": 20 * GIB,
                              "activations": 5 * GIB, "CUDA context": GIB, "other processes": 0}
     assert plan.generation() == {"policy": 10 * GIB, "optimizer states": 20 * GIB, **others, "CUDA context": GIB,
