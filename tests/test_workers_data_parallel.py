@@ -44,11 +44,11 @@ def test_an_uneven_split_pads_the_rank_with_fewer_micro_batches():
 
 
 def test_a_token_budget_splits_each_rank_by_its_own_lengths():
-    """Token budget 8: rank 0's rows (lengths 6, 1, 1) make two micro-batches (the 6 alone, then 1 + 1), rank 1's
-    (2, 2) one; rank 1 pads with its micro-batch again."""
+    """Packed, token budget 6: rank 0's rows (lengths 6, 1, 1) make two micro-batches (the 6 alone, then 1 + 1),
+    rank 1's (2, 2) one; rank 1 pads with its micro-batch again."""
     lengths = [6, 1, 1, 2, 2]
     mask = torch.tensor([[1] * n + [0] * (6 - n) for n in lengths])
-    micro = MicroBatching(None, 8, packed=False)  # rows x the longest row: the 6 alone
+    micro = MicroBatching(None, 6, packed=True)
     first, second = (rank_passes(mask, micro, rank(r, 2)) for r in (0, 1))
     assert lists(first.parts) == [[0], [1, 2]] and first.own == 2
     assert lists(second.parts) == [[3, 4], [3, 4]] and second.own == 1
