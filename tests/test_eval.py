@@ -271,6 +271,23 @@ def test_archer_eval_greedy(tiny_model_dir: Path, tmp_path: Path, caplog: pytest
                                                                           "val-core/all/acc/mean@1"}
 
 
+def test_an_overlong_benchmark_prompt_names_the_benchmark_and_evals_own_key(
+        tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    sums = _tiny_benchmarks(tmp_path)[0]
+    args = ["eval", f"model={tiny_model_dir}", f"benchmark=[{sums}]", "max_prompt_length=4",
+            f"output_dir={tmp_path / 'out'}", "device=cpu", "data.filter_overlong_prompts=true"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    longest = int(err.split("(the longest prompt has ")[1].split(")")[0])
+    assert longest > 4
+    assert "archer: error: benchmark 'sums': the prompt of row 0 is " in err
+    assert f"fix: pass max_prompt_length={longest} (archer eval scores every problem" in err
+    # the training key that would drop prompts is said to be unread, with the key to use
+    assert ("archer eval does not read data.filter_overlong_prompts (a training key); set max_prompt_length= "
+            "(archer eval scores every problem, none is dropped)") in caplog.text
+    assert cli.main([*args[:3], f"max_prompt_length={longest}", *args[4:6], "max_response_length=2"]) == 0
+
+
 def test_training_validation_and_archer_eval_agree(micro_model: Path, task_files: dict[str, Path],
                                                    tmp_path: Path) -> None:
     """trainer.val_only (no train files, no optimiser, reference or critic) and archer eval on the same prompts,

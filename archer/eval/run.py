@@ -61,10 +61,15 @@ UNREAD_KEYS = {
     "actor_rollout_ref.actor.": "nothing (no training here)", "actor_rollout_ref.ref.": "nothing (no training here)",
     "critic.": "nothing (no training here)", "algorithm": "nothing (no training here)",
     "trainer.": "seed=, device= (the only trainer keys eval reads)",
+    "data.filter_overlong_prompts": "max_prompt_length= (archer eval scores every problem, none is dropped) or "
+                                    "data.truncation=left|right|middle",
 }
 READ_TRAINER_KEYS = ("trainer.seed", "trainer.device")
 SAMPLING_TEMPERATURE = 1.0  # n > 1 without a temperature: sample (n greedy answers would be n copies of one)
 SAMPLES, STATE, JUDGE_CACHE = "samples.jsonl", "eval_state.json", "judge_cache.jsonl"
+EVAL_OVERLONG_FIX = ("pass max_prompt_length={longest} (archer eval scores every problem: it never drops an overlong "
+                     "prompt, so data.filter_overlong_prompts does not apply), or cut prompts with "
+                     "data.truncation=left|right|middle")
 
 
 def eval_config(overrides: Sequence[str]) -> DictConfig:
@@ -167,7 +172,8 @@ class EvalRun:
             check_routes(((r["data_source"], r.get("ability")) for r in rows), f"benchmark {spec.name!r}")
         return RLDataset(rows, self.tokenizer, max_prompt_length=int(data.max_prompt_length), truncation=data.truncation,
                          filter_overlong_prompts=False, chat_template=self.cfg.actor_rollout_ref.model.custom_chat_template,
-                         apply_chat_template_kwargs=OmegaConf.to_container(data.apply_chat_template_kwargs))
+                         apply_chat_template_kwargs=OmegaConf.to_container(data.apply_chat_template_kwargs),
+                         where=f"benchmark {spec.name!r}", overlong_fix=EVAL_OVERLONG_FIX)
 
     def _resume(self) -> list[ProblemRecord]:
         state = {"fingerprint": _fingerprint(self.cfg, self.model, self.specs)}
