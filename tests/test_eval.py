@@ -4,6 +4,7 @@ HTTP server, and an end-to-end eval of the tiny model on two small benchmarks (w
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from math import comb
@@ -269,6 +270,34 @@ def test_archer_eval_greedy(tiny_model_dir: Path, tmp_path: Path, caplog: pytest
     assert val_kwargs["do_sample"] is False and val_kwargs["temperature"] == 0.0
     assert {k for k in results["metrics"] if k.startswith("val-core/")} == {"val-core/sums/acc/mean@1",
                                                                           "val-core/all/acc/mean@1"}
+
+
+def test_each_model_evaluates_into_its_own_default_folder(tiny_model_dir: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    sums = _tiny_benchmarks(tmp_path)[0]
+    run = tmp_path / "runs" / "my_run"
+    for step in (1, 2):  # two checkpoints of one run: each an actor/ folder
+        shutil.copytree(tiny_model_dir, run / "checkpoints" / f"global_step_{step}" / "actor")
+    shutil.copytree(tiny_model_dir, tmp_path / "runs" / "sft" / "hf_model")
+    monkeypatch.chdir(tmp_path)
+    common = [f"benchmark=[{sums}]", "max_prompt_length=64", "max_response_length=2", "device=cpu", "limit=1"]
+    models = {"runs/my_run/checkpoints/global_step_1": "eval_runs/my_run/global_step_1",  # model= -> its folder
+              "runs/my_run/checkpoints/global_step_2/actor": "eval_runs/my_run/global_step_2",
+              "runs/sft/hf_model": "eval_runs/sft/hf_model"}
+    for model, folder in models.items():
+        assert cli.main(["eval", f"model={model}", *common]) == 0
+        evaluated = Path(json.loads((tmp_path / folder / "results.json").read_text())["model"])
+        assert evaluated in (Path(model), Path(model) / "actor")
+    # one folder named for two models: the refusal says the model is what differs
+    capsys.readouterr()
+    assert cli.main(["eval", "model=runs/sft/hf_model", *common, "output_dir=eval_runs/my_run/global_step_1"]) == 2
+    err = capsys.readouterr().err
+    assert (f"eval_runs/my_run/global_step_1 holds an evaluation of another model "
+            f"({tmp_path / 'runs/my_run/checkpoints/global_step_1/actor'}; this one is {tmp_path / 'runs/sft/hf_model'})") in err
+    assert cli.main(["eval", "model=runs/sft/hf_model", *common, "seed=5"]) == 2
+    assert "eval_runs/sft/hf_model holds an evaluation with other settings (seed differ from this one's)" in \
+        capsys.readouterr().err
 
 
 def test_an_overlong_benchmark_prompt_names_the_benchmark_and_evals_own_key(
