@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from math import comb
 from pathlib import Path
 
+import numpy as np
 import pytest
 from omegaconf import OmegaConf
 from shared_data import SHARED_DATA
@@ -19,7 +20,8 @@ from archer.errors import ArcherError
 from archer.eval.answers import normalise
 from archer.eval.benchmarks import benchmark_names, load_rows, load_spec
 from archer.eval.judge import Judge, parse_verdict
-from archer.eval.metrics import ProblemSamples, majority_index, pass_at_k, problem_metrics
+from archer.eval.metrics import ProblemSamples, majority_index, pass_at_k, problem_metrics, validation_metrics
+from archer.eval.report import results_table
 from archer.rewards.registry import default_compute_score
 from archer.workers.generator import resolve_model_folder
 
@@ -41,6 +43,18 @@ def test_pass_at_k_edge_cases() -> None:
     assert pass_at_k(1000, 10, 10) == pytest.approx(1 - comb(990, 10) / comb(1000, 10), rel=1e-12)
     with pytest.raises(ValueError):
         pass_at_k(4, 1, 5)
+
+
+def test_pass_at_1_and_mean_at_n_of_one_number_show_the_same_digits() -> None:
+    # 7 of 16 right: pass@1 is c/n = 0.4375 exactly; the product form gave 0.43749999999999994, shown as 43.7
+    assert pass_at_k(16, 7, 1) == 0.4375 and pass_at_k(48, 3, 1) == 0.0625
+    acc = np.array([1.0] * 7 + [0.0] * 9)
+    metrics = validation_metrics(["gsm8k"] * 16, ["p"] * 16, acc, acc, n=16, ks=[1, 16])
+    assert metrics["val-core/gsm8k/acc/pass@1"] == metrics["val-core/gsm8k/acc/mean@16"] == 0.4375
+    table = results_table({"metrics": metrics, "n": 16, "k": [1, 16],
+                           "benchmarks": {"gsm8k": {"problems": 1, "scored_by": "rule: math-verify"}}})
+    row = next(line for line in table.splitlines() if line.startswith("| gsm8k |"))
+    assert row.startswith("| gsm8k | 1 | rule: math-verify | 43.8 | 43.8 | 100.0 |")
 
 
 def test_majority_vote_ties_go_to_the_answer_seen_first() -> None:
