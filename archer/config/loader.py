@@ -99,7 +99,14 @@ def group_options(group: str) -> list[str]:
 
 
 def _closest(key: str, keys: Iterable[str]) -> str | None:
+    """The known key nearest ``key``; a section that holds a ``path`` (``actor_rollout_ref.model``) is named by
+    that key, which is what a value set on it means (``model=DIR``: ``actor_rollout_ref.model.path``)."""
     keys = sorted(keys)
+    match = _nearest(key, keys)
+    return f"{match}.path" if match is not None and f"{match}.path" in keys else match
+
+
+def _nearest(key: str, keys: list[str]) -> str | None:
     match = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
     if match:
         return match[0]
