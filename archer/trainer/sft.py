@@ -38,7 +38,7 @@ from archer.batch import Batch
 from archer.config.loader import as_list, save_config
 from archer.data.loader import PromptLoader
 from archer.data.sft_dataset import SFTDataset, pack_sft, read_sft_conversations, token_slots
-from archer.data.sft_formats import FORMATS
+from archer.data.sft_formats import FORMATS, nearest_format
 from archer.errors import ArcherError
 from archer.models.loading import (
     autocast_for,
@@ -176,7 +176,7 @@ def check_sft_config(cfg: DictConfig) -> None:
          "e.g. optim.warmup_steps_ratio=0.1"),
         (cfg.optim.clip_grad > 0, "optim.clip_grad must be positive", "e.g. optim.clip_grad=1.0"),
         (cfg.data.format in FORMATS, f"data.format={cfg.data.format!r} is not an SFT data format",
-         f"use one of {list(FORMATS)}"),
+         f"{nearest_format(str(cfg.data.format))}use one of {list(FORMATS)}"),
         (cfg.trainer.resume_mode in RESUME_MODES, f"trainer.resume_mode={cfg.trainer.resume_mode!r} is not known",
          f"use one of {list(RESUME_MODES)}"),
         (cfg.trainer.resume_mode != "resume_path" or cfg.trainer.resume_from_path,
