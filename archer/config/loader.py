@@ -3,8 +3,8 @@
 verl scripts write overrides as ``a.b=c`` and ``+a.b=c``; archer accepts both for every key its schema
 knows, and rejects any key it does not know (with or without ``+``), naming the closest known key, so a
 typo is never silently ignored. Keys the schema knows but archer does not act on (verl's, for scripts to port)
-are listed in config/no_ops.py: the RL trainer's config check warns when one is set, or refuses a value whose
-no-op would change the result. Free-form mappings (keys whose default is ``{}``) accept any sub-key.
+are listed in config/no_ops.py: the RL trainer's config check warns once when one asks for what archer does not
+do, or refuses a value whose no-op would change the result. Free-form mappings (keys whose default is ``{}``) accept any sub-key.
 A single value given for a list key is a one-element list, as verl takes it (``trainer.logger=console`` is
 ``[console]``): the list keys are those whose default is a list, and those whose default is null listed in
 ``NULL_DEFAULT_LIST_KEYS`` (marked "(list)" in their YAML comment).

@@ -81,7 +81,7 @@ CONTINUABLE: dict[str, tuple[str, ...]] = {
         "critic.ppo_max_token_len_per_gpu", "critic.forward_max_token_len_per_gpu", "reward_model.micro_batch_size",
         "reward_model.micro_batch_size_per_gpu", "reward_model.use_dynamic_bsz",
         "reward_model.forward_max_token_len_per_gpu",
-        *(entry.key for entry in NO_OPS),  # accepted without effect
+        *(entry.key for entry in NO_OPS if entry.in_schema),  # accepted without effect
     ),
     "sft_trainer": (
         *_RUN_KEYS, "trainer.max_ckpt_to_keep", "trainer.device",
