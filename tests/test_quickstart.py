@@ -232,3 +232,9 @@ def test_a_quickstart_rerun_into_its_folder_changes_nothing_and_other_settings_a
         run_quickstart(["seed=2", *MICRO_RL], out_dir=str(out))
     assert err.value.problem.startswith(f"{out / 'rl'} holds another experiment") and "trainer.seed" in err.value.problem
     assert folder_bytes(out) == before
+
+
+def test_quickstart_help_names_the_folder_it_makes(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["quickstart", "--help"])
+    assert "(default runs/quickstart/<date>-<time>, a new one each run)" in " ".join(capsys.readouterr().out.split())
