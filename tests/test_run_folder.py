@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from archer import cli
 from archer.trainer.run_folder import CONTINUABLE, config_changes, is_continuable
@@ -67,12 +68,22 @@ def test_keys_that_may_change_are_named_and_the_rest_define_the_experiment() -> 
     assert set(CONTINUABLE) == {"ppo_trainer", "sft_trainer"}
 
 
-def test_config_changes_compare_every_leaf() -> None:
-    from omegaconf import OmegaConf
-
-    saved = OmegaConf.create({"a": {"b": 1, "c": [1, 2]}, "m": {"x": 1}, "gone": 3})
-    new = OmegaConf.create({"a": {"b": 1, "c": [1, 3]}, "m": {"x": 1, "y": 2}})
-    assert config_changes(saved, new) == {"a.c": ([1, 2], [1, 3]), "gone": (3, "(absent)"), "m.y": ("(absent)", 2)}
+def test_config_changes_compare_every_leaf_and_another_versions_keys_at_their_default() -> None:
+    saved = OmegaConf.create({"data": {"max_length": 1024, "prompt_key": "q"}, "trainer": {"seed": 1, "gone": 3},
+                              "model": {"target_modules": ["q_proj"]}})
+    new = OmegaConf.create({"data": {"max_length": 2048, "prompt_key": "q", "truncation": "error"},
+                            "trainer": {"seed": 1, "allow_config_change": False}, "model": {"target_modules": ["q_proj", "v_proj"]},
+                            "optim": {"lr": 1e-3}})
+    # truncation and allow_config_change at their defaults (a config saved by an archer without them), and a key
+    # the schema no longer has, are no change; the lr is
+    assert config_changes(saved, new, "sft_trainer") == {
+        "data.max_length": (1024, 2048), "model.target_modules": (["q_proj"], ["q_proj", "v_proj"]),
+        "optim.lr": ("(absent)", 1e-3)}
+    tools = "actor_rollout_ref.rollout.tools.tool_instances"
+    with_tool = OmegaConf.create({"actor_rollout_ref": {"rollout": {"tools": {"tool_instances": {"python": {"class_path": "python"}}}}}})
+    without = OmegaConf.create({"actor_rollout_ref": {"rollout": {"tools": {"tool_instances": {}}}}})
+    assert config_changes(with_tool, without, "ppo_trainer") == {  # a free-form mapping's entry always counts
+        f"{tools}.python.class_path": ("python", "(absent)")}
 
 
 @pytest.mark.parametrize("changes", [

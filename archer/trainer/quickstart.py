@@ -265,10 +265,10 @@ def print_results(console: Console, summary: dict[str, Any], algorithm: str, rl_
                       f"after RL: {summary['val_tool_call_rate_after_rl']:.3f}")
     run, rl_dir = Path(summary["run_dir"]), Path(summary["rl_run_dir"])
     console.print(f"run directory: {run}  (summary.json); RL run: {rl_dir}  (metrics.jsonl, plots/)")
-    if summary["model_path"] is not None:
+    if summary.get("model_path") is not None and "val_benchmark" in summary:
         console.print("evaluate the RL-trained policy on the validation set with:")
         print(f"  {eval_command(rl_cfg, summary['model_path'], Path(summary['val_benchmark']), run / 'eval')}")
-    else:
+    else:  # trainer.save_freq=-1 (or a quickstart of an archer that did not save it)
         console.print("the RL-trained policy was not saved (trainer.save_freq=-1)")
     console.print("repeat the RL stage with:")
     print(f"  {repeat_command(rl_args, rl_dir)}")
@@ -307,7 +307,7 @@ def run_quickstart(args: Sequence[str] = (), out_dir: str | None = None) -> dict
     if (run / SUMMARY_FILE).is_file() and steps is not None and rl_folder.finished_summary(int(steps)) is not None:
         summary = json.loads((run / SUMMARY_FILE).read_text(encoding="utf-8"))
         print(f"the quickstart in {run} has finished; nothing to do (a new --out runs it again):")
-        print_results(console, summary, algorithm_name, rl_cfg, rl_args(summary["sft_model_path"]))
+        print_results(console, summary, algorithm_name, rl_cfg, rl_args(run / "sft" / "hf_model"))
         return summary
     run.mkdir(parents=True, exist_ok=True)
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from archer.config.loader import CONFIG_DIR, known_keys
 from archer.config.no_ops import NO_OPS
 from archer.data.loader import PromptLoader
 from archer.errors import ArcherError
@@ -91,7 +92,7 @@ CONTINUABLE: dict[str, tuple[str, ...]] = {
 }
 
 
-def _leaves(cfg: DictConfig) -> dict[str, Any]:
+def _leaves(cfg: DictConfig, resolve: bool = True) -> dict[str, Any]:
     """Every leaf of a config as dotted key -> plain value (a mapping's entries are leaves of their own)."""
     out: dict[str, Any] = {}
 
@@ -102,15 +103,28 @@ def _leaves(cfg: DictConfig) -> dict[str, Any]:
         else:
             out[prefix] = node
 
-    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    walk(OmegaConf.to_container(cfg, resolve=resolve), "")
     return out
 
 
-def config_changes(saved: DictConfig, new: DictConfig) -> dict[str, tuple[Any, Any]]:
-    """Dotted key -> (saved value, new value) of every leaf that differs (``ABSENT`` where a config lacks it)."""
+def config_changes(saved: DictConfig, new: DictConfig, config_name: str) -> dict[str, tuple[Any, Any]]:
+    """Dotted key -> (saved value, new value) of every leaf that differs (``ABSENT`` where a config lacks it). A
+    schema key that one config lacks (a config of another archer version) differs only when the other sets it
+    to something else than its default; an entry of a free-form mapping (a tool, a reward argument) that one
+    lacks always differs."""
     before, after = _leaves(saved), _leaves(new)
-    return {key: (before.get(key, ABSENT), after.get(key, ABSENT)) for key in sorted(before.keys() | after.keys())
-            if before.get(key, ABSENT) != after.get(key, ABSENT)}
+    _, open_maps = known_keys(config_name)
+    defaults = _leaves(OmegaConf.load(CONFIG_DIR / f"{config_name}.yaml"), resolve=False)
+    changes = {}
+    for key in sorted(before.keys() | after.keys()):
+        old, value = before.get(key, ABSENT), after.get(key, ABSENT)
+        if old == value:
+            continue
+        in_open_map = any(key.startswith(m + ".") for m in open_maps)
+        if not in_open_map and ABSENT in (old, value) and defaults.get(key, ABSENT) in (old, value):
+            continue  # a key of another version's schema, at its default
+        changes[key] = (old, value)
+    return changes
 
 
 def is_continuable(key: str, config_name: str) -> bool:
@@ -164,7 +178,7 @@ class RunFolder:
         saved_path = self.path / CONFIG_FILE
         if not saved_path.is_file():
             return
-        changes = config_changes(OmegaConf.load(saved_path), self.cfg)
+        changes = config_changes(OmegaConf.load(saved_path), self.cfg, self.config_name)
         defining = {k: v for k, v in changes.items() if not is_continuable(k, self.config_name)}
         allowed = {k: v for k, v in changes.items() if k not in defining}
         if defining and not trainer.allow_config_change:
@@ -180,14 +194,22 @@ class RunFolder:
         if allowed:
             log.info("%s: continuing with changed settings: %s", self.path, describe_changes(allowed))
 
+    def saved_summary(self) -> dict[str, Any]:
+        """The folder's summary.json (written last, atomically, by a run that finished), or {} when it has none
+        that reads as a summary with its step count."""
+        try:
+            summary = json.loads((self.path / SUMMARY_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        return summary if isinstance(summary, dict) and isinstance(summary.get("steps"), int) else {}
+
     def finished_summary(self, total_steps: int) -> dict[str, Any] | None:
         """The saved summary when the run here finished at ``total_steps`` or later (a rerun has nothing to do);
         None when there is a run to start or continue. A folder with metrics but nothing to resume is refused."""
         if not self.holds_run():
             return None
-        summary_path = self.path / SUMMARY_FILE
-        summary = json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.is_file() else {}
-        if int(summary.get("steps", -1)) >= total_steps:
+        summary = self.saved_summary()
+        if summary.get("steps", -1) >= total_steps:
             log.info("%s: this run finished at step %d (%s); nothing to do (raise trainer.total_training_steps to "
                      "train further, or choose a new trainer.default_local_dir for another run)",
                      self.path, summary["steps"], SUMMARY_FILE)
