@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from readme_support import readme_command
 from shared_data import SHARED_DATA
 
 from archer import cli
@@ -24,17 +24,6 @@ REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text(encoding="utf-8")
 TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 DEMO_FILES = ("alpaca_en_demo.json", "glaive_toolcall_en_demo.json")
-
-
-def readme_command(start: str) -> list[str]:
-    """The words of README's command whose first line starts with ``start`` (continuation lines joined)."""
-    lines = README.splitlines()
-    first = next(i for i, line in enumerate(lines) if line.startswith(start))
-    text = lines[first]
-    while text.endswith("\\"):
-        first += 1
-        text = text[:-1] + lines[first]
-    return shlex.split(text)
 
 
 def test_the_opening_says_what_runs_now() -> None:
