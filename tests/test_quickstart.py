@@ -231,6 +231,7 @@ def test_a_quickstart_rerun_into_its_folder_changes_nothing_and_other_settings_a
     with pytest.raises(ArcherError) as err:
         run_quickstart(["seed=2", *MICRO_RL], out_dir=str(out))
     assert err.value.problem.startswith(f"{out / 'rl'} holds another experiment") and "trainer.seed" in err.value.problem
+    assert err.value.fix.startswith("give this quickstart another --out DIR")
     assert folder_bytes(out) == before
 
 

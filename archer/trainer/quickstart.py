@@ -300,9 +300,13 @@ def run_quickstart(args: Sequence[str] = (), out_dir: str | None = None) -> dict
     check_config(rl_cfg)
     sft_cfg = sft_config(run, seed, recipe)
     check_sft_config(sft_cfg)
-    RunFolder(sft_cfg, "sft_trainer").check_experiment()
     rl_folder = RunFolder(rl_cfg, "ppo_trainer")
-    rl_folder.check_experiment()
+    try:
+        RunFolder(sft_cfg, "sft_trainer").check_experiment()
+        rl_folder.check_experiment()
+    except ArcherError as err:
+        raise ArcherError(err.problem, f"give this quickstart another --out DIR (without --out, each run makes a new "
+                                       f"folder), or the settings of the run in {run} to continue it") from None
     steps = rl_cfg.trainer.total_training_steps
     if (run / SUMMARY_FILE).is_file() and steps is not None and rl_folder.finished_summary(int(steps)) is not None:
         summary = json.loads((run / SUMMARY_FILE).read_text(encoding="utf-8"))
