@@ -1,19 +1,38 @@
-# The two commands of the README. Each installs what it needs first (CPU torch pinned where none is present).
+# The two commands of the README. Each works in a virtualenv: the one $(PY) already runs in (an active venv),
+# else .venv in the repository, made with `$(PY) -m venv --system-site-packages` (so packages the machine already
+# has, torch included, are used as they are). Where that environment has no torch, the CPU build of torch is
+# installed from PyTorch's CPU index (a console line says so); then archer, editable, with its dependencies.
 PY ?= python3
-TORCH_CPU = torch==2.13.0
+TORCH = torch==2.13.0
+TORCH_INDEX = https://download.pytorch.org/whl/cpu
+# the environment $(PY) runs in when it is a virtualenv (sys.prefix differs from the base interpreter's), else .venv
+ACTIVE := $(shell $(PY) -c "import sys; print(sys.prefix if sys.prefix != sys.base_prefix else '')" 2>/dev/null)
+VENV := $(if $(ACTIVE),$(ACTIVE),$(CURDIR)/.venv)
+BIN := $(VENV)/bin
 
-.PHONY: install quickstart test lint
+.PHONY: venv torch install quickstart test
 
-install:
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_CPU)
-	$(PY) -m pip install -q -e .
+venv:
+	@test -x $(BIN)/python || { echo "make: creating the virtualenv $(VENV) (packages of $(PY) stay visible)"; \
+	  $(PY) -m venv --system-site-packages $(VENV) 2>/dev/null \
+	  || { rm -rf $(VENV) && $(PY) -m venv --system-site-packages --without-pip $(VENV) \
+	       && $(BIN)/python -m pip --version >/dev/null 2>&1; } \
+	  || { echo "make: $(PY) cannot make a virtualenv with pip (Debian/Ubuntu: apt-get install python3-venv)"; exit 1; }; }
+	@echo "make: using the virtualenv $(VENV) (run '. $(BIN)/activate' to have archer on your PATH)"
+
+torch: venv
+	@$(BIN)/python -c "import torch" 2>/dev/null || { \
+	  echo "make: no torch in $(VENV): installing the CPU build of $(TORCH) from $(TORCH_INDEX) (about 650 MB installed)"; \
+	  $(BIN)/python -m pip install -q --index-url $(TORCH_INDEX) $(TORCH); }
+
+install: torch
+	$(BIN)/python -m pip install -q -e .
 
 quickstart: install
-	archer quickstart
+	$(BIN)/archer quickstart
 
-test:
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_CPU)
-	$(PY) -m pip install -q -e ".[test]"
+test: torch
+	$(BIN)/python -m pip install -q -e ".[test]"
 	test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
-	$(PY) -m ruff check archer tests bench
-	$(PY) -m pytest -q
+	$(BIN)/python -m ruff check archer tests bench
+	PATH="$(BIN):$$PATH" $(BIN)/python -m pytest -q

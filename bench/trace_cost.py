@@ -51,7 +51,7 @@ def quickstart_setup(out: Path) -> list[str]:
                         "trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=-1"],
                        check=True)
     summary = json.loads((out / "quickstart" / "summary.json").read_text())
-    return [f"actor_rollout_ref.model.path={summary['model_path']}", f"data.train_files={summary['train_files'][0]}",
+    return [f"actor_rollout_ref.model.path={summary['sft_model_path']}", f"data.train_files={summary['train_files'][0]}",
             *[o for o in RL_OVERRIDES if not o.startswith(("trainer.total_training_steps", "trainer.test_freq",
                                                            "trainer.entropy_trace", "trainer.influence_trace"))]]
 

@@ -4,8 +4,11 @@
 # clip 0.2 on low- and 0.4 on high-entropy tokens, KL loss 0.001, 3 PPO epochs, overlong buffer of 16 tokens,
 # rejection of all-correct / all-wrong groups.
 # Hardware: as Archer2.0, one node of 2 x 80 GB GPUs (N_GPUS_PER_NODE=2, the default; NNODES=2 for two nodes of a
-# Ray cluster, README "Many GPUs"). One 80 GB GPU also holds this 1.5B run at these sizes:
-# N_GPUS_PER_NODE=1 bash examples/archer2_math_1.5b.sh
+# Ray cluster, README "Many GPUs"). One 80 GB GPU holds this 1.5B run at these sizes when the engine frees its
+# memory for the update and takes 0.6 of the card to generate (archer's memory plan: at most 71.7 GiB of 79.2;
+# the published settings keep the engine's 55 GiB through the update, 91.7 GiB on one card):
+# N_GPUS_PER_NODE=1 FREE_CACHE_ENGINE=True GPU_MEMORY_UTILIZATION=0.6 bash examples/archer2_math_1.5b.sh
+# A checkpoint of either continues under the other (devices and memory settings may change within a run).
 # Data: Archer2.0's math set (Hugging Face Fate-Zero/Archer2.0-Math-1.5B) as verl parquet/json rows with
 # data_source "math" and reward_model.ground_truth (archer reads .parquet, .json and .jsonl).
 # Every variable below can be set from the environment; KEY=VALUE arguments are appended (the last value wins).
@@ -28,6 +31,8 @@ PPO_MINI_BATCH_SIZE=${PPO_MINI_BATCH_SIZE:-16}
 MICRO_BATCH_SIZE_PER_GPU=${MICRO_BATCH_SIZE_PER_GPU:-8}
 ROLLOUT_N=${ROLLOUT_N:-8}
 VAL_N=${VAL_N:-4}
+GPU_MEMORY_UTILIZATION=${GPU_MEMORY_UTILIZATION:-0.7}
+FREE_CACHE_ENGINE=${FREE_CACHE_ENGINE:-False}
 MAX_TOKEN_LEN=$((MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH))
 
 archer train \
@@ -76,9 +81,9 @@ archer train \
     actor_rollout_ref.actor.entropy_coeff=0 \
     actor_rollout_ref.actor.grad_clip=1.0 \
     actor_rollout_ref.actor.loss_agg_mode=token-mean \
-    actor_rollout_ref.rollout.gpu_memory_utilization=0.7 \
+    actor_rollout_ref.rollout.gpu_memory_utilization=${GPU_MEMORY_UTILIZATION} \
     actor_rollout_ref.rollout.enforce_eager=False \
-    actor_rollout_ref.rollout.free_cache_engine=False \
+    actor_rollout_ref.rollout.free_cache_engine=${FREE_CACHE_ENGINE} \
     actor_rollout_ref.rollout.max_num_batched_tokens=${MAX_TOKEN_LEN} \
     actor_rollout_ref.rollout.max_model_len=${MAX_TOKEN_LEN} \
     actor_rollout_ref.rollout.temperature=1.0 \

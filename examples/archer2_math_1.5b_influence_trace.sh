@@ -2,9 +2,9 @@
 # Archer2.0's influence-trace run (run_archer2.0_qwen2.5_1.5b_math_influence_trace.sh): two steps of the math run
 # with both traces: per-token entropy, and per-token influence on the accepted-vs-rejected direction from the
 # update's own backward (o_proj and down_proj of the last hooked module, projections capped at 64 + 2500).
-# Hardware: as archer2_math_1.5b.sh (one 80 GB GPU by default); the trace release (doub7e/token-influence) ran it
-# on one node of 8 GPUs: N_GPUS_PER_NODE=8. Variables and appended KEY=VALUE
-# arguments: as there.
+# Hardware: as archer2_math_1.5b.sh (2 x 80 GB GPUs by default, or one with its one-GPU settings); the trace
+# release (doub7e/token-influence) ran it on one node of 8 GPUs: N_GPUS_PER_NODE=8. Variables and appended
+# KEY=VALUE arguments: as there.
 set -euo pipefail
 EXPERIMENT_NAME=${EXPERIMENT_NAME:-Archer2.0-Qwen2.5-1.5B-Math-InfluenceTrace}
 CKPTS_DIR=${CKPTS_DIR:-./output/Archer2.0/${EXPERIMENT_NAME}}

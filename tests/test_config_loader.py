@@ -93,6 +93,8 @@ def test_plain_and_plus_overrides_of_known_keys_set_the_value(prefix: str) -> No
         ("algorithm.adv_estimater=grpo", "algorithm.adv_estimator"),
         ("+data.train_batch_sise=2", "data.train_batch_size"),
         ("actor_rollout_ref.actor.kl_loss_coeff=0.01", "actor_rollout_ref.actor.kl_loss_coef"),
+        ("model=/models/qwen", "actor_rollout_ref.model.path"),  # a section's value is its path, not the section
+        ("actor_rollout_ref.modle=/models/qwen", "actor_rollout_ref.model.path"),
     ],
 )
 def test_unknown_keys_raise_and_name_the_closest_known_key(override: str, suggestion: str) -> None:

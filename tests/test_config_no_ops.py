@@ -1,6 +1,7 @@
-"""The keys archer accepts without acting on them (config/no_ops.py): the table matches the YAML's markers, the
-defaults are silent, another value warns once naming the key, and a value whose no-op would change the result
-is refused."""
+"""The keys archer accepts without acting on them (config/no_ops.py, one table for archer's schema keys and
+verl's keys archer lacks): the table matches the YAML's markers, the defaults and the values under which archer
+does what verl does are silent, another value warns once naming the key (once, however often the config is
+checked), and a value whose no-op would change the result is refused."""
 
 from __future__ import annotations
 
@@ -10,12 +11,19 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
+from archer.config import no_ops
 from archer.config.loader import CONFIG_DIR, group_options, load_config
 from archer.config.no_ops import NO_OPS, check_no_ops, set_no_ops
 from archer.errors import ArcherError
 from archer.trainer.config_check import check_config
 
 REQUIRED = ["actor_rollout_ref.model.path=m", "data.train_files=x"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts with no warning given yet (they are given once a process)."""
+    monkeypatch.setattr(no_ops, "_warned", set())
 
 
 def marked_keys() -> set[str]:
@@ -42,10 +50,13 @@ def test_the_table_lists_every_marked_key_once():
     (their comments say what they do) but must exist there."""
     keys = [entry.key for entry in NO_OPS]
     assert len(keys) == len(set(keys))
-    assert {entry.key for entry in NO_OPS if not entry.sharded_only} == marked_keys()
+    schema = [entry for entry in NO_OPS if entry.in_schema]
+    assert {entry.key for entry in schema if not entry.sharded_only} == marked_keys()
     cfg = load_config("ppo_trainer", REQUIRED)
     assert all(OmegaConf.select(cfg, entry.key) == entry.default for entry in NO_OPS if entry.sharded_only)
-    assert len(keys) == 78 and sum(entry.sharded_only for entry in NO_OPS) == 9
+    assert len(schema) == 78 and sum(entry.sharded_only for entry in NO_OPS) == 9
+    assert all(OmegaConf.select(cfg, entry.key, default="absent") == "absent"
+               for entry in NO_OPS if not entry.in_schema and not entry.key.endswith(".*"))  # verl's keys archer lacks
 
 
 def test_defaults_and_every_algorithm_preset_are_silent(caplog):
@@ -54,16 +65,20 @@ def test_defaults_and_every_algorithm_preset_are_silent(caplog):
         assert set_no_ops(load_config("ppo_trainer", [*REQUIRED, f"algorithm={preset}"])) == [], preset
 
 
-def test_another_value_warns_once_naming_the_key(caplog):
-    cfg = load_config("ppo_trainer", [*REQUIRED, "data.dataloader_num_workers=4",
+def test_a_value_that_would_change_behaviour_warns_once_naming_the_key(caplog):
+    # speed-only keys and the values archer acts as (balance_batch=False: no reordering) are silent
+    cfg = load_config("ppo_trainer", [*REQUIRED, "data.dataloader_num_workers=4", "trainer.balance_batch=false",
                                       "actor_rollout_ref.actor.use_torch_compile=false",
+                                      "actor_rollout_ref.actor.checkpoint.load_contents=[model]",
                                       "critic.rollout_n=3"])
     with caplog.at_level(logging.WARNING, logger="archer.config"):
         check_config(cfg)
+        check_config(cfg)  # as archer train does (the command, then the trainer): still one warning each
+        load_config("ppo_trainer", [*REQUIRED, "critic.rollout_n=3"])
     messages = [r.getMessage() for r in caplog.records if r.name == "archer.config"]
     assert messages == [
-        "data.dataloader_num_workers=4 has no effect in archer: prompts are collated in the trainer's process",
-        "actor_rollout_ref.actor.use_torch_compile=False has no effect in archer: the update runs eagerly",
+        "actor_rollout_ref.actor.checkpoint.load_contents=['model'] has no effect in archer: resuming always loads "
+        "the model, the optimiser and the trainer state",
         "critic.rollout_n=3 has no effect in archer: actor_rollout_ref.rollout.n governs",
     ]
 

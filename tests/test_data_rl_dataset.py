@@ -108,7 +108,9 @@ def test_overlong_prompt_with_truncation_error_names_row_length_and_fixes(tok: P
     rows = [_row("w0"), _row("w0 w1 w2 w3")]
     with pytest.raises(ArcherError) as info:
         RLDataset(rows, tok, max_prompt_length=4, filter_overlong_prompts=False)
-    assert info.value.problem == "the prompt of row 1 is 6 tokens, longer than data.max_prompt_length=4"
+    assert info.value.problem == ("the prompt of row 1 is 6 tokens, longer than data.max_prompt_length=4 (the longest "
+                                  "prompt has 6)")
+    assert "raise data.max_prompt_length (to 6 keeps every prompt whole)" in info.value.fix
     assert "data.filter_overlong_prompts=True" in info.value.fix
     assert "data.truncation=left|right|middle" in info.value.fix
 

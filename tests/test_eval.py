@@ -4,11 +4,13 @@ HTTP server, and an end-to-end eval of the tiny model on two small benchmarks (w
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from math import comb
 from pathlib import Path
 
+import numpy as np
 import pytest
 from omegaconf import OmegaConf
 from shared_data import SHARED_DATA
@@ -18,7 +20,14 @@ from archer.errors import ArcherError
 from archer.eval.answers import normalise
 from archer.eval.benchmarks import benchmark_names, load_rows, load_spec
 from archer.eval.judge import Judge, parse_verdict
-from archer.eval.sampling_metrics import ProblemSamples, majority_index, pass_at_k, problem_metrics
+from archer.eval.report import results_table
+from archer.eval.sampling_metrics import (
+    ProblemSamples,
+    majority_index,
+    pass_at_k,
+    problem_metrics,
+    validation_metrics,
+)
 from archer.rewards.routing import default_compute_score
 from archer.workers.generator import resolve_model_folder
 
@@ -40,6 +49,18 @@ def test_pass_at_k_edge_cases() -> None:
     assert pass_at_k(1000, 10, 10) == pytest.approx(1 - comb(990, 10) / comb(1000, 10), rel=1e-12)
     with pytest.raises(ValueError):
         pass_at_k(4, 1, 5)
+
+
+def test_pass_at_1_and_mean_at_n_of_one_number_show_the_same_digits() -> None:
+    # 7 of 16 right: pass@1 is c/n = 0.4375 exactly; the product form gave 0.43749999999999994, shown as 43.7
+    assert pass_at_k(16, 7, 1) == 0.4375 and pass_at_k(48, 3, 1) == 0.0625
+    acc = np.array([1.0] * 7 + [0.0] * 9)
+    metrics = validation_metrics(["gsm8k"] * 16, ["p"] * 16, acc, acc, n=16, ks=[1, 16])
+    assert metrics["val-core/gsm8k/acc/pass@1"] == metrics["val-core/gsm8k/acc/mean@16"] == 0.4375
+    table = results_table({"metrics": metrics, "n": 16, "k": [1, 16],
+                           "benchmarks": {"gsm8k": {"problems": 1, "scored_by": "rule: math-verify"}}})
+    row = next(line for line in table.splitlines() if line.startswith("| gsm8k |"))
+    assert row.startswith("| gsm8k | 1 | rule: math-verify | 43.8 | 43.8 | 100.0 |")
 
 
 def test_majority_vote_ties_go_to_the_answer_seen_first() -> None:
@@ -277,6 +298,51 @@ def test_archer_eval_greedy(tiny_model_dir: Path, tmp_path: Path, caplog: pytest
     assert val_kwargs["do_sample"] is False and val_kwargs["temperature"] == 0.0
     assert {k for k in results["metrics"] if k.startswith("val-core/")} == {"val-core/sums/acc/mean@1",
                                                                           "val-core/all/acc/mean@1"}
+
+
+def test_each_model_evaluates_into_its_own_default_folder(tiny_model_dir: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    sums = _tiny_benchmarks(tmp_path)[0]
+    run = tmp_path / "runs" / "my_run"
+    for step in (1, 2):  # two checkpoints of one run: each an actor/ folder
+        shutil.copytree(tiny_model_dir, run / "checkpoints" / f"global_step_{step}" / "actor")
+    shutil.copytree(tiny_model_dir, tmp_path / "runs" / "sft" / "hf_model")
+    monkeypatch.chdir(tmp_path)
+    common = [f"benchmark=[{sums}]", "max_prompt_length=64", "max_response_length=2", "device=cpu", "limit=1"]
+    models = {"runs/my_run/checkpoints/global_step_1": "eval_runs/my_run/global_step_1",  # model= -> its folder
+              "runs/my_run/checkpoints/global_step_2/actor": "eval_runs/my_run/global_step_2",
+              "runs/sft/hf_model": "eval_runs/sft/hf_model"}
+    for model, folder in models.items():
+        assert cli.main(["eval", f"model={model}", *common]) == 0
+        evaluated = Path(json.loads((tmp_path / folder / "results.json").read_text())["model"])
+        assert evaluated in (Path(model), Path(model) / "actor")
+    # one folder named for two models: the refusal says the model is what differs
+    capsys.readouterr()
+    assert cli.main(["eval", "model=runs/sft/hf_model", *common, "output_dir=eval_runs/my_run/global_step_1"]) == 2
+    err = capsys.readouterr().err
+    assert (f"eval_runs/my_run/global_step_1 holds an evaluation of another model "
+            f"({tmp_path / 'runs/my_run/checkpoints/global_step_1/actor'}; this one is {tmp_path / 'runs/sft/hf_model'})") in err
+    assert cli.main(["eval", "model=runs/sft/hf_model", *common, "seed=5"]) == 2
+    assert "eval_runs/sft/hf_model holds an evaluation with other settings (seed differ from this one's)" in \
+        capsys.readouterr().err
+
+
+def test_an_overlong_benchmark_prompt_names_the_benchmark_and_evals_own_key(
+        tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    sums = _tiny_benchmarks(tmp_path)[0]
+    args = ["eval", f"model={tiny_model_dir}", f"benchmark=[{sums}]", "max_prompt_length=4",
+            f"output_dir={tmp_path / 'out'}", "device=cpu", "data.filter_overlong_prompts=true"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    longest = int(err.split("(the longest prompt has ")[1].split(")")[0])
+    assert longest > 4
+    assert "archer: error: benchmark 'sums': the prompt of row 0 is " in err
+    assert f"fix: pass max_prompt_length={longest} (archer eval scores every problem" in err
+    # the training key that would drop prompts is said to be unread, with the key to use
+    assert ("archer eval does not read data.filter_overlong_prompts (a training key); set max_prompt_length= "
+            "(archer eval scores every problem, none is dropped)") in caplog.text
+    assert cli.main([*args[:3], f"max_prompt_length={longest}", *args[4:6], "max_response_length=2"]) == 0
 
 
 def test_training_validation_and_archer_eval_agree(micro_model: Path, task_files: dict[str, Path],

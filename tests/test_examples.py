@@ -1,6 +1,7 @@
 """examples/: every script's config loads (``--cfg job``) with the settings it promises, each RL example composes
-at 8 GPUs per node (its multi-GPU variant: N_GPUS_PER_NODE=8), and each RL example runs one step on a micro model
-with the model, data and sizes swapped in through the variables at its top."""
+at 8 GPUs per node (its multi-GPU variant: N_GPUS_PER_NODE=8), the math recipe's one-GPU command fits archer's
+memory plan of an 80 GB card (workers/memory.py, offline on the model's meta shape), and each RL example runs one
+step on a micro model with the model, data and sizes swapped in through the variables at its top."""
 
 from __future__ import annotations
 
@@ -11,14 +12,18 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 import yaml
 from multi_gpu_support import multi_gpu_refused
 from omegaconf import DictConfig
 from tool_model_support import ARPO, ROWS, SEARCH_CACHE, TRAIN_FILE
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from archer.config.loader import hydra_settings, load_config
 from archer.errors import ArcherError
 from archer.trainer.config_check import check_config
+from archer.workers.colocated import REFERENCE_BYTES_PER_PARAM
+from archer.workers.memory import GIB, MemoryPlan, plan_actor_memory
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 MATH = ["archer2_math_1.5b", "archer2_math_1.5b_entropy_trace", "archer2_math_1.5b_influence_trace",
@@ -30,6 +35,10 @@ ONE_GPU = "archer2_math_1.5b_entropy_trace_1gpu"  # a one-GPU recipe by design: 
 # the multi-GPU variant: one node of 8 GPUs, as ARPO and the trace release ran theirs (Archer2.0's math run used 2)
 MULTI_GPU = {"N_GPUS_PER_NODE": "8", "NNODES": "1"}
 SUBPROCESS_TIMEOUT_S = 900
+H100 = int(79.2 * GIB)  # what an 80 GB H100 gives a process
+# The math recipes' model, DeepSeek-R1-Distill-Qwen-1.5B, by its config.json (untied embeddings: 1.78B parameters)
+R1_DISTILL_QWEN_1_5B = Qwen2Config(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                                   num_key_value_heads=2, intermediate_size=8960, tie_word_embeddings=False)
 
 
 def run_example(name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -65,6 +74,45 @@ def test_archer2_math_configs_keep_the_published_settings() -> None:
     assert (one_gpu["data"]["train_batch_size"], one_gpu["actor_rollout_ref"]["rollout"]["n"]) == (2, 1)
     assert (one_gpu["data"]["max_prompt_length"], one_gpu["data"]["max_response_length"]) == (128, 64)
     assert one_gpu["trainer"]["entropy_trace"]["enable"] and one_gpu["trainer"]["test_freq"] == -1
+
+
+def header_command(name: str) -> tuple[dict[str, str], list[str]]:
+    """The variables and arguments of the command a script's header gives (``# VAR=V ... bash examples/NAME.sh ARGS``)."""
+    text = (EXAMPLES / f"{name}.sh").read_text(encoding="utf-8")
+    line = next(x[2:] for x in text.splitlines() if x.startswith("# ") and f"bash examples/{name}.sh" in x)
+    before, _, after = line.partition(f"bash examples/{name}.sh")
+    return dict(word.split("=", 1) for word in before.split()), after.split()
+
+
+def memory_plan(cfg: DictConfig, model: Qwen2Config, gpus: int) -> MemoryPlan:
+    """archer's memory plan of one card of an 80 GB H100 run of ``cfg`` (the fast engine, the reference policy
+    beside the actor as the rank's workers count it), the models sharded over ``gpus`` ranks."""
+    with torch.device("meta"):
+        policy = Qwen2ForCausalLM(model)
+    params = sum(p.numel() for p in policy.parameters())
+    others = {"reference policy": REFERENCE_BYTES_PER_PARAM * params} if cfg.actor_rollout_ref.actor.use_kl_loss else {}
+    return plan_actor_memory(cfg.actor_rollout_ref, policy, total=H100, fast_engine=True, others=others, shards=gpus)
+
+
+@pytest.mark.parametrize("tied", [False, True])  # the distilled model's shape, and Qwen2.5-1.5B's tied one
+def test_the_math_recipes_one_gpu_command_fits_archers_memory_plan_at_80_gb(tmp_path, tied) -> None:
+    model = Qwen2Config(**{**R1_DISTILL_QWEN_1_5B.to_dict(), "tie_word_embeddings": tied})
+    env, args = header_command("archer2_math_1.5b")
+    assert env["N_GPUS_PER_NODE"] == "1"
+    cfg = load_config("ppo_trainer", hydra_settings(passed_overrides("archer2_math_1.5b", env, tmp_path, *args))[0])
+    check_config(cfg)
+    assert (cfg.trainer.n_gpus_per_node, cfg.actor_rollout_ref.rollout.free_cache_engine) == (1, True)
+    one_gpu = memory_plan(cfg, model, gpus=1)
+    one_gpu.check()
+    assert sum(one_gpu.generation().values()) < 72 * GIB and sum(one_gpu.update().values()) < 37 * GIB
+    # the published settings fit two cards, not one: that is why the header gives its command
+    published = load_config("ppo_trainer", hydra_settings(passed_overrides("archer2_math_1.5b", {}, tmp_path / "2"))[0])
+    assert published.trainer.n_gpus_per_node == 2
+    memory_plan(published, model, gpus=2).check()
+    single = memory_plan(published, model, gpus=1)
+    assert sum(single.update().values()) > H100  # the engine's 55 GiB kept through the update
+    with pytest.raises(ArcherError, match="the GPU's 79.2 GiB cannot hold"):
+        single.check()
 
 
 def test_agentic_configs_keep_the_published_settings() -> None:
@@ -154,13 +202,14 @@ def test_an_agentic_example_runs_one_step_on_the_tool_model(name, arpo_tool_mode
     assert steps[0]["tools/search/calls"] + steps[0]["tools/python/calls"] > 0
 
 
-def passed_overrides(name: str, env: dict[str, str], tmp_path: Path) -> list[str]:
-    """The arguments the script hands to ``archer train``, recorded by an ``archer`` stand-in first on PATH."""
+def passed_overrides(name: str, env: dict[str, str], tmp_path: Path, *args: str) -> list[str]:
+    """The arguments the script (run with ``args``) hands to ``archer train``, recorded by an ``archer`` stand-in
+    first on PATH."""
     bin_dir, record = tmp_path / "bin", tmp_path / "archer_args"
-    bin_dir.mkdir()
+    bin_dir.mkdir(parents=True)
     (bin_dir / "archer").write_text(f"#!/usr/bin/env bash\nprintf '%s\\0' \"$@\" > '{record}'\n")
     (bin_dir / "archer").chmod(0o755)
-    proc = run_example(name, env={**env, "PATH": os.pathsep.join([str(bin_dir), os.environ["PATH"]])})
+    proc = run_example(name, *args, env={**env, "PATH": os.pathsep.join([str(bin_dir), os.environ["PATH"]])})
     assert proc.returncode == 0, proc.stderr
     command, *overrides = record.read_text().split("\0")[:-1]
     assert command == "train"

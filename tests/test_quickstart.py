@@ -7,6 +7,7 @@ in seconds)."""
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoModelForCausalLM
 
+from archer import cli
 from archer.config.loader import load_config
 from archer.data.tasks import write_task_files
 from archer.errors import ArcherError
@@ -46,10 +48,12 @@ def test_quickstart_learns(tmp_path: Path) -> None:
     assert summary["steps"] == 40
     assert summary["val_acc_after_rl"] - summary["val_acc_before_rl"] >= 0.15
     assert summary["wall_time_s"] < 600
-    # The files it names live in the run directory and are usable as they are.
+    # The files it names live in the run directory and are usable as they are: the RL-trained policy first.
     model_dir = Path(summary["model_path"])
-    assert model_dir.is_relative_to(out)
+    assert model_dir == out / "rl" / "checkpoints" / "global_step_40" / "actor"
     AutoModelForCausalLM.from_pretrained(model_dir)
+    AutoModelForCausalLM.from_pretrained(summary["sft_model_path"])
+    assert f"  archer eval model={model_dir} benchmark=[{out / 'data' / 'val_benchmark.yaml'}] " in proc.stdout
     assert pq.read_table(summary["train_files"][0]).num_rows == 1000
     assert pq.read_table(summary["val_files"][0]).num_rows == 200
     assert (out / "rl" / "metrics.jsonl").is_file() and list((out / "rl" / "plots").glob("*.png"))
@@ -171,3 +175,67 @@ def test_the_tool_quickstart_reports_the_tool_call_rate(tmp_path: Path, monkeypa
     assert summary["val_tool_call_rate_after_rl"] == metrics[-1][rate]
     assert summary["val_acc_before_rl"] == metrics[0]["val-core/archer/tool_arithmetic/acc/mean@1"]
     assert "tool-call rate before RL: " in capsys.readouterr().out
+
+
+MICRO_RL = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "trainer.total_training_steps=1", "trainer.device=cpu", "trainer.entropy_trace.enable=false",
+            "trainer.influence_trace.enable=false"]
+
+
+@pytest.fixture()
+def micro_quickstart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+                     task_files: dict[str, Path], micro_model: Path) -> tuple[Path, dict, str]:
+    """A one-step quickstart whose steps 1-3 are the conftest's task files and micro model, put where the real
+    ones go: its folder, summary and printed output."""
+    def warm_start(run: Path, seed: int, console, sft_extra=(), recipe: Recipe = RECIPES["arithmetic"]
+                   ) -> tuple[dict[str, Path], Path]:
+        (run / "data").mkdir(parents=True)
+        files = {split: Path(shutil.copy(task_files[split], run / "data" / f"{split}.parquet")) for split in ("train", "val")}
+        return files, Path(shutil.copytree(micro_model, run / "sft" / "hf_model"))
+
+    monkeypatch.setattr(quickstart, "warm_start", warm_start)
+    out = tmp_path / "qs"
+    summary = run_quickstart(MICRO_RL, out_dir=str(out))
+    return out, summary, capsys.readouterr().out
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else b"dir" for p in sorted(folder.rglob("*"))}
+
+
+def test_the_quickstart_saves_its_rl_policy_and_the_printed_eval_command_evaluates_it(
+        micro_quickstart: tuple[Path, dict, str]) -> None:
+    out, summary, printed = micro_quickstart
+    policy = out / "rl" / "checkpoints" / "global_step_1" / "actor"
+    assert summary["model_path"] == str(policy) and summary["sft_model_path"] == str(out / "sft" / "hf_model")
+    AutoModelForCausalLM.from_pretrained(policy)
+    command = next(line.strip() for line in printed.splitlines() if line.startswith("  archer eval "))
+    assert "evaluate the RL-trained policy on the validation set with:" in printed
+    argv = shlex.split(command)
+    assert argv[0] == "archer" and f"model={policy}" in argv and f"output_dir={out / 'eval'}" in argv
+    assert cli.main(argv[1:]) == 0
+    results = json.loads((out / "eval" / "results.json").read_text())
+    assert results["model"] == str(policy) and results["benchmarks"]["val_benchmark"]["problems"] == 4
+    # greedy on the validation prompts with the RL stage's lengths: the figure validation gave after RL
+    assert results["metrics"]["val-core/val_benchmark/acc/mean@1"] == summary["val_acc_after_rl"]
+
+
+def test_a_quickstart_rerun_into_its_folder_changes_nothing_and_other_settings_are_refused(
+        micro_quickstart: tuple[Path, dict, str], capsys: pytest.CaptureFixture) -> None:
+    out, summary, first = micro_quickstart
+    before = folder_bytes(out)
+    assert run_quickstart(MICRO_RL, out_dir=str(out)) == summary
+    again = capsys.readouterr().out
+    assert f"the quickstart in {out} has finished; nothing to do" in again
+    assert first.split("quickstart done")[1].split("\n", 1)[1] in again  # the same figures and commands
+    with pytest.raises(ArcherError) as err:
+        run_quickstart(["seed=2", *MICRO_RL], out_dir=str(out))
+    assert err.value.problem.startswith(f"{out / 'rl'} holds another experiment") and "trainer.seed" in err.value.problem
+    assert err.value.fix.startswith("give this quickstart another --out DIR")
+    assert folder_bytes(out) == before
+
+
+def test_quickstart_help_names_the_folder_it_makes(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["quickstart", "--help"])
+    assert "(default runs/quickstart/<date>-<time>, a new one each run)" in " ".join(capsys.readouterr().out.split())

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from readme_support import readme_command
 from rich.console import Console
 
 from archer.cli import build_parser
@@ -20,17 +20,6 @@ from archer.trainer.quickstart import parse_quickstart_args, warm_start
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"  # README's ../shared, seen from the repository root
 ARPO_TRAIN = SHARED / "data" / "arpo" / "train_10k.parquet"
-
-
-def readme_command(start: str) -> list[str]:
-    """The words of README's command whose first line starts with ``start`` (continuation lines joined)."""
-    lines = (REPO / "README.md").read_text().splitlines()
-    first = next(i for i, line in enumerate(lines) if line.startswith(start))
-    text = lines[first]
-    while text.endswith("\\"):
-        first += 1
-        text = text[:-1] + lines[first]
-    return shlex.split(text)
 
 
 def test_readme_names_the_tool_quickstarts_model_in_the_arpo_command() -> None:

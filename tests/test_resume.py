@@ -367,11 +367,10 @@ def test_auto_resume_refuses_a_folder_with_metrics_but_no_checkpoint(task: dict[
     run_dir.mkdir()
     old = '{"step": 1, "critic/score/mean": 0.5}\n'
     (run_dir / "metrics.jsonl").write_text(old)
-    trainer = PPOTrainer(load_config("ppo_trainer", overrides(task, run_dir)))
     with pytest.raises(ArcherError) as err:
-        trainer.fit()
-    assert err.value.problem == (f"{run_dir} already holds a run (metrics.jsonl) but no complete checkpoint to resume "
-                                 "from (trainer.resume_mode=auto); archer keeps that file rather than overwrite it")
+        PPOTrainer(load_config("ppo_trainer", overrides(task, run_dir)))
+    assert err.value.problem == (f"{run_dir} holds a run (metrics.jsonl) but has no complete checkpoint to continue "
+                                 "from (trainer.resume_mode=auto); archer keeps its files rather than overwrite them")
     assert "trainer.default_local_dir" in err.value.fix
     assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
     assert (run_dir / "metrics.jsonl").read_text() == old

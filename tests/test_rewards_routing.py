@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,13 @@ def test_every_source_of_arpos_data_and_benchmarks_has_a_route() -> None:
     # the benchmark names of ARPO's evaluation (evaluation/evaluate_passk.sh), the shared ones among them
     check_routes([(name, "") for name in [*benchmarks, "aime25", "math", "bamboogle", "musique", "hle", "xbench"]],
                  "ARPO's benchmarks")
+
+
+def test_a_source_routed_only_by_its_ability_is_named_in_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="archer.rewards"):
+        check_routes([("my_set", "math"), ("my_set", "Math"), ("DR_grpo_mix", "qa"), ("gsm8k", "math"),
+                      ("archer/arithmetic", "math")], "data.train_files")
+    assert [r.getMessage() for r in caplog.records] == [
+        "data.train_files: data_source 'my_set' has no reward of its own; its rows are scored by the reward of their "
+        "ability (math: the math reward, the last \\boxed{} answer checked with math-verify). Set "
+        "custom_reward_function.path=FILE to score it otherwise"]  # ARPO's DR_* mixes route by ability, silently

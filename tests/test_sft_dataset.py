@@ -352,6 +352,14 @@ def test_bad_formats_and_dataset_infos_are_errors(tmp_path: Path) -> None:
                             "['instruction']"
     error = _sft_error([str(alpaca)], data_format="csv")
     assert "the SFT data format 'csv' is not known" in error.problem and "alpaca" in error.fix
+    assert _sft_error([str(alpaca)], data_format="ShareGTP").fix.startswith("did you mean 'sharegpt'? use one of")
+    # a format set by hand that the file is not in: the fix names the format its rows are in
+    conversations = _write(tmp_path / "c.json", [{"conversations": [{"from": "human", "value": "w0"},
+                                                                   {"from": "gpt", "value": "w1"}]}])
+    error = _sft_error([str(conversations)], data_format="alpaca")
+    assert error.problem == f"row 0 of {conversations} has no field(s) ['instruction', 'output'] (read as alpaca " \
+                            "data); its fields are ['conversations']"
+    assert error.fix.startswith("its fields are sharegpt data: set data.format=sharegpt (or auto, ")
     info = _write(tmp_path / "dataset_info.json", {"gone": {"file_name": "missing.json", "formatting": "sharegpt"},
                                                    "odd": {"file_name": "a.json", "formatting": "xml"},
                                                    "hub": {"hf_hub_url": "org/set"}})

@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from archer import cli
 from archer.batch import Batch
 from archer.config.loader import CONFIG_DIR, load_config
 from archer.data.sft_dataset import SFTDataset, pack_sft
@@ -293,12 +294,20 @@ def test_checkpoints_every_save_freq_and_an_interrupted_run_resumes_exactly(
     ({"trainer.resume_mode": "sometimes"}, "trainer.resume_mode='sometimes' is not known"),
     ({"data.format": "csv"}, "data.format='csv' is not an SFT data format"),
     ({"trainer.resume_mode": "resume_path"}, "needs trainer.resume_from_path"),
-    ({"trainer.resume_mode": "resume_path", "trainer.resume_from_path": "/nonexistent"}, "is not an archer sft checkpoint"),
+    ({"trainer.resume_mode": "resume_path", "trainer.resume_from_path": "/nonexistent"}, "is not a checkpoint of this kind of run (it needs trainer_state.pt and model/)"),
 ])
 def test_bad_resume_and_format_settings_are_errors(tmp_path: Path, tiny_model_dir: Path, overrides: dict, problem: str) -> None:
     with pytest.raises(ArcherError) as info:
         run_sft(_cfg(tmp_path, tiny_model_dir, **overrides))
     assert problem in info.value.problem
+
+
+def test_a_misspelt_data_format_suggests_the_nearest(capsys: pytest.CaptureFixture) -> None:
+    assert cli.main(["sft", "--cfg", "job", "model.partial_pretrain=m", "data.train_files=f.json",
+                     "data.format=sharegtp"]) == 2
+    err = capsys.readouterr().err
+    assert "data.format='sharegtp' is not an SFT data format" in err
+    assert "fix: did you mean 'sharegpt'? use one of ['auto', 'prompt_response', 'alpaca', 'sharegpt']" in err
 
 
 def test_packed_rows_give_the_unpacked_loss_and_gradient(tok, model) -> None:

@@ -242,3 +242,19 @@ def test_console_eta_shows_from_the_second_step(tmp_path: Path, capsys: pytest.C
         tracking.log({"actor/entropy": 1.0}, step=2)
     lines = capsys.readouterr().out.splitlines()
     assert "eta -:--:--" in lines[0] and "eta 0:00:00" in lines[1]  # 1 step left of ~0 s
+
+
+def test_console_shows_the_validation_accuracy_when_a_step_validates(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    one_source = {"val-core/archer/arithmetic/acc/mean@1": 0.25, "val-core/all/acc/mean@1": 0.25,
+                  "val-aux/archer/arithmetic/score/mean@1": 0.25, "timing_s/testing": 3.0}
+    with _tracking(tmp_path, ["console"], total_steps=2) as tracking:
+        tracking.log(one_source, step=0)  # validation before training: no training metrics
+        tracking.log({"critic/score/mean": 0.5, "val-core/gsm8k/acc/mean@4": 0.5, "val-core/math/acc/mean@4": 0.75,
+                      "val-core/all/acc/mean@4": 0.625, "val-core/all/acc/pass@4": 0.9}, step=1)
+        tracking.log({"critic/score/mean": 0.5}, step=2)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("eta -:--:--  val-core/archer/arithmetic/acc/mean@1=0.25")
+    assert lines[1].endswith("critic/score/mean=0.5  val-core/gsm8k/acc/mean@4=0.5  val-core/math/acc/mean@4=0.75  "
+                             "val-core/all/acc/mean@4=0.625")
+    assert lines[2].endswith("critic/score/mean=0.5")

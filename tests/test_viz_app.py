@@ -24,6 +24,7 @@ from matplotlib.figure import Figure
 from archer.cli import build_parser
 from archer.errors import ArcherError
 from archer.trace.format import TraceError, TraceWriter
+from archer.viz import app as app_module
 from archer.viz import queries, render
 from archer.viz.explorer import Explorer, TokenDecoder
 
@@ -205,6 +206,22 @@ def test_prompt_group_and_the_same_prompt_at_another_step(explorer) -> None:
     assert table["rows"].tolist() == ["0 1 2", "0 1 2"]
     table, body = explorer.compare_steps(2, 1, 4)
     assert table["responses"].tolist() == [3, 0] and "this prompt is not in the step" in body
+
+
+def test_the_steps_holding_a_responses_prompt_are_found_by_its_token_ids(explorer, influence_trace, tmp_path) -> None:
+    # step 4 row 0 has PROMPTS[2], as steps 2 and 3 (group 1, group 0); step 2 row 1 has PROMPTS[1], as steps 1, 3
+    assert explorer.prompt_steps(4, 0) == [2, 3]
+    assert explorer.prompt_steps(2, 1) == [1, 3]
+    assert explorer.prompt_steps(1, 0) == []  # PROMPTS[0] is only in step 1
+    damaged = Explorer(shutil.copytree(influence_trace, tmp_path / "trace"))
+    damaged.reader.step_path(3).write_bytes(b"not a zip")  # holds no prompt; the other steps still count
+    assert damaged.prompt_steps(4, 0) == [2]
+
+
+def test_table_headers_break_between_words_only() -> None:
+    shown = app_module._display(pd.DataFrame({"num_valid_influence": [1], "val-core/all/acc/mean@4": [0.5]}))
+    assert list(shown.columns) == ["num_\u200bvalid_\u200binfluence", "val-core/\u200ball/\u200bacc/\u200bmean@\u200b4"]
+    assert "anywhere" not in app_module.TABLE_CSS and "overflow-wrap:normal" in app_module.TABLE_CSS
 
 
 @pytest.fixture(scope="module")

@@ -258,7 +258,8 @@ def test_the_overview_and_the_response_show_the_reward_extras(page, tokenizer, t
     step, row = 2, 1
     open_response(page, step, row)
     f1 = arrays_of(tokenizer, step)["reward_extra/f1"]
-    headers = page.eval_on_selector_all("#archer-overview [role=columnheader]", "cs => cs.map(c => c.innerText.trim())")
+    headers = page.eval_on_selector_all("#archer-overview [role=columnheader]",
+                                        "cs => cs.map(c => c.innerText.replace(/\\u200b/g, '').trim())")
     assert headers[headers.index("group_id") + 1] == "f1"  # the extra's key, after the fixed columns
     cells = page.eval_on_selector_all(
         "#archer-overview [role=row]:has([role=gridcell])",
@@ -285,10 +286,13 @@ def test_other_tabs_show_top_tokens_groups_comparison_curves_and_histogram(page,
     page.wait_for_function("() => document.querySelectorAll('#archer-group .archer-panel').length === 3")
     assert "step 2 · row 0 · sample_index 0" in page.inner_text("#archer-group")
     page.get_by_role("tab", name="Compare steps").click()
-    page.locator("#archer-other input").click()
-    page.locator('#archer-other li[role="option"][aria-label="1"]').click()
+    # it opens on the nearest other step holding the prompt (step 1; step 3 would too, but its file is damaged)
     page.wait_for_function("() => document.querySelector('#archer-compare')?.innerText.includes('step 1: 3 responses')")
     assert "step 1 · row 3" in page.inner_text("#archer-compare")  # same prompt, another uid
+    assert "(also in step(s) 1)" in page.inner_text("#archer-other")
+    page.locator("#archer-other input").click()
+    page.locator('#archer-other li[role="option"][aria-label="4"]').click()  # a step picked by hand is kept
+    page.wait_for_function("() => document.querySelector('#archer-compare')?.innerText.includes('step 4: 0 responses')")
     page.get_by_role("tab", name="Curves").click()
     page.wait_for_selector("#archer-curves img")
     page.get_by_role("tab", name="Histogram").click()
@@ -411,6 +415,10 @@ def test_wide_tables_and_the_group_panels_are_not_cut_off_on_the_right(page, too
         for elem_id in ("archer-stats", "archer-overview"):
             box_right, header_rights = shown.eval_on_selector(f"#{elem_id}", right_edges)
             assert len(header_rights) >= 9 and max(header_rights) <= box_right + 1, (elem_id, box_right, header_rights)
+            # and every header wraps between words only: no word is cut, none sticks out of its cell
+            overflowing = shown.eval_on_selector(f"#{elem_id}", "(e) => [...e.querySelectorAll('thead th')]"
+                                                 ".filter(th => th.scrollWidth > th.clientWidth + 1).map(th => th.innerText)")
+            assert overflowing == [], (elem_id, overflowing)
     tool_page.get_by_role("tab", name="Prompt group").click()
     tool_page.wait_for_selector("#archer-group .archer-panel .archer-tok")
     box_right, panel_rights = tool_page.eval_on_selector(

@@ -3,8 +3,8 @@
 verl scripts write overrides as ``a.b=c`` and ``+a.b=c``; archer accepts both for every key its schema
 knows, and rejects any key it does not know (with or without ``+``), naming the closest known key, so a
 typo is never silently ignored. Keys the schema knows but archer does not act on (verl's, for scripts to port)
-are listed in config/no_ops.py: the RL trainer's config check warns when one is set, or refuses a value whose
-no-op would change the result. Free-form mappings (keys whose default is ``{}``) accept any sub-key.
+are listed in config/no_ops.py: the RL trainer's config check warns once when one asks for what archer does not
+do, or refuses a value whose no-op would change the result. Free-form mappings (keys whose default is ``{}``) accept any sub-key.
 A single value given for a list key is a one-element list, as verl takes it (``trainer.logger=console`` is
 ``[console]``): the list keys are those whose default is a list, and those whose default is null listed in
 ``NULL_DEFAULT_LIST_KEYS`` (marked "(list)" in their YAML comment).
@@ -99,7 +99,14 @@ def group_options(group: str) -> list[str]:
 
 
 def _closest(key: str, keys: Iterable[str]) -> str | None:
+    """The known key nearest ``key``; a section that holds a ``path`` (``actor_rollout_ref.model``) is named by
+    that key, which is what a value set on it means (``model=DIR``: ``actor_rollout_ref.model.path``)."""
     keys = sorted(keys)
+    match = _nearest(key, keys)
+    return f"{match}.path" if match is not None and f"{match}.path" in keys else match
+
+
+def _nearest(key: str, keys: list[str]) -> str | None:
     match = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
     if match:
         return match[0]
@@ -337,12 +344,6 @@ def _check_types(defaults: DictConfig, cfg: DictConfig, config_name: str, prefix
 def save_config(cfg: DictConfig, path: Path) -> None:
     """Write the resolved config as YAML (atomically)."""
     write_text_atomically(path, OmegaConf.to_yaml(cfg))
-
-
-def world_size(trainer: DictConfig) -> int:
-    """The number of ranks of a run: ``trainer.nnodes`` x ``trainer.n_gpus_per_node`` (``trainer``: the config's
-    ``trainer`` section)."""
-    return int(trainer.nnodes) * int(trainer.n_gpus_per_node)
 
 
 def as_list(value: Any) -> list:

@@ -15,6 +15,9 @@ from archer.errors import ArcherError
 logger = logging.getLogger("archer.data")
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
+# The fix of a prompt longer than max_prompt_length (truncation=error, no filtering); {longest}: the longest prompt.
+OVERLONG_FIX = ("raise data.max_prompt_length (to {longest} keeps every prompt whole), set "
+                "data.filter_overlong_prompts=True to drop such prompts, or data.truncation=left|right|middle to cut them")
 
 
 def truncate_ids(ids: list[int], max_length: int, mode: str) -> list[int]:
@@ -49,7 +52,12 @@ class RLDataset:
         reward_fn_key: str = "data_source",
         chat_template: str | None = None,
         apply_chat_template_kwargs: dict[str, Any] | None = None,
+        where: str = "",
+        overlong_fix: str = OVERLONG_FIX,
     ) -> None:
+        """``where`` names the rows' source in errors (a file, a benchmark); ``overlong_fix`` is the fix of the
+        error for a prompt longer than max_prompt_length (truncation=error, unfiltered), in the command's own
+        keys (``{longest}``: the longest prompt's tokens)."""
         if truncation not in TRUNCATION_MODES:
             raise ArcherError(
                 f"data.truncation={truncation!r} is not a truncation mode",
@@ -61,11 +69,14 @@ class RLDataset:
                 "set data.max_prompt_length to the longest prompt (in tokens) the model should see",
             )
         self.max_prompt_length = max_prompt_length
+        self.where = f"{where}: " if where else ""
+        self.overlong_fix = overlong_fix
         self.num_filtered = 0
         self.num_truncated = 0
         texts = self._render(rows, tokenizer, prompt_key, chat_template, apply_chat_template_kwargs or {})
         all_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         self._items: list[dict[str, Any]] = []
+        self.longest_row = max(map(len, all_ids), default=0)  # tokens of the longest prompt, before any cut
         for index, (row, ids) in enumerate(zip(rows, all_ids, strict=True)):
             kept = self._fit(ids, index, truncation, filter_overlong_prompts)
             if kept is not None:
@@ -137,10 +148,9 @@ class RLDataset:
             return None
         if truncation == "error":
             raise ArcherError(
-                f"the prompt of row {index} is {len(ids)} tokens, longer than "
-                f"data.max_prompt_length={self.max_prompt_length}",
-                "set data.filter_overlong_prompts=True to drop such prompts, or data.truncation=left|right|middle "
-                "to cut them",
+                f"{self.where}the prompt of row {index} is {len(ids)} tokens, longer than "
+                f"data.max_prompt_length={self.max_prompt_length} (the longest prompt has {self.longest_row})",
+                self.overlong_fix.format(longest=self.longest_row),
             )
         self.num_truncated += 1
         return truncate_ids(ids, self.max_prompt_length, truncation)

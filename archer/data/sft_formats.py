@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import difflib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -70,7 +71,8 @@ class RowFormat:
         """The format ``name`` with its default columns overridden by ``columns``; unknown names are errors."""
         if name not in DEFAULT_COLUMNS:
             raise ArcherError(f"{where}: the SFT data format {name!r} is not known",
-                              f"use one of {list(FORMATS)} (LLaMA-Factory's formatting: alpaca or sharegpt)")
+                              f"{nearest_format(name)}use one of {list(FORMATS)} (LLaMA-Factory's formatting: alpaca "
+                              "or sharegpt)")
         unknown = sorted(set(columns or {}) - set(DEFAULT_COLUMNS[name]))
         if unknown:
             raise ArcherError(f"{where}: the {name} format has no column(s) {unknown}",
@@ -86,10 +88,14 @@ class RowFormat:
         """The conversation of one row; a missing required field or a malformed value is an ArcherError."""
         missing = [self.columns[c] for c in REQUIRED_COLUMNS[self.name] if self.columns[c] not in row]
         if missing:
+            fix = ("name the fields that hold the data (data.prompt_key / data.response_key, "
+                   "data.multiturn.messages_key, or the columns of dataset_info.json), or fix the row")
+            other = _default_format(row)
+            if other not in (None, self.name):
+                fix = f"its fields are {other} data: set data.format={other} (or auto, which reads each file's format " \
+                      f"from its first row), or {fix}"
             raise ArcherError(f"{where} has no field(s) {missing} (read as {self.name} data); its fields are "
-                              f"{sorted(row)}", "name the fields that hold the data (data.prompt_key / "
-                              "data.response_key, data.multiturn.messages_key, or the columns of dataset_info.json), "
-                              "or fix the row")
+                              f"{sorted(row)}", fix)
         if self.name == "prompt_response":
             return self._prompt_response(row, where)
         if self.name == "alpaca":
@@ -222,6 +228,21 @@ def detect_format(row: Mapping[str, Any], *, prompt_key: str, response_key: str,
     raise ArcherError(f"cannot tell the format of {where}: its fields are {sorted(row)}",
                       f"use {prompt_key!r}/{response_key!r} (data.prompt_key/response_key), alpaca's instruction/"
                       f"output, or a message list ({messages_key!r} or 'conversations'), or set data.format")
+
+
+def nearest_format(name: str) -> str:
+    """``did you mean 'sharegpt'? `` for the format nearest ``name`` (any case), or nothing when none is near."""
+    near = difflib.get_close_matches(name.lower(), FORMATS, n=1, cutoff=0.6)
+    return f"did you mean {near[0]!r}? " if near else ""
+
+
+def _default_format(row: Mapping[str, Any]) -> str | None:
+    """The format ``detect_format`` reads a row as with the default keys, or None when it cannot tell."""
+    try:
+        return detect_format(row, prompt_key="prompt", response_key="response", messages_key="messages",
+                             where="").name
+    except ArcherError:
+        return None
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from archer.rewards.reward_stage import build_reward_manager
 from archer.rewards.routing import check_routes
 from archer.rollout.agentic_config import check_agentic_config
 from archer.rollout.factory import check_engine_name
-from archer.workers.generator import GenerationWorker, resolve_model_folder
+from archer.workers.generator import CHECKPOINT_ACTOR, GenerationWorker, resolve_model_folder
 
 log = logging.getLogger("archer.eval")
 
@@ -61,10 +61,15 @@ UNREAD_KEYS = {
     "actor_rollout_ref.actor.": "nothing (no training here)", "actor_rollout_ref.ref.": "nothing (no training here)",
     "critic.": "nothing (no training here)", "algorithm": "nothing (no training here)",
     "trainer.": "seed=, device= (the only trainer keys eval reads)",
+    "data.filter_overlong_prompts": "max_prompt_length= (archer eval scores every problem, none is dropped) or "
+                                    "data.truncation=left|right|middle",
 }
 READ_TRAINER_KEYS = ("trainer.seed", "trainer.device")
 SAMPLING_TEMPERATURE = 1.0  # n > 1 without a temperature: sample (n greedy answers would be n copies of one)
 SAMPLES, STATE, JUDGE_CACHE = "samples.jsonl", "eval_state.json", "judge_cache.jsonl"
+EVAL_OVERLONG_FIX = ("pass max_prompt_length={longest} (archer eval scores every problem: it never drops an overlong "
+                     "prompt, so data.filter_overlong_prompts does not apply), or cut prompts with "
+                     "data.truncation=left|right|middle")
 
 
 def eval_config(overrides: Sequence[str]) -> DictConfig:
@@ -92,6 +97,19 @@ def eval_config(overrides: Sequence[str]) -> DictConfig:
     if f"{_VAL}.do_sample" not in given:
         val.do_sample = float(val.temperature) > 0
     return cfg
+
+
+def default_output_dir(model: Path) -> Path:
+    """``eval_runs/<model folder>``, one per model: a checkpoint's (``<run>/checkpoints/global_step_N[/actor]``)
+    is ``eval_runs/<run>/global_step_N`` and a run's ``hf_model`` is ``eval_runs/<run>/hf_model``."""
+    folder = model.resolve()
+    if folder.name == CHECKPOINT_ACTOR:
+        folder = folder.parent
+    if folder.parent.name == "checkpoints":
+        return Path("eval_runs") / folder.parent.parent.name / folder.name
+    if folder.name == "hf_model":
+        return Path("eval_runs") / folder.parent.name / folder.name
+    return Path("eval_runs") / folder.name
 
 
 def _fingerprint(cfg: DictConfig, model: Path, specs: Sequence[BenchmarkSpec]) -> dict[str, Any]:
@@ -155,7 +173,7 @@ class EvalRun:
         self.batch_size = int(ev.batch_size)
         if self.batch_size < 1:
             raise ArcherError(f"batch_size={self.batch_size} must be at least 1", "set batch_size=64 (or any >= 1)")
-        self.out = Path(ev.output_dir or Path("eval_runs") / self.model.name)
+        self.out = Path(ev.output_dir) if ev.output_dir else default_output_dir(self.model)
         self.tokenizer = load_tokenizer(cfg.data.tokenizer or self.model, role="model")
         self.datasets = {s.name: self._dataset(s) for s in self.specs}
 
@@ -167,18 +185,24 @@ class EvalRun:
             check_routes(((r["data_source"], r.get("ability")) for r in rows), f"benchmark {spec.name!r}")
         return RLDataset(rows, self.tokenizer, max_prompt_length=int(data.max_prompt_length), truncation=data.truncation,
                          filter_overlong_prompts=False, chat_template=self.cfg.actor_rollout_ref.model.custom_chat_template,
-                         apply_chat_template_kwargs=OmegaConf.to_container(data.apply_chat_template_kwargs))
+                         apply_chat_template_kwargs=OmegaConf.to_container(data.apply_chat_template_kwargs),
+                         where=f"benchmark {spec.name!r}", overlong_fix=EVAL_OVERLONG_FIX)
 
     def _resume(self) -> list[ProblemRecord]:
         state = {"fingerprint": _fingerprint(self.cfg, self.model, self.specs)}
         state_path = self.out / STATE
         if state_path.is_file():
-            earlier = json.loads(state_path.read_text(encoding="utf-8"))
-            if earlier.get("fingerprint") != state["fingerprint"]:
-                raise ArcherError(f"{self.out} holds an evaluation with other settings (model, sampling, lengths, "
-                                  "tools or benchmark prompts differ from this one's)",
-                                  "choose another output_dir=FOLDER, or rerun with the settings of "
-                                  f"{state_path} to resume it")
+            earlier = json.loads(state_path.read_text(encoding="utf-8")).get("fingerprint", {})
+            differ = [key for key, value in state["fingerprint"].items() if earlier.get(key) != value]
+            if earlier.get("model") != state["fingerprint"]["model"]:
+                raise ArcherError(f"{self.out} holds an evaluation of another model ({earlier.get('model')}; this one "
+                                  f"is {state['fingerprint']['model']})",
+                                  "choose another output_dir=FOLDER for this model (without output_dir each model "
+                                  "gets its own folder under eval_runs/)")
+            if differ:
+                raise ArcherError(f"{self.out} holds an evaluation with other settings ({', '.join(differ)} differ "
+                                  "from this one's)", "choose another output_dir=FOLDER, or rerun with the settings "
+                                  f"of {state_path} to resume it")
         self.out.mkdir(parents=True, exist_ok=True)
         write_json_atomically(state_path, state)
         records = [r for r in _read_samples(self.out / SAMPLES) if r.get("benchmark") in self.datasets]

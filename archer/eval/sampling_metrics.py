@@ -4,9 +4,9 @@ Every problem has n scored samples (accuracy ``acc`` in [0, 1], and the sample's
 None when it gave none). Per problem:
 
 - mean@n: the mean accuracy of its n samples (pass@1 estimated as avg@n);
-- pass@k: the unbiased estimator of Chen et al. (2021), ``1 - C(n-c, k) / C(n, k)``, computed as the product
-  ``1 - prod_{i=n-c+1}^{n} (1 - k/i)`` (no huge binomials, stable for any n); c counts the samples with
-  acc >= 0.5 (``CORRECT_AT``);
+- pass@k: the unbiased estimator of Chen et al. (2021), ``1 - C(n-c, k) / C(n, k)``, computed exactly (Python's
+  integer binomials and one rounding to float at the end), so pass@1 is c/n to the last bit, the same number
+  as mean@n of 0/1 accuracies; c counts the samples with acc >= 0.5 (``CORRECT_AT``);
 - best@k: the best accuracy among the first k samples;
 - maj@k: the accuracy of the majority answer among the first k samples. Samples without an answer do not vote;
   the answer with most votes wins, and a tie goes to the answer whose first vote came earliest (the lowest
@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
+from math import comb
 
 import numpy as np
 
@@ -35,9 +37,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k of a problem with ``c`` correct samples out of ``n`` (1 <= k <= n)."""
     if not 1 <= k <= n or not 0 <= c <= n:
         raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1, dtype=np.float64)))
+    return float(1 - Fraction(comb(n - c, k), comb(n, k)))
 
 
 def majority_index(answers: Sequence[str | None]) -> int | None:

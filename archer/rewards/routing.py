@@ -10,11 +10,13 @@ Order of the routing:
 4. ARPO's deep-research evaluation sets (data_source ``DR_*`` without ability) -> QA.
 Anything else is an error that names the fix (a custom reward function). ``check_routes`` runs that routing
 over a dataset's (data_source, ability) pairs when the data loads, so a source without a reward stops the run
-before training.
+before training, and a source other than ARPO's ``DR_*`` that only its rows' ability routes is named in a
+warning with the reward it gets (a source archer does not know is never scored silently).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -22,6 +24,8 @@ from archer.errors import ArcherError
 from archer.rewards.countdown import compute_countdown_score
 from archer.rewards.math import compute_math_score
 from archer.rewards.qa import compute_qa_score
+
+log = logging.getLogger("archer.rewards")
 
 Score = float | dict[str, Any]
 
@@ -66,6 +70,8 @@ _BENCHMARK_ROUTES: dict[str, Callable[[str, Any], Score]] = {  # keyed by the lo
     **dict.fromkeys(_BENCHMARK_QA, compute_qa_score),
 }
 _ABILITY_ROUTES: dict[str, Callable[[str, Any], Score]] = {"math": _math, "qa": compute_qa_score}
+_ABILITY_TEXT = {"math": "the math reward, the last \\boxed{} answer checked with math-verify",
+                 "qa": "ARPO's deep-research QA reward, token F1 of the boxed answer in <answer> after a format gate"}
 _DEEP_RESEARCH_PREFIX = "DR_"
 
 
@@ -81,7 +87,8 @@ def _routes_text() -> str:
             f"{sorted(_ABILITY_ROUTES)}")
 
 
-def _route(data_source: str, ability: str | None) -> Callable[[str, Any], Score]:
+def _source_route(data_source: str) -> Callable[[str, Any], Score] | None:
+    """The reward of a data_source by its name alone (steps 1-2), or None."""
     if data_source in _ROUTES:
         return _ROUTES[data_source]
     lower = data_source.lower()
@@ -90,6 +97,13 @@ def _route(data_source: str, ability: str | None) -> Callable[[str, Any], Score]
     benchmark = lower.removeprefix(_SEARCH_R1_PREFIX)
     if benchmark in _BENCHMARK_ROUTES and (benchmark == lower or benchmark in _BENCHMARK_QA):
         return _BENCHMARK_ROUTES[benchmark]
+    return None
+
+
+def _route(data_source: str, ability: str | None) -> Callable[[str, Any], Score]:
+    route = _source_route(data_source)
+    if route is not None:
+        return route
     if ability:
         if ability.lower() not in _ABILITY_ROUTES:
             raise ArcherError(
@@ -118,14 +132,23 @@ def has_builtin_reward(data_source: str, ability: str | None) -> bool:
 def check_routes(pairs: Iterable[tuple[str, str | None]], where: str) -> None:
     """Every (data_source, ability) pair of a dataset has a built-in reward; else one error naming the sources
     without one (and ``where`` they come from) and the routes there are."""
+    pairs = set(pairs)
     missing = {f"{data_source!r}" + (f" (ability {ability!r})" if ability else "")
-               for data_source, ability in set(pairs) if not has_builtin_reward(data_source, ability)}
+               for data_source, ability in pairs if not has_builtin_reward(data_source, ability)}
     if missing:
         raise ArcherError(
             f"{where}: no built-in reward for data_source {', '.join(sorted(missing))}; {_routes_text()}",
             "rename the data_source to one of those, or write a reward function and set "
             "custom_reward_function.path=FILE custom_reward_function.name=FN",
         )
+    by_ability: dict[str, set[str]] = {}
+    for data_source, ability in pairs:
+        if _source_route(str(data_source)) is None and not str(data_source).startswith(_DEEP_RESEARCH_PREFIX):
+            by_ability.setdefault(str(data_source), set()).add(str(ability).lower())
+    for data_source, abilities in sorted(by_ability.items()):
+        log.warning("%s: data_source %r has no reward of its own; its rows are scored by the reward of their "
+                    "ability (%s: %s). Set custom_reward_function.path=FILE to score it otherwise", where, data_source,
+                    ", ".join(sorted(abilities)), "; ".join(_ABILITY_TEXT[a] for a in sorted(abilities)))
 
 
 def default_compute_score(

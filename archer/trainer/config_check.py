@@ -14,8 +14,9 @@ import logging
 from omegaconf import DictConfig, OmegaConf
 
 from archer.algorithms.rollout_correction import RolloutCorrection
-from archer.config.loader import as_list, world_size
+from archer.config.loader import as_list
 from archer.config.no_ops import check_no_ops
+from archer.config.world import world_size
 from archer.errors import ArcherError
 from archer.models.lora import LoraSettings
 from archer.rewards.row_scorers import check_manager

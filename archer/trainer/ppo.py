@@ -24,13 +24,13 @@ from archer.algorithms.grouping import count_groups
 from archer.algorithms.kl import apply_kl_penalty, make_kl_controller
 from archer.atomic_files import write_json_atomically, write_text_atomically
 from archer.batch import Batch
-from archer.config.loader import as_list, save_config, world_size
+from archer.config.loader import as_list, save_config
+from archer.config.world import world_size
 from archer.controller.factory import build_worker_group
 from archer.controller.worker_group import WorkerGroup
 from archer.data.loader import collate_prompts
 from archer.data.rl_data import build_rl_data
 from archer.data.rl_dataset import RLDataset
-from archer.errors import ArcherError
 from archer.eval.evaluator import Evaluator, records_metrics
 from archer.models.loading import pick_device
 from archer.rewards.extras import REWARD_EXTRAS
@@ -41,13 +41,7 @@ from archer.rollout.rollout_stats import RolloutStats
 from archer.trace.entropy import EntropyTrace
 from archer.trace.influence import InfluenceTrace
 from archer.trace.influence_capture import CaptureSettings
-from archer.trainer.checkpoint_dirs import (
-    CheckpointManager,
-    capture_rng_state,
-    load_torch_state,
-    restore_rng_state,
-    save_torch_state,
-)
+from archer.trainer.checkpoint_dirs import CheckpointManager, load_torch_state
 from archer.trainer.config_check import check_config
 from archer.trainer.group_filter import (
     informative_rows,
@@ -57,10 +51,21 @@ from archer.trainer.group_filter import (
 from archer.trainer.model_check import check_sequence_lengths
 from archer.trainer.off_policy import RolloutCorrectionStage, record_staleness, stamp_policy_version
 from archer.trainer.plots import plot_metrics
+from archer.trainer.run_folder import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    SUMMARY_FILE,
+    TRAINER_STATE,
+    RunClock,
+    RunFolder,
+    checkpoint_to_resume,
+    restore_trainer_state,
+    save_trainer_state,
+)
 from archer.trainer.step_metrics import MemoryPeaks, compute_data_metrics, compute_timing_metrics, timer
 from archer.trainer.tracking import Tracking
 from archer.workers.colocated import RankWorkers
-from archer.workers.generator import GenerationWorker
+from archer.workers.generator import CHECKPOINT_ACTOR, GenerationWorker
 from archer.workers.results import ROLLOUT_STATS
 from archer.workers.rollout import concat_sequences
 
@@ -68,7 +73,6 @@ log = logging.getLogger("archer.trainer")
 
 GEN_BATCH_SEED_STRIDE = 7_919_993  # sampling-seed offset of a step's 2nd, 3rd, ... generation batch
 
-TRAINER_STATE = "trainer_state.pt"
 VAL_ONLY_FILE = "val_only.jsonl"  # trainer.val_only: one line per validation, appended
 
 
@@ -134,6 +138,11 @@ class PPOTrainer:
         check_config(cfg)
         self.cfg = cfg
         self.run_dir = Path(cfg.trainer.default_local_dir)
+        self.checkpoints = CheckpointManager(self.run_dir / CHECKPOINTS_DIR, cfg.trainer.max_actor_ckpt_to_keep)
+        self.folder = RunFolder(cfg, "ppo_trainer")
+        if not cfg.trainer.val_only:  # another experiment's folder is refused before any data or model loads
+            self.folder.check_experiment()
+        self.clock = RunClock()
         self.seed = int(cfg.trainer.seed)
         seed_everything(self.seed)
         self.device = pick_device(cfg.trainer.device)
@@ -145,8 +154,13 @@ class PPOTrainer:
         check_sequence_lengths(cfg, max(d.longest_prompt for d in (data.train, data.val) if d is not None))
         warn_eval_only_keys(cfg.eval)
         self.reward_fn = build_reward_manager(cfg, self.tokenizer)
-        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", cfg.trainer.max_actor_ckpt_to_keep)
         self.global_step = 0
+        # the summary's figures: the model the run started from and its validation before and after (a resumed
+        # run restores them from its checkpoint)
+        self.model_path = str(ref_cfg.model.path)
+        self.val_before: dict[str, float] = {}
+        self.val_last: dict[str, float] = {}
+        self.finished: dict[str, Any] | None = None  # the saved summary of a run that has nothing left to do
         self.entropy_trace: EntropyTrace | None = None
         self.influence_trace: InfluenceTrace | None = None
         self.peaks = MemoryPeaks(self.device)  # the current step's peak GPU memory per stage
@@ -156,11 +170,14 @@ class PPOTrainer:
             return
         steps = cfg.trainer.total_training_steps
         self.total_steps = int(steps) if steps else self.loader.steps_per_epoch * int(cfg.trainer.total_epochs)
+        self.world = world_size(cfg.trainer)
+        self.finished = self.folder.finished_summary(self.total_steps)
+        if self.finished is not None:  # nothing to train: no model is loaded
+            return
         algo = cfg.algorithm
         self.rollout_correction = RolloutCorrectionStage(algo.rollout_correction)
         self.use_ref = bool(ref_cfg.actor.use_kl_loss or algo.use_kl_in_reward)
         self.use_critic = algo.adv_estimator == "gae"
-        self.world = world_size(cfg.trainer)
         local = self.world == 1  # the driver's tokenizer goes to an in-process worker; ranks load their own
         worker_kwargs = {"cfg": cfg, "total_steps": self.total_steps, "use_ref": self.use_ref,
                          "use_critic": self.use_critic, "tokenizer": self.tokenizer if local else None,
@@ -345,41 +362,24 @@ class PPOTrainer:
     def save_checkpoint(self, step: int) -> Path:
         def write(tmp: Path) -> None:
             self.workers.call("save_checkpoint", tmp, self.tokenizer)
-            save_torch_state(tmp / TRAINER_STATE, {"global_step": step, "loader": self.loader.state_dict(),
-                                                   "rng": capture_rng_state(), "kl_coef": float(self.kl_ctrl.value)})
+            save_trainer_state(tmp, step, self.loader, self.clock,
+                               {"model_path": self.model_path, "val_before": self.val_before,
+                                "val_after": self.val_last}, kl_coef=float(self.kl_ctrl.value))
 
         return self.checkpoints.save(step, write)
 
-    def checkpoint_to_resume(self, *, read_only: bool = False) -> Path | None:
-        """The checkpoint trainer.resume_mode names: resume_from_path, the newest complete one of the run
-        directory (auto), or none (disable, or auto without a checkpoint). ``read_only`` leaves the folder's
-        debris alone, for a reader (val_only) while another process may be training into it."""
-        mode = self.cfg.trainer.resume_mode
-        if mode == "disable":
-            return None
-        if mode == "resume_path":
-            path = Path(str(self.cfg.trainer.resume_from_path))
-            if not (path / TRAINER_STATE).is_file():
-                raise ArcherError(f"trainer.resume_from_path={path} is not an archer checkpoint (no {TRAINER_STATE})",
-                                  "point it at a <run>/checkpoints/global_step_N folder")
-            return path
-        if read_only:
-            steps = self.checkpoints.complete_steps()
-            return self.checkpoints.step_dir(steps[-1]) if steps else None
-        step = self.checkpoints.latest_step()
-        return None if step is None else self.checkpoints.load_dir(step)
-
     def resume(self) -> int:
-        """Restore the checkpoint of trainer.resume_mode, if any; returns the step to continue from."""
-        path = self.checkpoint_to_resume()
+        """Restore the checkpoint of trainer.resume_mode, if any, with the summary's figures and wall time so far;
+        returns the step to continue from."""
+        path = checkpoint_to_resume(self.cfg.trainer, self.checkpoints, CHECKPOINT_ACTOR)
         if path is None:
             return 0
         self.workers.call("load_checkpoint", path)
-        state = load_torch_state(path / TRAINER_STATE)
-        self.loader.load_state_dict(state["loader"])
-        restore_rng_state(state["rng"])
+        state = restore_trainer_state(path, self.loader, self.clock)
         self.kl_ctrl.value = state["kl_coef"]
-        log.info("resumed from %s (step %d)", path, state["global_step"])
+        record = state["run"]
+        self.model_path = record.get("model_path", self.model_path)
+        self.val_before, self.val_last = record.get("val_before", {}), record.get("val_after", {})
         return int(state["global_step"])
 
     # -- the loop -------------------------------------------------------------------------------------------------
@@ -388,6 +388,8 @@ class PPOTrainer:
         cfg = self.cfg.trainer
         if cfg.val_only:
             return self.validate_only()
+        if self.finished is not None:
+            return self.finished
         try:
             return self.train()
         finally:
@@ -396,27 +398,23 @@ class PPOTrainer:
 
     def train(self) -> dict[str, Any]:
         cfg = self.cfg.trainer
-        start_time = time.perf_counter()
-        self.guard_existing_run()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(self.cfg, self.run_dir / "config.yaml")
+        save_config(self.cfg, self.run_dir / CONFIG_FILE)
         start = self.resume()
         self.global_step = start
         self.open_traces(start)
-        val_before: dict[str, float] = {}
-        val_last: dict[str, float] = {}
         with Tracking(self.run_dir, backends=as_list(cfg.logger), project=cfg.project_name, experiment=cfg.experiment_name,
                       config=OmegaConf.to_container(self.cfg, resolve=True), total_steps=self.total_steps, start_step=start) as tracker:
             if start == 0 and cfg.val_before_train and self.val_set is not None:
-                val_before = self.validate()
-                tracker.log(val_before, step=0)
+                self.val_before = self.validate()
+                tracker.log(self.val_before, step=0)
             for step in range(start + 1, self.total_steps + 1):
                 self.global_step = step
                 metrics = self.train_step(step)
                 last = step == self.total_steps
                 if self.val_set is not None and cfg.test_freq > 0 and (step % cfg.test_freq == 0 or last):
-                    val_last = self.validate()
-                    metrics.update(val_last)
+                    self.val_last = self.validate()
+                    metrics.update(self.val_last)
                 # Log before the checkpoint commits: a run killed in between resumes from the previous
                 # checkpoint and redoes this step, whereas a committed step without its line stays missing.
                 tracker.log(metrics, step=step)
@@ -428,7 +426,7 @@ class PPOTrainer:
         self.flush_traces()
         if cfg.plots:
             plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "plots")
-        return self.write_summary(start_time, val_before, val_last)
+        return self.write_summary()
 
     def open_traces(self, start: int) -> None:
         """Trace writers of the enabled traces; steps after the resumed checkpoint are dropped (redone)."""
@@ -453,11 +451,11 @@ class PPOTrainer:
         model when there is none, and stop. The run's own files (config.yaml, metrics.jsonl, summary.json,
         traces, checkpoints) are left as they are: the figures go to one appended line of <run>/val_only.jsonl."""
         start_time = time.perf_counter()
-        path = self.checkpoint_to_resume(read_only=True)
+        path = checkpoint_to_resume(self.cfg.trainer, self.checkpoints, CHECKPOINT_ACTOR, read_only=True)
         validated = str(self.cfg.actor_rollout_ref.model.path)
         if path is not None:
             self.global_step = int(load_torch_state(path / TRAINER_STATE)["global_step"])
-            validated = str(path / "actor")
+            validated = str(path / CHECKPOINT_ACTOR)
         generator = GenerationWorker(self.cfg.actor_rollout_ref, validated, device=self.device, tokenizer=self.tokenizer,
                                      chat_template_kwargs=self.template_kwargs)
         metrics = self.validate(dump_prefix="val_only_", generator=generator)  # never replaces a training dump
@@ -470,35 +468,19 @@ class PPOTrainer:
                 "val_before": metrics, "val_after": metrics, "run_dir": str(self.run_dir),
                 "val_only_file": str(self.run_dir / VAL_ONLY_FILE)}
 
-    def guard_existing_run(self) -> None:
-        """Never overwrite an earlier run's metrics: a run directory holding a metrics.jsonl is refused unless
-        the run resumes from a checkpoint (trainer.resume_mode=auto with a checkpoint there, or resume_path)."""
-        metrics = self.run_dir / "metrics.jsonl"
-        if not (metrics.exists() and metrics.stat().st_size > 0):
-            return
-        mode = self.cfg.trainer.resume_mode
-        if mode == "disable":
-            raise ArcherError(f"{self.run_dir} already holds a run (metrics.jsonl) and trainer.resume_mode=disable",
-                              "choose a new trainer.default_local_dir, or resume it with trainer.resume_mode=auto")
-        if mode == "auto" and self.checkpoints.latest_step() is None:
-            raise ArcherError(f"{self.run_dir} already holds a run (metrics.jsonl) but no complete checkpoint to "
-                              "resume from (trainer.resume_mode=auto); archer keeps that file rather than overwrite it",
-                              "choose a new trainer.default_local_dir, or move the old metrics.jsonl away to start "
-                              "this run over in that folder")
-
-    def write_summary(self, start_time: float, val_before: dict[str, float], val_after: dict[str, float]) -> dict:
+    def write_summary(self) -> dict:
         summary = {
             "steps": self.global_step,
-            "wall_time_s": time.perf_counter() - start_time,
-            "model_path": str(self.cfg.actor_rollout_ref.model.path),
+            "wall_time_s": self.clock.seconds(),
+            "model_path": self.model_path,
             "train_files": as_list(self.cfg.data.train_files),
             "val_files": as_list(self.cfg.data.val_files),
-            "val_before": val_before,
-            "val_after": val_after,
+            "val_before": self.val_before,
+            "val_after": self.val_last,
             "run_dir": str(self.run_dir),
         }
         latest = self.checkpoints.latest_step()
         if latest is not None:
-            summary["latest_checkpoint"] = str(self.checkpoints.load_dir(latest) / "actor")
-        write_json_atomically(self.run_dir / "summary.json", summary)
+            summary["latest_checkpoint"] = str(self.checkpoints.load_dir(latest) / CHECKPOINT_ACTOR)
+        write_json_atomically(self.run_dir / SUMMARY_FILE, summary)
         return summary

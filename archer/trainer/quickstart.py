@@ -9,15 +9,20 @@
 4. GRPO (``archer train``; ``archer quickstart algorithm=NAME`` runs a preset of archer/config/algorithm/
    instead) from the warm-started folder, validating before and after, with the entropy and influence traces on
    (and the Python tool in the rollouts of ``task=tool_arithmetic``);
-5. ``summary.json`` with the before/after accuracy (and tool-call rate, for the tool task) and where the RL run
-   and its traces are (``<out>/rl``, or wherever ``trainer.default_local_dir`` / the traces' ``output_dir`` put
-   them), the command that repeats the RL stage and the one that opens the trace explorer.
+5. ``summary.json`` with the before/after accuracy (and tool-call rate, for the tool task), the RL-trained
+   policy (the last checkpoint's ``actor/`` folder) and where the RL run and its traces are (``<out>/rl``, or
+   wherever ``trainer.default_local_dir`` / the traces' ``output_dir`` put them); the commands that evaluate the
+   policy on the validation set (``archer eval``, with the benchmark YAML step 1 writes), repeat the RL stage and
+   open the trace explorer.
 
-Each task's sizes, knobs and stage overrides form a ``Recipe`` (``RECIPES``).
+Each task's sizes, knobs and stage overrides form a ``Recipe`` (``RECIPES``). Both stages' run folders are
+checked before anything is written (trainer/run_folder.py): a rerun into the same ``--out`` with other settings
+is refused and changes nothing, a finished one prints its results again, an interrupted one continues.
 """
 
 from __future__ import annotations
 
+import json
 import shlex
 import time
 from collections.abc import Sequence
@@ -28,15 +33,16 @@ from typing import Any
 from omegaconf import DictConfig
 from rich.console import Console
 
-from archer.atomic_files import write_json_atomically
+from archer.atomic_files import write_json_atomically, write_text_atomically
 from archer.config.loader import load_config
-from archer.data.tasks import write_task_files
+from archer.data.tasks import get_task, write_task_files
 from archer.errors import ArcherError
 from archer.models.tiny import build_tiny_model
 from archer.trace.entropy import trace_dir
 from archer.trainer.config_check import check_config
 from archer.trainer.ppo import PPOTrainer
-from archer.trainer.sft import run_sft
+from archer.trainer.run_folder import CONFIG_FILE, SUMMARY_FILE, RunFolder
+from archer.trainer.sft import check_sft_config, run_sft
 
 TASK = "arithmetic"
 TASK_KNOBS: dict[str, Any] = {"num_operands": 3, "max_operand": 9, "unboxed_fraction": 0.6}
@@ -76,7 +82,7 @@ RL_OVERRIDES = [
     "reward_model.overlong_buffer.len=16",  # for presets with a buffer (DAPO's 4096 does not fit 48 tokens)
     "trainer.total_training_steps=40",
     "trainer.test_freq=10",
-    "trainer.save_freq=-1",
+    "trainer.save_freq=10",  # the last checkpoint's actor/ is the RL-trained policy (archer eval); an interrupted run continues
     "trainer.logger=[console,jsonl]",
     # the tiny model's generation memory is small: on a GPU the fast engine keeps its KV cache and CUDA graphs
     # between steps instead of re-capturing them every step (no effect on the CPU's hf engine)
@@ -157,21 +163,44 @@ def algorithm_overrides(rl_extra: Sequence[str]) -> list[str]:
     return [] if chosen_preset(rl_extra) is not None else list(DEFAULT_ALGORITHM_OVERRIDES)
 
 
+def stage_files(run: Path) -> dict[str, Path]:
+    """Where step 1 writes the task's train, val and sft parquet files."""
+    return {split: run / "data" / f"{split}.parquet" for split in ("train", "val", "sft")}
+
+
+def write_val_benchmark(run: Path, task: str) -> Path:
+    """``<run>/data/val_benchmark.yaml``: the validation file beside it as an ``archer eval`` benchmark (verl's
+    schema)."""
+    path = run / "data" / "val_benchmark.yaml"
+    write_text_atomically(path, f"# the quickstart's validation set as an `archer eval` benchmark\nfile: val.parquet\n"
+                                f"format: verl\ndata_source: {get_task(task).data_source}\nanswer_type: math\n")
+    return path
+
+
+def sft_config(run: Path, seed: int, recipe: Recipe, sft_extra: Sequence[str] = ()) -> DictConfig:
+    """The warm start's config: the tiny model of step 2 on the sft file of step 1, into ``run/sft``."""
+    return load_config("sft_trainer", [
+        f"model.partial_pretrain={run / 'base_model'}", f"data.train_files={stage_files(run)['sft']}",
+        f"trainer.default_local_dir={run / 'sft'}", f"trainer.seed={seed}", *recipe.sft_overrides, *sft_extra])
+
+
 def warm_start(run: Path, seed: int, console: Console, sft_extra: Sequence[str] = (),
                recipe: Recipe = RECIPES[TASK]) -> tuple[dict[str, Path], Path]:
     """Steps 1-3 into ``run``: task data (``run/data``), tiny model (``run/base_model``) and its supervised
-    warm start (``run/sft``); returns the task files and the warm-started model folder."""
-    console.rule(f"[bold]1/4 task data ({recipe.task})")
-    files = write_task_files(recipe.task, run / "data", n_train=recipe.n_train, n_val=recipe.n_val,
-                             n_sft=recipe.n_sft, seed=seed, **recipe.knobs)
-    console.rule("[bold]2/4 tiny model")
-    base = build_tiny_model(run / "base_model", task_corpus(run / "data"), max_position_embeddings=MODEL_POSITIONS,
-                            seed=seed)
+    warm start (``run/sft``); returns the task files and the warm-started model folder. Steps 1-2 are kept
+    from an earlier run whose warm start has begun (its config.yaml is written after them)."""
+    files = stage_files(run)
+    if (run / "sft" / CONFIG_FILE).is_file():
+        console.rule("[bold]1-2/4 task data and tiny model: kept from the earlier run in this folder")
+    else:
+        console.rule(f"[bold]1/4 task data ({recipe.task})")
+        files = write_task_files(recipe.task, run / "data", n_train=recipe.n_train, n_val=recipe.n_val,
+                                 n_sft=recipe.n_sft, seed=seed, **recipe.knobs)
+        console.rule("[bold]2/4 tiny model")
+        build_tiny_model(run / "base_model", task_corpus(run / "data"), max_position_embeddings=MODEL_POSITIONS,
+                         seed=seed)
     console.rule("[bold]3/4 supervised warm start")
-    sft_cfg = load_config("sft_trainer", [
-        f"model.partial_pretrain={base}", f"data.train_files={files['sft']}", f"trainer.default_local_dir={run / 'sft'}",
-        f"trainer.seed={seed}", *recipe.sft_overrides, *sft_extra])
-    return files, run_sft(sft_cfg)
+    return files, run_sft(sft_config(run, seed, recipe, sft_extra))
 
 
 def parse_quickstart_args(args: Sequence[str]) -> tuple[int, Recipe, list[str]]:
@@ -211,6 +240,44 @@ def repeat_command(rl_args: Sequence[str], rl_run_dir: Path) -> str:
     return "archer train " + " ".join(shlex.quote(a) for a in [*kept, f"trainer.default_local_dir={again}"])
 
 
+def eval_command(rl_cfg: DictConfig, model: str, benchmark: Path, out: Path) -> str:
+    """The ``archer eval`` command that evaluates ``model`` on ``benchmark`` as the RL stage validated: greedy,
+    its prompt and response lengths and tools."""
+    tools = rl_cfg.actor_rollout_ref.rollout.tools
+    args = [f"model={model}", f"benchmark=[{benchmark}]", f"max_prompt_length={rl_cfg.data.max_prompt_length}",
+            f"max_response_length={rl_cfg.data.max_response_length}"]
+    for name, tool in tools.tool_instances.items():
+        args.append(f"+actor_rollout_ref.rollout.tools.tool_instances.{name}.class_path={tool.class_path}")
+    if tools.tool_instances:
+        args.append(f"actor_rollout_ref.rollout.tools.call_limit={tools.call_limit}")
+    return "archer eval " + " ".join(shlex.quote(a) for a in [*args, f"output_dir={out}"])
+
+
+def print_results(console: Console, summary: dict[str, Any], algorithm: str, rl_cfg: DictConfig,
+                  rl_args: Sequence[str]) -> None:
+    """The figures and where they are, and the commands that evaluate the policy, repeat the RL stage and open
+    the traces."""
+    before, after = summary["val_acc_before_rl"], summary["val_acc_after_rl"]
+    console.print(f"validation accuracy before RL: {before:.3f}   after RL: {after:.3f}   "
+                  f"({(after - before) * 100:+.1f} points, {summary['steps']} {algorithm} steps)")
+    if "val_tool_call_rate_before_rl" in summary:
+        console.print(f"tool-call rate before RL: {summary['val_tool_call_rate_before_rl']:.3f}   "
+                      f"after RL: {summary['val_tool_call_rate_after_rl']:.3f}")
+    run, rl_dir = Path(summary["run_dir"]), Path(summary["rl_run_dir"])
+    console.print(f"run directory: {run}  (summary.json); RL run: {rl_dir}  (metrics.jsonl, plots/)")
+    if summary.get("model_path") is not None and "val_benchmark" in summary:
+        console.print("evaluate the RL-trained policy on the validation set with:")
+        print(f"  {eval_command(rl_cfg, summary['model_path'], Path(summary['val_benchmark']), run / 'eval')}")
+    else:  # trainer.save_freq=-1 (or a quickstart of an archer that did not save it)
+        console.print("the RL-trained policy was not saved (trainer.save_freq=-1)")
+    console.print("repeat the RL stage with:")
+    print(f"  {repeat_command(rl_args, rl_dir)}")
+    trace = summary["influence_trace"] or summary["entropy_trace"]
+    if trace is not None:
+        console.print("explore what RL did, token by token:")
+        print(f"  archer viz --trace-dir {shlex.quote(trace)}")
+
+
 def run_quickstart(args: Sequence[str] = (), out_dir: str | None = None) -> dict[str, Any]:
     """The whole pipeline into ``out_dir``; the RL stage's run directory is ``<out_dir>/rl`` unless the
     overrides set trainer.default_local_dir, and the summary and printed commands follow it either way."""
@@ -228,17 +295,33 @@ def run_quickstart(args: Sequence[str] = (), out_dir: str | None = None) -> dict
                 f"trainer.seed={seed}", f"data.seed={seed}", *algorithm_overrides(rl_extra), *recipe.rl_overrides,
                 *rl_extra]
 
-    # Bad RL overrides fail before the warm start, and before anything is written (no empty run folder).
-    check_config(load_config("ppo_trainer", rl_args(run / "sft")))
+    # Bad overrides, and another experiment in a stage's folder, fail before anything is written.
+    rl_cfg = load_config("ppo_trainer", rl_args(run / "sft" / "hf_model"))
+    check_config(rl_cfg)
+    sft_cfg = sft_config(run, seed, recipe)
+    check_sft_config(sft_cfg)
+    rl_folder = RunFolder(rl_cfg, "ppo_trainer")
+    try:
+        RunFolder(sft_cfg, "sft_trainer").check_experiment()
+        rl_folder.check_experiment()
+    except ArcherError as err:
+        raise ArcherError(err.problem, f"give this quickstart another --out DIR (without --out, each run makes a new "
+                                       f"folder), or the settings of the run in {run} to continue it") from None
+    steps = rl_cfg.trainer.total_training_steps
+    if (run / SUMMARY_FILE).is_file() and steps is not None and rl_folder.finished_summary(int(steps)) is not None:
+        summary = json.loads((run / SUMMARY_FILE).read_text(encoding="utf-8"))
+        print(f"the quickstart in {run} has finished; nothing to do (a new --out runs it again):")
+        print_results(console, summary, algorithm_name, rl_cfg, rl_args(run / "sft" / "hf_model"))
+        return summary
     run.mkdir(parents=True, exist_ok=True)
 
     files, sft_model = warm_start(run, seed, console, recipe=recipe)
+    benchmark = write_val_benchmark(run, recipe.task)
 
     console.rule(f"[bold]4/4 RL ({algorithm_name})")
     final_args = rl_args(sft_model)
     rl_cfg = load_config("ppo_trainer", final_args)
     rl_summary = PPOTrainer(rl_cfg).fit()
-    outputs = rl_outputs(rl_cfg)
 
     reported = {}
     for name, key in recipe.reported.items():
@@ -251,26 +334,15 @@ def run_quickstart(args: Sequence[str] = (), out_dir: str | None = None) -> dict
         "wall_time_s": time.perf_counter() - start,
         "rl_wall_time_s": rl_summary["wall_time_s"],
         "seed": seed,
-        "model_path": str(sft_model),
+        "model_path": rl_summary.get("latest_checkpoint"),
+        "sft_model_path": str(sft_model),
         "train_files": [str(files["train"])],
         "val_files": [str(files["val"])],
+        "val_benchmark": str(benchmark),
         "run_dir": str(run),
-        **outputs,
+        **rl_outputs(rl_cfg),
     }
-    write_json_atomically(run / "summary.json", summary)
-    rl_dir = Path(outputs["rl_run_dir"])
+    write_json_atomically(run / SUMMARY_FILE, summary)
     console.rule("[bold]quickstart done")
-    before, after = reported["val_acc_before_rl"], reported["val_acc_after_rl"]
-    console.print(f"validation accuracy before RL: {before:.3f}   after RL: {after:.3f}   "
-                  f"({(after - before) * 100:+.1f} points, {summary['steps']} {algorithm_name} steps)")
-    if "val_tool_call_rate_before_rl" in reported:
-        console.print(f"tool-call rate before RL: {reported['val_tool_call_rate_before_rl']:.3f}   "
-                      f"after RL: {reported['val_tool_call_rate_after_rl']:.3f}")
-    console.print(f"run directory: {run}  (summary.json); RL run: {rl_dir}  (metrics.jsonl, plots/)")
-    console.print("repeat the RL stage with:")
-    print(f"  {repeat_command(final_args, rl_dir)}")
-    trace = outputs["influence_trace"] or outputs["entropy_trace"]
-    if trace is not None:
-        console.print("explore what RL did, token by token:")
-        print(f"  archer viz --trace-dir {shlex.quote(trace)}")
+    print_results(console, summary, algorithm_name, rl_cfg, final_args)
     return summary

@@ -10,14 +10,15 @@ of whole examples kept apart by their position ids (``pack_sft``): the same loss
 
 Checkpoints (``trainer.save_freq``) go through the RL trainer's CheckpointManager: ``global_step_N/model`` (the
 policy as ``ModelOwner.save`` writes it, with optimiser and scheduler state) and ``trainer_state.pt`` (step, data
-position, RNG states); ``trainer.resume_mode`` picks the one a run continues from, exactly.
+position, RNG states, the last metrics and wall time); ``trainer.resume_mode`` picks the one a run continues from,
+exactly. The run folder's guard and resume recipe are the RL trainer's (trainer/run_folder.py): another
+experiment's folder is refused, and a finished run's rerun changes nothing.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from archer.batch import Batch
 from archer.config.loader import as_list, save_config
 from archer.data.loader import PromptLoader
 from archer.data.sft_dataset import SFTDataset, pack_sft, read_sft_conversations, token_slots
-from archer.data.sft_formats import FORMATS
+from archer.data.sft_formats import FORMATS, nearest_format
 from archer.errors import ArcherError
 from archer.models.loading import (
     autocast_for,
@@ -48,19 +49,22 @@ from archer.models.logprobs import logprobs_from_hidden, masked_hidden, masked_l
 from archer.models.lora import LoraSettings
 from archer.models.optim import SFT_SCHEDULERS, LRSchedule, clip_and_step
 from archer.models.owner import ModelOwner
-from archer.trainer.checkpoint_dirs import (
-    CheckpointManager,
-    capture_rng_state,
-    load_torch_state,
-    restore_rng_state,
-    save_torch_state,
-)
+from archer.trainer.checkpoint_dirs import CheckpointManager
 from archer.trainer.plots import plot_metrics
+from archer.trainer.run_folder import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    SUMMARY_FILE,
+    RunClock,
+    RunFolder,
+    checkpoint_to_resume,
+    restore_trainer_state,
+    save_trainer_state,
+)
 from archer.trainer.tracking import METRICS_FILE, Tracking
 
 RESUME_MODES = ("auto", "disable", "resume_path")
 MODEL_DIR = "model"  # a checkpoint's HF model folder (with its optimiser state)
-TRAINER_STATE = "trainer_state.pt"
 CHUNK_SIZE = 1024  # response tokens per chunk of the lm_head + log-softmax
 logger = logging.getLogger("archer.sft")
 KEY_METRICS = ("train/loss", "val/loss", "train/lr")
@@ -71,7 +75,11 @@ PLOT_GROUPS = {"loss": ["train/loss", "val/loss"], "token_acc": ["val/token_acc"
 def run_sft(cfg: DictConfig) -> Path:
     """Train as ``cfg`` (archer/config/sft_trainer.yaml) says; return ``<default_local_dir>/hf_model``."""
     check_sft_config(cfg)
-    started = time.perf_counter()
+    run_dir = Path(cfg.trainer.default_local_dir)
+    checkpoints = CheckpointManager(run_dir / CHECKPOINTS_DIR, cfg.trainer.max_ckpt_to_keep)
+    folder = RunFolder(cfg, "sft_trainer")
+    folder.check_experiment()  # before any data or model loads
+    clock = RunClock()
     set_seed(cfg.trainer.seed)
     device = pick_device(cfg.trainer.device)
     tokenizer = load_tokenizer(cfg.model.partial_pretrain)
@@ -79,30 +87,30 @@ def run_sft(cfg: DictConfig) -> Path:
     val_set = build_dataset(cfg, tokenizer, cfg.data.val_files) if as_list(cfg.data.val_files) else None
     loader = _train_loader(train_set, cfg)
     total_steps = cfg.trainer.total_training_steps or loader.steps_per_epoch * cfg.trainer.total_epochs
+    model_dir = run_dir / "hf_model"
+    if folder.finished_summary(total_steps) is not None:
+        return model_dir
     owner = ModelOwner.policy(cfg.model.partial_pretrain, device=device,
                               lora=LoraSettings.from_config(cfg.model, prefix="model"),
                               gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
                               trust_remote_code=cfg.model.trust_remote_code)
     owner.attach_optimizer(cfg.optim, LRSchedule.from_sft_optim(cfg.optim, total_steps))
-    run_dir = Path(cfg.trainer.default_local_dir)
-    save_config(cfg, run_dir / "config.yaml")
-    last = _train(owner, tokenizer, loader, val_set, cfg, total_steps, run_dir)
-    model_dir = run_dir / "hf_model"
+    save_config(cfg, run_dir / CONFIG_FILE)
+    last = _train(owner, tokenizer, loader, val_set, cfg, total_steps, checkpoints, clock)
     owner.save_model(model_dir, tokenizer)
     if cfg.trainer.plots:
         plot_metrics(run_dir / METRICS_FILE, run_dir / "plots", PLOT_GROUPS)
-    _write_summary(run_dir, last, total_steps, time.perf_counter() - started, model_dir)
+    _write_summary(run_dir, last, total_steps, clock.seconds(), model_dir)
     return model_dir
 
 
-def _train(owner: ModelOwner, tokenizer: PreTrainedTokenizerBase, loader: PromptLoader, val_set: SFTDataset | None, cfg: DictConfig, total_steps: int, run_dir: Path) -> dict[str, float]:
+def _train(owner: ModelOwner, tokenizer: PreTrainedTokenizerBase, loader: PromptLoader, val_set: SFTDataset | None,
+           cfg: DictConfig, total_steps: int, checkpoints: CheckpointManager, clock: RunClock) -> dict[str, float]:
     """The optimisation loop with its metrics and checkpoints (resumed from one when trainer.resume_mode says
-    so); returns the latest value of every metric."""
+    so); returns the latest value of every metric (those of the steps before a resume included)."""
     model, device = owner.model, owner.device
-    checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.trainer.max_ckpt_to_keep)
-    start = _resume(cfg.trainer, checkpoints, owner, loader)
-    last: dict[str, float] = {}
-    with Tracking(run_dir, backends=as_list(cfg.trainer.logger), project=cfg.trainer.project_name,
+    start, last = _resume(cfg.trainer, checkpoints, owner, loader, clock)
+    with Tracking(Path(cfg.trainer.default_local_dir), backends=as_list(cfg.trainer.logger), project=cfg.trainer.project_name,
                   experiment=cfg.trainer.experiment_name, config=OmegaConf.to_container(cfg, resolve=True),
                   total_steps=total_steps, key_metrics=KEY_METRICS, start_step=start) as tracking:
         for step in range(start + 1, total_steps + 1):
@@ -122,43 +130,32 @@ def _train(owner: ModelOwner, tokenizer: PreTrainedTokenizerBase, loader: Prompt
             tracking.log(metrics, step=step)
             last |= metrics
             if cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or step == total_steps):
-                _save_checkpoint(checkpoints, step, owner, tokenizer, loader)
+                _save_checkpoint(checkpoints, step, owner, tokenizer, loader, clock, last)
     return last
 
 
-def _save_checkpoint(checkpoints: CheckpointManager, step: int, owner: ModelOwner,
-                     tokenizer: PreTrainedTokenizerBase, loader: PromptLoader) -> Path:
+def _save_checkpoint(checkpoints: CheckpointManager, step: int, owner: ModelOwner, tokenizer: PreTrainedTokenizerBase,
+                     loader: PromptLoader, clock: RunClock, last: dict[str, float]) -> Path:
     """``<run>/checkpoints/global_step_N``: the model as an HF folder with its optimiser and scheduler state, and
-    the step, data position and RNG states; written atomically, older ones pruned to trainer.max_ckpt_to_keep."""
+    the step, data position, RNG states, last metrics and wall time; written atomically, older ones pruned to
+    trainer.max_ckpt_to_keep."""
     def write(tmp: Path) -> None:
         owner.save(tmp / MODEL_DIR, tokenizer)
-        save_torch_state(tmp / TRAINER_STATE, {"global_step": step, "loader": loader.state_dict(),
-                                               "rng": capture_rng_state()})
+        save_trainer_state(tmp, step, loader, clock, {"last": last})
 
     return checkpoints.save(step, write)
 
 
-def _resume(trainer: DictConfig, checkpoints: CheckpointManager, owner: ModelOwner, loader: PromptLoader) -> int:
+def _resume(trainer: DictConfig, checkpoints: CheckpointManager, owner: ModelOwner, loader: PromptLoader,
+            clock: RunClock) -> tuple[int, dict[str, float]]:
     """Restore the checkpoint trainer.resume_mode names (auto: the newest of the run, if any; resume_path:
-    trainer.resume_from_path; disable: none); returns the step to continue from."""
-    if trainer.resume_mode == "disable":
-        return 0
-    if trainer.resume_mode == "resume_path":
-        path = Path(str(trainer.resume_from_path))
-        if not (path / TRAINER_STATE).is_file():
-            raise ArcherError(f"trainer.resume_from_path={path} is not an archer sft checkpoint (no {TRAINER_STATE})",
-                              "point it at a <run>/checkpoints/global_step_N folder of an archer sft run")
-    else:
-        step = checkpoints.latest_step()
-        if step is None:
-            return 0
-        path = checkpoints.load_dir(step)
+    trainer.resume_from_path; disable: none); returns the step to continue from and the last metrics so far."""
+    path = checkpoint_to_resume(trainer, checkpoints, MODEL_DIR)
+    if path is None:
+        return 0, {}
     owner.load(path / MODEL_DIR, "model")
-    state = load_torch_state(path / TRAINER_STATE)
-    loader.load_state_dict(state["loader"])
-    restore_rng_state(state["rng"])
-    logger.info("resumed from %s (step %d)", path, state["global_step"])
-    return int(state["global_step"])
+    state = restore_trainer_state(path, loader, clock)
+    return int(state["global_step"]), dict(state["run"].get("last", {}))
 
 
 def check_sft_config(cfg: DictConfig) -> None:
@@ -179,7 +176,7 @@ def check_sft_config(cfg: DictConfig) -> None:
          "e.g. optim.warmup_steps_ratio=0.1"),
         (cfg.optim.clip_grad > 0, "optim.clip_grad must be positive", "e.g. optim.clip_grad=1.0"),
         (cfg.data.format in FORMATS, f"data.format={cfg.data.format!r} is not an SFT data format",
-         f"use one of {list(FORMATS)}"),
+         f"{nearest_format(str(cfg.data.format))}use one of {list(FORMATS)}"),
         (cfg.trainer.resume_mode in RESUME_MODES, f"trainer.resume_mode={cfg.trainer.resume_mode!r} is not known",
          f"use one of {list(RESUME_MODES)}"),
         (cfg.trainer.resume_mode != "resume_path" or cfg.trainer.resume_from_path,
@@ -302,7 +299,7 @@ def _write_summary(run_dir: Path, last: dict[str, float], steps: int, wall_time_
         "model_path": str(model_dir),
         **_token_slot_totals(run_dir / METRICS_FILE),
     }
-    write_json_atomically(run_dir / "summary.json", summary)
+    write_json_atomically(run_dir / SUMMARY_FILE, summary)
 
 
 def _token_slot_totals(metrics_file: Path) -> dict[str, float]:

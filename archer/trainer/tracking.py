@@ -5,7 +5,9 @@ object per `log` call: {"step": N, <metric>: value, ...}. JSON has no NaN, so no
 inf) are written as null. A resumed run (start_step > 0) first drops every line after start_step and any
 half-written line, so a run killed and resumed never holds duplicated or torn lines; a run that starts
 at step 0 starts a new file. The console's ETA is the moving average of the last steps' durations times the
-steps left, shown from the second logged step on (a first step that includes start-up is not a rate).
+steps left, shown from the second logged step on (a first step that includes start-up is not a rate). Its
+line shows the key metrics and, when a log holds a validation, its accuracy (``val-core/<source>/acc/mean@n`` of
+each data source, and of ``all`` when there are several).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import time
 import uuid
 from collections import deque
@@ -40,6 +43,7 @@ KNOWN_BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
 DEFAULT_KEY_METRICS = ("critic/score/mean", "actor/entropy", "response_length/mean")
 METRICS_FILE = "metrics.jsonl"
 ETA_WINDOW = 10  # steps whose mean duration the ETA extrapolates (a tenth of the run, when that is more)
+VALIDATION_ACCURACY = re.compile(r"val-core/(.+)/acc/mean@\d+")
 
 
 class _Backend(Protocol):
@@ -89,6 +93,16 @@ class _JsonlBackend:
 
     def close(self) -> None:
         self._file.close()
+
+
+def validation_accuracy(metrics: dict[str, float]) -> dict[str, float]:
+    """The validation accuracies among ``metrics``: mean@n of each data source, and of "all" when there are
+    several (with one source "all" repeats it)."""
+    found = {key: value for key, value in metrics.items() if VALIDATION_ACCURACY.fullmatch(key)}
+    sources = {VALIDATION_ACCURACY.fullmatch(key).group(1) for key in found}
+    if sources - {"all"} and len(sources) <= 2:
+        found = {key: value for key, value in found.items() if VALIDATION_ACCURACY.fullmatch(key).group(1) != "all"}
+    return found
 
 
 def _format_duration(seconds: float | None) -> str:
@@ -147,7 +161,8 @@ class _ConsoleBackend:
         eta = _format_duration(self._eta.remaining())
         self._progress.update(self._task, completed=step, eta=eta, **fields)
         task = self._progress.tasks[0]
-        line = f"step {step}/{self._total}  elapsed {_format_duration(task.elapsed)}  eta {eta}  {summary}"
+        shown = "  ".join([summary, *(f"{k}={v:.4g}" for k, v in validation_accuracy(metrics).items())]).strip()
+        line = f"step {step}/{self._total}  elapsed {_format_duration(task.elapsed)}  eta {eta}  {shown}"
         self._progress.console.print(Text(line.rstrip()), soft_wrap=True)
 
     def close(self) -> None:

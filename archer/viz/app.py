@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,23 +33,31 @@ TREE_CLICK_JS = ("element.addEventListener('click', (event) => { const node = ev
                  "if (node) trigger('click', {row: Number(node.dataset.row)}); });")
 SORT_CHOICES = list(zip(("position", "entropy ascending", "entropy descending"), queries.SORTS))
 INFLUENCE_SCALE_CHOICES = list(zip(("per response", "per step"), queries.INFLUENCE_SCALES))
-# Wide tables fit the page instead of hiding their right-hand columns behind a scroll: headers wrap (long
-# snake_case names anywhere), cells are a size smaller.
-TABLE_CSS = (".archer-table th, .archer-table th *{white-space:normal!important;overflow-wrap:anywhere!important}"
+# Wide tables fit the page instead of hiding their right-hand columns behind a scroll: headers wrap between the
+# words of their snake_case names (each "_", "/" and "@" is followed by a zero-width space, HEADER_BREAK, never
+# inside a word), cells are a size smaller.
+TABLE_CSS = (".archer-table th, .archer-table th *{white-space:normal!important;overflow-wrap:normal!important;"
+             "word-break:normal!important}"
              ".archer-table table{width:100%!important}"
-             ".archer-table th, .archer-table td{font-size:12px;padding:4px!important;min-width:0!important}")
+             ".archer-table th, .archer-table td{font-size:12px;padding:4px!important;min-width:0!important}"
+             ".archer-table th{font-size:11px;padding:4px 2px!important}"
+             ".archer-table th .cell-wrap{padding:0 2px!important;gap:2px!important}"
+             "#archer-stats .cell-menu-button{display:none}")  # one row: nothing to sort or filter
+HEADER_BREAK = "\u200b"
 # Errors a view turns into a message: a missing/corrupt step, a row out of range, a bad user path.
 VIEW_ERRORS = (TraceError, IndexError, ArcherError)
 
 
 def _display(table: pd.DataFrame, digits: int = 4) -> pd.DataFrame:
-    """A table as shown: floats rounded (through float64, so float32 noise goes), whitespace made visible."""
+    """A table as shown: floats rounded (through float64, so float32 noise goes), whitespace made visible, and
+    the headers breakable between words only (HEADER_BREAK after "_", "/" and "@")."""
     out = table.copy()
     for name in out.columns:
         if out[name].dtype.kind == "f":
             out[name] = out[name].astype("float64").round(digits)
     if "token" in out.columns:
         out["token"] = [render.visible_whitespace(t) for t in out["token"]]
+    out.columns = [re.sub(r"([_/@])", rf"\1{HEADER_BREAK}", str(name)) for name in out.columns]
     return out
 
 
@@ -224,16 +233,23 @@ def build_app(trace_dir: str | Path, model_path: str | Path | None = None, *,
             return {group_prompt: text, group_map: body}
 
         compare_inputs = [step, row, other, compare_tokens, open_tab]
-        compare_outputs = [compare_table, compare_map, error]
+        compare_outputs = [other, compare_table, compare_map, error]
 
         def show_compare(step_value: Any, row_value: Any, other_value: Any, tokens_value: Any,
-                         tab: str) -> dict[Any, Any] | None:
+                         tab: str, follow: bool = True) -> dict[Any, Any] | None:
+            """The comparison; when the response or step changes (``follow``), with the nearest other step that
+            holds the response's prompt, the steps holding it named above (a step picked by hand is kept)."""
             if tab != COMPARE_TAB:
                 return None
+            holding = explorer.prompt_steps(step_value, _row(row_value))
+            if follow and holding and other_value not in holding:
+                other_value = min(holding, key=lambda s: (abs(s - int(step_value)), s))
+            label = (f"compare the selected response's prompt with step (also in step(s) {', '.join(map(str, holding))})"
+                     if holding else "compare the selected response's prompt with step (in no other step)")
             if other_value is None:
-                return {compare_table: None, compare_map: ""}
+                return {other: gr.update(label=label), compare_table: None, compare_map: ""}
             table, body = explorer.compare_steps(step_value, _row(row_value), other_value, int(tokens_value))
-            return {compare_table: _display(table), compare_map: body}
+            return {other: gr.update(value=other_value, label=label), compare_table: _display(table), compare_map: body}
 
         tree_outputs = [tree_uid, tree_map, tree_table, error]
 
@@ -299,7 +315,8 @@ def build_app(trace_dir: str | Path, model_path: str | Path | None = None, *,
         k.release(*top_stage)
         bins.release(*hist_stage)
         group_tokens.release(*group_stage)
-        gr.on([other.input, compare_tokens.release], *compare_stage)
+        picked = guarded(compare_outputs, lambda *args: show_compare(*args, follow=False))
+        gr.on([other.input, compare_tokens.release], picked, compare_inputs, compare_outputs)
 
         overview.select(_select_row(0), None, row)  # the overview's first column is the row
         top_high.select(_select_row(1), None, row)  # top-K tables: rank, row, ...

@@ -131,6 +131,7 @@ class Explorer:
         self.call_tags = queries.call_tags(self.reader.summary)  # what the heatmaps mark as tool calls
         self._lock = threading.RLock()
         self._steps: OrderedDict[int, StepData] = OrderedDict()
+        self._prompt_index: dict[int, tuple[tuple[int, int, int], frozenset[bytes]]] = {}  # step -> (file version, prompts)
         self._tmp = tempfile.TemporaryDirectory(prefix="archer-viz-")
 
     @property
@@ -318,6 +319,34 @@ class Explorer:
     def _prompt_text(self, data: StepData, row: int) -> str:
         prompt = queries.prompt_ids(data.arrays, row)
         return "(the step has no prompt ids)" if prompt is None else self.decode.text(prompt)
+
+    def prompt_steps(self, step: int, row: int) -> list[int]:
+        """The other steps whose trace holds ``row``'s prompt (by its token ids), ascending."""
+        wanted = queries.prompt_ids(self.step_data(step).arrays, queries.check_row(self.step_data(step).arrays, row))
+        if wanted is None:
+            return []
+        return [s for s in self.steps() if s != int(step) and wanted.tobytes() in self._prompts_of(s)]
+
+    def _prompts_of(self, step: int) -> frozenset[bytes]:
+        """The prompt token ids of a step's responses (as bytes), read from its file's prompt arrays alone and
+        kept per file version; a step that cannot be read holds none."""
+        path = self.reader.step_path(step)
+        try:
+            st = path.stat()
+            version = (st.st_ino, st.st_mtime_ns, st.st_size)
+            with self._lock:
+                cached = self._prompt_index.get(step)
+                if cached is not None and cached[0] == version:
+                    return cached[1]
+            with np.load(path, allow_pickle=False) as npz:
+                arrays = {name: npz[name] for name in ("prompts", "prompt_length") if name in npz.files}
+        except Exception:  # zipfile, zlib and numpy raise many types for a damaged file (as in load_step)
+            return frozenset()
+        prompts = frozenset(queries.prompt_ids(arrays, r).tobytes() for r in range(len(arrays["prompts"]))) \
+            if "prompts" in arrays else frozenset()
+        with self._lock:
+            self._prompt_index[step] = (version, prompts)
+        return prompts
 
     def compare_steps(self, step: int, row: int, other_step: int,
                       max_tokens: int = 256) -> tuple[pd.DataFrame, str]:

@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from archer.algorithms.rollout_correction import RolloutCorrection
 from archer.batch import Batch
-from archer.config.loader import world_size
+from archer.config.world import world_size
 from archer.distributed.context import DistContext
 from archer.models.loading import load_tokenizer, pick_device
 from archer.rollout.rollout_stats import RolloutStats

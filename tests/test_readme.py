@@ -1,0 +1,106 @@
+"""What README promises at its top and the commands it gives, checked as written: the opening claims, the two
+`make` commands (a virtualenv made or used, torch's CPU build from PyTorch's CPU index when there is no torch),
+and the SFT command for LLaMA-Factory's demo files on a model built as the quickstart builds its own."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from readme_support import readme_command
+from shared_data import SHARED_DATA
+
+from archer import cli
+from archer.data.tasks import write_task_files
+from archer.models.tiny import build_tiny_model
+from archer.trainer.quickstart import MODEL_POSITIONS, RECIPES, task_corpus
+
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text(encoding="utf-8")
+TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+DEMO_FILES = ("alpaca_en_demo.json", "glaive_toolcall_en_demo.json")
+
+
+def test_the_opening_says_what_runs_now() -> None:
+    opening = README.split("## Two commands", 1)[0]
+    assert "(later)" not in opening
+    assert "on many GPUs of one or more nodes through Ray" in " ".join(opening.split())
+    assert "\n## Many GPUs" in README
+
+
+def make(target: str, folder: Path, python: str, *, dry_run: bool, env: dict[str, str] | None = None
+         ) -> subprocess.CompletedProcess:
+    """``make TARGET PY=python`` in ``folder`` (a copy of the repository's Makefile), outside any activated venv."""
+    clean = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    return subprocess.run(["make", *(["-n"] if dry_run else []), target, f"PY={python}"], cwd=folder, text=True,
+                          capture_output=True, timeout=300, env={**clean, **(env or {})})
+
+
+@pytest.fixture()
+def makefile(tmp_path: Path) -> Path:
+    shutil.copy(REPO / "Makefile", tmp_path / "Makefile")
+    return tmp_path
+
+
+def test_make_uses_the_virtualenv_python_runs_in(makefile: Path) -> None:
+    venv = Path(sys.prefix)
+    assert venv != Path(sys.base_prefix), "the tests run in a virtualenv"
+    plan = make("quickstart", makefile, sys.executable, dry_run=True)
+    assert plan.returncode == 0, plan.stderr
+    assert f"{venv}/bin/python -m pip install -q -e .\n{venv}/bin/archer quickstart\n" in plan.stdout
+    assert str(makefile / ".venv") not in plan.stdout
+    plan = make("test", makefile, sys.executable, dry_run=True)
+    assert f'PATH="{venv}/bin:$PATH" {venv}/bin/python -m pytest -q' in plan.stdout  # the examples' `archer` too
+
+
+def test_make_without_a_virtualenv_makes_dot_venv_and_installs_torchs_cpu_build_into_it(makefile: Path) -> None:
+    base = str(Path(sys.base_prefix) / "bin" / "python3")  # a Python that is no virtualenv
+    plan = make("quickstart", makefile, base, dry_run=True)
+    venv = makefile / ".venv"
+    assert f"{base} -m venv --system-site-packages {venv}" in plan.stdout
+    assert f"{venv}/bin/python -m pip install -q --index-url {TORCH_INDEX} torch==2.13.0" in plan.stdout
+    assert plan.stdout.rstrip().endswith(f"{venv}/bin/archer quickstart")
+    assert not venv.exists()  # a dry run
+    # for real (offline: pip may not reach an index): the venv is made; without torch, a line says what comes
+    ran = make("torch", makefile, base, dry_run=False, env={"PIP_NO_INDEX": "1"})
+    assert (venv / "bin" / "python").is_file()
+    assert f"make: creating the virtualenv {venv} (packages of {base} stay visible)" in ran.stdout
+    has_torch = subprocess.run([str(venv / "bin" / "python"), "-c", "import torch"], capture_output=True).returncode == 0
+    said = f"make: no torch in {venv}: installing the CPU build of torch==2.13.0 from {TORCH_INDEX}"
+    assert (said in ran.stdout) != has_torch, ran.stdout + ran.stderr
+    assert (ran.returncode == 0) == has_torch  # no index here, so the install fails where it is needed
+    assert make("venv", makefile, base, dry_run=False).stdout.startswith(f"make: using the virtualenv {venv}")
+
+
+def test_readme_states_the_install_and_the_cpu_index() -> None:
+    section = README.split("## Two commands", 1)[1].split("\n## ", 1)[0]
+    flat = " ".join(section.split())
+    assert "`.venv` in the repository" in flat and TORCH_INDEX in flat and ". .venv/bin/activate" in flat
+    assert "The first one adds the install" in flat
+
+
+@pytest.mark.skipif(not all((SHARED_DATA / "sft" / f).is_file() for f in DEMO_FILES), reason="no LLaMA-Factory demo files")
+def test_readmes_sft_demo_command_runs_as_written_on_the_quickstarts_model(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    recipe = RECIPES["arithmetic"]  # the quickstart's model, default seed: its data, tokenizer and positions
+    write_task_files(recipe.task, tmp_path / "data", n_train=recipe.n_train, n_val=recipe.n_val, n_sft=recipe.n_sft,
+                     seed=1, **recipe.knobs)
+    model = build_tiny_model(tmp_path / "model", task_corpus(tmp_path / "data"), max_position_embeddings=MODEL_POSITIONS,
+                             seed=1)
+    for name in DEMO_FILES:  # the command names the files as they lie in the current folder
+        (tmp_path / name).symlink_to(SHARED_DATA / "sft" / name)
+    monkeypatch.chdir(tmp_path)
+    command = readme_command("archer sft model.partial_pretrain=MODEL_DIR data.max_length=2048")
+    assert command[:2] == ["archer", "sft"] and "data.truncation=right" in command
+    args = [a.replace("MODEL_DIR", str(model)) for a in command[1:]]
+    cheap = ["trainer.total_training_steps=1", "data.train_batch_size=2", "data.micro_batch_size_per_gpu=2",
+             "trainer.logger=[jsonl]", "trainer.plots=false", "trainer.device=cpu", f"trainer.default_local_dir={tmp_path / 'run'}"]
+    with caplog.at_level(logging.INFO, logger="archer"):
+        assert cli.main([*args, *cheap]) == 0
+    assert "SFT dataset: 1300 examples, 124 truncated (right)" in caplog.text  # README's figures
+    assert (tmp_path / "run" / "hf_model" / "config.json").is_file()
