@@ -22,7 +22,6 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from archer.config.loader import hydra_settings, load_config
 from archer.errors import ArcherError
 from archer.trainer.config_check import check_config
-from archer.workers.colocated import REFERENCE_BYTES_PER_PARAM
 from archer.workers.memory import GIB, MemoryPlan, plan_actor_memory
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -84,13 +83,18 @@ def header_command(name: str) -> tuple[dict[str, str], list[str]]:
     return dict(word.split("=", 1) for word in before.split()), after.split()
 
 
+REFERENCE_BYTES_PER_PARAM = 2  # bf16
+
+
 def memory_plan(cfg: DictConfig, model: Qwen2Config, gpus: int) -> MemoryPlan:
     """archer's memory plan of one card of an 80 GB H100 run of ``cfg`` (the fast engine, the reference policy
     beside the actor as the rank's workers count it), the models sharded over ``gpus`` ranks."""
     with torch.device("meta"):
         policy = Qwen2ForCausalLM(model)
     params = sum(p.numel() for p in policy.parameters())
-    others = {"reference policy": REFERENCE_BYTES_PER_PARAM * params} if cfg.actor_rollout_ref.actor.use_kl_loss else {}
+    # the reference policy's own bf16 copy, sharded like the actor (what its ModelOwner.card_bytes counts)
+    reference = -(-REFERENCE_BYTES_PER_PARAM * params // gpus)
+    others = {"reference policy": reference} if cfg.actor_rollout_ref.actor.use_kl_loss else {}
     return plan_actor_memory(cfg.actor_rollout_ref, policy, total=H100, fast_engine=True, others=others, shards=gpus)
 
 
