@@ -151,8 +151,6 @@ class _Run(Launcher):
         self.loop, self.prompts, self.params, self.settings = loop, prompts, params, settings
         self.allowed = list(allowed_tools) if allowed_tools is not None else [None] * len(prompts)
         self.budget = loop.settings.response_length
-        tools = tuple(loop.registry.tools)
-        self.stats, self.probe_stats = RolloutStats(tools=tools), RolloutStats(tools=tools)
         self.probe_session = _continuous(loop.engine.session()) if settings.dynamic_rollouts else None
         self.session = _continuous(loop.engine.session())
         self.sessions = [s for s in (self.probe_session, self.session) if s is not None]
@@ -172,7 +170,7 @@ class _Run(Launcher):
         for prompt in range(len(self.prompts)):
             if self.probe_session is not None:
                 probe = PromptGroup(self, prompt, first + prompt, BranchSettings(n=1, initial_rollouts=1), 1,
-                                    stream_seed(self.params.seed, _PROBE), self.probe_stats)
+                                    stream_seed(self.params.seed, _PROBE), self._stats())
                 self._start(probe, self.probe_session)
                 self.probes.append(probe)
             else:
@@ -193,13 +191,16 @@ class _Run(Launcher):
                 raise RuntimeError("the agentic loop has nothing to decode and no tool to wait for")
         return self._output(time.monotonic() - start)
 
+    def _stats(self) -> RolloutStats:
+        return RolloutStats(tools=tuple(self.loop.registry.tools))
+
     def _start(self, group: PromptGroup, session: ContinuousSession) -> None:
         self.session_of[group] = session
         group.start()
 
     def _start_prompt(self, prompt: int, initial: int, dep: float) -> None:
         group = PromptGroup(self, prompt, self.params.first_prompt + prompt, self.settings, initial,
-                            self.params.seed, self.stats, dep=dep, speculate=self.speculate)
+                            self.params.seed, self._stats(), dep=dep, speculate=self.speculate)
         self.groups[prompt] = group
         self._start(group, self.session)
 
@@ -409,8 +410,9 @@ class _Run(Launcher):
 
         learned = tensor([t.learned for t in rows], 0, torch.long)
         present = tensor([[1] * len(t.tokens) for t in rows], 0, torch.long)
-        stats = self.stats
-        stats.add_calls(self.probe_stats)  # the probes' tool calls are the step's work; their responses are not
+        stats = RolloutStats.merge([group.stats for group in self.groups])  # in prompt order
+        for probe in self.probes:
+            stats.add_calls(probe.stats)  # the probes' tool calls are the step's work; their responses are not
         stats.initial_rollouts = [group.initial for group in self.groups]
         stats.calls_per_response = [t.calls for t in rows]
         stats.limit_reached = [t.limit_reached for t in rows]
