@@ -154,7 +154,7 @@ class Scheduler:
                 f"fast engine's KV cache ({self.cache.pages} pages of {self.cache.page_size} tokens)",
                 "raise actor_rollout_ref.rollout.gpu_memory_utilization, or shorten prompts / responses")
         bucket = self.runner.bucket(max(self.running) + 1)
-        steps = min(self.runner.window, min(job.budget - len(job.tokens) for job in self.running.values()))
+        steps = min(self.runner.window, max(job.budget - len(job.tokens) for job in self.running.values()))
         for _ in range(steps):
             self.runner.run(bucket, self.filtered, self.cache)
         self.counters.steps += steps
