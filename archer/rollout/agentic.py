@@ -160,7 +160,7 @@ class _Run(Launcher):
         self.session_of: dict[PromptGroup, ContinuousSession] = {}
         self.by_seq: dict[tuple[int, int], Trajectory] = {}  # (session, sequence) -> its trajectory
         self.group_of: dict[Trajectory, PromptGroup] = {}
-        self.tool_calls: dict[Trajectory, tuple[list[ParsedCall], list[str | None], PendingCalls, float]] = {}
+        self.tool_calls: dict[Trajectory, tuple[list[ParsedCall], list[str | None], PendingCalls]] = {}
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def execute(self) -> AgenticOutput:
@@ -177,6 +177,14 @@ class _Run(Launcher):
                 self._start_prompt(prompt, self.settings.initial_rollouts, dep=0.0)
         if self.probe_session is not None:
             self.probe_session.expect(len(self.prompts))
+        try:
+            self._run()
+        except BaseException:
+            self._abandon()
+            raise
+        return self._output(time.monotonic() - start)
+
+    def _run(self) -> None:
         while True:
             self._advance()
             if all(g is not None and g.done for g in self.groups):
@@ -189,7 +197,21 @@ class _Run(Launcher):
                 self._collect_answers()
             elif not ended and not any(s.busy for s in self.sessions):
                 raise RuntimeError("the agentic loop has nothing to decode and no tool to wait for")
-        return self._output(time.monotonic() - start)
+
+    def _abandon(self) -> None:
+        """After a failure: release every sequence the call holds (their decodes stop) and cancel its tool calls."""
+        for t in list(self.by_seq.values()):
+            self._release(t)
+        for group in [*self.probes, *(g for g in self.groups if g is not None)]:
+            session = self.session_of[group]
+            for t in group.trajectories + list(group.candidates.values()):
+                for turn in t.log:
+                    self.drop_point(group, turn)
+            if group.root is not None:
+                session.release(group.root)
+                group.root = None
+        for _, _, pending in self.tool_calls.values():
+            pending.outcomes()  # gives up the calls still queued
 
     def _stats(self) -> RolloutStats:
         return RolloutStats(tools=tuple(self.loop.registry.tools))
@@ -214,7 +236,7 @@ class _Run(Launcher):
                     h_root = t.h_init or 0.0
                     h_tool = float(np.mean(t.tool_entropies)) if t.tool_entropies else h_root
                     m = global_samples(self.settings.n, h_root, h_tool, self.settings.dynamic_rollout_beta)
-                    self._start_prompt(probe.prompt, m, dep=t.dep + t.work)
+                    self._start_prompt(probe.prompt, m, dep=t.finished_at)
         for group in self.groups:
             if group is not None and not (group.done and not group.candidates):
                 group.advance()
@@ -245,10 +267,10 @@ class _Run(Launcher):
         return ended
 
     def _collect_answers(self) -> None:
-        for t, (calls, refusals, pending, since) in list(self.tool_calls.items()):
+        for t, (calls, refusals, pending) in list(self.tool_calls.items()):
             if pending.done():
                 del self.tool_calls[t]
-                self._answer(t, calls, refusals, pending, time.monotonic() - since)
+                self._answer(t, calls, refusals, pending)
 
     def _submit(self, t: Trajectory) -> None:
         self.session_of[self.group_of[t]].submit(t.seq, self.params, self.budget - len(t.tokens))
@@ -292,6 +314,8 @@ class _Run(Launcher):
         """Append a segment; measure its entropy (H_init, or H after a tool answer); end the trajectory or start
         the calls it ends with."""
         t.work += seconds
+        if t.first_work is None:
+            t.first_work = t.work
         t.extend(segment.tokens, 1, segment.log_probs.tolist(), segment.entropies.tolist())
         t.turns += 1
         h = segment_entropy(segment.entropies, self.loop.settings.entropy_window, self.loop.vocab_size)
@@ -308,7 +332,7 @@ class _Run(Launcher):
         if not ended:
             refusals = [self._refusal(t.prompt, c) for c in calls]
             requests = [c.call for c, error in zip(calls, refusals, strict=True) if error is None]
-            self.tool_calls[t] = (calls, refusals, self.loop.registry.executor.submit(requests), time.monotonic())
+            self.tool_calls[t] = (calls, refusals, self.loop.registry.executor.submit(requests))
 
     # -- a trajectory's turns ---------------------------------------------------------------------------------
     def _release(self, t: Trajectory) -> None:
@@ -351,10 +375,11 @@ class _Run(Launcher):
         names = ", ".join(sorted(allowed)) or "none"
         return f"Error: the tool {call.call.tool!r} is not available for this question (its tools: {names})."
 
-    def _answer(self, t: Trajectory, calls: list[ParsedCall], refusals: list[str | None], pending: PendingCalls,
-                waited: float) -> None:
+    def _answer(self, t: Trajectory, calls: list[ParsedCall], refusals: list[str | None],
+                pending: PendingCalls) -> None:
         """Append a trajectory's answers, keep a branch point while its prompt may branch, and go on."""
         group = self.group_of[t]
+        waited = pending.seconds()  # until the last call answered (the loop may see it a window later)
         t.work += waited
         t.tool_wait += waited
         outcomes = iter(pending.outcomes())
@@ -379,7 +404,7 @@ class _Run(Launcher):
         t.extend(tokens, 0)
         turn = t.log[-1]
         if group.settings.beam_size > 1 and group.free > 0 and turn.keep is not False:
-            turn.point = Point(session.fork(t.seq, 0), len(t.tokens), t.calls, t.turns)
+            turn.point = Point(session.fork(t.seq, 0), len(t.tokens), t.calls, t.turns, t.work)
         self._submit(t)
 
     def _answer_tokens(self, texts: list[str], room: int) -> list[int]:
@@ -424,7 +449,7 @@ class _Run(Launcher):
         stats.decode_slot_steps = sum(c.steps * c.peak for c in counters)
         stats.tool_wait_s = sum(t.tool_wait for t in rows)
         stats.generation_s = seconds
-        stats.critical_s = max((t.dep + t.work for t in rows), default=0.0)
+        stats.critical_s = max((t.finished_at for t in rows), default=0.0)
         return AgenticOutput(
             responses=tensor([t.tokens for t in rows], pad, torch.long), response_mask=learned,
             tool_mask=present - learned, log_probs=tensor([t.log_probs for t in rows], 0.0, torch.float32),

@@ -48,6 +48,7 @@ class Point:
     length: int
     calls: int
     turns: int
+    work: float  # the trajectory's own seconds when its answer came
 
 
 @dataclass
@@ -96,13 +97,27 @@ class Trajectory:
     held: tuple[Segment, float] | None = None  # a speculative start's first segment (and its seconds) before its confirmation
     decoding: bool = False
     submitted: float = 0.0  # when its turn was submitted
-    dep: float = 0.0  # critical seconds before it could start (what it depends on)
+    ready: float = 0.0  # critical seconds when its first segment could start
+    dep: float = 0.0  # critical seconds when the decision that keeps it could be made
     work: float = 0.0  # its own seconds: decoding and waiting for its tools
+    first_work: float | None = None  # its own seconds when its first segment ended
     tool_wait: float = 0.0
 
     @property
     def confirmed(self) -> bool:
         return self.ordinal >= 0
+
+    def clock(self, work: float) -> float:
+        """The critical time at which it had done ``work`` seconds of its own: its first segment from ``ready``,
+        the rest once the decision that keeps it (``dep``) was made."""
+        if self.first_work is None or work <= self.first_work:
+            return self.ready + work
+        return max(self.dep, self.ready + self.first_work) + work - self.first_work
+
+    @property
+    def finished_at(self) -> float:
+        """The critical time of its end."""
+        return self.clock(self.work)
 
     def extend(self, tokens: list[int], learned: int, log_probs: list[float] | None = None,
                entropies: list[float] | None = None) -> None:
@@ -136,7 +151,12 @@ class Launcher(ABC):
 class PromptGroup:
     """One prompt's ``settings.n`` responses (or its AEPO probe), ``initial`` of them global samples, sampled with
     ``seed`` and counted in ``stats``; ``prompt`` is its index in the call, ``global_prompt`` in the whole batch
-    (seeds follow it); ``dep``: the critical seconds before it could start (AEPO: its probe's)."""
+    (seeds follow it); ``dep``: the critical seconds before it could start (AEPO: its probe's end).
+
+    Critical times (seconds, for the loop's ``rollout/longest_trajectory_share``): a trajectory's turns and tool
+    waits follow each other; a global sample starts at ``dep``, a branch once its parent wrote the segment that
+    decides it, a refill once its prompt's earlier trajectories ended; with ``speculate`` the first segment of a
+    branch or refill may run before that (a branch from its point, a refill from the start)."""
 
     def __init__(self, launcher: Launcher, prompt: int, global_prompt: int, settings: BranchSettings, initial: int,
                  seed: int, stats: RolloutStats, *, dep: float = 0.0, speculate: bool = False) -> None:
@@ -154,7 +174,7 @@ class PromptGroup:
     def start(self) -> None:
         """Start the global samples."""
         for _ in range(self.initial):
-            self._confirm((self.fresh,), 0, self.dep)
+            self._confirm((self.fresh,), 0, self.dep, self.dep)
 
     @property
     def free(self) -> int:
@@ -202,7 +222,8 @@ class PromptGroup:
                     self._cancel_branches(t, turn, granted=())
                     self.launcher.drop_point(self, turn)
         if self.free > 0 and all(t.done_round is not None for t in self.trajectories):
-            self._confirm((self.fresh,), r + 1, max(t.dep + t.work for t in self.trajectories))
+            ended = max(t.finished_at for t in self.trajectories)
+            self._confirm((self.fresh,), r + 1, ended, self.dep if self.speculate else ended)
             self.stats.refills += 1
         self.round += 1
         for k in [k for k in self.candidates if len(k) == 1 and k[0] >= self.fresh + self.free]:
@@ -223,7 +244,9 @@ class PromptGroup:
         at, t.kept = t.kept, None
         point = at.point
         granted = self._wanted(t, point, turn.h)
-        children = [self._confirm(t.key + (point.calls, i), self.round + 1, t.dep + turn.work, t, point)
+        decided = t.clock(turn.work)
+        ready = t.clock(point.work) if self.speculate else decided
+        children = [self._confirm(t.key + (point.calls, i), self.round + 1, decided, ready, t, point)
                     for i in granted]
         for _ in children:
             self.stats.branch_entropies.append(turn.h)
@@ -234,10 +257,10 @@ class PromptGroup:
         self._cancel_branches(t, at, granted)
         self.launcher.drop_point(self, at)
 
-    def _confirm(self, key: tuple[int, ...], start_round: int, dep: float, parent: Trajectory | None = None,
-                 point: Point | None = None) -> Trajectory:
+    def _confirm(self, key: tuple[int, ...], start_round: int, dep: float, ready: float,
+                 parent: Trajectory | None = None, point: Point | None = None) -> Trajectory:
         t = self.candidates.pop(key, None) or self.launcher.launch(self, key, parent, point)
-        t.ordinal, t.start_round, t.dep = len(self.trajectories), start_round, dep
+        t.ordinal, t.start_round, t.dep, t.ready = len(self.trajectories), start_round, dep, ready
         self.trajectories.append(t)
         if parent is None:
             self.fresh += 1

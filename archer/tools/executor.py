@@ -75,9 +75,21 @@ class PendingCalls:
         self.timeout = timeout
         self.start = time.monotonic()
         self.deadline = self.start + timeout
+        self._last = self.start  # when the last call answered
+        for future in futures.values():
+            future.add_done_callback(self._answered)
+
+    def _answered(self, _: Future) -> None:
+        self._last = max(self._last, time.monotonic())
 
     def done(self) -> bool:
         return all(f.done() for f in self.futures.values()) or time.monotonic() >= self.deadline
+
+    def seconds(self) -> float:
+        """How long the calls took: until the last answered, or the deadline if one never did."""
+        if all(f.done() for f in self.futures.values()):
+            return self._last - self.start
+        return self.timeout
 
     def outcomes(self) -> list[CallOutcome]:
         """The outcomes in call order; a call still running is given up (its answer is an error text)."""

@@ -151,9 +151,7 @@ class FastEngine(RolloutEngine):
     def release_memory(self, weights: bool = False) -> None:
         """Free the KV cache and the CUDA graphs (with ``weights``, the weight copy too: ``sync_weights`` takes
         it again); live session sequences keep their tokens and are prefilled again when they next decode."""
-        if self.scheduler.busy:
-            raise ArcherError("the fast engine's memory was released while sequences decode",
-                              "release memory only between generation calls")
+        self.scheduler.reset()  # nothing decodes between generation calls, unless one failed
         for seq in self.live:
             seq.pages.clear()
             seq.cached = 0
@@ -198,6 +196,7 @@ class FastEngine(RolloutEngine):
             with torch.no_grad():
                 self.scheduler.run(self.cache, jobs, params)
         finally:
+            self.scheduler.reset()  # a no-op unless the run failed
             if self.cache is not None:
                 for seq in parents + [job.seq for job in jobs if job.seq is not None]:
                     self.cache.release(seq)

@@ -141,6 +141,13 @@ class Scheduler:
         self.cache.shrink(job.seq)
         self._compact()
 
+    def reset(self) -> None:
+        """Drop every job (after a generation that failed): the slots idle, the jobs' pages stay their owners'."""
+        self.runner.clear(list(self.running))
+        self.running.clear()
+        self.waiting.clear()
+        self.children.clear()
+
     def step(self) -> list[Job]:
         """Admit what fits, decode one window and return the jobs that ended in it (tokens, log_probs,
         entropies and reason filled in); nothing when no job waits or decodes."""
