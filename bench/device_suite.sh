@@ -11,7 +11,10 @@
 #   bash bench/device_suite.sh
 # SHAPE (default qwen2.5-0.5b) and GVT_STEPS / TRL_STEPS / TC_STEPS change the workload; STAGES (default all:
 # "grpo_vs_trl quickstart influence_cost trace_cost trace_cost_grpo logprob_memory padding_free gpu_tests")
-# picks stages (also gpu_memory and model_sizes: issue 14's GPU test and bench/model_sizes.py), which run in the
+# picks stages (also gpu_memory and model_sizes: issue 14's GPU test and bench/model_sizes.py; agentic_rollout:
+# issue 24's bench/agentic_rollout.py, which reads ARPO's prompts from AR_PROMPTS, default
+# bench_data/arpo_prompts.json: make it with `python bench/agentic_rollout.py --export-prompts FILE` where ARPO's
+# data is, as the device cannot read it), which run in the
 # order STAGES names them; every stage has its own time limit, so one that hangs
 # leaves the others their time.
 set -uo pipefail
@@ -62,12 +65,15 @@ run_stage() {  # NAME: one stage of the suite
       stage model_sizes "${MS_TIMEOUT:-560}" python3 bench/model_sizes.py --out /tmp/ms --json "$out/model_sizes.json" \
         --markdown "$out/model_sizes.md" --steps "${MS_STEPS:-6}" --trl-steps "${MS_TRL_STEPS:-6}" \
         ${MS_ROWS:+--rows $MS_ROWS} ${MS_ARGS:-} ;;
+    agentic_rollout)
+      stage agentic_rollout "${AR_TIMEOUT:-300}" python3 bench/agentic_rollout.py \
+        --prompts-file "${AR_PROMPTS:-bench_data/arpo_prompts.json}" --json "$out/agentic_rollout.json" ${AR_ARGS:-} ;;
     gpu_tests)
       stage gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_fast_gpu.py \
         tests/test_rollout_fast_kernels.py tests/test_models_loading.py tests/test_rollout_factory.py \
         tests/test_trace_influence.py ;;
     *) echo "=== unknown stage $1 (known: grpo_vs_trl quickstart influence_cost trace_cost trace_cost_grpo" \
-         "logprob_memory padding_free gpu_memory model_sizes gpu_tests)" ;;
+         "logprob_memory padding_free gpu_memory model_sizes agentic_rollout gpu_tests)" ;;
   esac
 }
 

@@ -403,7 +403,8 @@ class _Run(Launcher):
         session.extend(t.seq, tokens)
         t.extend(tokens, 0)
         turn = t.log[-1]
-        if group.settings.beam_size > 1 and group.free > 0 and turn.keep is not False:
+        # a point its round keeps (decided already, or not yet: then the free slots can only be fewer by then)
+        if group.settings.beam_size > 1 and (turn.keep or (turn.keep is None and group.free > 0)):
             turn.point = Point(session.fork(t.seq, 0), len(t.tokens), t.calls, t.turns, t.work)
         self._submit(t)
 

@@ -167,6 +167,8 @@ class PromptGroup:
         self.candidates: dict[tuple[int, ...], Trajectory] = {}
         self.pending: list[tuple[Trajectory, Turn, Turn]] = []  # speculative decisions: (t, point turn, turn)
         self.round = 0
+        self.active: list[Trajectory] | None = None  # the round's trajectories, in creation order
+        self.taken = 0  # how many of them the round has taken
         self.fresh = 0
         self.root: int | None = None  # the loop's sequence of the prompt that fresh samples fork
         self.dep = dep
@@ -186,31 +188,41 @@ class PromptGroup:
 
     # -- rounds ------------------------------------------------------------------------------------------------
     def advance(self) -> None:
-        """Decide every round whose segments are all written; then start speculative trajectories."""
-        while not self.done and self._ready():
-            self._decide_round()
+        """Decide what the written segments allow, in order; then start speculative trajectories."""
+        while not self.done and self._step():
+            pass
         if self.done:
             for key in list(self.candidates):
                 self.launcher.cancel(self.candidates.pop(key))
         elif self.speculate:
             self._start_speculative()
 
-    def _active(self) -> list[Trajectory]:
-        return [t for t in self.trajectories if t.start_round <= self.round and t.done_round is None]
-
-    def _ready(self) -> bool:
-        return all(len(t.log) > self.round - t.start_round for t in self._active())
-
-    def _decide_round(self) -> None:
-        r, active = self.round, self._active()
-        for t in active:
-            turn = t.log[r - t.start_round]
+    def _step(self) -> bool:
+        """Take the round's next segment in creation order (a trajectory's decision needs only those of the
+        trajectories before it), or end the round once all are taken; False when the next is not written yet."""
+        if self.active is None:
+            self.active = [t for t in self.trajectories if t.start_round <= self.round and t.done_round is None]
+            self.taken = 0
+        if self.taken < len(self.active):
+            t = self.active[self.taken]
+            if len(t.log) <= self.round - t.start_round:
+                return False
+            turn = t.log[self.round - t.start_round]
             if turn.after_tool:
                 self.stats.step_entropies.append(turn.h)
                 if t.kept is not None:
                     self._decide(t, turn)
             if turn.ended:
-                t.done_round = r
+                t.done_round = self.round
+            self.taken += 1
+            return True
+        self._end_round()
+        return True
+
+    def _end_round(self) -> None:
+        """Keep the answered trajectories' branch points while slots are free; refill a prompt with no active
+        trajectory; next round."""
+        r, active, self.active = self.round, self.active, None
         keep = self.settings.beam_size > 1 and self.free > 0
         for t in active:
             if t.done_round is None:  # answered: keep a branch point while slots are free

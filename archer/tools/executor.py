@@ -70,10 +70,10 @@ class PendingCalls:
     """Calls submitted together, running in the executor's pool until each answered or the deadline passed."""
 
     def __init__(self, calls: Sequence[ToolCall], immediate: dict[int, CallOutcome], futures: dict[int, Future],
-                 timeout: float) -> None:
+                 timeout: float, start: float) -> None:
         self.calls, self.immediate, self.futures = list(calls), immediate, futures
         self.timeout = timeout
-        self.start = time.monotonic()
+        self.start = start
         self.deadline = self.start + timeout
         self._last = self.start  # when the last call answered
         for future in futures.values():
@@ -115,6 +115,7 @@ class ToolExecutor:
 
     def submit(self, calls: Sequence[ToolCall]) -> PendingCalls:
         """Start ``calls`` concurrently (a call to an unknown tool is answered at once with an error text)."""
+        start = time.monotonic()
         futures: dict[int, Future] = {}
         immediate: dict[int, CallOutcome] = {}
         for i, call in enumerate(calls):
@@ -125,7 +126,7 @@ class ToolExecutor:
                                            CallRecord(call.tool, False, 0.0, 0))
             else:
                 futures[i] = self._pool.submit(_timed, tool, call.content, self.retry_count)
-        return PendingCalls(calls, immediate, futures, self.timeout)
+        return PendingCalls(calls, immediate, futures, self.timeout, start)
 
     @staticmethod
     def wait(pending: Collection[PendingCalls], every: bool = False) -> None:
