@@ -380,6 +380,7 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
     parser.add_argument("--repeats", type=int, default=2, help="timed calls per row, after one warm-up call")
     parser.add_argument("--util", type=float, default=0.5, help="rollout.gpu_memory_utilization")
+    parser.add_argument("--time-limit", type=float, default=float("inf"), help="start no call after N seconds")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--prompts-file", type=Path, help="JSON: a list of chat messages lists (--export-prompts)")
     parser.add_argument("--data", type=Path, default=ARPO_DATA, help="ARPO's train parquet (without --prompts-file)")
@@ -395,16 +396,24 @@ def main() -> None:
     lengths = [len(p) for p in prompts]
     print(f"device {name}; prompts {len(prompts)}: {min(lengths)}-{max(lengths)} tokens (mean "
           f"{statistics.mean(lengths):.0f})", flush=True)
-    records = []
+    records, failed, began = [], {}, time.monotonic()
     for row in args.rows:
         for i in range(args.repeats + 1):
-            record = run_row(row, engine, tokenizer, prompts, args, seed=100 + i)
+            if time.monotonic() - began > args.time_limit:
+                print(f"time limit: {row} call {i} not run", flush=True)
+                break
+            try:
+                record = run_row(row, engine, tokenizer, prompts, args, seed=100 + i)
+            except Exception as e:  # one row's failure leaves the others their time
+                failed[row] = repr(e)
+                print(f"{row} failed: {e!r}", flush=True)
+                break
             record["hbm_bound_s"] = hbm_bound_s(record, engine.model.spec, engine.dtype, weight_bytes, bandwidth)
             record["warmup"] = i == 0
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}), flush=True)
             if i:
                 records.append(record)
-    summary = {"device": name, "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
+    summary = {"failed": failed, "device": name, "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
                "prompt_lengths": lengths, **summarize(records, args)}
     print(json.dumps(summary, indent=1), flush=True)
     if args.json:

@@ -2,7 +2,10 @@
 the decoded text of a response (the token that completes one ends it and is kept).
 
 Stop strings are matched on decoded text, never on token ids: a tag like ``</python>`` may be one token, or split
-over several, or end inside a token that carries more text.
+over several, or end inside a token that carries more text. Decoding is the costly part, so a window of new
+tokens is decoded only when one of them can end a stop string: when the stop strings end in ASCII characters,
+only a token whose vocabulary string holds such a character can (byte-level BPE and SentencePiece spell ASCII
+characters as themselves, byte fallback as ``<0x..>``, which also holds ``>``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,18 @@ class StopMatcher:
         # Every token decodes to at least one byte, so the longest stop string spans at most this many tokens;
         # the margin covers tokenizers that drop a leading space when decoding a fragment.
         self.window = max((len(s.encode("utf-8")) for s in stop), default=0) + 4
+        self._enders: frozenset[int] | None = None  # token ids that can end a stop string (None: not worked out)
+
+    def enders(self) -> frozenset[int] | None:
+        """The token ids that can end a stop string; None when any id might (a stop string ending in a character
+        that is not ASCII)."""
+        last = {s[-1] for s in self.stop}
+        if not all(c.isascii() for c in last):
+            return None
+        if self._enders is None:
+            pieces = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+            self._enders = frozenset(i for i, piece in enumerate(pieces) if piece and any(c in piece for c in last))
+        return self._enders
 
     def _hits(self, texts: list[str]) -> list[bool]:
         return [any(s in text for s in self.stop) for text in texts]
@@ -45,7 +60,9 @@ class StopMatcher:
         found: list[int | None] = [None] * len(responses)
         if not self.stop:
             return found
-        rows = [r for r, (tokens, start) in enumerate(zip(responses, starts, strict=True)) if start < len(tokens)]
+        enders = self.enders()
+        rows = [r for r, (tokens, start) in enumerate(zip(responses, starts, strict=True)) if start < len(tokens)
+                and (enders is None or not enders.isdisjoint(tokens[start:]))]
         tails = self.tokenizer.batch_decode([responses[r][max(0, starts[r] - self.window):] for r in rows])
         for r, hit in zip(rows, self._hits(tails), strict=True):
             if hit:

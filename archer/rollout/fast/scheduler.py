@@ -62,6 +62,7 @@ class Scheduler:
         self.children: Counter = Counter()
         self.filtered = False
         self.stops = StopMatcher(tokenizer, ())
+        self._matchers: dict[tuple[str, ...], StopMatcher] = {}  # kept across batches: they learn the vocabulary once
 
     # -- prefill -------------------------------------------------------------------------------------------
 
@@ -117,7 +118,7 @@ class Scheduler:
         vocab = self.model.spec.vocab
         self.params, self.cache = params, cache
         self.filtered = not params.greedy and (0 < params.top_k < vocab or params.top_p < 1)
-        self.stops = StopMatcher(self.tokenizer, params.stop)
+        self.stops = self._matchers.setdefault(params.stop, StopMatcher(self.tokenizer, params.stop))
         self.capacity = max(1, min(rows, self.runner.slots))
         self.runner.prepare(self.filtered, cache, rows=self.capacity)
         self.children = Counter()
