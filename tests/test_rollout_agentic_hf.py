@@ -138,6 +138,7 @@ def test_the_fast_engines_running_batch_gives_the_hf_engines_responses_and_prefi
     own_tool_tokens = sum(int(fast["tool_mask"][r, max(position, 0):].sum()) for r, position in enumerate(positions))
     prompt_tokens = sum(int(m.sum()) - 1 for m in prompts["attention_mask"])
     assert scheduler.counters.prefilled - prefilled == prompt_tokens + own_tool_tokens
+    assert not actors["fast"].rollout.engine.live and not scheduler.busy  # every sequence released, none decodes
     metrics = fast.info[ROLLOUT_STATS].metrics()
     assert 1 <= metrics["rollout/decode_batch_mean"] <= 8 and 0 < metrics["rollout/decode_occupancy"] <= 1
 
