@@ -253,7 +253,7 @@ class _Run(Launcher):
             began = time.monotonic()
             segments = session.poll()
             now = time.monotonic()
-            longest = max((len(s.tokens) for _, s in segments), default=0)
+            longest = max((len(s.tokens) for _, s in segments), default=0) or 1
             for seq, segment in segments:
                 t = self.by_seq[(id(session), seq)]
                 t.decoding = False
