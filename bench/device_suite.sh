@@ -12,8 +12,11 @@
 # SHAPE (default qwen2.5-0.5b; GVT_SHAPES for several grpo_vs_trl shapes) and GVT_STEPS / TRL_STEPS / TC_STEPS
 # change the workload; STAGES (default all: "grpo_vs_trl quickstart influence_cost trace_cost trace_cost_grpo
 # logprob_memory padding_free gpu_tests") picks stages (also gpu_memory and model_sizes: issue 14's GPU test and
-# bench/model_sizes.py; stage_mfu, decode and archer2_recipe: issue 26's figures), which run in the order STAGES
-# names them; every stage has its own time limit (*_TIMEOUT), so one that hangs leaves the others their time.
+# bench/model_sizes.py; stage_mfu, decode and archer2_recipe: issue 26's figures; agentic_rollout: issue 24's
+# bench/agentic_rollout.py, which reads ARPO's prompts from AR_PROMPTS, default bench_data/arpo_prompts.json:
+# make it with `python bench/agentic_rollout.py --export-prompts FILE` where ARPO's data is, as the device cannot
+# read it), which run in the order STAGES names them; every stage has its own time limit (*_TIMEOUT), so one that
+# hangs leaves the others their time.
 # Issue 26's two calls on one H100:
 #   STAGES="gpu_tests stage_mfu decode" bash bench/device_suite.sh
 #   STAGES=grpo_vs_trl GVT_SHAPES="qwen2.5-0.5b qwen2.5-1.5b" GVT_STEPS=3 TRL_STEPS=2 bash bench/device_suite.sh
@@ -82,12 +85,16 @@ run_stage() {  # NAME: one stage of the suite
       stage model_sizes "${MS_TIMEOUT:-560}" python3 bench/model_sizes.py --out /tmp/ms --json "$out/model_sizes.json" \
         --markdown "$out/model_sizes.md" --steps "${MS_STEPS:-6}" --trl-steps "${MS_TRL_STEPS:-6}" \
         ${MS_ROWS:+--rows $MS_ROWS} ${MS_ARGS:-} ;;
+    agentic_rollout)
+      stage agentic_rollout "${AR_TIMEOUT:-300}" python3 bench/agentic_rollout.py \
+        --prompts-file "${AR_PROMPTS:-bench_data/arpo_prompts.json}" --json "$out/agentic_rollout.json" ${AR_ARGS:-} ;;
     gpu_tests)
       stage gpu_tests "${GT_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_packing_gpu.py \
         tests/test_rollout_fast_gpu.py tests/test_rollout_fast_kernels.py tests/test_models_loading.py \
         tests/test_models_sequence_layout.py tests/test_rollout_factory.py tests/test_trace_influence.py ;;
     *) echo "=== unknown stage $1 (known: grpo_vs_trl quickstart influence_cost trace_cost trace_cost_grpo" \
-         "logprob_memory padding_free gpu_memory model_sizes gpu_tests stage_mfu decode archer2_recipe)" ;;
+         "logprob_memory padding_free gpu_memory model_sizes agentic_rollout gpu_tests stage_mfu decode" \
+         "archer2_recipe)" ;;
   esac
 }
 

@@ -1,6 +1,7 @@
 """A scripted engine for tests of the agentic loop, where a real tiny model cannot write tool calls: each decode
 call asks a script for the next turn of a sequence (its text, the entropy of its tokens, whether it ends with
-eos) and cuts it as an engine would, at the first stop string, at eos, or at the sequence's budget."""
+eos) and cuts it as an engine would, at the first stop string, at eos, or at the sequence's budget. Its
+continuous variant returns each submitted turn after a drawn number of polls, as a running batch would."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ from dataclasses import dataclass
 import torch
 
 from archer.models.tiny import train_tokenizer
-from archer.rollout.base import EngineSession, RolloutEngine, RolloutOutput, SamplingParams, Segment
+from archer.rollout.base import (
+    ContinuousSession,
+    EngineSession,
+    RolloutEngine,
+    RolloutOutput,
+    SamplingParams,
+    Segment,
+)
 from archer.tools import Tool, ToolRegistry, ToolResult
 
 CORPUS = [
@@ -141,3 +149,53 @@ class Echo(Tool):
 
 def registry(*tools: Tool, call_limit: int = 3) -> ToolRegistry:
     return ToolRegistry(list(tools) or [Echo()], call_limit=call_limit, max_workers=4, timeout=10.0, retry_count=0)
+
+
+class ContinuousScriptedSession(ScriptedSession, ContinuousSession):
+    """The scripted session as a running batch: a submitted turn is scripted at once and comes back after a number
+    of polls drawn from ``schedule`` (0 to 3), so turns end in an order that depends on the schedule's seed."""
+
+    def __init__(self, engine: ContinuousScriptedEngine, schedule: random.Random) -> None:
+        super().__init__(engine)
+        self.schedule = schedule
+        self.running: dict[int, list] = {}  # seq -> [segment, polls left]
+        self.started: list[int] = []  # every sequence submitted, in order
+        self.returned: list[int] = []  # every segment returned, in order
+        self.polls: list[int] = []  # how many had been submitted at each poll
+
+    def submit(self, seq: int, params: SamplingParams, max_new_tokens: int) -> None:
+        (segment,) = self.decode([seq], params, [max_new_tokens])
+        self.running[seq] = [segment, self.schedule.randint(0, 3)]
+        self.started.append(seq)
+
+    def poll(self) -> list[tuple[int, Segment]]:
+        self.polls.append(len(self.started))
+        out = []
+        for seq, entry in list(self.running.items()):
+            entry[1] -= 1
+            if entry[1] < 0:
+                out.append((seq, entry[0]))
+                del self.running[seq]
+        self.schedule.shuffle(out)
+        self.returned += [seq for seq, _ in out]
+        return out
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running)
+
+    def release(self, seq: int) -> None:
+        self.running.pop(seq, None)
+        super().release(seq)
+
+
+class ContinuousScriptedEngine(ScriptedEngine):
+    """A ScriptedEngine whose sessions are continuous, their turns ending in the order of ``schedule_seed``."""
+
+    def __init__(self, script: Script, tok=None, schedule_seed: int = 0) -> None:
+        super().__init__(script, tok)
+        self.schedule = random.Random(schedule_seed)
+
+    def session(self) -> ContinuousScriptedSession:
+        self.sessions.append(ContinuousScriptedSession(self, self.schedule))
+        return self.sessions[-1]

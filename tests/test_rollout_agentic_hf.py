@@ -114,6 +114,35 @@ def test_training_rollout_with_real_tools_lays_out_tool_output_as_context(model_
     assert torch.all(batch["rollout_log_probs"][~valid] == 0)
 
 
+def test_the_fast_engines_running_batch_gives_the_hf_engines_responses_and_prefills_once(model_dir):
+    """The same loop on both engines: the fast engine's continuous sessions (trajectories resumed as their tools
+    answer, refills and branches started speculatively) give the responses of the hf engine's rounds (both
+    sample with the same per-row noise); and each prompt and each tool answer is prefilled once: fresh samples
+    share the prompt's pages, branches their branch point's."""
+    actors = {engine: make_actor(model_dir, f"{ROLLOUT}.name={engine}", f"{ROLLOUT}.n=4",
+                                 f"{ROLLOUT}.initial_rollouts=1", f"{ROLLOUT}.beam_size=2",
+                                 f"{ROLLOUT}.branch_probability=0.5", f"{ROLLOUT}.entropy_weight=0.0")
+              for engine in ("fast", "hf")}
+    prompts = arpo_prompts(model_dir)
+    prompts.info.update(validate=False, seed=4)
+    scheduler = actors["fast"].rollout.engine.scheduler
+    prefilled = scheduler.counters.prefilled
+    fast, hf = (actors[engine].generate_sequences(prompts) for engine in ("fast", "hf"))
+    for key in ("responses", "response_mask", "tool_mask"):
+        assert torch.equal(fast[key], hf[key]), key
+    for key in ("branch_parent", "branch_position", "num_tool_calls", "finish_reason"):
+        assert fast[key].tolist() == hf[key].tolist(), key
+    torch.testing.assert_close(fast["rollout_log_probs"], hf["rollout_log_probs"], atol=2e-4, rtol=0)
+    parents, positions = fast["branch_parent"].tolist(), fast["branch_position"].tolist()
+    assert sum(p >= 0 for p in parents) >= 1 and sum(p < 0 for p in parents) > len(prompts)  # branches, refills
+    own_tool_tokens = sum(int(fast["tool_mask"][r, max(position, 0):].sum()) for r, position in enumerate(positions))
+    prompt_tokens = sum(int(m.sum()) - 1 for m in prompts["attention_mask"])
+    assert scheduler.counters.prefilled - prefilled == prompt_tokens + own_tool_tokens
+    assert not actors["fast"].rollout.engine.live and not scheduler.busy  # every sequence released, none decodes
+    metrics = fast.info[ROLLOUT_STATS].metrics()
+    assert 1 <= metrics["rollout/decode_batch_mean"] <= 8 and 0 < metrics["rollout/decode_occupancy"] <= 1
+
+
 def test_validation_runs_the_same_loop_without_branches(model_dir):
     actor = make_actor(model_dir, f"{ROLLOUT}.n=4", f"{ROLLOUT}.initial_rollouts=1", f"{ROLLOUT}.beam_size=4",
                        f"{ROLLOUT}.branch_probability=1.0", f"{ROLLOUT}.val_kwargs.n=2")

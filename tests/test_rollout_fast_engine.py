@@ -62,6 +62,14 @@ def test_greedy_equals_hf_engine(engine, parts, prompts):
     torch.testing.assert_close(fast.entropies, hf.entropies, atol=1e-5, rtol=0)
 
 
+def test_sampled_rows_equal_the_hf_engines(engine, parts, prompts):
+    """Both engines sample with the same per-row noise: the same seed gives the same tokens (float32 logits)."""
+    params = SamplingParams(n=2, temperature=0.9, top_k=40, max_new_tokens=16, seed=4, first_prompt=3)
+    fast, hf = engine.generate(prompts, params), HFGenerateEngine(*parts).generate(prompts, params)
+    assert torch.equal(fast.responses, hf.responses) and fast.finish_reasons == hf.finish_reasons
+    torch.testing.assert_close(fast.log_probs, hf.log_probs, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize(
     "params",
     [
@@ -252,6 +260,45 @@ def test_session_turns_fork_and_release(engine, parts, prompts):
     assert engine.cache.free_pages == engine.cache.pages - 1
     with pytest.raises(ArcherError, match="not in this session"):
         session.tokens(a)
+
+
+def test_a_sessions_running_batch_takes_turns_as_they_come(parts, prompts):
+    """submit / poll: a turn submitted while others decode, and one released mid-turn; each sequence gets the
+    tokens it gets alone, forks waiting for their parent's prefill share it (prefilled once), and every page
+    comes back."""
+    engine = FastEngine(*parts, max_num_seqs=8, page_size=16, window=4)
+    params = SamplingParams(temperature=1.0, max_new_tokens=64)
+
+    def alone(prompt: list[int], seed: int) -> list[int]:
+        session = engine.session()
+        seq = session.add(prompt, seed)
+        tokens = session.decode([seq], params, [20])[0].tokens
+        session.release(seq)
+        return tokens
+
+    expected = [alone(p, seed) for seed, p in enumerate(prompts[:3])]
+    session = engine.session()
+    root = session.add(prompts[0], seed=99)
+    a = session.fork(root, seed=0)  # waits for the root's prefill (at the next poll)
+    b, c = session.add(prompts[1], seed=1), session.add(prompts[2], seed=2)
+    prefilled = engine.scheduler.counters.prefilled
+    session.submit(a, params, 20)
+    session.submit(b, params, 20)
+    assert session.poll() == [] and session.busy  # 4 of 20 steps
+    session.submit(c, params, 20)  # joins the running batch
+    session.release(b)  # leaves it mid-turn
+    ended = {}
+    while session.busy:
+        ended.update(session.poll())
+    assert set(ended) == {a, c}
+    assert ended[a].tokens == expected[0] and ended[c].tokens == expected[2]
+    assert session.tokens(a) == prompts[0] + expected[0]
+    assert engine.scheduler.counters.prefilled - prefilled == sum(len(p) - 1 for p in prompts[:3])
+    for seq in (root, a, c):
+        session.release(seq)
+    assert engine.cache.free_pages == engine.cache.pages - 1
+    with pytest.raises(ArcherError, match="different parameters"):
+        session.submit(session.add(prompts[0], 0), SamplingParams(do_sample=False), 4)
 
 
 def test_session_stop_and_weight_sync_recompute(engine, parts, prompts):

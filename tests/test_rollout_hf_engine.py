@@ -3,6 +3,8 @@ training-time log-prob pass (response_logprobs)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -81,6 +83,23 @@ def test_seed_reproduces_and_samples_differ(engine, prompts):
     for i in range(len(prompts)):
         samples = {tuple(r) for r in first.responses[4 * i : 4 * i + 4].tolist()}
         assert len(samples) == 4
+
+
+def test_sampling_does_not_depend_on_sharding_padding_or_batch_size(parts, prompts):
+    """Each row samples with the seed of its index in the whole batch: two data-parallel shards (each padded to
+    its own longest prompt) and small batches give the rows of the whole batch in one go."""
+    params = SamplingParams(n=3, temperature=1.0, top_k=50, max_new_tokens=10, seed=21)
+    whole = HFGenerateEngine(*parts).generate(prompts, params)
+    shards = [HFGenerateEngine(*parts, max_batch_size=2).generate(prompts[:1], params),
+              HFGenerateEngine(*parts).generate(prompts[1:], replace(params, first_prompt=1))]
+    width = max(s.responses.shape[1] for s in shards)
+    for field in ("responses", "log_probs"):
+        pieces = torch.cat([torch.nn.functional.pad(getattr(s, field), (0, width - s.responses.shape[1]))
+                            for s in shards])
+        expected = getattr(whole, field)[:, :width]
+        torch.testing.assert_close(pieces, expected, atol=1e-5, rtol=0)
+    assert [r for s in shards for r in s.finish_reasons] == whole.finish_reasons
+    assert len({tuple(r) for r in whole.responses.tolist()}) == 9  # the rows sample apart
 
 
 def test_greedy_is_argmax_of_full_forward(engine, parts, prompts):

@@ -69,6 +69,24 @@ def test_calls_of_a_round_run_concurrently_and_come_back_in_order() -> None:
     assert all(0.3 <= o.record.latency_s < 0.6 and o.record.attempts == 1 for o in outcomes)
 
 
+def test_submissions_run_side_by_side_and_wait_returns_with_the_first_done() -> None:
+    """The agentic loop's use: each trajectory submits its calls when its turn ends; ``wait`` returns as soon as
+    one submission is done (the loop then resumes that trajectory), each with its own deadline."""
+    executor = ToolExecutor({"slow": Sleepy("slow", seconds=0.4), "quick": Sleepy("quick", seconds=0.05)},
+                            timeout=0.25)
+    start = time.monotonic()
+    slow = executor.submit([ToolCall("slow", "a")])
+    quick = executor.submit([ToolCall("quick", "b"), ToolCall("none", "c")])
+    executor.wait([slow, quick])
+    assert quick.done() and not slow.done() and time.monotonic() - start < 0.2
+    assert [o.text for o in quick.outcomes()] == ["B", "Error: there is no tool named 'none' (tools: quick, slow)."]
+    executor.wait([slow], every=True)  # its own deadline: 0.25 s after its submission
+    assert 0.2 < time.monotonic() - start < 0.38
+    assert slow.outcomes()[0].text == "Error: Tool(slow) did not answer within 0.25 s."
+    executor.wait([executor.submit([])])  # nothing to run: done at once
+    executor.close()
+
+
 def test_max_workers_bounds_concurrency() -> None:
     tool = Sleepy(seconds=0.05)
     executor = ToolExecutor({"sleepy": tool}, max_workers=2)

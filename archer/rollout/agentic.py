@@ -1,11 +1,21 @@
-"""The multi-turn tool rollout loop, with ARPO's entropy-based branching (archer/rollout/branching.py).
+"""The multi-turn tool rollout loop, with ARPO's entropy-based branching (archer/rollout/branching.py), run as
+one scheduler in which every trajectory is its own request.
 
-Written against the engine session interface (archer/rollout/base.py: add, decode, extend, fork, release), so
-the HF engine (re-prefill per call) and an engine with real KV reuse run it alike. One call of ``generate``:
+Written against the engine session interface (archer/rollout/base.py). Each trajectory (global sample, ARPO
+branch or refill, AEPO probe) submits its turns to the session on its own: a turn that ends with a tool call
+leaves the running batch, its calls start in the tool executor (archer/tools/executor.py, concurrently with
+every other trajectory's), and when they answer the answer is appended and the next turn submitted. With a
+continuous session (the fast engine's) the engine keeps decoding the other trajectories meanwhile, and the
+waiting one keeps its cached pages; an engine whose session decodes only in calls (the HF engine) runs the
+same loop as rounds (``RoundSession``). What a prompt's trajectories decide together (branches, refills) follows
+ARPO's rounds in logical time (archer/rollout/prompt_rounds.py), so the responses do not depend on which turn
+or tool finishes first, nor on the engine. One call of ``generate``:
 
-1. every prompt starts with its global samples (``initial_rollouts``, or AEPO's m from a probe);
-2. a round decodes every active trajectory until an eos, a stop string (the tools' closing tags among them) or
-   its own budget (``response_length`` minus what it already holds);
+1. every prompt starts with its global samples (``initial_rollouts``, or AEPO's m from a probe, which runs in
+   the same loop first: a prompt's samples start when its own probe ends); fresh samples are forks of the
+   prompt's sequence, so an engine that shares pages prefills the prompt once;
+2. a turn decodes until an eos, a stop string (the tools' closing tags among them) or the trajectory's budget
+   (``response_length`` minus what it already holds);
 3. a segment that ends with a tool call (archer/rollout/call_formats.py) gets the tool's answer appended as
    context: attention 1, ``response_mask`` 0. A trajectory that asks for more than ``call_limit`` calls ends
    there, with an eos appended (learned, as ARPO does; not sampled, so its log-prob and entropy are 0) unless
@@ -23,29 +33,37 @@ the HF engine (re-prefill per call) and an engine with real KV reuse run it alik
    point). The next segment's first ``entropy_window`` tokens give H; the branch rule decides how many
    branches start from that point, each sampling with its own seed;
 5. a prompt without an active trajectory and with fewer than ``n`` gets one fresh sample per round (ARPO);
-6. the loop ends when no trajectory is active: every prompt then has exactly ``n`` responses, in creation
-   order (global samples first), and deterministic under the seed (each trajectory samples from its own
-   seed; branch draws come from a generator of the call, so no state outlives a call: ARPO's stale
-   initial-entropy record cannot happen).
+6. the call ends when every prompt has exactly ``n`` ended responses, in creation order (global samples
+   first), deterministic under the seed (each trajectory samples from a seed of its key, branch draws come
+   from a generator of their point, so no state outlives a call: ARPO's stale initial-entropy record cannot
+   happen).
+
+Besides ``rollout/*`` and ``tools/*`` (archer/rollout/rollout_stats.py), a call measures its decoding (steps,
+tokens sampled, the largest batch), the seconds trajectories waited for tools, and its critical time: the
+longest chain of turns, tool waits and the decisions a trajectory depends on (a branch on its parent's turns,
+a refill on its prompt's other trajectories), each turn timed by what the trajectory itself decoded.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from archer.rollout.base import RolloutEngine, SamplingParams, Segment
-from archer.rollout.branching import BranchSettings, branch_probability, global_samples, segment_entropy
+from archer.rollout.base import ContinuousSession, RolloutEngine, RoundSession, SamplingParams, Segment
+from archer.rollout.branching import BranchSettings, global_samples, segment_entropy
 from archer.rollout.call_formats import CallFormat, ParsedCall
+from archer.rollout.prompt_rounds import Launcher, Point, PromptGroup, Trajectory, Turn, stream_seed
 from archer.rollout.rollout_stats import RolloutStats
 from archer.rollout.tool_text import clip_text, cut_ids, encode_plain, share_room
 from archer.tools import ToolRegistry
+from archer.tools.executor import PendingCalls
 
-_SAMPLE, _BRANCH_DRAWS, _PROBE = 0, 1, 2  # seed streams of a call
+_SAMPLE, _PROBE = 0, 2  # seed streams of a call (1: branch draws, prompt_rounds.py)
 
 
 @dataclass(frozen=True)
@@ -58,47 +76,6 @@ class LoopSettings:
     max_tool_response_length: int | None = None
     tool_response_truncate_side: str = "middle"
     entropy_window: int = 20
-
-
-@dataclass
-class _Point:
-    """A branch point: a fork of a trajectory right after a tool answer, and its counters there."""
-
-    seq: int
-    length: int
-    calls: int
-    turns: int
-
-
-@dataclass
-class Trajectory:
-    """One response being generated; ``learned`` is 1 on the model's tokens, 0 on tool output."""
-
-    prompt: int
-    ordinal: int  # its place among its prompt's trajectories (creation order)
-    seq: int
-    parent: int = -1  # ordinal of the trajectory it branched from (-1: a global sample or a refill)
-    branch_position: int = -1  # its first token of its own: the tokens before it are the parent's (-1: none)
-    depth: int = 0
-    consecutive: int = 0  # consecutive branch points of its path that branched (AEPO's penalty)
-    tokens: list[int] = field(default_factory=list)
-    learned: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    entropies: list[float] = field(default_factory=list)
-    calls: int = 0
-    turns: int = 0
-    h_init: float | None = None
-    tool_entropies: list[float] = field(default_factory=list)  # H after each of its tool answers
-    point: _Point | None = None
-    finish: str | None = None  # None while active
-    limit_reached: bool = False
-
-    def extend(self, tokens: list[int], learned: int, log_probs: list[float] | None = None,
-               entropies: list[float] | None = None) -> None:
-        self.tokens += tokens
-        self.learned += [learned] * len(tokens)
-        self.log_probs += log_probs if log_probs is not None else [0.0] * len(tokens)
-        self.entropies += entropies if entropies is not None else [0.0] * len(tokens)
 
 
 @dataclass
@@ -119,10 +96,6 @@ class AgenticOutput:
     branch_parent: list[int]
     branch_position: list[int]
     stats: RolloutStats
-
-
-def _seed(seed: int, stream: int, *path: int) -> int:
-    return int(np.random.SeedSequence([seed % 2**63, stream, *path]).generate_state(1)[0])
 
 
 class AgenticRollout:
@@ -162,148 +135,237 @@ class AgenticRollout:
         if settings.n != params.n:
             raise ValueError(f"branching for n={settings.n} but sampling for n={params.n}")
         stops = tuple(dict.fromkeys((*params.stop, *self.format.stop_strings)))
-        params = replace(params, n=1, stop=stops)
-        initial, probed = [settings.initial_rollouts] * len(prompts), None
-        if settings.dynamic_rollouts:
-            initial, probed = self._probe(prompts, params, settings, allowed_tools)
-        run = _Run(self, prompts, params, settings, params.seed, allowed_tools)
-        if probed is not None:
-            run.stats.add_calls(probed)  # the probes' tool calls are the step's work; their responses are not
-        return run.execute(initial)
-
-    def _probe(self, prompts: list[list[int]], params: SamplingParams, settings: BranchSettings,
-               allowed_tools: Sequence[Collection[str] | None] | None) -> tuple[list[int], RolloutStats]:
-        """AEPO's entropy pre-monitoring: one tool-using probe per prompt gives its number of global samples
-        (returned with the probes' stats)."""
-        probe = _Run(self, prompts, params, BranchSettings(n=1, initial_rollouts=1), _seed(params.seed, _PROBE),
-                     allowed_tools)
-        probe.execute([1] * len(prompts))
-        out = []
-        for (t,) in probe.trajectories:
-            h_root = t.h_init or 0.0
-            h_tool = float(np.mean(t.tool_entropies)) if t.tool_entropies else h_root
-            out.append(global_samples(settings.n, h_root, h_tool, settings.dynamic_rollout_beta))
-        return out, probe.stats
+        return _Run(self, prompts, replace(params, n=1, stop=stops), settings, allowed_tools).execute()
 
 
-class _Run:
-    """The state of one ``generate`` call: its session, trajectories, branch draws and stats."""
+def _continuous(session) -> ContinuousSession:
+    return session if isinstance(session, ContinuousSession) else RoundSession(session)
+
+
+class _Run(Launcher):
+    """The state of one ``generate`` call: its sessions (AEPO's probes in their own), each prompt's groups, the
+    trajectories decoding or waiting for tools, and the stats."""
 
     def __init__(self, loop: AgenticRollout, prompts: list[list[int]], params: SamplingParams,
-                 settings: BranchSettings, seed: int,
-                 allowed_tools: Sequence[Collection[str] | None] | None = None) -> None:
-        self.loop = loop
-        self.prompts = prompts
+                 settings: BranchSettings, allowed_tools: Sequence[Collection[str] | None] | None) -> None:
+        self.loop, self.prompts, self.params, self.settings = loop, prompts, params, settings
         self.allowed = list(allowed_tools) if allowed_tools is not None else [None] * len(prompts)
-        self.params = params
-        self.settings = settings
-        self.seed = seed
-        self.first_prompt = params.first_prompt  # sample seeds follow the prompt's index in the whole batch
         self.budget = loop.settings.response_length
-        self.session = loop.engine.session()
-        self.trajectories: list[list[Trajectory]] = [[] for _ in prompts]
-        self.draws = np.random.default_rng(_seed(seed, _BRANCH_DRAWS))
-        self.stats = RolloutStats(tools=tuple(loop.registry.tools))
-
-    # -- trajectories --------------------------------------------------------------------------------------
-    def free(self, prompt: int) -> int:
-        return self.settings.n - len(self.trajectories[prompt])
-
-    def active(self) -> list[Trajectory]:
-        return [t for group in self.trajectories for t in group if t.finish is None]
-
-    def start(self, prompt: int) -> Trajectory:
-        ordinal = len(self.trajectories[prompt])
-        seq = self.session.add(self.prompts[prompt], _seed(self.seed, _SAMPLE, self.first_prompt + prompt, ordinal))
-        t = Trajectory(prompt, ordinal, seq)
-        self.trajectories[prompt].append(t)
-        return t
-
-    def branch(self, parent: Trajectory, point: _Point) -> Trajectory:
-        ordinal = len(self.trajectories[parent.prompt])
-        seq = self.session.fork(point.seq, _seed(self.seed, _SAMPLE, self.first_prompt + parent.prompt, ordinal))
-        child = Trajectory(parent.prompt, ordinal, seq, parent=parent.ordinal, branch_position=point.length,
-                           depth=parent.depth + 1,
-                           tokens=parent.tokens[:point.length], learned=parent.learned[:point.length],
-                           log_probs=parent.log_probs[:point.length], entropies=parent.entropies[:point.length],
-                           calls=point.calls, turns=point.turns, h_init=parent.h_init)
-        self.trajectories[parent.prompt].append(child)
-        return child
-
-    def finish(self, t: Trajectory, reason: str) -> None:
-        t.finish = reason
-        self.session.release(t.seq)
+        self.probe_session = _continuous(loop.engine.session()) if settings.dynamic_rollouts else None
+        self.session = _continuous(loop.engine.session())
+        self.sessions = [s for s in (self.probe_session, self.session) if s is not None]
+        self.speculate = all(s.continuous for s in self.sessions)
+        self.groups: list[PromptGroup | None] = [None] * len(prompts)
+        self.probes: list[PromptGroup] = []
+        self.session_of: dict[PromptGroup, ContinuousSession] = {}
+        self.by_seq: dict[tuple[int, int], Trajectory] = {}  # (session, sequence) -> its trajectory
+        self.group_of: dict[Trajectory, PromptGroup] = {}
+        self.tool_calls: dict[Trajectory, tuple[list[ParsedCall], list[str | None], PendingCalls]] = {}
 
     # -- the loop ------------------------------------------------------------------------------------------------
-    def execute(self, initial: list[int]) -> AgenticOutput:
-        for prompt, count in enumerate(initial):
-            for _ in range(count):
-                self.start(prompt)
-        self.stats.initial_rollouts = list(initial)
-        while active := self.active():
-            segments = self.session.decode([t.seq for t in active], self.params,
-                                           [self.budget - len(t.tokens) for t in active])
-            answering = []
-            for t, segment in zip(active, segments, strict=True):
-                self.take_segment(t, segment)
-                text = self.loop.tokenizer.decode(segment.tokens, skip_special_tokens=True)
-                calls = self.loop.format.parse(text, segment.finish_reason)
-                if self.ends(t, segment, text, calls):
-                    continue
-                answering.append((t, calls))
-            self.answer(answering)
-            self.refill()
-        return self.output()
+    def execute(self) -> AgenticOutput:
+        start = time.monotonic()
+        first = self.params.first_prompt
+        self.session.expect(len(self.prompts) * self.settings.n)
+        for prompt in range(len(self.prompts)):
+            if self.probe_session is not None:
+                probe = PromptGroup(self, prompt, first + prompt, BranchSettings(n=1, initial_rollouts=1), 1,
+                                    stream_seed(self.params.seed, _PROBE), self._stats())
+                self._start(probe, self.probe_session)
+                self.probes.append(probe)
+            else:
+                self._start_prompt(prompt, self.settings.initial_rollouts, dep=0.0)
+        if self.probe_session is not None:
+            self.probe_session.expect(len(self.prompts))
+        try:
+            self._run()
+        except BaseException:
+            self._abandon()
+            raise
+        return self._output(time.monotonic() - start)
 
-    def take_segment(self, t: Trajectory, segment: Segment) -> None:
-        """Append a decoded segment; measure its entropy (H_init, or H after a tool answer and branch there)."""
+    def _run(self) -> None:
+        while True:
+            self._advance()
+            if all(g is not None and g.done for g in self.groups):
+                break
+            ended = self._poll()
+            if self.tool_calls:
+                if not any(s.busy for s in self.sessions):  # nothing decodes: wait for the tools
+                    self.loop.registry.executor.wait([c[2] for c in self.tool_calls.values()],
+                                                     every=not self.speculate)
+                self._collect_answers()
+            elif not ended and not any(s.busy for s in self.sessions):
+                raise RuntimeError("the agentic loop has nothing to decode and no tool to wait for")
+
+    def _abandon(self) -> None:
+        """After a failure: release every sequence the call holds (their decodes stop) and cancel its tool calls."""
+        for t in list(self.by_seq.values()):
+            self._release(t)
+        for group in [*self.probes, *(g for g in self.groups if g is not None)]:
+            session = self.session_of[group]
+            for t in group.trajectories + list(group.candidates.values()):
+                for turn in t.log:
+                    self.drop_point(group, turn)
+            if group.root is not None:
+                session.release(group.root)
+                group.root = None
+        for _, _, pending in self.tool_calls.values():
+            pending.outcomes()  # gives up the calls still queued
+
+    def _stats(self) -> RolloutStats:
+        return RolloutStats(tools=tuple(self.loop.registry.tools))
+
+    def _start(self, group: PromptGroup, session: ContinuousSession) -> None:
+        self.session_of[group] = session
+        group.start()
+
+    def _start_prompt(self, prompt: int, initial: int, dep: float) -> None:
+        group = PromptGroup(self, prompt, self.params.first_prompt + prompt, self.settings, initial,
+                            self.params.seed, self._stats(), dep=dep, speculate=self.speculate)
+        self.groups[prompt] = group
+        self._start(group, self.session)
+
+    def _advance(self) -> None:
+        """Decide what each prompt's rounds allow (AEPO: a prompt's samples start when its probe ends)."""
+        for probe in self.probes:
+            if self.groups[probe.prompt] is None:
+                probe.advance()
+                if probe.done:
+                    (t,) = probe.trajectories
+                    h_root = t.h_init or 0.0
+                    h_tool = float(np.mean(t.tool_entropies)) if t.tool_entropies else h_root
+                    m = global_samples(self.settings.n, h_root, h_tool, self.settings.dynamic_rollout_beta)
+                    self._start_prompt(probe.prompt, m, dep=t.finished_at)
+        for group in self.groups:
+            if group is not None and not (group.done and not group.candidates):
+                group.advance()
+                if group.done and group.root is not None:
+                    self.session_of[group].release(group.root)
+                    group.root = None
+
+    def _poll(self) -> bool:
+        """Decode a little in every busy session and take the segments that ended."""
+        ended = False
+        for session in self.sessions:
+            if not session.busy:
+                continue
+            began = time.monotonic()
+            segments = session.poll()
+            now = time.monotonic()
+            longest = max((len(s.tokens) for _, s in segments), default=0) or 1
+            for seq, segment in segments:
+                t = self.by_seq[(id(session), seq)]
+                t.decoding = False
+                # a trajectory's own time: in a running batch, until it left; in a round, its share of the steps
+                seconds = now - t.submitted if session.continuous else (now - began) * len(segment.tokens) / longest
+                if t.confirmed:
+                    self.process(self.group_of[t], t, segment, seconds)
+                else:
+                    t.held = (segment, seconds)
+                ended = True
+        return ended
+
+    def _collect_answers(self) -> None:
+        for t, (calls, refusals, pending) in list(self.tool_calls.items()):
+            if pending.done():
+                del self.tool_calls[t]
+                self._answer(t, calls, refusals, pending)
+
+    def _submit(self, t: Trajectory) -> None:
+        self.session_of[self.group_of[t]].submit(t.seq, self.params, self.budget - len(t.tokens))
+        t.decoding, t.submitted = True, time.monotonic()
+
+    # -- the launcher (prompt_rounds.py) ----------------------------------------------------------------------
+    def launch(self, group: PromptGroup, key: tuple[int, ...], parent: Trajectory | None = None,
+               point: Point | None = None) -> Trajectory:
+        session = self.session_of[group]
+        seed = stream_seed(group.seed, _SAMPLE, group.global_prompt, *key)
+        if parent is None:
+            prompt = self.prompts[group.prompt]
+            if group.settings.n == 1:
+                seq = session.add(prompt, seed)
+            else:
+                if group.root is None:
+                    group.root = session.add(prompt, 0)
+                seq = session.fork(group.root, seed)
+            t = Trajectory(group.prompt, key, seq)
+        else:
+            seq = session.fork(point.seq, seed)
+            t = Trajectory(group.prompt, key, seq, parent=parent.ordinal, branch_position=point.length,
+                           depth=parent.depth + 1, tokens=parent.tokens[:point.length],
+                           learned=parent.learned[:point.length], log_probs=parent.log_probs[:point.length],
+                           entropies=parent.entropies[:point.length], calls=point.calls, turns=point.turns,
+                           h_init=parent.h_init)
+        self.by_seq[(id(session), seq)] = t
+        self.group_of[t] = group
+        self._submit(t)
+        return t
+
+    def cancel(self, t: Trajectory) -> None:
+        self._release(t)
+
+    def drop_point(self, group: PromptGroup, turn: Turn) -> None:
+        if turn.point is not None:
+            self.session_of[group].release(turn.point.seq)
+            turn.point = None
+
+    def process(self, group: PromptGroup, t: Trajectory, segment: Segment, seconds: float) -> None:
+        """Append a segment; measure its entropy (H_init, or H after a tool answer); end the trajectory or start
+        the calls it ends with."""
+        t.work += seconds
+        if t.first_work is None:
+            t.first_work = t.work
         t.extend(segment.tokens, 1, segment.log_probs.tolist(), segment.entropies.tolist())
         t.turns += 1
         h = segment_entropy(segment.entropies, self.loop.settings.entropy_window, self.loop.vocab_size)
-        if t.h_init is None:
+        after_tool = t.h_init is not None
+        if after_tool:
+            t.tool_entropies.append(h)
+        else:
             t.h_init = h
-            return
-        t.tool_entropies.append(h)
-        self.stats.step_entropies.append(h)
-        if t.point is not None:
-            self.decide(t, h)
+        text = self.loop.tokenizer.decode(segment.tokens, skip_special_tokens=True)
+        calls = self.loop.format.parse(text, segment.finish_reason)
+        ended = self._ends(group, t, segment, text, calls)
+        t.log.append(Turn(h, after_tool, ended, t.work))
+        group.on_turn(t)
+        if not ended:
+            refusals = [self._refusal(t.prompt, c) for c in calls]
+            requests = [c.call for c, error in zip(calls, refusals, strict=True) if error is None]
+            self.tool_calls[t] = (calls, refusals, self.loop.registry.executor.submit(requests))
 
-    def decide(self, t: Trajectory, h: float) -> None:
-        """ARPO's rule at the point before the segment just written: up to beam_size - 1 branches."""
-        point, t.point = t.point, None
-        delta = h - t.h_init
-        children = []
-        for _ in range(min(self.settings.beam_size - 1, self.free(t.prompt))):
-            if self.draws.random() < branch_probability(self.settings, delta, t.consecutive):
-                children.append(self.branch(t, point))
-                self.stats.branch_entropies.append(h)
-                self.stats.branch_deltas.append(delta)
-        t.consecutive = t.consecutive + 1 if children else 0
-        for child in children:
-            child.consecutive = t.consecutive
-        self.session.release(point.seq)
+    # -- a trajectory's turns ---------------------------------------------------------------------------------
+    def _release(self, t: Trajectory) -> None:
+        session = self.session_of[self.group_of[t]]
+        del self.by_seq[(id(session), t.seq)]
+        session.release(t.seq)
+        t.decoding = False
 
-    def ends(self, t: Trajectory, segment: Segment, text: str, calls: list[ParsedCall]) -> bool:
+    def _finish(self, t: Trajectory, reason: str) -> None:
+        t.finish = reason
+        self._release(t)
+
+    def _ends(self, group: PromptGroup, t: Trajectory, segment: Segment, text: str, calls: list[ParsedCall]) -> bool:
         """Finish ``t`` when its segment calls no tool, calls beyond call_limit, or leaves no room for an answer."""
         stopped_at_call = bool(calls) and segment.finish_reason == "stop"  # ARPO: at the call's closing tag
         if not stopped_at_call and self.loop.format.unclosed(text):
-            self.stats.invalid_calls += 1  # a call left open at eos or the budget: never answered
+            group.stats.invalid_calls += 1  # a call left open at eos or the budget: never answered
         if not calls:
-            self.finish(t, segment.finish_reason)
+            self._finish(t, segment.finish_reason)
             return True
         if t.calls + len(calls) > self.loop.settings.call_limit:
             t.limit_reached = True
             if segment.finish_reason != "eos" and len(t.tokens) < self.budget:
                 t.extend([self.loop.eos_token_id], 1)  # ARPO: the response ends with an eos it is trained on
-            self.finish(t, "call_limit")
+            self._finish(t, "call_limit")
             return True
         frame = sum(map(len, self.loop.frame_ids(len(calls))))
         if len(t.tokens) + frame >= self.budget:  # not even an empty answer leaves the model a token
-            self.finish(t, "length")
+            self._finish(t, "length")
             return True
         return False
 
-    def refusal(self, prompt: int, call: ParsedCall) -> str | None:
+    def _refusal(self, prompt: int, call: ParsedCall) -> str | None:
         """The error text of a call that does not run: an unreadable one, or one to a configured tool the prompt
         may not use (a tool that is not configured gets the executor's own error); None for a call that runs."""
         allowed = self.allowed[prompt]
@@ -313,35 +375,40 @@ class _Run:
         names = ", ".join(sorted(allowed)) or "none"
         return f"Error: the tool {call.call.tool!r} is not available for this question (its tools: {names})."
 
-    def answer(self, answering: list[tuple[Trajectory, list[ParsedCall]]]) -> None:
-        """Run the round's calls together, append each trajectory's answers, and keep branch points."""
-        refusals = [[self.refusal(t.prompt, c) for c in calls] for t, calls in answering]
-        requests = [c.call for (_, calls), refused in zip(answering, refusals, strict=True)
-                    for c, error in zip(calls, refused, strict=True) if error is None]
-        outcomes = iter(self.loop.registry.executor.run(requests))
-        for (t, calls), refused in zip(answering, refusals, strict=True):
-            texts = []
-            for c, error in zip(calls, refused, strict=True):
-                if error is not None:
-                    texts.append(error)
-                    self.stats.invalid_calls += 1
-                    if c.error is None:
-                        self.stats.disallowed_calls += 1
-                    continue
-                outcome = next(outcomes)
-                texts.append(outcome.text)
-                if outcome.record.tool in self.loop.registry.tools:
-                    self.stats.records.append(outcome.record)
-                else:
-                    self.stats.invalid_calls += 1
-            t.calls += len(calls)
-            tokens = self.answer_tokens(texts, room=self.budget - 1 - len(t.tokens))
-            self.session.extend(t.seq, tokens)
-            t.extend(tokens, 0)
-            if self.settings.beam_size > 1 and self.free(t.prompt) > 0:
-                t.point = _Point(self.session.fork(t.seq, 0), len(t.tokens), t.calls, t.turns)
+    def _answer(self, t: Trajectory, calls: list[ParsedCall], refusals: list[str | None],
+                pending: PendingCalls) -> None:
+        """Append a trajectory's answers, keep a branch point while its prompt may branch, and go on."""
+        group = self.group_of[t]
+        waited = pending.seconds()  # until the last call answered (the loop may see it a window later)
+        t.work += waited
+        t.tool_wait += waited
+        outcomes = iter(pending.outcomes())
+        texts = []
+        for c, error in zip(calls, refusals, strict=True):
+            if error is not None:
+                texts.append(error)
+                group.stats.invalid_calls += 1
+                if c.error is None:
+                    group.stats.disallowed_calls += 1
+                continue
+            outcome = next(outcomes)
+            texts.append(outcome.text)
+            if outcome.record.tool in self.loop.registry.tools:
+                group.stats.records.append(outcome.record)
+            else:
+                group.stats.invalid_calls += 1
+        t.calls += len(calls)
+        tokens = self._answer_tokens(texts, room=self.budget - 1 - len(t.tokens))
+        session = self.session_of[group]
+        session.extend(t.seq, tokens)
+        t.extend(tokens, 0)
+        turn = t.log[-1]
+        # a point its round keeps (decided already, or not yet: then the free slots can only be fewer by then)
+        if group.settings.beam_size > 1 and (turn.keep or (turn.keep is None and group.free > 0)):
+            turn.point = Point(session.fork(t.seq, 0), len(t.tokens), t.calls, t.turns, t.work)
+        self._submit(t)
 
-    def answer_tokens(self, texts: list[str], room: int) -> list[int]:
+    def _answer_tokens(self, texts: list[str], room: int) -> list[int]:
         """The frame and the answers, each answer clipped to max_tool_response_length characters, all cut to at
         most ``room`` tokens."""
         cfg = self.loop.settings
@@ -355,16 +422,9 @@ class _Run:
             tokens += cut_ids(answer, k, cfg.tool_response_truncate_side) + piece
         return tokens
 
-    def refill(self) -> None:
-        """ARPO: a prompt with no active trajectory and free slots gets one fresh sample per round."""
-        for prompt, group in enumerate(self.trajectories):
-            if self.free(prompt) > 0 and all(t.finish is not None for t in group):
-                self.start(prompt)
-                self.stats.refills += 1
-
     # -- output ------------------------------------------------------------------------------------------------
-    def output(self) -> AgenticOutput:
-        rows = [t for group in self.trajectories for t in group]
+    def _output(self, seconds: float) -> AgenticOutput:
+        rows = [t for group in self.groups for t in group.trajectories]
         width = max((len(t.tokens) for t in rows), default=0)
         pad = int(self.loop.tokenizer.pad_token_id)
 
@@ -376,11 +436,21 @@ class _Run:
 
         learned = tensor([t.learned for t in rows], 0, torch.long)
         present = tensor([[1] * len(t.tokens) for t in rows], 0, torch.long)
-        stats = self.stats
+        stats = RolloutStats.merge([group.stats for group in self.groups])  # in prompt order
+        for probe in self.probes:
+            stats.add_calls(probe.stats)  # the probes' tool calls are the step's work; their responses are not
+        stats.initial_rollouts = [group.initial for group in self.groups]
         stats.calls_per_response = [t.calls for t in rows]
         stats.limit_reached = [t.limit_reached for t in rows]
         stats.turns = [t.turns for t in rows]
         stats.depths = [t.depth for t in rows]
+        counters = [s.counters() for s in self.sessions]
+        stats.decode_steps = sum(c.steps for c in counters)
+        stats.decode_tokens = sum(c.tokens for c in counters)
+        stats.decode_slot_steps = sum(c.steps * c.peak for c in counters)
+        stats.tool_wait_s = sum(t.tool_wait for t in rows)
+        stats.generation_s = seconds
+        stats.critical_s = max((t.finished_at for t in rows), default=0.0)
         return AgenticOutput(
             responses=tensor([t.tokens for t in rows], pad, torch.long), response_mask=learned,
             tool_mask=present - learned, log_probs=tensor([t.log_probs for t in rows], 0.0, torch.float32),

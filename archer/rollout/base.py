@@ -4,7 +4,11 @@ engine that turns token-id prompts into responses with exact per-token log-probs
 An engine offers
 - ``generate``: prompts -> ``n`` responses each (the plain RL rollout);
 - ``session()``: sequences that grow turn by turn (the agentic loop): add a prompt, decode until a stop, extend
-  with tool-result tokens, fork a sequence with its state (ARPO's branch), release it;
+  with tool-result tokens, fork a sequence with its state (ARPO's branch), release it. A ``ContinuousSession``
+  (the fast engine's) also decodes asynchronously: ``submit`` puts a sequence into the running batch, ``poll``
+  decodes a little and returns the segments that ended, so the agentic loop resumes, branches and refills
+  trajectories while the others decode; ``RoundSession`` gives any session that interface, one ``decode`` call
+  per poll;
 - ``sync_weights(weights)``: take the actor's weights after an update, as a stream of (state-dict name, full
   tensor) pairs (models/lora.py's ``policy_weights``: plain or LoRA-merged; under FSDP each rank's stream of
   gathered tensors), copied in place (an engine that runs the actor's own module leaves the stream unread), and ``release_memory()`` / ``reclaim_memory()`` around the policy update
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -122,6 +126,102 @@ class EngineSession(ABC):
     @abstractmethod
     def tokens(self, seq: int) -> list[int]:
         """All tokens of ``seq``: prompt, segments and extensions."""
+
+
+@dataclass
+class DecodeCounters:
+    """What decoding did: decode steps, the tokens they sampled (rows decoding, summed over the steps), the most
+    rows that decoded at once, and the tokens prefilled (computed as context without sampling)."""
+
+    steps: int = 0
+    tokens: int = 0
+    peak: int = 0
+    prefilled: int = 0
+
+
+class ContinuousSession(EngineSession):
+    """A session whose sequences decode in one running batch that they join and leave: ``submit`` queues a
+    decode (as ``decode`` would run it), ``poll`` decodes a few steps and returns the segments that ended, and
+    the others keep decoding while the caller waits for tools. ``continuous`` says whether decoding goes on
+    while submitted sequences wait for others (False: a poll decodes everything submitted, as one round)."""
+
+    continuous = True
+
+    @abstractmethod
+    def submit(self, seq: int, params: SamplingParams, max_new_tokens: int) -> None:
+        """Queue a decode of ``seq`` (one at a time per sequence); one ``params`` for all that decode at once."""
+
+    @abstractmethod
+    def poll(self) -> list[tuple[int, Segment]]:
+        """Decode a little; the (sequence, segment) of every submitted decode that ended (none when idle)."""
+
+    @property
+    @abstractmethod
+    def busy(self) -> bool:
+        """Whether submitted decodes have not all come back from ``poll``."""
+
+    def expect(self, rows: int) -> None:
+        """Hint: up to ``rows`` sequences may decode at once (an engine sizes its running batch by it)."""
+
+    def counters(self) -> DecodeCounters:
+        """The decoding done for this session so far (steps, tokens, peak rows, prefilled tokens)."""
+        return DecodeCounters()
+
+
+class RoundSession(ContinuousSession):
+    """Any session as a ContinuousSession: a poll decodes everything submitted in one ``decode`` call (a round,
+    which waits for its slowest sequence), so its engine decodes nothing while the caller waits for tools."""
+
+    continuous = False
+
+    def __init__(self, inner: EngineSession) -> None:
+        self.inner = inner
+        self._queued: list[tuple[int, int]] = []
+        self._params: SamplingParams | None = None
+        self._counters = DecodeCounters()
+
+    def add(self, prompt: list[int], seed: int) -> int:
+        return self.inner.add(prompt, seed)
+
+    def extend(self, seq: int, tokens: list[int]) -> None:
+        self.inner.extend(seq, tokens)
+
+    def decode(self, seqs: list[int], params: SamplingParams, max_new_tokens: list[int]) -> list[Segment]:
+        return self.inner.decode(seqs, params, max_new_tokens)
+
+    def fork(self, seq: int, seed: int) -> int:
+        return self.inner.fork(seq, seed)
+
+    def release(self, seq: int) -> None:
+        self._queued = [(s, m) for s, m in self._queued if s != seq]
+        self.inner.release(seq)
+
+    def tokens(self, seq: int) -> list[int]:
+        return self.inner.tokens(seq)
+
+    def submit(self, seq: int, params: SamplingParams, max_new_tokens: int) -> None:
+        self._params = params
+        self._queued.append((seq, max_new_tokens))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._queued)
+
+    def poll(self) -> list[tuple[int, Segment]]:
+        if not self._queued:
+            return []
+        queued, self._queued = self._queued, []
+        seqs = [seq for seq, _ in queued]
+        segments = self.inner.decode(seqs, self._params, [m for _, m in queued])
+        lengths = [len(s.tokens) for s in segments]
+        # a decode call steps every row until its longest segment ends
+        self._counters.steps += max(lengths, default=0)
+        self._counters.tokens += sum(lengths)
+        self._counters.peak = max(self._counters.peak, len(seqs))
+        return list(zip(seqs, segments, strict=True))
+
+    def counters(self) -> DecodeCounters:
+        return replace(self._counters)
 
 
 @torch.no_grad()

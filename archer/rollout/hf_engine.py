@@ -1,9 +1,13 @@
 """HFGenerateEngine: batched generation with a Hugging Face causal LM and its KV cache, written as our own
 decoding loop so every generated token carries its exact log-prob and full-vocabulary entropy.
 
-Its sessions (``session()``, for the agentic loop) keep each sequence's tokens and its own random generator;
-a decode call prefills every sequence again from its tokens (there is no KV reuse across calls: archer's fast
-engine has it), so a sequence's samples depend only on its seed and its calls, never on its neighbours.
+Sampling follows a seed per row, as the fast engine's does (archer/rollout/fast/sampling.py: Gumbel-max with
+noise hashed from the row's key, the token's position and the vocabulary index): a row's tokens depend on its
+prompt and seed only, never on the rows beside it, on their padding, on ``max_batch_size`` or on how a batch is
+split over data-parallel ranks (``SamplingParams.first_prompt``); float32 logits make that exact.
+
+Its sessions (``session()``, for the agentic loop) keep each sequence's tokens and its noise key; a decode call
+prefills every sequence again from its tokens (there is no KV reuse across calls: archer's fast engine has it).
 
 By default it generates with the policy's own module (``sync_weights`` has nothing to copy); ``standalone``
 gives it its own single-device module, filled from the stream of named weights ``sync_weights`` takes (a
@@ -14,15 +18,13 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from archer.errors import ArcherError
-from archer.models.logprobs import token_logprob_and_entropy
 from archer.rollout.base import (
     EngineSession,
     RolloutEngine,
@@ -31,6 +33,8 @@ from archer.rollout.base import (
     Segment,
     copy_weights,
 )
+from archer.rollout.endings import StopMatcher, eos_ids
+from archer.rollout.fast.sampling import filter_thresholds, noise_key, sample
 
 
 @dataclass
@@ -42,34 +46,6 @@ class _Chunk:
     log_probs: torch.Tensor
     entropies: torch.Tensor
     finish_reasons: list[str]
-
-
-class _StopMatcher:
-    """Finds stop strings in the decoded tail of each response (long enough to hold the longest one)."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...]) -> None:
-        self.tokenizer = tokenizer
-        self.stop = stop
-        # Every token decodes to at least one byte, so the longest stop string spans at most this many tokens;
-        # the margin covers tokenizers that drop a leading space when decoding a fragment.
-        self.window = max((len(s.encode("utf-8")) for s in stop), default=0) + 4
-
-    def matches(self, histories: list[list[int]], rows: list[int]) -> list[int]:
-        """The rows (of ``rows``) whose response text now contains a stop string."""
-        if not self.stop or not rows:
-            return []
-        tails = self.tokenizer.batch_decode([histories[r][-self.window :] for r in rows])
-        return [r for r, text in zip(rows, tails, strict=True) if any(s in text for s in self.stop)]
-
-
-Draw = Callable[[torch.Tensor], torch.Tensor]  # probabilities [B, V] -> one sampled token per row [B]
-
-
-def _eos_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    ids = {tokenizer.eos_token_id}
-    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
-    return sorted(i for i in ids if i is not None)
 
 
 def _pad_right(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
@@ -99,7 +75,7 @@ class HFGenerateEngine(RolloutEngine):
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.max_batch_size = max_batch_size
         self.pad_token_id = int(tokenizer.pad_token_id)
-        self.eos_token_ids = torch.tensor(_eos_ids(model, tokenizer), dtype=torch.long, device=self.device)
+        self.eos_token_ids = torch.tensor(eos_ids(model, tokenizer), dtype=torch.long, device=self.device)
         self._keeps_last_logits_only = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.owns_weights = False  # True: its own module, filled by sync_weights (``standalone``)
 
@@ -141,15 +117,16 @@ class HFGenerateEngine(RolloutEngine):
             if not prompt:
                 raise ArcherError(f"prompt {i} is empty", "every prompt needs at least one token")
         rows = [list(p) for p in prompts for _ in range(params.n)]
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        keys = [noise_key(seed, params.first_prompt * params.n + row) for row in range(len(rows))]
+        budgets = [params.max_new_tokens] * len(rows)
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
                 chunks = [
-                    self._generate_chunk(rows[i : i + self.max_batch_size], params, generator)
+                    self._decode(rows[i : i + self.max_batch_size], params, keys[i : i + self.max_batch_size],
+                                 budgets[i : i + self.max_batch_size])
                     for i in range(0, len(rows), self.max_batch_size)
                 ]
         finally:
@@ -198,35 +175,28 @@ class HFGenerateEngine(RolloutEngine):
         return out.logits[:, -1].float()
 
     @staticmethod
-    def _pick(
-        logits: torch.Tensor, params: SamplingParams, draw: Draw
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The next token of each row, with its log-prob and the entropy of softmax(logits / T)."""
-        if params.greedy:
-            token = logits.argmax(-1)
-            logp, entropy = token_logprob_and_entropy(logits, token)
-            return token, logp, entropy
-        scaled = logits / params.temperature
-        filtered = scaled
-        if 0 < params.top_k < scaled.shape[-1]:
-            filtered = TopKLogitsWarper(top_k=params.top_k)(None, filtered)
-        if params.top_p < 1.0:
-            filtered = TopPLogitsWarper(top_p=params.top_p)(None, filtered)
-        token = draw(torch.softmax(filtered, dim=-1))
-        logp, entropy = token_logprob_and_entropy(scaled, token)
-        return token, logp, entropy
+    def _pick(logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor,
+              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The next token of each row (drawn with the row's noise ``keys`` at the ``positions`` of the tokens being
+        drawn), with its log-prob and the entropy of softmax(logits / T): the fast engine's sampler."""
+        rows = logits.shape[0]
+        greedy = torch.full((rows,), params.greedy, device=logits.device)
+        temperature = torch.full((rows,), 1.0 if params.greedy else params.temperature, device=logits.device)
+        vocab = logits.shape[-1]
+        if params.greedy or not (0 < params.top_k < vocab or params.top_p < 1):
+            threshold = torch.full((rows,), float("-inf"), device=logits.device)
+        else:
+            threshold = filter_thresholds(logits, temperature, torch.full((rows,), params.top_k, device=logits.device),
+                                          torch.full((rows,), params.top_p, device=logits.device))
+        return sample(logits, temperature, greedy, keys, positions, threshold)
 
-    def _generate_chunk(
-        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None
-    ) -> _Chunk:
-        def draw(probs: torch.Tensor) -> torch.Tensor:
-            return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
-
-        return self._decode(prompts, params, draw, [params.max_new_tokens] * len(prompts))
-
-    def _decode(self, prompts: list[list[int]], params: SamplingParams, draw: Draw, budgets: list[int]) -> _Chunk:
-        """Decode every prompt (left-padded into one batch) until eos, a stop string or its own token budget."""
+    def _decode(self, prompts: list[list[int]], params: SamplingParams, keys: list[int],
+                budgets: list[int]) -> _Chunk:
+        """Decode every prompt (left-padded into one batch) until eos, a stop string or its own token budget,
+        each row sampling with its noise key."""
         ids, mask = self._left_pad(prompts)
+        row_keys = torch.tensor(keys, dtype=torch.long, device=self.device)
+        drawn = torch.tensor([len(p) for p in prompts], device=self.device)  # the position of the token drawn
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         logits = self._forward(ids, mask, positions, cache)
@@ -235,11 +205,11 @@ class HFGenerateEngine(RolloutEngine):
         done = torch.zeros(rows, dtype=torch.bool, device=self.device)
         reasons = ["length"] * rows
         histories: list[list[int]] = [[] for _ in range(rows)]
-        stop_matcher = _StopMatcher(self.tokenizer, params.stop)
+        stop_matcher = StopMatcher(self.tokenizer, params.stop)
         steps: list[tuple[torch.Tensor, ...]] = []
         budget = torch.tensor(budgets, device=self.device)
         for step in range(max(budgets)):
-            token, logp, entropy = self._pick(logits, params, draw)
+            token, logp, entropy = self._pick(logits, params, row_keys, drawn + step)
             live = ~done
             token = torch.where(live, token, self.pad_token_id)
             steps.append((token, live, torch.where(live, logp, 0.0), torch.where(live, entropy, 0.0)))
@@ -261,7 +231,7 @@ class HFGenerateEngine(RolloutEngine):
         live: torch.Tensor,
         histories: list[list[int]],
         reasons: list[str],
-        stop_matcher: _StopMatcher,
+        stop_matcher: StopMatcher,
         done: torch.Tensor,
     ) -> None:
         """Mark rows that just wrote an eos token or completed a stop string (updates ``done`` in place)."""
@@ -284,7 +254,7 @@ class HFGenerateEngine(RolloutEngine):
 @dataclass
 class _Sequence:
     tokens: list[int]
-    generator: torch.Generator
+    key: int  # its noise key (the fast engine's, from the same seed)
 
 
 class HFSession(EngineSession):
@@ -297,8 +267,7 @@ class HFSession(EngineSession):
 
     def _new(self, tokens: list[int], seed: int) -> int:
         seq, self._next_id = self._next_id, self._next_id + 1
-        generator = torch.Generator(device=self.engine.device).manual_seed(seed)
-        self._sequences[seq] = _Sequence(list(tokens), generator)
+        self._sequences[seq] = _Sequence(list(tokens), noise_key(seed))
         return seq
 
     def _get(self, seq: int) -> _Sequence:
@@ -338,13 +307,8 @@ class HFSession(EngineSession):
             with torch.no_grad():
                 for start in range(0, len(live), size):
                     part = live[start:start + size]
-                    generators = [states[i].generator for i in part]
-
-                    def draw(probs: torch.Tensor, generators: list[torch.Generator] = generators) -> torch.Tensor:
-                        return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)])
-
-                    chunk = self.engine._decode([states[i].tokens for i in part], params, draw,
-                                                [max_new_tokens[i] for i in part])
+                    chunk = self.engine._decode([states[i].tokens for i in part], params,
+                                                [states[i].key for i in part], [max_new_tokens[i] for i in part])
                     for row, i in enumerate(part):
                         length = int(chunk.response_mask[row].sum())
                         tokens = chunk.responses[row, :length].tolist()

@@ -15,6 +15,18 @@ count the calls of AEPO's probes, ``add_calls``, whose responses are discarded a
   configured tool or could not be read, answered with an error and counted toward call_limit; and calls left
   unclosed where a segment ended at eos or the budget, never answered, also after a Hermes turn's closed calls;
   and calls to a tool the row's ``tools`` do not allow), of which ``tools/disallowed_calls`` are the last kind.
+
+And where the generation stage's time goes (archer/rollout/agentic.py):
+
+- ``rollout/decode_batch_mean``: sequences decoding at once, mean over the decode steps (tokens sampled /
+  steps); ``rollout/decode_occupancy``: that mean over the largest batch of the call (1: the running batch
+  stayed as full as it ever was; a round that waits for its slowest sequence, or trajectories waiting for
+  tools, lower it);
+- ``rollout/tool_wait_s``: seconds a response waited for its tool answers, mean (a branch counts its own
+  waits, after its branch point);
+- ``rollout/longest_trajectory_share``: the call's critical time (the longest chain of a trajectory's own
+  decoding and tool waits, with what it depends on: a branch its parent up to the segment that decided it, a
+  refill its prompt's earlier trajectories) over the call's wall time: near 1 when nothing waits for a wave.
 """
 
 from __future__ import annotations
@@ -41,6 +53,12 @@ class RolloutStats:
     branch_entropies: list[float] = field(default_factory=list)  # H at each branch made
     branch_deltas: list[float] = field(default_factory=list)  # dH at each branch made
     step_entropies: list[float] = field(default_factory=list)  # H after every tool answer
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_slot_steps: int = 0  # steps x the largest batch, per call
+    tool_wait_s: float = 0.0  # summed over the responses
+    generation_s: float = 0.0  # wall seconds of the calls
+    critical_s: float = 0.0  # critical seconds of the calls
 
     @staticmethod
     def merge(parts: list[RolloutStats]) -> RolloutStats:
@@ -72,4 +90,11 @@ class RolloutStats:
                              ("tool_step_entropy_mean", self.step_entropies)):
             if values:
                 out[f"rollout/{name}"] = float(np.mean(values))
+        if self.decode_steps:
+            out["rollout/decode_batch_mean"] = self.decode_tokens / self.decode_steps
+            out["rollout/decode_occupancy"] = self.decode_tokens / self.decode_slot_steps
+        if self.calls_per_response:
+            out["rollout/tool_wait_s"] = self.tool_wait_s / len(self.calls_per_response)
+        if self.generation_s > 0:
+            out["rollout/longest_trajectory_share"] = self.critical_s / self.generation_s
         return out

@@ -6,6 +6,13 @@ workspace; pages.py), freed by ``release_memory`` during the policy update (with
 copy too, taken again by the next ``sync_weights``) and made again by ``reclaim_memory``, and decodes with continuous batching over ``max_num_seqs`` slots, as CUDA graphs on a
 GPU (eagerly with ``enforce_eager`` or on a CPU). Samples follow per-row seeds; every sampled token carries
 its float32 log-prob and full-vocabulary entropy of softmax(logits / T), as the HF engine reports them.
+
+Its sessions are continuous (``ContinuousSession``): the agentic loop submits each trajectory's next turn to
+the engine's one running batch and polls for the turns that ended, so a trajectory waiting for a tool holds
+no decode slot (its pages stay cached), and resumed turns, branches and refills join the batch as they come.
+A fork shares its parent's pages; a fork of a sequence whose last tokens are not cached yet (a prompt, a turn
+just extended with a tool answer) waits for the next poll, which prefills those tokens once, batched, for
+the parent and all its forks.
 """
 
 from __future__ import annotations
@@ -18,14 +25,21 @@ from transformers import PreTrainedTokenizerBase
 
 from archer.errors import ArcherError
 from archer.models.loading import default_dtype
-from archer.rollout.base import EngineSession, RolloutEngine, RolloutOutput, SamplingParams, Segment
+from archer.rollout.base import (
+    ContinuousSession,
+    DecodeCounters,
+    RolloutEngine,
+    RolloutOutput,
+    SamplingParams,
+    Segment,
+)
+from archer.rollout.endings import eos_ids
 from archer.rollout.fast import ops
 from archer.rollout.fast.model import FastModel, ModelSpec
 from archer.rollout.fast.pages import KVCache, Sequence, budget_pages
 from archer.rollout.fast.runner import DecodeRunner
 from archer.rollout.fast.sampling import noise_key
 from archer.rollout.fast.scheduler import Job, Scheduler
-from archer.rollout.hf_engine import _eos_ids
 
 _MIB = 1 << 20
 PAGE_SIZE = 32  # tokens per KV-cache page (the engine's default)
@@ -91,7 +105,7 @@ class FastEngine(RolloutEngine):
                                weights=weights)
         self.tokenizer = tokenizer
         self.pad_token_id = int(tokenizer.pad_token_id)
-        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.eos_token_ids = eos_ids(model, tokenizer)
         self.utilization, self.page_size = gpu_memory_utilization, page_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         use_graphs = self.device.type == "cuda" and not enforce_eager and ops.kernels is not None
@@ -100,6 +114,7 @@ class FastEngine(RolloutEngine):
         self.scheduler = Scheduler(self.model, self.runner, tokenizer, max_batched_tokens=max_num_batched_tokens)
         self.cache: KVCache | None = None
         self.live: set[Sequence] = set()  # session sequences, whose keys/values a weight sync invalidates
+        self.expected_rows = 0  # the largest running batch a session announced (FastSession.expect)
         self.reclaim_memory()
 
     @classmethod
@@ -136,9 +151,11 @@ class FastEngine(RolloutEngine):
     def release_memory(self, weights: bool = False) -> None:
         """Free the KV cache and the CUDA graphs (with ``weights``, the weight copy too: ``sync_weights`` takes
         it again); live session sequences keep their tokens and are prefilled again when they next decode."""
+        self.scheduler.reset()  # nothing decodes between generation calls, unless one failed
         for seq in self.live:
             seq.pages.clear()
             seq.cached = 0
+        self.expected_rows = 0
         self.runner.release_graphs()
         self.cache = None
         if weights:
@@ -165,12 +182,6 @@ class FastEngine(RolloutEngine):
                               f"{self.max_model_len}", "raise actor_rollout_ref.rollout.max_model_len")
         return min(max_new_tokens, self.max_model_len - length + 1)
 
-    def decode(self, jobs: list[Job], params: SamplingParams) -> None:
-        """Run ``jobs`` through the scheduler (allocating the cache first if it was released)."""
-        self.reclaim_memory()
-        with torch.no_grad():
-            self.scheduler.run(self.cache, jobs, params)
-
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         for i, prompt in enumerate(prompts):
             if not prompt:
@@ -180,9 +191,12 @@ class FastEngine(RolloutEngine):
         jobs = [Job(budget=self.budget(len(prompt), params.max_new_tokens), parent=parent,
                     key=noise_key(seed, (params.first_prompt + i) * params.n + j))
                 for i, (prompt, parent) in enumerate(zip(prompts, parents)) for j in range(params.n)]
+        self.reclaim_memory()
         try:
-            self.decode(jobs, params)
+            with torch.no_grad():
+                self.scheduler.run(self.cache, jobs, params)
         finally:
+            self.scheduler.reset()  # a no-op unless the run failed
             if self.cache is not None:
                 for seq in parents + [job.seq for job in jobs if job.seq is not None]:
                     self.cache.release(seq)
@@ -208,14 +222,23 @@ class FastEngine(RolloutEngine):
         return FastSession(self)
 
 
-class FastSession(EngineSession):
-    """Turn-by-turn sequences on a FastEngine: tokens added by ``add`` / ``extend`` are prefilled at the next
-    ``decode`` or ``fork`` (only the new ones, batched across sequences); ``fork`` shares the pages."""
+class FastSession(ContinuousSession):
+    """Turn-by-turn sequences on a FastEngine's running batch (see the module docstring): tokens added by ``add`` /
+    ``extend`` are prefilled when the sequence next decodes or is forked, only the new ones, batched across
+    sequences; ``fork`` shares the pages."""
 
     def __init__(self, engine: FastEngine) -> None:
         self.engine = engine
         self._seqs: dict[int, Sequence] = {}
+        self._origins: dict[Sequence, tuple[Sequence, int]] = {}  # a fork waiting for its parent's prefill
+        self._queued: list[Job] = []
+        self._in_flight: set[Job] = set()  # submitted and not yet returned by poll
+        self._ended: list[tuple[int, Segment]] = []
+        self._params: SamplingParams | None = None
         self._next = 0
+        start = engine.scheduler.counters
+        self._start = DecodeCounters(start.steps, start.tokens, 0, start.prefilled)
+        self._peak = 0
 
     def _get(self, seq: int) -> Sequence:
         if seq not in self._seqs:
@@ -237,8 +260,125 @@ class FastSession(EngineSession):
 
     def extend(self, seq: int, tokens: list[int]) -> None:
         sequence = self._get(seq)
+        self._check_idle(sequence, "extended")
         self.engine.budget(len(sequence.tokens) + len(tokens), 1)
         sequence.tokens.extend(tokens)
+
+    def fork(self, seq: int, seed: int) -> int:
+        """A copy of ``seq``: at once sharing its pages when all its tokens but the last are cached, else at the
+        next poll (after one prefill of the parent's new tokens, shared by all its forks)."""
+        parent = self._get(seq)
+        self._check_idle(parent, "forked")
+        key = noise_key(seed)
+        if parent in self._origins:  # a fork of a fork that waits: share from the same source
+            origin, shared = self._origins[parent]
+            child = Sequence(list(parent.tokens), key)
+            self._origins[child] = (origin, min(shared, len(parent.tokens)))
+        elif self.engine.cache is not None and parent.ready and parent.pages:
+            child = self.engine.cache.fork(parent, key)
+        else:
+            child = Sequence(list(parent.tokens), key)
+            self._origins[child] = (parent, len(parent.tokens))
+        return self._register(child)
+
+    def release(self, seq: int) -> None:
+        sequence = self._get(seq)
+        if any(origin is sequence for origin, _ in self._origins.values()):
+            self._share_prefixes()  # its waiting forks take its pages first
+        for job in [j for j in self._in_flight if j.seq is sequence]:
+            self._in_flight.discard(job)
+            if job in self._queued:
+                self._queued.remove(job)
+            else:
+                self.engine.scheduler.cancel(job)
+        self._ended = [(sid, segment) for sid, segment in self._ended if sid != seq]
+        del self._seqs[seq]
+        self._origins.pop(sequence, None)
+        self.engine.live.discard(sequence)
+        if self.engine.cache is not None:
+            self.engine.cache.release(sequence)
+
+    def tokens(self, seq: int) -> list[int]:
+        return list(self._get(seq).tokens)
+
+    def _check_idle(self, sequence: Sequence, what: str) -> None:
+        if any(job.seq is sequence for job in self._in_flight):
+            raise ArcherError(f"a sequence was {what} while it decodes",
+                              "wait until poll returns its segment")
+
+    # -- the running batch ------------------------------------------------------------------------------
+
+    def expect(self, rows: int) -> None:
+        self.engine.expected_rows = max(self.engine.expected_rows, rows)
+
+    def submit(self, seq: int, params: SamplingParams, max_new_tokens: int) -> None:
+        sequence = self._get(seq)
+        self._check_idle(sequence, "submitted")
+        if max_new_tokens < 1:
+            raise ArcherError(f"max_new_tokens={max_new_tokens}", "every budget must be at least 1")
+        if self._params is not None and params != self._params:
+            raise ArcherError("a session's decodes sample with different parameters",
+                              "use one SamplingParams for every decode of a session")
+        self._params = params
+        job = Job(budget=self.engine.budget(len(sequence.tokens), max_new_tokens), seq=sequence, tag=(self, seq))
+        self._queued.append(job)
+        self._in_flight.add(job)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._in_flight)
+
+    def poll(self) -> list[tuple[int, Segment]]:
+        engine, scheduler = self.engine, self.engine.scheduler
+        engine.reclaim_memory()
+        with torch.no_grad():
+            self._share_prefixes()
+            if self._queued:
+                if not scheduler.busy:
+                    scheduler.open(engine.cache, self._params, rows=max(engine.expected_rows, len(self._queued)))
+                elif scheduler.params != self._params:
+                    raise ArcherError("two sessions decode with different sampling parameters at once",
+                                      "use one SamplingParams for the sessions of one generation call")
+                scheduler.add(self._queued)
+                self._queued = []
+            if scheduler.busy:
+                ended = scheduler.step()
+                self._peak = max(self._peak, scheduler.last_rows)
+                for job in ended:
+                    session, sid = job.tag
+                    session._take(sid, job)
+        out, self._ended = self._ended, []
+        return out
+
+    def _take(self, sid: int, job: Job) -> None:
+        """An ended job of this session (another session's poll may have decoded it)."""
+        self._in_flight.discard(job)
+        self._ended.append((sid, Segment(job.tokens, torch.tensor(job.log_probs, dtype=torch.float32),
+                                         torch.tensor(job.entropies, dtype=torch.float32), job.reason)))
+
+    def _share_prefixes(self) -> None:
+        """Give every waiting fork its parent's pages, prefilling the parents' uncached tokens first (once, in one
+        batch); a fork whose parent was released prefills itself when it decodes."""
+        if not self._origins:
+            return
+        engine = self.engine
+        cache = engine.cache
+        waiting = [(child, origin, shared) for child, (origin, shared) in self._origins.items()
+                   if origin in engine.live]
+        self._origins = {}
+        parents = list({origin: None for _, origin, shared in waiting if origin.cached < shared - 1})
+        copies = []
+        for parent in parents:
+            copies += cache.make_writable(parent, len(parent.tokens) - 1)
+        cache.copy_pages(copies)
+        engine.scheduler.prefill(cache, parents)
+        for child, origin, shared in waiting:
+            cache.share(origin, child, shared - 1)
+
+    def counters(self) -> DecodeCounters:
+        now = self.engine.scheduler.counters
+        return DecodeCounters(now.steps - self._start.steps, now.tokens - self._start.tokens, self._peak,
+                              now.prefilled - self._start.prefilled)
 
     def decode(self, seqs: list[int], params: SamplingParams, max_new_tokens: list[int]) -> list[Segment]:
         if len(seqs) != len(max_new_tokens) or len(set(seqs)) != len(seqs):
@@ -246,28 +386,13 @@ class FastSession(EngineSession):
                               f"{len(max_new_tokens)} budgets", "pass each sequence once, with one budget each")
         if any(m < 1 for m in max_new_tokens):
             raise ArcherError(f"max_new_tokens={max_new_tokens}", "every budget must be at least 1")
-        sequences = [self._get(s) for s in seqs]
-        jobs = [Job(budget=self.engine.budget(len(s.tokens), m), seq=s) for s, m in zip(sequences, max_new_tokens)]
-        self.engine.decode(jobs, params)
-        return [Segment(job.tokens, torch.tensor(job.log_probs, dtype=torch.float32),
-                        torch.tensor(job.entropies, dtype=torch.float32), job.reason) for job in jobs]
-
-    def fork(self, seq: int, seed: int) -> int:
-        sequence = self._get(seq)
-        engine = self.engine
-        engine.reclaim_memory()
-        if not sequence.ready:
-            engine.cache.copy_pages(engine.cache.make_writable(sequence, len(sequence.tokens) - 1))
-            with torch.no_grad():
-                engine.scheduler.prefill(engine.cache, [sequence])
-        return self._register(engine.cache.fork(sequence, noise_key(seed)))
-
-    def release(self, seq: int) -> None:
-        sequence = self._get(seq)
-        del self._seqs[seq]
-        self.engine.live.discard(sequence)
-        if self.engine.cache is not None:
-            self.engine.cache.release(sequence)
-
-    def tokens(self, seq: int) -> list[int]:
-        return list(self._get(seq).tokens)
+        if self.busy:
+            raise ArcherError("decode was called while submitted sequences decode", "poll them first")
+        previous, self._params = self._params, None
+        for seq, budget in zip(seqs, max_new_tokens, strict=True):
+            self.submit(seq, params, budget)
+        ended: dict[int, Segment] = {}
+        while self.busy:
+            ended.update(self.poll())
+        self._params = previous
+        return [ended[seq] for seq in seqs]

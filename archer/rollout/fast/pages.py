@@ -159,10 +159,18 @@ class KVCache:
 
     def fork(self, seq: Sequence, key: int) -> Sequence:
         """A new sequence with ``seq``'s tokens that shares the pages of its cached prefix."""
-        shared = seq.pages[: self.blocks(seq.cached)]
+        child = Sequence(list(seq.tokens), key)
+        self.share(seq, child, seq.cached)
+        return child
+
+    def share(self, source: Sequence, seq: Sequence, cached: int) -> None:
+        """Give ``seq`` (holding no pages; its first ``cached`` tokens those of ``source``) the pages of
+        ``source``'s first ``cached`` positions, which ``source`` has cached."""
+        assert not seq.pages and cached <= source.cached, "share needs an empty sequence and a cached prefix"
+        shared = source.pages[: self.blocks(cached)]
         for page in shared:
             self.refs[page] += 1
-        return Sequence(list(seq.tokens), key, list(shared), seq.cached)
+        seq.pages, seq.cached = list(shared), cached
 
     def shrink(self, seq: Sequence) -> None:
         """Return the pages past ``seq``'s cached prefix."""

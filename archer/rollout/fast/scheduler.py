@@ -1,11 +1,15 @@
-"""Continuous batching for the fast engine: jobs wait for a slot and pages, are prefilled (once per prompt,
-batched up to ``max_num_batched_tokens`` padded tokens), decode in slots, and leave the moment they end, so
-waiting jobs start at the next read of the window.
+"""Continuous batching for the fast engine: one running batch that jobs join and leave. Jobs wait for a slot and
+pages, are prefilled (only their tokens not yet cached, batched up to ``max_num_batched_tokens`` padded tokens),
+decode in slots, and leave the moment they end, so waiting jobs start at the next read of the window.
 
 A job decodes one sequence: either a session's, or (in ``generate``) a fork of its prompt's sequence, made
 when the job is admitted, so the n samples of a prompt share the prompt's pages and the prompt is prefilled
-once. The host reads the window every ``window`` steps (fewer when every row's budget ends sooner), checks
-stop strings on the decoded text, cuts a row after the token that completes one, and frees its slot.
+once. ``open`` starts a running batch with one set of sampling parameters, ``add`` queues jobs (also while
+others decode: the agentic loop's resumed turns, branches and refills join the batch as they come), ``step``
+decodes one window and returns the jobs that ended in it, ``cancel`` takes a job out; ``run`` does all of it
+for a fixed set of jobs. The host reads the window every ``window`` steps (fewer when every row's budget ends
+sooner), checks stop strings on the decoded text, cuts a row after the token that completes one, and frees its
+slot. ``counters`` count the decode steps, the tokens they sampled and the tokens prefilled.
 """
 
 from __future__ import annotations
@@ -16,21 +20,23 @@ from dataclasses import dataclass, field
 import torch
 
 from archer.errors import ArcherError
-from archer.rollout.base import SamplingParams
+from archer.rollout.base import DecodeCounters, SamplingParams
+from archer.rollout.endings import StopMatcher
 from archer.rollout.fast.model import FastModel
 from archer.rollout.fast.pages import TRASH_PAGE, KVCache, Sequence
 from archer.rollout.fast.runner import EOS, RUNNING, DecodeRunner, SlotInit
-from archer.rollout.hf_engine import _StopMatcher
 
 
 @dataclass(eq=False)
 class Job:
-    """One row to decode: up to ``budget`` tokens onto ``seq`` (or onto a fork of ``parent`` keyed ``key``)."""
+    """One row to decode: up to ``budget`` tokens onto ``seq`` (or onto a fork of ``parent`` keyed ``key``);
+    ``tag`` is the submitter's (a session's name for the sequence)."""
 
     budget: int
     seq: Sequence | None = None
     parent: Sequence | None = None
     key: int = 0
+    tag: object = None
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)
@@ -41,11 +47,22 @@ class Job:
 
 
 class Scheduler:
-    """Runs jobs to completion over the runner's slots and the cache's pages."""
+    """The running batch over the runner's slots and the cache's pages."""
 
     def __init__(self, model: FastModel, runner: DecodeRunner, tokenizer, *, max_batched_tokens: int) -> None:
         self.model, self.runner, self.tokenizer = model, runner, tokenizer
         self.max_batched_tokens = max_batched_tokens
+        self.counters = DecodeCounters()
+        self.params: SamplingParams | None = None
+        self.cache: KVCache | None = None
+        self.capacity = 0
+        self.last_rows = 0  # rows that decoded in the last window
+        self.waiting: deque[Job] = deque()
+        self.running: dict[int, Job] = {}
+        self.children: Counter = Counter()
+        self.filtered = False
+        self.stops = StopMatcher(tokenizer, ())
+        self._matchers: dict[tuple[str, ...], StopMatcher] = {}  # kept across batches: they learn the vocabulary once
 
     # -- prefill -------------------------------------------------------------------------------------------
 
@@ -81,41 +98,94 @@ class Scheduler:
         slots = torch.where(valid, slots, TRASH_PAGE * page + offsets % page)
         self.model.prefill(tokens.to(device), positions.to(device), slots.flatten().to(device), tables.to(device),
                            ends.to(device), cache.layers, max_kv=int(ends.max()), fresh=not bool(starts.any()))
+        self.counters.prefilled += int((ends - starts).sum())
         for seq, _, end in batch:
             seq.cached = end
 
-    # -- the decode loop -------------------------------------------------------------------------------------
+    # -- the running batch -----------------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        """Whether jobs wait or decode."""
+        return bool(self.waiting or self.running)
+
+    def open(self, cache: KVCache, params: SamplingParams, rows: int) -> None:
+        """Start an empty running batch sampling with ``params``, of at most ``rows`` sequences decoding at once
+        (the CUDA graphs of its batch sizes are captured now, so more rows wait for a slot)."""
+        if self.busy:
+            raise ArcherError("the fast engine's running batch is still decoding",
+                              "let its jobs end (step until not busy) before opening another")
+        vocab = self.model.spec.vocab
+        self.params, self.cache = params, cache
+        self.filtered = not params.greedy and (0 < params.top_k < vocab or params.top_p < 1)
+        self.stops = self._matchers.setdefault(params.stop, StopMatcher(self.tokenizer, params.stop))
+        self.capacity = max(1, min(rows, self.runner.slots))
+        self.runner.prepare(self.filtered, cache, rows=self.capacity)
+        self.children = Counter()
+
+    def add(self, jobs: list[Job]) -> None:
+        """Queue jobs on the open batch; they start as slots and pages allow."""
+        self.waiting.extend(jobs)
+        self.children.update(job.parent for job in jobs if job.parent is not None)
+
+    def cancel(self, job: Job) -> None:
+        """Take a session job out: waiting, it never starts; decoding, its slot is freed and what it decoded is
+        dropped (its sequence keeps its tokens and cached prefix)."""
+        if job in self.waiting:
+            self.waiting.remove(job)
+            return
+        slot = next((s for s, j in self.running.items() if j is job), None)
+        if slot is None:
+            return
+        self.runner.clear([slot])
+        del self.running[slot]
+        self.cache.shrink(job.seq)
+        self._compact()
+
+    def reset(self) -> None:
+        """Drop every job (after a generation that failed): the slots idle, the jobs' pages stay their owners'."""
+        self.runner.clear(list(self.running))
+        self.running.clear()
+        self.waiting.clear()
+        self.children.clear()
+
+    def step(self) -> list[Job]:
+        """Admit what fits, decode one window and return the jobs that ended in it (tokens, log_probs,
+        entropies and reason filled in); nothing when no job waits or decodes."""
+        if not self.busy:
+            return []
+        self._admit()
+        if not self.running:
+            job = self.waiting[0]
+            raise ArcherError(
+                f"a sequence of {len((job.seq or job.parent).tokens)} + {job.budget} tokens does not fit in the "
+                f"fast engine's KV cache ({self.cache.pages} pages of {self.cache.page_size} tokens)",
+                "raise actor_rollout_ref.rollout.gpu_memory_utilization, or shorten prompts / responses")
+        bucket = self.runner.bucket(max(self.running) + 1)
+        steps = min(self.runner.window, max(job.budget - len(job.tokens) for job in self.running.values()))
+        for _ in range(steps):
+            self.runner.run(bucket, self.filtered, self.cache)
+        self.counters.steps += steps
+        self.counters.peak = max(self.counters.peak, len(self.running))
+        self.last_rows = len(self.running)
+        finished = self._collect(bucket, steps)
+        self._compact()
+        return finished
 
     def run(self, cache: KVCache, jobs: list[Job], params: SamplingParams) -> None:
         """Decode every job until its eos, stop string or budget; fills tokens, log_probs, entropies, reason.
         A ``parent`` job decodes a fork (in ``job.seq``) whose pages return when it ends; a parent's pages
         return when all its jobs have started; a session job's sequence takes its tokens when it ends."""
-        vocab = self.model.spec.vocab
-        filtered = not params.greedy and (0 < params.top_k < vocab or params.top_p < 1)
-        stops = _StopMatcher(self.tokenizer, params.stop)
-        self.runner.prepare(filtered, cache, rows=len(jobs))
-        waiting = deque(jobs)
-        running: dict[int, Job] = {}
-        children = Counter(job.parent for job in jobs if job.parent is not None)
-        while waiting or running:
-            self._admit(cache, waiting, running, children, params)
-            if not running:
-                raise ArcherError(
-                    f"a sequence of {len((waiting[0].seq or waiting[0].parent).tokens)} + {waiting[0].budget} tokens "
-                    f"does not fit in the fast engine's KV cache ({cache.pages} pages of {cache.page_size} tokens)",
-                    "raise actor_rollout_ref.rollout.gpu_memory_utilization, or shorten prompts / responses")
-            bucket = self.runner.bucket(max(running) + 1)
-            steps = min(self.runner.window, min(job.budget - len(job.tokens) for job in running.values()))
-            for _ in range(steps):
-                self.runner.run(bucket, filtered, cache)
-            self._collect(cache, running, bucket, steps, stops)
-            self._compact(running)
+        self.open(cache, params, rows=len(jobs))
+        self.add(jobs)
+        while self.busy:
+            self.step()
 
-    def _admit(self, cache: KVCache, waiting: deque, running: dict[int, Job], children: Counter,
-               params: SamplingParams) -> None:
-        free = [slot for slot in range(self.runner.slots) if slot not in running]
+    def _admit(self) -> None:
+        cache = self.cache
+        free = [slot for slot in range(self.capacity) if slot not in self.running]
         pages, chosen, counted = cache.free_pages, [], set()
-        for job in waiting:
+        for job in self.waiting:
             if len(chosen) == len(free):
                 break
             need = self._pages_needed(cache, job, counted)
@@ -126,7 +196,7 @@ class Scheduler:
         if not chosen:
             return
         for _ in chosen:
-            waiting.popleft()
+            self.waiting.popleft()
         to_prefill, copies = [], []
         for job in chosen:
             seq = job.parent or job.seq
@@ -139,18 +209,19 @@ class Scheduler:
         for job in chosen:
             if job.parent is not None:
                 job.seq = cache.fork(job.parent, job.key)
-                children[job.parent] -= 1
-                if children[job.parent] == 0:
+                self.children[job.parent] -= 1
+                if self.children[job.parent] == 0:
                     cache.release(job.parent)
             copies += cache.make_writable(job.seq, self._capacity(job))
         cache.copy_pages(copies)
+        params = self.params
         greedy = params.greedy
         rows = [SlotInit(token=job.seq.tokens[-1], position=len(job.seq.tokens) - 1, pages=job.seq.pages,
                          key=job.seq.key, temperature=1.0 if greedy else params.temperature, greedy=greedy,
                          top_k=max(params.top_k, 0), top_p=params.top_p, budget=job.budget) for job in chosen]
         slots = free[: len(chosen)]
         self.runner.place(slots, rows)
-        running.update(zip(slots, chosen))
+        self.running.update(zip(slots, chosen))
 
     @staticmethod
     def _capacity(job: Job) -> int:
@@ -168,20 +239,23 @@ class Scheduler:
             need += cache.pages_needed(job.parent, prefix)
         return need
 
-    def _collect(self, cache: KVCache, running: dict[int, Job], bucket: int, steps: int,
-                 stops: _StopMatcher) -> None:
+    def _collect(self, bucket: int, steps: int) -> list[Job]:
         window = self.runner.read(bucket, steps)
-        finished = []
-        for slot, job in running.items():
-            start = len(job.tokens)
+        slots, starts = list(self.running), []
+        for slot in slots:
+            job = self.running[slot]
+            starts.append(len(job.tokens))
             for token, logp, entropy, live in zip(window.tokens[slot], window.log_probs[slot],
                                                   window.entropies[slot], window.live[slot]):
                 if live:
                     job.tokens.append(token)
                     job.log_probs.append(logp)
                     job.entropies.append(entropy)
-            code = window.finish[slot]
-            stop = self._first_stop(stops, job.tokens, start)
+        self.counters.tokens += sum(len(self.running[slot].tokens) - start for slot, start in zip(slots, starts))
+        stops = self.stops.first_stops([self.running[slot].tokens for slot in slots], starts)
+        finished = []
+        for slot, stop in zip(slots, stops, strict=True):
+            job, code = self.running[slot], window.finish[slot]
             if stop is not None and not (code == EOS and stop == len(job.tokens) - 1):
                 job.cut(stop + 1)
                 job.reason = "stop"
@@ -190,8 +264,10 @@ class Scheduler:
             if job.reason is not None:
                 finished.append(slot)
         self.runner.clear(finished)
-        for slot in finished:
-            self._finish(cache, running.pop(slot))
+        ended = [self.running.pop(slot) for slot in finished]
+        for job in ended:
+            self._finish(self.cache, job)
+        return ended
 
     @staticmethod
     def _finish(cache: KVCache, job: Job) -> None:
@@ -204,19 +280,9 @@ class Scheduler:
         job.seq.cached = len(job.seq.tokens) - 1
         cache.shrink(job.seq)
 
-    def _first_stop(self, stops: _StopMatcher, tokens: list[int], start: int) -> int | None:
-        """The first index >= start whose token completes a stop string (as the HF engine checks them)."""
-        if not stops.stop or start == len(tokens):
-            return None
-        tail = self.tokenizer.decode(tokens[max(0, start - stops.window) :])
-        if not any(s in tail for s in stops.stop):
-            return None
-        hits = stops.matches([tokens[: j + 1] for j in range(start, len(tokens))],
-                             list(range(len(tokens) - start)))
-        return start + min(hits) if hits else None
-
-    def _compact(self, running: dict[int, Job]) -> None:
+    def _compact(self) -> None:
         """Move the rows above slot len(running) into the free slots below it."""
+        running = self.running
         count = len(running)
         sources = sorted(slot for slot in running if slot >= count)
         if sources:
