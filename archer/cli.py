@@ -1,4 +1,4 @@
-"""``archer <command>``: train, sft, eval, data, quickstart, viz, build-index, tools check.
+"""``archer <command>``: train, sft, eval, data, quickstart, viz, health, build-index, tools check.
 
 Every command turns an ArcherError into one clear message and exit status 2, without a traceback.
 ``archer train --help`` and ``archer sft --help`` list the main config keys with their defaults (read
@@ -216,6 +216,12 @@ def _viz(args: argparse.Namespace) -> None:
     launch(trace_dir, args.model_path, host=args.host, port=args.port)
 
 
+def _health(args: argparse.Namespace) -> None:
+    from archer.health.offline import print_replay
+
+    print_replay(args.run_dir, args.overrides, as_json=args.json)
+
+
 def _build_index(args: argparse.Namespace) -> None:
     from pathlib import Path
 
@@ -288,6 +294,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=7862)
     p.set_defaults(func=_viz)
+
+    p = sub.add_parser("health", help="the training health checks over a run directory, made before them too "
+                       "(docs/health.md)")
+    p.add_argument("run_dir", help="an `archer train` run directory (trainer.default_local_dir)")
+    p.add_argument("overrides", nargs="*", help="thresholds other than the run's, e.g. trainer.health.window=5")
+    p.add_argument("--json", action="store_true", help="print the flags as JSON (health.jsonl's records)")
+    p.set_defaults(func=_health)
 
     p = sub.add_parser("build-index", help="build a local BM25 index for the search tool (bm25s)")
     p.add_argument("--corpus", required=True, help="passages as .jsonl or .parquet with text (and id, title)")

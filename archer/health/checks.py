@@ -151,11 +151,13 @@ def entropy_blowup(ctx: Context) -> Finding | None:
 
 # -- length, reward, tools --------------------------------------------------------------------------------------
 def length_hacking(ctx: Context) -> Finding | None:
-    """Length, or the share cut at max_response_length, rising without accuracy (entropy blow-up aside)."""
+    """Length, or the share cut at max_response_length, rising without accuracy while the training score does
+    not fall (longer responses are being paid for; a run whose score falls as it lengthens degenerates, which
+    entropy_blowup says)."""
     h, name = ctx.history, "length_hacking"
     flat, acc = ctx.accuracy_flat()
-    entropy = h.trend(ENTROPY)
-    if not flat or (entropy is not None and entropy.ratio >= ctx.t("entropy_blowup", "ratio")):
+    score = h.trend(SCORE)
+    if not flat or score is None or score.change < 0:
         return None
     length, cut = h.trend(LENGTH), h.trend(TRUNCATED)
     longer = length is not None and length.ratio >= 1 + ctx.t(name, "length_rise")
@@ -175,8 +177,9 @@ def length_hacking(ctx: Context) -> Finding | None:
         pointers = top_responses(rows, rows.lengths.astype(np.float64), ctx.k,
                                  "longest response" + (" among the wrong ones" if wrong is not None else ""),
                                  eligible=wrong, positions=extra & rows.mask)
+    parts.append(_trend_text("training score", score))
     return Finding("critical" if critical else "warning", ", ".join(parts) + _acc_text(acc),
-                   _figures(length=length, truncated=cut, acc=acc), pointers)
+                   _figures(length=length, truncated=cut, score=score, acc=acc), pointers)
 
 
 def reward_hacking(ctx: Context) -> Finding | None:
@@ -284,7 +287,7 @@ def no_signal(ctx: Context) -> Finding | None:
         severity = "warning"
     else:
         return None
-    message = (f"{_f(share)} of the prompt groups scored alike (median of the last {len(steps)} steps): "
+    message = (f"{share:.0%} of the prompt groups scored alike (median of the last {len(steps)} steps): "
                "their advantages are zero")
     pointers = []
     rows = ctx.rows

@@ -107,9 +107,21 @@ def entropy_trace_of(run_dir: Path) -> Path | None:
     return next((c for c in candidates if c.is_dir() and is_trace_dir(c)), None)
 
 
+def quickstart_rl_run(folder: Path) -> Path:
+    """``folder``, or the RL run a quickstart folder's summary.json names (rl_run_dir) when ``folder`` holds no
+    metrics.jsonl of its own."""
+    if (folder / METRICS_FILE).is_file() or not (folder / "summary.json").is_file():
+        return folder
+    try:
+        named = json.loads((folder / "summary.json").read_text()).get("rl_run_dir")
+    except (ValueError, AttributeError):
+        return folder
+    return Path(named) if isinstance(named, str) and (Path(named) / METRICS_FILE).is_file() else folder
+
+
 def replay(run_dir: str | Path, overrides: Sequence[str] = ()) -> Replay:
     """The checks over every logged step of ``run_dir``."""
-    run_dir = Path(run_dir)
+    run_dir = quickstart_rl_run(Path(run_dir))
     metrics_path = run_dir / METRICS_FILE
     if not metrics_path.is_file():
         raise ArcherError(f"{run_dir} holds no {METRICS_FILE}", "point at the trainer.default_local_dir of an "

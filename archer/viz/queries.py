@@ -101,7 +101,7 @@ def overview_table(arrays: Arrays) -> pd.DataFrame:
     table["learned_tokens"] = mask.sum(axis=1)  # the policy's own tokens (the loss's); tool output not counted
     if "tool_mask" in arrays:
         table["tool_tokens"] = arrays["tool_mask"].sum(axis=1)
-    for name in ("reward", "advantage", "accepted", "group_id", "num_tool_calls", "num_turns", "branch_parent",
+    for name in ("reward", "acc", "advantage", "accepted", "group_id", "num_tool_calls", "num_turns", "branch_parent",
                  "branch_position", "finish_reason"):
         if name in arrays:
             table[name] = arrays[name]
