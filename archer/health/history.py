@@ -8,11 +8,11 @@ making or hiding a trend. Validation values come every ``trainer.test_freq`` ste
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
+import statistics
 from dataclasses import dataclass
-
-import numpy as np
 
 ACC = "critic/acc/mean"
 VAL_ACC = re.compile(r"val-core/(.+)/acc/mean@\d+$")
@@ -42,59 +42,57 @@ class History:
         self.window = window
         self.horizon = horizon
         self.values: dict[int, dict[str, float]] = {}
+        self.steps: list[int] = []  # the training steps recorded (step 0 is validation only), in order
+        self._validations: dict[int, float] = {}
+        self._trends: dict[str, Trend | None] = {}  # of the last step, computed once per key
 
     def add(self, step: int, values: dict[str, float]) -> None:
+        if step >= 1 and step not in self.values:
+            bisect.insort(self.steps, step)
         self.values.setdefault(step, {}).update(values)
-
-    @property
-    def steps(self) -> list[int]:
-        """The training steps recorded (step 0 is validation only)."""
-        return sorted(s for s in self.values if s >= 1)
+        self._trends.clear()
+        found = {match.group(1): float(v) for k, v in self.values[step].items()
+                 if (match := VAL_ACC.match(k)) and _finite(v) is not None}
+        if found:
+            self._validations[step] = found["all"] if "all" in found else statistics.fmean(found.values())
 
     def latest(self, key: str) -> float | None:
         """The value of ``key`` at the last training step, when it is finite there."""
-        steps = self.steps
-        return _finite(self.values[steps[-1]].get(key)) if steps else None
+        return _finite(self.values[self.steps[-1]].get(key)) if self.steps else None
 
     def _median(self, key: str, steps: list[int]) -> float | None:
         values = [v for v in (_finite(self.values[s].get(key)) for s in steps) if v is not None]
-        return float(np.median(values)) if len(values) == len(steps) and values else None
+        return float(statistics.median(values)) if len(values) == len(steps) and values else None
 
     def now(self, key: str) -> float | None:
         """Median of ``key`` over the last ``window`` training steps (None unless every one has it)."""
-        steps = self.steps
-        return self._median(key, steps[-self.window:]) if len(steps) >= self.window else None
+        return self._median(key, self.steps[-self.window:]) if len(self.steps) >= self.window else None
 
     def before(self, key: str) -> list[float]:
-        """The finite values of ``key`` at the training steps before the window's, up to ``horizon`` of them."""
-        steps = self.steps[:-self.window][-self.horizon:]
+        """The finite values of ``key`` at the ``horizon`` training steps before the last one."""
+        steps = self.steps[:-1][-self.horizon:]
         return [v for v in (_finite(self.values[s].get(key)) for s in steps) if v is not None]
 
     def trend(self, key: str) -> Trend | None:
         """(then, now) of ``key``; None until now's window follows step 1 or when a step in either lacks it."""
+        if key not in self._trends:
+            self._trends[key] = self._trend(key)
+        return self._trends[key]
+
+    def _trend(self, key: str) -> Trend | None:
         steps = self.steps
         if len(steps) < self.window + 1:
             return None
         now = self._median(key, steps[-self.window:])
-        end = steps[-1] - self.horizon
-        earlier = [s for s in steps if s <= end][-self.window:]
-        then_steps = earlier if len(earlier) == self.window else steps[:1]
-        then = self._median(key, then_steps)
+        end = bisect.bisect_right(steps, steps[-1] - self.horizon)
+        earlier = steps[max(end - self.window, 0):end]
+        then = self._median(key, earlier if len(earlier) == self.window else steps[:1])
         return None if now is None or then is None else Trend(then, now)
 
     def validations(self) -> list[tuple[int, float]]:
         """(step, validation accuracy) of each validation: ``val-core/all/acc/mean@n`` when the run logs it,
         else the mean over its data sources."""
-        points = []
-        for step in sorted(self.values):
-            found: dict[str, float] = {}
-            for key, value in self.values[step].items():
-                match = VAL_ACC.match(key)
-                if match and _finite(value) is not None:
-                    found[match.group(1)] = float(value)
-            if found:
-                points.append((step, found["all"] if "all" in found else float(np.mean(list(found.values())))))
-        return points
+        return sorted(self._validations.items())
 
 
 def _finite(value: float | None) -> float | None:

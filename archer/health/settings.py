@@ -7,6 +7,8 @@ many responses a flag points at). A bad value is an ArcherError naming its key, 
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -72,7 +74,13 @@ def _threshold(key: str, value: Any) -> float:
 
 
 def default_health_config() -> DictConfig:
-    """``trainer.health`` as archer/config/ppo_trainer.yaml defines it (for runs whose config.yaml predates it)."""
+    """``trainer.health`` as archer/config/ppo_trainer.yaml defines it (for runs whose config.yaml predates it);
+    a copy the caller may change."""
+    return copy.deepcopy(_defaults())
+
+
+@functools.cache
+def _defaults() -> DictConfig:
     from archer.config.loader import CONFIG_DIR
 
     return OmegaConf.load(CONFIG_DIR / "ppo_trainer.yaml").trainer.health
