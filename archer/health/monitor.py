@@ -15,14 +15,17 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from archer.batch import Batch
 from archer.health.engine import Flag, HealthEngine
 from archer.health.rows import StepRows
 from archer.health.settings import HealthSettings
 from archer.step_lines import METRICS_FILE, metrics_by_step, truncate_after_step
+
+if TYPE_CHECKING:
+    from archer.batch import Batch
 
 log = logging.getLogger("archer.health")
 

@@ -4,20 +4,26 @@ step of the run's entropy trace afterwards (``archer health``), so that both go 
 Token arrays are [responses, response length]; ``row`` is each response's row in the step's batch (the trace's
 ``response_index``), which is how a flag's pointers name a response in the rollout dump and the explorer. The
 trace keeps each response's mean advantage, not its tokens': from a trace, every token gets its response's
-(exact for GRPO, RLOO and REINFORCE++ without a per-token KL penalty; a token average for GAE).
+(exact for GRPO, RLOO and REINFORCE++ without a per-token KL penalty; a token average for GAE). Entropies and
+log-probs are rounded to float16 in both, as the trace stores them, so a replay ranks the pointers the same.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from archer.batch import Batch
 from archer.rewards.extras import REWARD_EXTRAS, numeric_columns
 from archer.tagged_text import tag_spans
 from archer.trace.format import REWARD_EXTRA_PREFIX
+
+if TYPE_CHECKING:  # torch is needed only while training, not by `archer health`
+    import torch
+
+    from archer.batch import Batch
 
 CallTags = Sequence[tuple[str, str]]
 
@@ -53,7 +59,7 @@ class StepRows:
         calls = None
         if call_tags and "num_tool_calls" in rows and "response_text" in rows:
             calls = [tool_calls(str(text), call_tags) for text in rows["response_text"]]
-        return cls(entropies=batch["entropies"].float().numpy(), log_probs=batch["old_log_probs"].float().numpy(),
+        return cls(entropies=_as_traced(batch["entropies"]), log_probs=_as_traced(batch["old_log_probs"]),
                    mask=batch["response_mask"].bool().numpy(), advantages=batch["advantages"].float().numpy(),
                    responses=batch["responses"].numpy(), uid=np.asarray([str(u) for u in rows["uid"]]),
                    reward=batch["token_level_scores"].sum(dim=1).double().numpy(),
@@ -82,6 +88,11 @@ class StepRows:
                    reward=arrays["reward"].astype(np.float64), row=arrays["response_index"].astype(np.int64),
                    acc=arrays["acc"].astype(np.float64) if "acc" in arrays else None,
                    finish_reason=arrays.get("finish_reason"), extras=extras, calls=calls)
+
+
+def _as_traced(values: torch.Tensor) -> np.ndarray:
+    """Token values rounded to float16 as the trace stores them (then float32), so a replay reads the same."""
+    return values.half().float().numpy()
 
 
 def tool_calls(text: str, call_tags: CallTags) -> list[str]:

@@ -11,6 +11,7 @@ import copy
 import functools
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -81,6 +82,4 @@ def default_health_config() -> DictConfig:
 
 @functools.cache
 def _defaults() -> DictConfig:
-    from archer.config.loader import CONFIG_DIR
-
-    return OmegaConf.load(CONFIG_DIR / "ppo_trainer.yaml").trainer.health
+    return OmegaConf.load(Path(__file__).resolve().parents[1] / "config" / "ppo_trainer.yaml").trainer.health
