@@ -3,7 +3,9 @@ and a metric stream run through the engine step by step (as training runs it, or
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -58,3 +60,28 @@ def run_stream(stream: Sequence[dict[str, float]], health: HealthSettings | None
 def flagged(flags: Sequence[Flag]) -> list[tuple[int, str, str]]:
     """(step, check, severity) of each flag."""
     return [(f.step, f.check, f.severity) for f in flags]
+
+
+# A run folder for the explorer's Health tab: an entropy trace of steps 1-3 (trace_support), metrics.jsonl and
+# two flags in health.jsonl, each pointing at responses of a traced step.
+HEALTH_FLAGS = [
+    {"step": 2, "check": "instability", "severity": "warning", "message": "actor/ppo_kl 0.2 over the last 3 steps",
+     "figures": {"actor/ppo_kl": 0.2},
+     "pointers": [{"row": 4, "uid": "s2-g1", "value": 1.5, "why": "largest policy-gradient weight", "positions": [1, 3]}]},
+    {"step": 3, "check": "entropy_blowup", "severity": "critical", "message": "entropy 0.5 -> 1.2 (x2.40)",
+     "figures": {"entropy_then": 0.5, "entropy_now": 1.2},
+     "pointers": [{"row": 5, "uid": "s3-g1", "value": 2.1, "why": "highest mean token entropy", "positions": [0, 2]},
+                  {"row": 0, "uid": "s3-g0", "value": 1.9, "why": "highest mean token entropy", "positions": [4]}]},
+]
+
+
+def write_health_run(folder: Path, tokenizer: Any, flags: Sequence[dict] = tuple(HEALTH_FLAGS)) -> Path:
+    """The run folder; returns its entropy trace."""
+    import trace_support
+
+    trace = trace_support.write_trace(folder / "entropy_trace", tokenizer, kind="entropy", steps=(1, 2, 3))
+    metrics = [{"step": s, "actor/entropy": 0.5 * s, "critic/score/mean": 0.4 / s, "critic/acc/mean": 0.4 / s,
+                "response_length/mean": 10.0 + s} for s in (1, 2, 3)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    (folder / "health.jsonl").write_text("".join(json.dumps(f) + "\n" for f in flags))
+    return trace

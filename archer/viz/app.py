@@ -204,6 +204,7 @@ def _layout_run(c: Controls) -> None:
                                          interactive=False, elem_id="archer-health-pointers",
                                          elem_classes=["archer-table"])
         c.flag = gr.State(None)  # the selected flag's index
+        c.pointer = gr.State(None)  # and its pointer's
         c.health_seen = gr.State(None)  # the run's health files as the tab last drew them
 
 
@@ -321,8 +322,8 @@ class Views:
         flag = self.explorer.run_health().flags[int(index)]
         return self.open_pointer(int(index), 0) if flag.pointers else None  # a flag of metrics alone
 
-    def pick_pointer(self, flag: Any, event: gr.SelectData) -> dict[Any, Any]:
-        return self.open_pointer(int(flag), int(event.row_value[0]))
+    def open_picked(self, flag: Any, pointer: Any) -> dict[Any, Any] | None:
+        return None if flag is None or pointer is None else self.open_pointer(int(flag), int(pointer))
 
     def open_pointer(self, index: int, pointer: int) -> dict[Any, Any]:
         """Open the step and the response a flag's pointer names, its tokens boxed, in the Responses tab."""
@@ -392,8 +393,8 @@ def _wire(app: gr.Blocks, c: Controls, v: Views) -> None:
     c.tree_map.click(v.open_node, None, [c.row, c.tabs, c.open_tab])
     c.health_flags.select(v.pick_flag, None, [c.flag, c.health_pointers]).then(
         guarded([*opened, c.error], v.open_first, c.error, tuple(opened)), [c.flag], [*opened, c.error])
-    c.health_pointers.select(guarded([*opened, c.error], v.pick_pointer, c.error, tuple(opened)), [c.flag],
-                             [*opened, c.error])
+    c.health_pointers.select(_select_row(0), None, c.pointer).then(  # a callback Gradio hands the selection to
+        guarded([*opened, c.error], v.open_picked, c.error, tuple(opened)), [c.flag, c.pointer], [*opened, c.error])
     refresh_outputs = [c.header, c.step, c.other, c.curves, c.seen]
     c.refresh.click(lambda s, o, seen: v.poll(s, o, seen, True), [c.step, c.other, c.seen], refresh_outputs)
     c.timer.tick(lambda s, o, seen: v.poll(s, o, seen, False), [c.step, c.other, c.seen], refresh_outputs,

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from archer.health.engine import Flag
 from archer.health.monitor import HEALTH_FILE
@@ -62,7 +63,8 @@ class RunHealth:
         counts = {s: sum(f.severity == s for f in self.flags) for s in SEVERITY_COLOURS}
         listed = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
         return (f"**{len(self.flags)} flag(s)**" + (f" ({listed})" if listed else "") + f" — {self.source}. "
-                "Select a flag to see its pointers; select a pointer to open the response, its tokens marked.")
+                "Select a flag to open the first response it points at, or one of its pointers below; the tokens it "
+                "points at are boxed in green.")
 
     def flags_table(self) -> pd.DataFrame:
         return pd.DataFrame([{"flag": i, "step": f.step, "severity": f.severity, "check": f.check,
@@ -95,6 +97,7 @@ class RunHealth:
             axes[0].annotate(flag.check, (flag.step, 1.0), xycoords=("data", "axes fraction"), rotation=90,
                              fontsize=8, va="top", ha="right", color=SEVERITY_COLOURS.get(flag.severity, "black"))
         axes[-1].set_xlabel("step")
+        axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
         fig.suptitle("training curves and health flags (info blue, warning orange, critical red)", fontsize=10)
         return fig
 
