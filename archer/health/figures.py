@@ -6,6 +6,8 @@
                                      largest terms); positive lowers the entropy
     health/zero_adv_group_frac       share of prompt groups (2+ responses) whose responses all scored the same
     health/repetition_frac           mean over responses of their share of repeated n-grams of learned tokens
+                                     (over evenly spaced responses of at most 65,536 token positions: it
+                                     sorts the n-grams, the one figure whose cost grows faster than the batch)
     health/repeated_call_frac        share of tool calls repeating an earlier identical call of the same response
 
 Also the per-token and per-response scores the pointers rank (``token_covariance``, ``repeated_ngrams``). All are
@@ -19,6 +21,7 @@ import numpy as np
 from archer.health.rows import StepRows
 
 _HASH_BITS = 40  # an n-gram's hash keeps this many bits; the response's row takes the bits above
+REPETITION_TOKENS = 1 << 16  # the repetition figure reads evenly spaced responses of at most this many positions
 
 
 def step_figures(rows: StepRows, *, near_deterministic_entropy: float, ngram: int) -> dict[str, float]:
@@ -32,12 +35,18 @@ def step_figures(rows: StepRows, *, near_deterministic_entropy: float, ngram: in
     if share is not None:
         figures["health/zero_adv_group_frac"] = share
     if len(rows):
-        figures["health/repetition_frac"] = float(repetition_shares(rows, ngram).mean())
+        figures["health/repetition_frac"] = float(repetition_shares(rows.take(sample_rows(rows)), ngram).mean())
     if rows.calls is not None:
         total = sum(len(c) for c in rows.calls)
         if total:
             figures["health/repeated_call_frac"] = sum(len(c) - len(set(c)) for c in rows.calls) / total
     return figures
+
+
+def sample_rows(rows: StepRows, tokens: int = REPETITION_TOKENS) -> np.ndarray:
+    """Evenly spaced responses holding at most ``tokens`` token positions (at least one response)."""
+    count = max(1, min(len(rows), tokens // max(rows.mask.shape[1], 1)))
+    return np.unique(np.linspace(0, len(rows) - 1, count).round().astype(np.int64))
 
 
 def token_covariance(rows: StepRows) -> np.ndarray:

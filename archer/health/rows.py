@@ -46,6 +46,15 @@ class StepRows:
     def __len__(self) -> int:
         return int(self.mask.shape[0])
 
+    def take(self, index: np.ndarray) -> StepRows:
+        """The responses at ``index``."""
+        return StepRows(self.entropies[index], self.log_probs[index], self.mask[index], self.advantages[index],
+                        self.responses[index], self.uid[index], self.reward[index], self.row[index],
+                        None if self.acc is None else self.acc[index],
+                        None if self.finish_reason is None else self.finish_reason[index],
+                        {k: v[index] for k, v in self.extras.items()},
+                        None if self.calls is None else [self.calls[int(i)] for i in index])
+
     @property
     def lengths(self) -> np.ndarray:
         """Learned tokens per response."""
