@@ -349,41 +349,47 @@ def _chain(trigger: Callable[..., Any], stages: list[Stage], **options: Any) -> 
         event = event.then(*stage)
 
 
-def _wire(app: gr.Blocks, c: Controls, v: Views) -> None:
+def _stages(c: Controls, v: Views) -> dict[str, Stage]:
+    """Each view guarded, with its inputs and outputs."""
     response_inputs = [c.step, c.row, c.low, c.high, c.search, c.padding, c.sort, c.scale, c.marked, c.drawn]
     response_outputs = [c.metadata, c.prompt, c.response, c.entropy_map, c.influence_map, c.view, c.csv, c.drawn,
                         c.error]
     step_outputs = [c.stats, c.overview, c.row, *response_outputs]
-    top_outputs, hist_outputs = [c.top_high, c.top_low, c.error], [c.histogram, c.error]
-    group_outputs = [c.group_prompt, c.group_map, c.error]
-    compare_outputs = [c.compare_table, c.compare_map, c.error]
-    tree_outputs = [c.tree_uid, c.tree_map, c.tree_table, c.error]
-    health_outputs = [c.health_note, c.health_plot, c.health_flags, c.health_pointers, c.health_seen, c.error]
-    opened = [c.step, c.row, c.marked, c.tabs, c.open_tab]  # what opening a pointer sets (kept on an error)
+    views: dict[str, tuple[Callable[..., Any], list[Any], list[Any]]] = {
+        "step": (v.step, response_inputs, step_outputs),
+        "response": (v.response, response_inputs, response_outputs),
+        "top": (v.top, [c.step, c.k], [c.top_high, c.top_low, c.error]),
+        "histogram": (v.histogram, [c.step, c.bins], [c.histogram, c.error]),
+        "group": (v.group, [c.step, c.row, c.group_tokens, c.open_tab], [c.group_prompt, c.group_map, c.error]),
+        "compare": (v.compare, [c.step, c.row, c.other, c.compare_tokens, c.open_tab],
+                    [c.compare_table, c.compare_map, c.error]),
+        "tree": (v.tree, [c.step, c.row, c.open_tab], [c.tree_uid, c.tree_map, c.tree_table, c.error]),
+        "health": (v.health, [c.open_tab, c.health_seen],
+                   [c.health_note, c.health_plot, c.health_flags, c.health_pointers, c.health_seen, c.error]),
+    }
+    return {name: (guarded(outputs, fn, c.error, (c.row,)), inputs, outputs)  # a row is kept, never blanked
+            for name, (fn, inputs, outputs) in views.items()}
 
-    step_stage: Stage = (guarded(step_outputs, v.step, c.error, (c.row,)), response_inputs, step_outputs)
-    response_stage: Stage = (guarded(response_outputs, v.response, c.error), response_inputs, response_outputs)
-    top_stage: Stage = (guarded(top_outputs, v.top, c.error), [c.step, c.k], top_outputs)
-    hist_stage: Stage = (guarded(hist_outputs, v.histogram, c.error), [c.step, c.bins], hist_outputs)
-    group_stage: Stage = (guarded(group_outputs, v.group, c.error), [c.step, c.row, c.group_tokens, c.open_tab],
-                          group_outputs)
-    compare_stage: Stage = (guarded(compare_outputs, v.compare, c.error),
-                            [c.step, c.row, c.other, c.compare_tokens, c.open_tab], compare_outputs)
-    tree_stage: Stage = (guarded(tree_outputs, v.tree, c.error), [c.step, c.row, c.open_tab], tree_outputs)
-    health_stage: Stage = (guarded(health_outputs, v.health, c.error), [c.open_tab, c.health_seen], health_outputs)
 
-    after_step = [step_stage, top_stage, hist_stage, group_stage, compare_stage, tree_stage]
+def _wire_views(app: gr.Blocks, c: Controls, v: Views, stages: dict[str, Stage]) -> None:
+    """What redraws which view: a new step, row, tab, filter or slider."""
+    after_step = [stages[name] for name in ("step", "top", "histogram", "group", "compare", "tree")]
     _chain(app.load, [(v.curves, [], [c.curves]), *after_step])
     _chain(c.step.change, after_step)
-    _chain(c.row.change, [response_stage, group_stage, compare_stage, tree_stage], trigger_mode="always_last")
-    _chain(c.tabs.select, [(_tab_label, [], [c.open_tab]), group_stage, compare_stage, tree_stage, health_stage])
+    _chain(c.row.change, [stages[name] for name in ("response", "group", "compare", "tree")],
+           trigger_mode="always_last")
+    _chain(c.tabs.select, [(_tab_label, [], [c.open_tab]),
+                           *(stages[name] for name in ("group", "compare", "tree", "health"))])
     gr.on([c.low.submit, c.low.blur, c.high.submit, c.high.blur, c.search.change, c.padding.change, c.sort.change,
-           c.scale.change], *response_stage, trigger_mode="always_last")
-    c.k.release(*top_stage)
-    c.bins.release(*hist_stage)
-    c.group_tokens.release(*group_stage)
-    gr.on([c.other.input, c.compare_tokens.release], *compare_stage)
+           c.scale.change], *stages["response"], trigger_mode="always_last")
+    c.k.release(*stages["top"])
+    c.bins.release(*stages["histogram"])
+    c.group_tokens.release(*stages["group"])
+    gr.on([c.other.input, c.compare_tokens.release], *stages["compare"])
 
+
+def _wire_selections(c: Controls, v: Views, health: Stage) -> None:
+    """What a click opens (a table's row, a tree's node, a flag or its pointer) and the refresh of the steps."""
     c.overview.select(_select_row(0), None, c.row)  # the overview's first column is the row
     c.top_high.select(_select_row(1), None, c.row)  # top-K tables: rank, row, ...
     c.top_low.select(_select_row(1), None, c.row)
@@ -391,6 +397,7 @@ def _wire(app: gr.Blocks, c: Controls, v: Views) -> None:
     c.tree_uid.input(guarded([c.row, c.error], v.pick_prompt, c.error, (c.row,)), [c.step, c.tree_uid],
                      [c.row, c.error])
     c.tree_map.click(v.open_node, None, [c.row, c.tabs, c.open_tab])
+    opened = [c.step, c.row, c.marked, c.tabs, c.open_tab]  # what opening a pointer sets (kept on an error)
     c.health_flags.select(v.pick_flag, None, [c.flag, c.health_pointers]).then(
         guarded([*opened, c.error], v.open_first, c.error, tuple(opened)), [c.flag], [*opened, c.error])
     c.health_pointers.select(_select_row(0), None, c.pointer).then(  # a callback Gradio hands the selection to
@@ -398,7 +405,7 @@ def _wire(app: gr.Blocks, c: Controls, v: Views) -> None:
     refresh_outputs = [c.header, c.step, c.other, c.curves, c.seen]
     c.refresh.click(lambda s, o, seen: v.poll(s, o, seen, True), [c.step, c.other, c.seen], refresh_outputs)
     c.timer.tick(lambda s, o, seen: v.poll(s, o, seen, False), [c.step, c.other, c.seen], refresh_outputs,
-                 show_progress="hidden").then(*health_stage, show_progress="hidden")
+                 show_progress="hidden").then(*health, show_progress="hidden")
 
 
 def build_app(trace_dir: str | Path, model_path: str | Path | None = None, *,
@@ -407,7 +414,10 @@ def build_app(trace_dir: str | Path, model_path: str | Path | None = None, *,
     explorer = Explorer(trace_dir, model_path)
     with gr.Blocks(title="archer trace explorer", analytics_enabled=False, delete_cache=(3600, 3600)) as app:
         controls = _layout(explorer, poll_seconds)
-        _wire(app, controls, Views(explorer, controls))
+        views = Views(explorer, controls)
+        stages = _stages(controls, views)
+        _wire_views(app, controls, views, stages)
+        _wire_selections(controls, views, stages["health"])
     return app
 
 
