@@ -122,6 +122,8 @@ def test_entropy_collapse_info_then_warning_then_critical_with_the_covariance_to
     # step 11: .05 <= .1 x .8
     assert flagged(run_stream(metrics)[1]) == [(5, "entropy_collapse", "info"), (7, "entropy_collapse", "warning"),
                                                (11, "entropy_collapse", "critical")]
+    mastering = [{**m, "critic/acc/mean": 0.3 + 0.05 * i} for i, m in enumerate(metrics)]  # accuracy still rising
+    assert flagged(run_stream(mastering)[1]) == [(5, "entropy_collapse", "info")]
     # the tokens that drive it: response 1's confident tokens (log-prob ~0) with a positive advantage
     rows = make_rows(np.full((4, 4), 0.001), log_probs=[[-2] * 4, [-0.01] * 4, [-2] * 4, [-2] * 4],
                      advantages=[[1] * 4, [1] * 4, [-1] * 4, [-1] * 4], row=[10, 11, 12, 13])

@@ -87,18 +87,20 @@ def _figures(**trends: Trend | float | None) -> dict[str, float]:
 
 # -- entropy ---------------------------------------------------------------------------------------------------
 def entropy_collapse(ctx: Context) -> Finding | None:
-    """Entropy falling fast, the near-deterministic share rising; the covariance of log-prob and advantage as the
-    early sign (Cui et al. 2025)."""
+    """Entropy falling fast, the near-deterministic share rising, while accuracy stalls (the entropy spent caps
+    it); the covariance of log-prob and advantage as the early sign, whatever the accuracy (Cui et al. 2025)."""
     h, name = ctx.history, "entropy_collapse"
     entropy = h.trend(ENTROPY)
     if entropy is None or entropy.then <= 0:
         return None
     near = h.trend("health/near_deterministic_frac")
     cov = h.now("health/logp_adv_cov")
+    flat, acc = ctx.accuracy_flat()
     ratio = entropy.ratio
-    if ratio <= ctx.t(name, "critical_ratio"):
+    if flat and ratio <= ctx.t(name, "critical_ratio"):
         severity = "critical"
-    elif ratio <= ctx.t(name, "warning_ratio") and (near is None or near.change >= ctx.t(name, "near_deterministic_rise")):
+    elif flat and ratio <= ctx.t(name, "warning_ratio") and (
+            near is None or near.change >= ctx.t(name, "near_deterministic_rise")):
         severity = "warning"
     elif ratio <= ctx.t(name, "info_ratio") and cov is not None and cov > 0:
         severity = "info"
@@ -109,12 +111,13 @@ def entropy_collapse(ctx: Context) -> Finding | None:
         message += f", {_trend_text('near-deterministic token share', near)}"
     if cov is not None:
         message += f", log-prob/advantage covariance {_f(cov)}" + (" (keeps lowering it)" if cov > 0 else "")
+    message += _acc_text(acc)
     pointers = []
     if ctx.rows is not None:
         pointers = top_tokens(ctx.rows, token_covariance(ctx.rows), ctx.k,
                               "largest log-prob x advantage covariance term (a token the update makes surer)")
-    return Finding(severity, message, _figures(entropy=entropy, near_deterministic_frac=near, logp_adv_cov=cov),
-                   pointers)
+    return Finding(severity, message,
+                   _figures(entropy=entropy, near_deterministic_frac=near, logp_adv_cov=cov, acc=acc), pointers)
 
 
 def entropy_blowup(ctx: Context) -> Finding | None:
