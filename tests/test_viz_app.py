@@ -433,8 +433,8 @@ def test_the_health_tab_reads_the_runs_flags_and_maps_pointers_to_trace_rows(tmp
     health = explorer.run_health()
     assert health.source == f"flags of `{tmp_path / 'run' / 'health.jsonl'}`, written while training"
     assert health.flags_table().values.tolist() == [
-        [0, 2, "warning", "instability", "actor/ppo_kl 0.2 over the last 3 steps", "4"],
-        [1, 3, "critical", "entropy_blowup", "entropy 0.5 -> 1.2 (x2.40)", "5 0"]]
+        [0, 2, "warning", "instability", "4", "actor/ppo_kl 0.2 over the last 3 steps"],
+        [1, 3, "critical", "entropy_blowup", "5 0", "entropy 0.5 -> 1.2 (x2.40)"]]
     assert health.pointers_table(1).values.tolist() == [[0, 5, "s3-g1", "0 2", 2.1, "highest mean token entropy"],
                                                         [1, 0, "s3-g0", "4", 1.9, "highest mean token entropy"]]
     assert health.pointers_table(-1).empty and list(health.pointers_table(-1)) == list(health.pointers_table(0))

@@ -199,7 +199,8 @@ def _layout_run(c: Controls) -> None:
         c.health_note = gr.Markdown(elem_id="archer-health-note")
         c.health_plot = gr.Plot(format="png", elem_id="archer-health-timeline")
         c.health_flags = gr.Dataframe(label="flags (select one to open its first pointer)", interactive=False,
-                                      elem_id="archer-health-flags", elem_classes=["archer-table"])
+                                      elem_id="archer-health-flags", elem_classes=["archer-table"],
+                                      column_widths=["5%", "5%", "8%", "14%", "13%", "55%"])
         c.health_pointers = gr.Dataframe(label="the selected flag's pointers (select one to open it)",
                                          interactive=False, elem_id="archer-health-pointers",
                                          elem_classes=["archer-table"])

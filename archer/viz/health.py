@@ -27,7 +27,7 @@ from archer.step_lines import METRICS_FILE, metrics_by_step, read_step_records
 SEVERITY_COLOURS = {"info": "#1f77b4", "warning": "#ff7f0e", "critical": "#d62728"}
 PANELS = (("entropy", ("actor/entropy",)), ("score / accuracy", ("critic/score/mean", "critic/acc/mean")),
           ("response length", ("response_length/mean",)))
-FLAG_COLUMNS = ["flag", "step", "severity", "check", "message", "responses"]
+FLAG_COLUMNS = ["flag", "step", "severity", "check", "responses", "message"]
 POINTER_COLUMNS = ["pointer", "response", "prompt group", "tokens", "value", "why"]
 
 
