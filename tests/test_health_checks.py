@@ -307,6 +307,7 @@ def test_a_resumed_monitor_drops_later_flags_and_keeps_each_checks_state(tmp_pat
     cfg = load_config("ppo_trainer", ["actor_rollout_ref.model.path=/m", "data.train_files=/t.parquet"])
     metrics = stream(6, actor__ppo_kl=[0, 0, 0.1, 0.1, 0.1, 0.1])
     first = HealthMonitor(cfg, tmp_path, start_step=0)
+    assert first.check(0, {"val-core/all/acc/mean@1": 0.5}) == {}  # step 0's line keeps validation's keys alone
     lines = []
     for step, m in enumerate(metrics, start=1):
         lines.append(json.dumps({"step": step, **m, **first.check(step, m)}) + "\n")

@@ -59,10 +59,12 @@ class HealthMonitor:
         self._seconds = time.perf_counter() - start
 
     def check(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
-        """Run the checks on the step; returns the health/* metrics and timing_s/health."""
+        """Run the checks on the step; returns the health/* metrics and timing_s/health (nothing for step 0)."""
         start = time.perf_counter()
         rows, self._rows = self._rows, None
         out, flags = self.engine.step(step, metrics, rows)
+        if step < 1:  # the validation before training joins the history and logs nothing more
+            return out
         for flag in flags:
             log.log(LOG_LEVELS[flag.severity], "%s", flag.line())
             with self.path.open("a", encoding="utf-8") as f:
