@@ -1,4 +1,4 @@
-"""``archer <command>``: train, sft, eval, data, quickstart, viz, build-index, tools check.
+"""``archer <command>``: train, sft, eval, data, quickstart, viz, health, build-index, tools check.
 
 Every command turns an ArcherError into one clear message and exit status 2, without a traceback.
 ``archer train --help`` and ``archer sft --help`` list the main config keys with their defaults (read
@@ -217,6 +217,12 @@ def _viz(args: argparse.Namespace) -> None:
     launch(trace_dir, args.model_path, host=args.host, port=args.port)
 
 
+def _health(args: argparse.Namespace) -> None:
+    from archer.health.offline import print_replay
+
+    print_replay(args.run_dir, args.overrides, as_json=args.json)
+
+
 def _build_index(args: argparse.Namespace) -> None:
     from pathlib import Path
 
@@ -255,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_command(sub, "sft", _sft, "sft_trainer", SFT_HELP_KEYS,
                         summary="supervised fine-tuning on prompt/response data",
                         overrides="key=value, e.g. model.partial_pretrain=DIR data.train_files=F")
-    for add in (_add_eval, _add_data, _add_quickstart, _add_viz, _add_build_index, _add_tools):
+    for add in (_add_eval, _add_data, _add_quickstart, _add_viz, _add_health, _add_build_index, _add_tools):
         add(sub)
     return parser
 
@@ -305,6 +311,15 @@ def _add_viz(sub: Subcommands) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=7862)
     p.set_defaults(func=_viz)
+
+
+def _add_health(sub: Subcommands) -> None:
+    p = sub.add_parser("health", help="the training health checks over a run directory, made before them too "
+                       "(docs/health.md)")
+    p.add_argument("run_dir", help="an `archer train` run directory (trainer.default_local_dir)")
+    p.add_argument("overrides", nargs="*", help="thresholds other than the run's, e.g. trainer.health.window=5")
+    p.add_argument("--json", action="store_true", help="print the flags as JSON (health.jsonl's records)")
+    p.set_defaults(func=_health)
 
 
 def _add_build_index(sub: Subcommands) -> None:

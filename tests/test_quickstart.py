@@ -1,6 +1,6 @@
-"""The quickstart as a user runs it: `archer quickstart` on the CPU, checked against the issue's bar; bad
-overrides that leave no folder behind; a trainer.default_local_dir override that the summary and the printed
-commands follow; `task=tool_arithmetic` picks the tool recipe, whose RL overrides configure the Python tool
+"""The quickstart as a user runs it: `archer quickstart` on the CPU, checked against the issue's bar and the health
+checks' silence; bad overrides that leave no folder behind; a trainer.default_local_dir override that the summary
+and the printed commands follow; `task=tool_arithmetic` picks the tool recipe, whose RL overrides configure the Python tool
 and whose summary reports the tool-call rate (the warm start replaced by the test's micro model, so these run
 in seconds)."""
 
@@ -64,6 +64,7 @@ def test_quickstart_learns(tmp_path: Path) -> None:
         reader = TraceReader(summary[kind])
         assert reader.steps() == list(range(1, 41)) and reader.tokenizer_dir() is not None
     assert f"archer viz --trace-dir {summary['influence_trace']}" in proc.stdout
+    assert_no_health_warning(out / "rl", proc.stderr)
 
 
 @pytest.mark.slow
@@ -79,6 +80,16 @@ def test_tool_quickstart_learns_to_call_the_tool(tmp_path: Path) -> None:
     assert summary["val_tool_call_rate_after_rl"] > summary["val_tool_call_rate_before_rl"]
     assert summary["wall_time_s"] < 480
     assert "tool-call rate before RL" in proc.stdout
+    assert_no_health_warning(out / "rl", proc.stderr)
+
+
+def assert_no_health_warning(rl: Path, stderr: str) -> None:
+    """A healthy run: the health checks ran at every step and raised no warning (docs/health.md)."""
+    flags = [json.loads(line) for line in (rl / "health.jsonl").read_text().splitlines()]
+    assert [f for f in flags if f["severity"] != "info"] == []
+    assert "WARNING archer.health" not in stderr and "ERROR archer.health" not in stderr
+    metrics = [json.loads(line) for line in (rl / "metrics.jsonl").read_text().splitlines()]
+    assert all("health/flags" in m for m in metrics if m["step"] >= 1)
 
 
 def test_bad_overrides_leave_no_out_folder_behind(tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ def traced_batch(tool_tokens: bool = False) -> Batch:
     batch["advantages"] = torch.tensor(ADVANTAGES)
     batch["uid"] = ["u1", "u2", "u1"]
     batch["data_source"] = ["gsm8k", "math", "gsm8k"]
+    batch["acc"] = np.array([1.0, 0.0, True], dtype=object)  # the reward manager's: numbers or booleans
     if tool_tokens:
         batch["response_mask"] = batch["response_mask"] * (1 - torch.tensor(TOOL_TOKENS))
     return batch
@@ -49,8 +50,8 @@ def traced_batch(tool_tokens: bool = False) -> Batch:
 def test_response_arrays_field_by_field() -> None:
     arrays = response_arrays(traced_batch())
     assert sorted(arrays) == sorted(["entropies", "response_mask", "responses", "response_index", "prompt_length",
-                                     "prompts", "uid", "sample_index", "old_log_probs", "reward", "advantage",
-                                     "data_source"])
+                                     "prompts", "uid", "sample_index", "old_log_probs", "reward", "acc",
+                                     "advantage", "data_source"])
     expected = {
         "entropies": (np.float16, ENTROPIES_F16),
         "response_mask": (np.bool_, [[True, True, False], [True, True, True], [True, False, False]]),
@@ -61,6 +62,7 @@ def test_response_arrays_field_by_field() -> None:
         "sample_index": (np.int32, [0, 0, 1]),
         "old_log_probs": (np.float16, OLD_LOG_PROBS_F16),
         "reward": (np.float32, [1.0, 0.5, -1.0]),
+        "acc": (np.float32, [1.0, 0.0, 1.0]),
         "advantage": (np.float32, [(1.0 + 3.0) / 2, (2.0 + 4.0 + 6.0) / 3, 5.0]),
     }
     for name, (dtype, values) in expected.items():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import health_support
 import numpy as np
 import pandas as pd
 import pytest
@@ -363,7 +365,8 @@ def test_build_app_and_bad_trace_dirs(influence_trace, tmp_path) -> None:
     ids = {getattr(block, "elem_id", None) for block in app.blocks.values()}
     assert {"archer-step", "archer-row", "archer-heatmap-entropy", "archer-heatmap-influence", "archer-csv",
             "archer-top-high", "archer-curves", "archer-histogram", "archer-compare", "archer-group",
-            "archer-tree", "archer-tree-uid", "archer-tree-table"} <= ids
+            "archer-tree", "archer-tree-uid", "archer-tree-table", "archer-health-note", "archer-health-timeline",
+            "archer-health-flags", "archer-health-pointers"} <= ids
     with pytest.raises(ArcherError, match="does not exist"):
         build_app(tmp_path / "missing")
     with pytest.raises(ArcherError, match="is not a trace directory"):
@@ -458,3 +461,45 @@ def test_archer_console_script_lists_viz() -> None:
     assert proc.returncode == 0
     for option in ("--trace-dir", "--model-path", "--host", "--port"):
         assert option in proc.stdout
+
+
+# -- the Health tab's data ----------------------------------------------------------------------------------------
+def test_the_health_tab_reads_the_runs_flags_and_maps_pointers_to_trace_rows(tmp_path, tokenizer) -> None:
+    trace = health_support.write_health_run(tmp_path / "run", tokenizer)
+    explorer = Explorer(trace)
+    assert explorer.run_dir == tmp_path / "run"
+    health = explorer.run_health()
+    assert health.source == f"flags of `{tmp_path / 'run' / 'health.jsonl'}`, written while training"
+    assert health.flags_table().values.tolist() == [
+        [0, 2, "warning", "instability", "4", "actor/ppo_kl 0.2 over the last 3 steps"],
+        [1, 3, "critical", "entropy_blowup", "5 0", "entropy 0.5 -> 1.2 (x2.40)"]]
+    assert health.pointers_table(1).values.tolist() == [[0, 5, "s3-g1", "0 2", 2.1, "highest mean token entropy"],
+                                                        [1, 0, "s3-g0", "4", 1.9, "highest mean token entropy"]]
+    assert health.pointers_table(-1).empty and list(health.pointers_table(-1)) == list(health.pointers_table(0))
+    figure = health.timeline()
+    lines = [line for ax in figure.axes for line in ax.lines if list(line.get_xdata()) in ([2, 2], [3, 3])]
+    assert len(lines) == 2 * 3  # a vertical line per flag on each of the three panels
+    assert explorer.trace_row(3, 5) == 5  # the entropy trace holds every row of the batch
+    view = explorer.response(3, 5, flagged=("entropy_blowup (critical) at step 3", [0, 2]))
+    assert view.metadata.endswith("health: entropy_blowup (critical) at step 3; tokens at 0 2 boxed in green")
+    boxed = re.findall(r'class="[^"]*archer-tok--flag" data-pos="(\d+)"', view.entropy_html)
+    assert boxed == ["0", "2"] and "pointed at by the health flag" in view.entropy_html  # and the legend says so
+    assert 'archer-tok--flag"' not in explorer.response(3, 5).entropy_html
+
+
+def test_a_run_without_health_jsonl_is_replayed_and_an_influence_trace_may_lack_a_row(tmp_path, tokenizer) -> None:
+    trace = health_support.write_health_run(tmp_path / "run", tokenizer)
+    (tmp_path / "run" / "health.jsonl").unlink()
+    health = Explorer(trace).run_health()  # replayed: three synthetic steps raise nothing
+    assert health.flags == [] and health.source.startswith(f"flags replayed by `archer health {tmp_path / 'run'}`")
+    influence = trace_support.write_trace(tmp_path / "run" / "influence_trace", tokenizer, kind="influence",
+                                          steps=(3,))
+    arrays = np.load(influence / "steps" / "step_000003.npz")
+    kept = dict(arrays)
+    kept["response_index"] = np.array([0, 1, 2, 6, 7, 8], dtype=np.int32)  # rows 3-5 of the batch not traced
+    np.savez_compressed(influence / "steps" / "step_000003.npz", **kept)
+    explorer = Explorer(influence)
+    assert explorer.trace_row(3, 7) == 4
+    with pytest.raises(IndexError, match="response 5 of step 3 is not in this influence trace .*entropy trace"):
+        explorer.trace_row(3, 5)
+    assert Explorer(trace_support.write_trace(tmp_path / "lone" / "trace", tokenizer)).run_health() is None

@@ -5,7 +5,9 @@ page through the controls a user touches and checks what the browser shows again
 heatmap spans and their computed colours, the filter and search, the downloaded CSV row by row, the error of
 a corrupt step, a step written while the app runs, and the other tabs. A second app serves the entropy trace
 of a tool run (trace_support.write_tool_trace): grey tool output, highlighted tool calls and the branch tree
-(its screenshots land in the tests' tmp_path: tool_tokens.png, branch_tree.png).
+(its screenshots land in the tests' tmp_path: tool_tokens.png, branch_tree.png). A third serves a run folder with
+health flags (health_support.write_health_run): the Health tab, and a flag's pointers opened with their tokens
+boxed (health_tab.png, flag_opened.png).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import csv
 import socket
 from pathlib import Path
 
+import health_support
 import numpy as np
 import pytest
 import trace_support
@@ -426,3 +429,52 @@ def test_wide_tables_and_the_group_panels_are_not_cut_off_on_the_right(page, too
         " [...e.querySelectorAll('.archer-panel')].map(p => p.getBoundingClientRect().right)]")
     assert len(panel_rights) == 4 and max(panel_rights) <= box_right + 1, (box_right, panel_rights)
     tool_page.get_by_role("tab", name="Responses").click()
+
+
+# -- a run with health flags: the Health tab, a flag opened with its tokens boxed ------------------------------------
+
+@pytest.fixture(scope="module")
+def health_page(browser, tmp_path_factory, tokenizer):
+    trace = health_support.write_health_run(tmp_path_factory.mktemp("browser-health") / "run", tokenizer)
+    yield from open_page(browser, trace)
+
+
+def flagged_positions(page) -> list[int]:
+    return [s["pos"] for s in heatmap_spans(page, "archer-heatmap-entropy") if "archer-tok--flag" in s["cls"]]
+
+
+def test_the_health_tab_shows_the_flags_over_the_curves_and_opens_a_flags_responses(health_page, tmp_path) -> None:
+    page = health_page
+    page.get_by_role("tab", name="Health").click()
+    page.wait_for_selector("#archer-health-timeline img")
+    page.wait_for_function("() => document.querySelector('#archer-health-flags')?.innerText.includes('entropy_blowup')")
+    note = page.inner_text("#archer-health-note")
+    assert "2 flag(s) (1 warning, 1 critical) — flags of" in note and "health.jsonl, written while training" in note
+    cells = page.eval_on_selector_all("#archer-health-flags [role=row]:has([role=gridcell])",
+                                      "rows => rows.map(r => [...r.querySelectorAll('[role=gridcell]')]"
+                                      ".map(c => c.innerText.trim()))")
+    assert [c[:4] for c in cells] == [["0", "2", "warning", "instability"], ["1", "3", "critical", "entropy_blowup"]]
+    page.screenshot(path=str(tmp_path / "health_tab.png"), full_page=True)
+    # a flag: its step and first pointed response open, the pointed tokens boxed in green
+    page.locator("#archer-health-flags [role=gridcell]").filter(has_text="instability").first.click()
+    wait_for_response(page, 2, 4)
+    assert page.get_by_role("tab", name="Responses").get_attribute("aria-selected") == "true"
+    assert "health: instability (warning) at step 2: largest policy-gradient weight 1.5; tokens at 1 3 boxed" in (
+        page.inner_text("#archer-meta"))
+    assert flagged_positions(page) == [1, 3]
+    outline = page.eval_on_selector("#archer-heatmap-entropy .archer-tok--flag", "s => getComputedStyle(s).outlineColor")
+    assert outline.replace(" ", "") == render.FLAGGED
+    page.screenshot(path=str(tmp_path / "flag_opened.png"), full_page=True)
+    set_text(page, "archer-row", "2")  # another response: nothing boxed
+    wait_for_response(page, 2, 2)
+    assert flagged_positions(page) == []
+    # the second flag's second pointer, from the pointers table
+    page.get_by_role("tab", name="Health").click()
+    page.locator("#archer-health-flags [role=gridcell]").filter(has_text="entropy_blowup").first.click()
+    wait_for_response(page, 3, 5)
+    assert flagged_positions(page) == [0, 2]
+    page.get_by_role("tab", name="Health").click()
+    page.wait_for_function("() => document.querySelector('#archer-health-pointers')?.innerText.includes('s3-g0')")
+    page.locator("#archer-health-pointers [role=gridcell]").filter(has_text="s3-g0").first.click()
+    wait_for_response(page, 3, 0)
+    assert flagged_positions(page) == [4]

@@ -2,7 +2,7 @@
 
 The arrays come from the old-log-prob pass (``old_log_probs``, ``entropies``), so writing the trace adds no
 model work: it copies tensors to numpy, compresses them and replaces files atomically. The step file also
-holds what the explorer needs without the run: prompt ids, reward, advantage, data_source, log-probs, the
+holds what the explorer needs without the run: prompt ids, reward, accuracy, advantage, data_source, log-probs, the
 reward's numeric extras (``reward_extra/<key>``, float32, NaN where a response has none), each response's
 finish_reason, policy_version and staleness (trainer/off_policy.py), the tokens the rollout correction rejected
 (``rollout_rs_rejected``, when it rejects) and, for a run with tools, the tool fields (format.TOOL_FIELDS:
@@ -52,6 +52,8 @@ def response_arrays(batch: Batch, rows: np.ndarray | None = None) -> dict[str, n
         "data_source": np.asarray([str(batch["data_source"][int(i)]) if "data_source" in batch.rows else ""
                                    for i in rows], dtype=str),  # str also when no row is chosen
     }
+    if "acc" in batch.rows:
+        arrays["acc"] = batch["acc"][rows].astype(np.float32)
     if advantages is not None:
         m = learned.float()
         arrays["advantage"] = ((advantages * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)).numpy()

@@ -61,6 +61,7 @@ RESPONSE_FIELDS = {
     "sample_index": ("int32", "[num_responses] index of the response within its prompt group"),
     "old_log_probs": ("float16", "[num_responses, response_len] log-prob of each token (old policy)"),
     "reward": ("float32", "[num_responses] sequence score of the response"),
+    "acc": ("float32", "[num_responses] the reward's accuracy of the response (its acc; score > 0 without one)"),
     "advantage": ("float32", "[num_responses] mean advantage over the response's tokens"),
     "data_source": ("str", "[num_responses] data_source of the prompt"),
     "finish_reason": ("str", "[num_responses] why generation ended: eos | stop | length | call_limit"),

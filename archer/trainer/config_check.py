@@ -18,6 +18,7 @@ from archer.config.loader import as_list
 from archer.config.no_ops import check_no_ops
 from archer.config.world import world_size
 from archer.errors import ArcherError
+from archer.health.settings import HealthSettings
 from archer.models.lora import LoraSettings
 from archer.rewards.row_scorers import check_manager
 from archer.rewards.shaping import OverlongBuffer
@@ -134,6 +135,7 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.trainer.influence_trace.enable:
         check_influence_settings(cfg.trainer.influence_trace)
     check_world(cfg)
+    HealthSettings.from_config(cfg.trainer.health)  # trainer.health.*: thresholds, windows, stop_on
     check_manager(str(cfg.reward_model.reward_manager),
                   OmegaConf.to_container(cfg.reward_model.reward_kwargs, resolve=True),
                   has_custom_function=bool(cfg.custom_reward_function.path))

@@ -17,7 +17,6 @@ backend is switched.
 
 from __future__ import annotations
 
-import json
 import re
 import textwrap
 from collections.abc import Mapping
@@ -32,6 +31,8 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from archer.errors import ArcherError
+from archer.health.settings import CHECK_NAMES
+from archer.step_lines import metrics_by_step
 
 Group = list[str] | dict[str, list[str]]  # patterns, or panels: y label -> patterns
 
@@ -65,6 +66,9 @@ DEFAULT_GROUPS: dict[str, Group] = {
                                  "tools/disallowed_calls"],
               "per response": ["tools/calls_per_response", "tools/call_limit_reached"],
               "seconds per call": ["tools/*/mean_latency_s"]},
+    # the health checks' figures and what each check found (docs/health.md)
+    "health": {"share": ["health/*_frac"], "log-prob/advantage covariance": ["health/logp_adv_cov"],
+               "severity (1 info, 2 warning, 3 critical)": [f"health/{name}" for name in CHECK_NAMES]},
 }
 Y_LABELS = {  # a group without one is labelled with its own name
     "reward": "score / accuracy", "entropy": "entropy (nats per token)", "response_length": "tokens",
@@ -77,7 +81,8 @@ COLOURS = colormaps["tab10"].colors
 LINE_STYLES = ("-", "--", "-.", ":")  # with the 10 colours: 40 distinct lines before a pair repeats
 AGGREGATE = "/all/"  # validation over all data sources
 STEP_TOTAL = "timing_s/step"
-OUTSIDE_STEP = ("timing_s/testing",)  # validation runs outside the step's timer: not part of its stack
+OUTSIDE_STEP = ("timing_s/testing", "timing_s/health")  # validation and the health checks run outside the step's
+# timer: not part of its stack
 MAX_STAGE_BANDS = 6  # the largest stages get a band each; the rest share one "other stages" band
 MIN_STAGE_SHARE = 0.05  # ... and so does any stage under this share of the step total
 PANEL_HEIGHT = 2.6  # inches per panel of a figure of panels (at least the 4.5 inches of one figure)
@@ -93,17 +98,9 @@ def read_series(metrics_path: Path) -> Series:
             "point at a run directory's metrics.jsonl (written by `archer train`)",
         )
     series: Series = {}
-    for line in metrics_path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        step = record.get("step") if isinstance(record, dict) else None
-        if not isinstance(step, int):
-            continue
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                series.setdefault(key, {})[step] = float(value)
+    for step, values in metrics_by_step(metrics_path).items():
+        for key, value in values.items():
+            series.setdefault(key, {})[step] = value
     return series
 
 

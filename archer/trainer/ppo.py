@@ -32,6 +32,7 @@ from archer.data.loader import collate_prompts
 from archer.data.rl_data import build_rl_data
 from archer.data.rl_dataset import RLDataset
 from archer.eval.evaluator import Evaluator, records_metrics
+from archer.health.monitor import HealthMonitor
 from archer.models.loading import pick_device
 from archer.rewards.extras import REWARD_EXTRAS
 from archer.rewards.reward_stage import build_reward_manager
@@ -163,6 +164,7 @@ class PPOTrainer:
         self.finished: dict[str, Any] | None = None  # the saved summary of a run that has nothing left to do
         self.entropy_trace: EntropyTrace | None = None
         self.influence_trace: InfluenceTrace | None = None
+        self.health: HealthMonitor | None = None  # trainer.health: the checks of each step (docs/health.md)
         self.peaks = MemoryPeaks(self.device)  # the current step's peak GPU memory per stage
         self.template_kwargs = OmegaConf.to_container(cfg.data.apply_chat_template_kwargs)
         self.workers: WorkerGroup | None = None
@@ -294,6 +296,8 @@ class PPOTrainer:
             if self.entropy_trace is not None:
                 with timer("entropy_trace", timings, self.peaks):  # entropies of the old-log-prob pass, with advantages
                     self.entropy_trace.record(step, batch)
+            if self.health is not None:
+                self.health.collect(batch)
             if self.use_critic:
                 with timer("update_critic", timings, self.peaks):
                     metrics.update(self.workers.call("update_critic", batch).metrics)
@@ -403,11 +407,13 @@ class PPOTrainer:
         start = self.resume()
         self.global_step = start
         self.open_traces(start)
+        if cfg.health.enable:
+            self.health = HealthMonitor(self.cfg, self.run_dir, start, tool_call_tags(self.cfg.actor_rollout_ref.rollout))
         with Tracking(self.run_dir, backends=as_list(cfg.logger), project=cfg.project_name, experiment=cfg.experiment_name,
                       config=OmegaConf.to_container(self.cfg, resolve=True), total_steps=self.total_steps, start_step=start) as tracker:
             if start == 0 and cfg.val_before_train and self.val_set is not None:
                 self.val_before = self.validate()
-                tracker.log(self.val_before, step=0)
+                self.log_step(tracker, 0, self.val_before)
             for step in range(start + 1, self.total_steps + 1):
                 self.global_step = step
                 metrics = self.train_step(step)
@@ -417,16 +423,27 @@ class PPOTrainer:
                     metrics.update(self.val_last)
                 # Log before the checkpoint commits: a run killed in between resumes from the previous
                 # checkpoint and redoes this step, whereas a committed step without its line stays missing.
-                tracker.log(metrics, step=step)
-                if cfg.save_freq > 0 and (step % cfg.save_freq == 0 or last):
+                self.log_step(tracker, step, metrics)
+                stop = self.health.stop if self.health is not None else None
+                if stop is not None or (cfg.save_freq > 0 and (step % cfg.save_freq == 0 or last)):
                     self.flush_traces()  # every step the checkpoint covers is on disk first
                     saved = time.perf_counter()
                     path = self.save_checkpoint(step)
                     log.info("saved %s in %.2fs", path, time.perf_counter() - saved)
+                if stop is not None:
+                    log.error("stopping at step %d (trainer.health.stop_on=%s): %s; the checkpoint %s holds the "
+                              "policy of this step", step, cfg.health.stop_on, stop.line(), path)
+                    break
         self.flush_traces()
         if cfg.plots:
             plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "plots")
         return self.write_summary()
+
+    def log_step(self, tracker: Tracking, step: int, metrics: dict[str, float]) -> None:
+        """The step's metrics, with the health checks' (trainer.health), to every logger."""
+        if self.health is not None:
+            metrics = {**metrics, **self.health.check(step, metrics)}
+        tracker.log(metrics, step=step)
 
     def open_traces(self, start: int) -> None:
         """Trace writers of the enabled traces; steps after the resumed checkpoint are dropped (redone)."""
@@ -482,5 +499,7 @@ class PPOTrainer:
         latest = self.checkpoints.latest_step()
         if latest is not None:
             summary["latest_checkpoint"] = str(self.checkpoints.load_dir(latest) / CHECKPOINT_ACTOR)
+        if self.health is not None and self.health.stop is not None:
+            summary["stopped_by_health"] = self.health.stop.to_json()
         write_json_atomically(self.run_dir / SUMMARY_FILE, summary)
         return summary

@@ -38,10 +38,10 @@ from rich.text import Text
 
 from archer.atomic_files import write_text_atomically
 from archer.errors import ArcherError
+from archer.step_lines import METRICS_FILE, truncate_after_step
 
 KNOWN_BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
 DEFAULT_KEY_METRICS = ("critic/score/mean", "actor/entropy", "response_length/mean")
-METRICS_FILE = "metrics.jsonl"
 ETA_WINDOW = 10  # steps whose mean duration the ETA extrapolates (a tenth of the run, when that is more)
 VALIDATION_ACCURACY = re.compile(r"val-core/(.+)/acc/mean@\d+")
 
@@ -60,30 +60,10 @@ def _as_float(key: str, value: Any) -> float:
         raise TypeError(f"metric {key!r} must be a scalar number, got {value!r}") from err
 
 
-def _step_of(line: str) -> int | None:
-    """The step of one metrics.jsonl line, or None when the line is not a complete record."""
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return None
-    step = record.get("step") if isinstance(record, dict) else None
-    return step if isinstance(step, int) else None
-
-
-def truncate_metrics(path: Path, last_step: int) -> None:
-    """Atomically rewrite metrics.jsonl keeping only complete lines with step <= last_step."""
-    kept = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        step = _step_of(line)
-        if step is not None and step <= last_step:
-            kept.append(line + "\n")
-    write_text_atomically(path, "".join(kept))
-
-
 class _JsonlBackend:
     def __init__(self, path: Path, start_step: int) -> None:
         if start_step > 0 and path.exists():
-            truncate_metrics(path, start_step)
+            truncate_after_step(path, start_step)
         self._file = path.open("a" if start_step > 0 else "w", encoding="utf-8")
 
     def log(self, metrics: dict[str, float], step: int) -> None:

@@ -2,6 +2,7 @@
 method returning plain values (tables, HTML, figures, file paths).
 
 It holds no Gradio objects, so the tests and the scale benchmark call exactly what the app's callbacks call.
+The Health tab's flags are those of the trace's run (viz/health.py), read again when its files change.
 A step is loaded lazily, one per request, and kept in the reader's small cache; statistics and the overview
 table of a loaded step are cached alongside it. Only the trace directory is read (plus an explicit
 tokenizer folder); CSV exports are written into a private temporary folder.
@@ -23,8 +24,11 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from archer.errors import ArcherError
+from archer.health.monitor import HEALTH_FILE
+from archer.step_lines import METRICS_FILE
 from archer.trace.format import TraceReader, is_trace_dir, read_trace_summary, trace_dirs_in
 from archer.viz import queries, render
+from archer.viz.health import RunHealth, run_dir_of, trace_row
 
 STEP_CACHE = 4
 CSV_KEEP = 32  # CSV exports kept in the private temporary folder
@@ -133,6 +137,8 @@ class Explorer:
         self._steps: OrderedDict[int, StepData] = OrderedDict()
         self._prompt_index: dict[int, tuple[tuple[int, int, int], frozenset[bytes]]] = {}  # step -> (file version, prompts)
         self._tmp = tempfile.TemporaryDirectory(prefix="archer-viz-")
+        self.run_dir = run_dir_of(self.reader.dir, self.reader.summary)
+        self._health: tuple[str, RunHealth] | None = None
 
     @property
     def kind(self) -> str:
@@ -190,10 +196,11 @@ class Explorer:
 
     def response(self, step: int, row: int, *, entropy_range: tuple[float | None, float | None] = (None, None),
                  search: str = "", show_padding: bool = False, sort: str = "position",
-                 influence_scale: str = "response") -> ResponseView:
+                 influence_scale: str = "response", flagged: tuple[str, list[int]] | None = None) -> ResponseView:
         """The response panel: metadata, decoded prompt and response, heatmap(s), the view table and its CSV.
         The influence heatmap's colour scale is the response's own p99 of |influence| (``influence_scale``
-        "response") or the step's ("step")."""
+        "response") or the step's ("step"). ``flagged``: (what points, the positions) of a health flag's
+        pointer at this response, boxed in the heatmaps and named in the metadata."""
         if influence_scale not in queries.INFLUENCE_SCALES:
             raise ValueError(f"influence_scale must be one of {queries.INFLUENCE_SCALES}, got {influence_scale!r}")
         data = self.step_data(step)
@@ -205,18 +212,23 @@ class Explorer:
         in_view = queries.view_mask(tokens, entropy_range=entropy_range, search=search)
         shown = queries.in_response(tokens) | show_padding
         shown_tokens, shown_in_view = tokens[shown], in_view[shown]
+        marked = flagged[1] if flagged else ()
         entropy_html = render.heatmap_html(shown_tokens, colour_by="entropy", vmax=data.entropy_vmax,
-                                           in_view=shown_in_view)
+                                           in_view=shown_in_view, flagged=marked)
         influence_html, influence_vmax = None, data.influence_vmax
         if "influence" in arrays:
             if influence_scale == "response":
                 influence_vmax = queries.response_influence_scale(arrays, row)
             influence_html = render.heatmap_html(
                 shown_tokens, colour_by="influence", vmax=influence_vmax, in_view=shown_in_view,
-                scale=f"p99 of |influence| over this {influence_scale}")
+                scale=f"p99 of |influence| over this {influence_scale}", flagged=marked)
+        metadata = self._metadata(data, row, int(in_view[tokens["valid"].to_numpy()].sum()), len(view), sort,
+                                  influence_vmax, influence_scale)
+        if flagged:
+            metadata += f"  \nhealth: {flagged[0]}" + (
+                f"; tokens at {' '.join(map(str, marked))} boxed in green" if marked else "")
         return ResponseView(
-            metadata=self._metadata(data, row, int(in_view[tokens["valid"].to_numpy()].sum()), len(view), sort,
-                                    influence_vmax, influence_scale),
+            metadata=metadata,
             prompt=self._prompt_text(data, row),
             response=self.decode.text(queries.response_ids(arrays, row)),
             entropy_html=entropy_html, influence_html=influence_html, view=view,
@@ -256,6 +268,32 @@ class Explorer:
         with self._lock:
             entries = self.reader.entries()
         return render.curves_figure(queries.curves(entries))
+
+    def health_signature(self) -> str:
+        """Changes whenever the run's metrics.jsonl or health.jsonl does."""
+        if self.run_dir is None:
+            return ""
+        files = [self.run_dir / METRICS_FILE, self.run_dir / HEALTH_FILE]
+        return repr([(p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in files if p.exists()])
+
+    def run_health(self) -> RunHealth | None:
+        """The flags of the trace's run (None when the trace's run folder holds no metrics.jsonl)."""
+        if self.run_dir is None:
+            return None
+        key = self.health_signature()
+        with self._lock:
+            if self._health is None or self._health[0] != key:
+                self._health = (key, RunHealth.read(self.run_dir))
+            return self._health[1]
+
+    def trace_row(self, step: int, batch_row: int) -> int:
+        """The row of this trace holding row ``batch_row`` of the step's batch (IndexError when it holds none)."""
+        row = trace_row(self.step_data(step).arrays, batch_row)
+        if row is None:
+            raise IndexError(f"response {batch_row} of step {step} is not in this {self.kind} trace"
+                             + (" (it holds only the prompt groups it traced: open the run's entropy trace)"
+                                if self.has_influence else ""))
+        return row
 
     def _response_panels(self, data: StepData, rows: np.ndarray, max_tokens: int) -> list[tuple[str, str]]:
         overview = data.overview

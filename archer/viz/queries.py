@@ -107,8 +107,8 @@ def overview_table(arrays: Arrays) -> pd.DataFrame:
         table["rejected_tokens"] = rejected.sum(axis=1)
     if "tool_mask" in arrays:
         table["tool_tokens"] = arrays["tool_mask"].sum(axis=1)
-    for name in ("reward", "advantage", "accepted", "group_id", "num_tool_calls", "num_turns", "branch_parent",
-                 "branch_position", "finish_reason", "policy_version", "staleness"):
+    for name in ("reward", "acc", "advantage", "accepted", "group_id", "num_tool_calls", "num_turns",
+                 "branch_parent", "branch_position", "finish_reason", "policy_version", "staleness"):
         if name in arrays:
             table[name] = arrays[name]
     for name in sorted(n for n in arrays if n.startswith(REWARD_EXTRA_PREFIX)):  # the reward's extras

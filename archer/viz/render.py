@@ -5,7 +5,7 @@ token's text (HTML-escaped, whitespace made visible), a hover ``title`` and ``da
 ``data-influence`` attributes. The background comes from ``entropy_colour`` (white -> red) or, for the
 influence heatmap, ``influence_colour`` (blue for negative, white at zero, red for positive). Tool output is
 grey (``archer-tok--tool``: not the policy's tokens), the model's tool calls are underlined in purple
-(``archer-tok--call``). ``branch_tree_svg`` draws one prompt's responses as an SVG tree.
+(``archer-tok--call``), the tokens a health flag points at are boxed in green (``archer-tok--flag``). ``branch_tree_svg`` draws one prompt's responses as an SVG tree.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ COLD = (31, 119, 180)  # negative influence
 MISSING = "rgb(221,221,221)"  # NaN (influence not computed)
 TOOL = "rgb(236,236,236)"  # tool output: not coloured by entropy or influence
 CALL = "rgb(106,61,154)"  # the model's tool calls
+FLAGGED = "rgb(44,160,44)"  # the tokens a health flag points at
 VISIBLE_WHITESPACE = {" ": "·", "\n": "↵", "\t": "→", "\r": "␍"}
 _VISIBLE = str.maketrans(VISIBLE_WHITESPACE)
 HEATMAP_CSS = (
@@ -37,6 +38,7 @@ HEATMAP_CSS = (
     ".archer-tok--tool{color:#8a8a8a;font-style:italic}"
     f".archer-tok--call{{box-shadow:inset 0 -3px 0 {CALL};color:#3f1d6b;font-weight:600}}"
     ".archer-tok--rejected{text-decoration:line-through}"
+    f".archer-heatmap .archer-tok--flag{{outline:2px solid {FLAGGED};outline-offset:-1px}}"
     ".archer-heatmap .archer-tok:hover{outline:1px solid #000}"
     # side-by-side panels wrap onto further rows rather than run off the right edge
     ".archer-panels{display:grid;gap:8px;grid-template-columns:repeat(auto-fill,minmax(280px,1fr))}"
@@ -100,9 +102,9 @@ def token_title(token: dict) -> str:
     return " | ".join(parts)
 
 
-def legend_html(colour_by: str, vmax: float, tools: bool = False, scale: str = "") -> str:
-    """The colour scale of a heatmap in words and swatches (with the tool marks when ``tools``); ``scale`` says
-    what the maximum is taken over."""
+def legend_html(colour_by: str, vmax: float, tools: bool = False, scale: str = "", flagged: bool = False) -> str:
+    """The colour scale of a heatmap in words and swatches (with the tool marks when ``tools``, the health
+    flag's box when ``flagged``); ``scale`` says what the maximum is taken over."""
     if colour_by == "entropy":
         stops = [(0.0, "0"), (vmax / 2, f"{vmax / 2:.3g}"), (vmax, f"≥ {vmax:.3g}")]
         swatches = "".join(f'<span style="background-color:{entropy_colour(v, vmax)}">&nbsp;{label}&nbsp;</span>'
@@ -118,18 +120,22 @@ def legend_html(colour_by: str, vmax: float, tools: bool = False, scale: str = "
     if tools:
         swatches += (f' &nbsp;<span class="archer-tok--tool" style="background-color:{TOOL}">&nbsp;tool output&nbsp;'
                      '</span> <span class="archer-tok--call">&nbsp;tool call&nbsp;</span>')
+    if flagged:
+        swatches += (f' &nbsp;<span style="outline:2px solid {FLAGGED};outline-offset:-1px">&nbsp;pointed at by the '
+                     'health flag&nbsp;</span>')
     return f'<div class="archer-legend">{title}: {swatches}</div>'
 
 
 def heatmap_html(tokens: pd.DataFrame, *, colour_by: str = "entropy", vmax: float = 1.0,
                  in_view: np.ndarray | None = None, max_tokens: int | None = None, legend: bool = True,
-                 scale: str = "") -> str:
+                 scale: str = "", flagged: Sequence[int] = ()) -> str:
     """One span per row of ``tokens`` (a token table, in its order), coloured by entropy or influence.
 
     Tokens where ``in_view`` is False get the class ``archer-tok--out`` (grey, no colour); padding tokens get
     ``archer-tok--pad``; tool output (``tool``) gets ``archer-tok--tool`` and the grey ``TOOL`` background,
     the model's tool calls (``tool_call``) ``archer-tok--call``, tokens the rollout correction rejected
-    (``rejected``) ``archer-tok--rejected`` (struck through). ``max_tokens`` cuts the heatmap and says how
+    (``rejected``) ``archer-tok--rejected`` (struck through), the positions in ``flagged`` (a health flag's
+    pointer) ``archer-tok--flag``. ``max_tokens`` cuts the heatmap and says how
     many tokens were left out; ``legend`` puts the colour scale above it (``scale`` naming what it spans).
     """
     if colour_by not in ("entropy", "influence"):
@@ -139,7 +145,8 @@ def heatmap_html(tokens: pd.DataFrame, *, colour_by: str = "entropy", vmax: floa
     keep = np.ones(len(shown), dtype=bool) if in_view is None else np.asarray(in_view)[: len(shown)]
     has_influence = "influence" in shown.columns
     tools = "tool" in shown.columns and bool(shown["tool"].any())
-    parts = [HEATMAP_CSS, legend_html(colour_by, vmax, tools, scale) if legend else "",
+    flagged = set(flagged)
+    parts = [HEATMAP_CSS, legend_html(colour_by, vmax, tools, scale, bool(flagged)) if legend else "",
              f'<div class="archer-heatmap" data-colour="{colour_by}" data-vmax="{float(vmax)!r}" '
              f'data-tokens="{len(shown)}">']
     for token, inside in zip(shown.to_dict("records"), keep):
@@ -147,7 +154,8 @@ def heatmap_html(tokens: pd.DataFrame, *, colour_by: str = "entropy", vmax: floa
         classes = ("archer-tok" + ("" if inside else " archer-tok--out")
                    + (" archer-tok--tool" if tool else "" if token["valid"] else " archer-tok--pad")
                    + (" archer-tok--call" if token.get("tool_call") else "")
-                   + (" archer-tok--rejected" if token.get("rejected") else ""))
+                   + (" archer-tok--rejected" if token.get("rejected") else "")
+                   + (" archer-tok--flag" if token["position"] in flagged else ""))
         data = f'data-pos="{token["position"]}" data-entropy="{_number(token["entropy"])}"'
         if has_influence:
             data += f' data-influence="{_number(token["influence"])}"'
