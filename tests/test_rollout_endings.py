@@ -36,3 +36,32 @@ def test_first_stops_find_what_decoding_every_prefix_finds(stop):
     assert matcher.first_stops(rows, starts) == expected
     assert sum(e is not None for e in expected) > 50
     assert (matcher.enders() is None) == (stop == ("é",))  # a stop string that ends beyond ASCII: no filter
+
+
+class OneTextForNoRow:
+    """A tokenizer whose ``batch_decode([])`` answers ``[""]``, as transformers 5.17's does."""
+
+    def __init__(self) -> None:
+        self.decoded: list[list[list[int]]] = []
+
+    def __len__(self) -> int:
+        return len(TOK)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return TOK.convert_ids_to_tokens(ids)
+
+    def batch_decode(self, sequences: list[list[int]]) -> list[str]:
+        self.decoded.append(sequences)
+        return TOK.batch_decode(sequences) if sequences else [""]
+
+
+def test_a_window_without_a_token_that_can_end_a_stop_string_is_not_decoded():
+    quiet = TOK.encode("abc def", add_special_tokens=False)  # no token holds ">"
+    stopping = TOK.encode("x </python>", add_special_tokens=False)
+    decoder = OneTextForNoRow()
+    matcher = StopMatcher(decoder, ("</python>",))
+    assert matcher.first_stops([quiet, quiet], [0, 1]) == [None, None]
+    assert matcher.matches([quiet], []) == []
+    assert decoder.decoded == []  # no row could stop: nothing decoded (an empty batch is never sent)
+    assert matcher.first_stops([quiet, stopping], [0, 0]) == [None, len(stopping) - 1]
+    assert decoder.decoded[0] == [stopping]  # the one row that could stop

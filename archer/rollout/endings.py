@@ -44,15 +44,19 @@ class StopMatcher:
             self._enders = frozenset(i for i, piece in enumerate(pieces) if piece and any(c in piece for c in last))
         return self._enders
 
-    def _hits(self, texts: list[str]) -> list[bool]:
-        return [any(s in text for s in self.stop) for text in texts]
+    def _tails_hit(self, tails: list[list[int]]) -> list[bool]:
+        """Whether each decoded tail holds a stop string. No tail, no decode call: transformers 5.17's
+        ``batch_decode([])`` answers ``[""]``, one text for no row."""
+        if not tails:
+            return []
+        return [any(s in text for s in self.stop) for text in self.tokenizer.batch_decode(tails)]
 
     def matches(self, histories: list[list[int]], rows: list[int]) -> list[int]:
         """The rows (of ``rows``) whose response text now contains a stop string (checked after every token)."""
         if not self.stop or not rows:
             return []
-        tails = self.tokenizer.batch_decode([histories[r][-self.window :] for r in rows])
-        return [r for r, hit in zip(rows, self._hits(tails), strict=True) if hit]
+        hits = self._tails_hit([histories[r][-self.window :] for r in rows])
+        return [r for r, hit in zip(rows, hits, strict=True) if hit]
 
     def first_stops(self, responses: list[list[int]], starts: list[int]) -> list[int | None]:
         """For each response, the first index >= its start whose token completes a stop string (None: none), as
@@ -63,8 +67,8 @@ class StopMatcher:
         enders = self.enders()
         rows = [r for r, (tokens, start) in enumerate(zip(responses, starts, strict=True)) if start < len(tokens)
                 and (enders is None or not enders.isdisjoint(tokens[start:]))]
-        tails = self.tokenizer.batch_decode([responses[r][max(0, starts[r] - self.window):] for r in rows])
-        for r, hit in zip(rows, self._hits(tails), strict=True):
+        hits = self._tails_hit([responses[r][max(0, starts[r] - self.window):] for r in rows])
+        for r, hit in zip(rows, hits, strict=True):
             if hit:
                 tokens, start = responses[r], starts[r]
                 prefixes = [tokens[: j + 1] for j in range(start, len(tokens))]
