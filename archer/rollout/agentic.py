@@ -46,6 +46,7 @@ a refill on its prompt's other trajectories), each turn timed by what the trajec
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
@@ -185,18 +186,22 @@ class _Run(Launcher):
         return self._output(time.monotonic() - start)
 
     def _run(self) -> None:
+        changed = True  # a segment ended or a tool answered since the rounds were last advanced
         while True:
-            self._advance()
+            if changed:  # otherwise the rounds have nothing new to decide (advance reaches a fixed point)
+                self._advance()
             if all(g is not None and g.done for g in self.groups):
                 break
             ended = self._poll()
+            answered = False
             if self.tool_calls:
                 if not any(s.busy for s in self.sessions):  # nothing decodes: wait for the tools
                     self.loop.registry.executor.wait([c[2] for c in self.tool_calls.values()],
                                                      every=not self.speculate)
-                self._collect_answers()
+                answered = self._collect_answers()
             elif not ended and not any(s.busy for s in self.sessions):
                 raise RuntimeError("the agentic loop has nothing to decode and no tool to wait for")
+            changed = ended or answered
 
     def _abandon(self) -> None:
         """After a failure: release every sequence the call holds (their decodes stop) and cancel its tool calls."""
@@ -266,11 +271,15 @@ class _Run(Launcher):
                 ended = True
         return ended
 
-    def _collect_answers(self) -> None:
+    def _collect_answers(self) -> bool:
+        """Go on with the trajectories whose calls are answered; whether there was one."""
+        answered = False
         for t, (calls, refusals, pending) in list(self.tool_calls.items()):
             if pending.done():
                 del self.tool_calls[t]
                 self._answer(t, calls, refusals, pending)
+                answered = True
+        return answered
 
     def _submit(self, t: Trajectory) -> None:
         self.session_of[self.group_of[t]].submit(t.seq, self.params, self.budget - len(t.tokens))
@@ -425,17 +434,17 @@ class _Run(Launcher):
     # -- output ------------------------------------------------------------------------------------------------
     def _output(self, seconds: float) -> AgenticOutput:
         rows = [t for group in self.groups for t in group.trajectories]
-        width = max((len(t.tokens) for t in rows), default=0)
+        lengths = np.array([len(t.tokens) for t in rows], dtype=np.int64)
+        # each row's positions, left-aligned: one vectorised fill per field (a host pass while the GPU waits)
+        present = np.arange(int(lengths.max(initial=0)))[None, :] < lengths[:, None]
         pad = int(self.loop.tokenizer.pad_token_id)
 
-        def tensor(values: list[list], fill: float, dtype: torch.dtype) -> torch.Tensor:
-            out = torch.full((len(rows), width), fill, dtype=dtype)
-            for i, v in enumerate(values):
-                out[i, :len(v)] = torch.tensor(v, dtype=dtype)
-            return out
+        def tensor(values: list[list], fill: float, dtype: np.dtype) -> torch.Tensor:
+            out = np.full(present.shape, fill, dtype=dtype)
+            out[present] = np.fromiter(itertools.chain.from_iterable(values), dtype=dtype, count=int(lengths.sum()))
+            return torch.from_numpy(out)
 
-        learned = tensor([t.learned for t in rows], 0, torch.long)
-        present = tensor([[1] * len(t.tokens) for t in rows], 0, torch.long)
+        learned = tensor([t.learned for t in rows], 0, np.int64)
         stats = RolloutStats.merge([group.stats for group in self.groups])  # in prompt order
         for probe in self.probes:
             stats.add_calls(probe.stats)  # the probes' tool calls are the step's work; their responses are not
@@ -452,9 +461,10 @@ class _Run(Launcher):
         stats.generation_s = seconds
         stats.critical_s = max((t.finished_at for t in rows), default=0.0)
         return AgenticOutput(
-            responses=tensor([t.tokens for t in rows], pad, torch.long), response_mask=learned,
-            tool_mask=present - learned, log_probs=tensor([t.log_probs for t in rows], 0.0, torch.float32),
-            entropies=tensor([t.entropies for t in rows], 0.0, torch.float32),
+            responses=tensor([t.tokens for t in rows], pad, np.int64), response_mask=learned,
+            tool_mask=torch.from_numpy(present.astype(np.int64)) - learned,
+            log_probs=tensor([t.log_probs for t in rows], 0.0, np.float32),
+            entropies=tensor([t.entropies for t in rows], 0.0, np.float32),
             finish_reasons=[t.finish for t in rows], num_tool_calls=[t.calls for t in rows],
             num_turns=[t.turns for t in rows], branch_parent=[t.parent for t in rows],
             branch_position=[t.branch_position for t in rows], stats=stats)
