@@ -1,5 +1,6 @@
 """The health checks on healthy runs: both quickstarts (arithmetic and tool) at their default seed and two others,
-run one after the other, each checked for flags while it trained and by a replay afterwards.
+or with the presets of archer/config/algorithm (``--algorithms``), run one after the other, each checked for
+flags while it trained and by a replay afterwards.
 
 For each run it reads the RL stage's ``health.jsonl`` (the flags raised while training), replays the checks
 with the current code and default thresholds over its ``metrics.jsonl`` alone (what CI's test does with the
@@ -10,6 +11,7 @@ keys, and its health.jsonl (no config.yaml: the test replays with the defaults o
 
     python bench/health_quickstarts.py --out runs/health_quickstarts --fixtures tests/fixtures/health/quickstarts
     python bench/health_quickstarts.py --out runs/health_quickstarts --skip-existing   # replay finished runs only
+    python bench/health_quickstarts.py --out runs/health_presets --tasks arithmetic --seeds 1 --algorithms dapo rloo
 
 Prints a Markdown table (device, date and command above it) for BENCHMARKS.md.
 """
@@ -37,8 +39,10 @@ TASKS = ("arithmetic", "tool_arithmetic")
 DROPPED = ("timing_s/", "perf/", "influence/", "prompt_length/")  # keys no check reads
 
 
-def run_quickstart(out: Path, task: str, seed: int) -> None:
+def run_quickstart(out: Path, task: str, seed: int, algorithm: str | None) -> None:
     command = [sys.executable, "-m", "archer.cli", "quickstart", "--out", str(out), f"task={task}", f"seed={seed}"]
+    if algorithm is not None:
+        command.append(f"algorithm={algorithm}")
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
 
 
@@ -91,35 +95,40 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/health_quickstarts"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    parser.add_argument("--algorithms", nargs="+", default=[None], metavar="NAME",
+                        help="presets of archer/config/algorithm to run the RL stage with (default: the quickstart's "
+                        "own GRPO); a preset's run is <task>_<NAME>_seed<N>")
     parser.add_argument("--fixtures", type=Path, default=None, help="store each run's fixture under DIR/<task>_seed<N>")
     parser.add_argument("--skip-existing", action="store_true", help="replay runs already in --out, run the others")
     args = parser.parse_args()
     rows = []
     for task in args.tasks:
-        for seed in args.seeds:
-            out = args.out / f"{task}_seed{seed}"
-            if not (args.skip_existing and (out / "summary.json").is_file()):
-                started = time.perf_counter()
-                run_quickstart(out, task, seed)
-                print(f"{task} seed {seed}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-            row = measure(out)
-            if args.fixtures is not None:
-                rl = Path(json.loads((out / "summary.json").read_text())["rl_run_dir"])
-                store_fixture(rl, args.fixtures / f"{task}_seed{seed}")
-            rows.append(row)
+        for algorithm in args.algorithms:
+            for seed in args.seeds:
+                name = f"{task}_seed{seed}" if algorithm is None else f"{task}_{algorithm}_seed{seed}"
+                out = args.out / name
+                if not (args.skip_existing and (out / "summary.json").is_file()):
+                    started = time.perf_counter()
+                    run_quickstart(out, task, seed, algorithm)
+                    print(f"{name}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+                row = {**measure(out), "algorithm": algorithm or "grpo (the quickstart's)"}
+                if args.fixtures is not None:
+                    rl = Path(json.loads((out / "summary.json").read_text())["rl_run_dir"])
+                    store_fixture(rl, args.fixtures / name)
+                rows.append(row)
     print(f"device: {platform.processor() or platform.machine()} CPU, {time.strftime('%Y-%m-%d')}; command: "
           f"python {' '.join(shlex.quote(a) for a in sys.argv)}\n")
-    print("| task | seed | val acc before -> after | steps | flags while training (warning / critical / info) | "
+    print("| task | algorithm | seed | val acc before -> after | steps | flags while training (warning / critical / info) | "
           "replay with the trace | replay of metrics alone | replay = live | checks ms per step (mean / max) | "
           "RL wall s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['task']} | {r['seed']} | {r['before']:.3f} -> {r['after']:.3f} | {r['steps']} | {counts(r['live'])} | "
+        print(f"| {r['task']} | {r['algorithm']} | {r['seed']} | {r['before']:.3f} -> {r['after']:.3f} | {r['steps']} | {counts(r['live'])} | "
               f"{counts(r['replay'])} | {counts(r['metrics_only'])} | {'yes' if r['same'] else 'no'} | "
               f"{r['ms_mean']:.1f} / {r['ms_max']:.1f} | {r['rl_s']:.0f} |")
     for r in rows:
         for flag in r["live"] + r["replay"]:
-            print(f"{r['task']} seed {r['seed']}: {flag.line()}")
+            print(f"{r['task']} {r['algorithm']} seed {r['seed']}: {flag.line()}")
 
 
 if __name__ == "__main__":

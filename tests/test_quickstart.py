@@ -53,7 +53,7 @@ def test_quickstart_learns(tmp_path: Path) -> None:
     assert model_dir == out / "rl" / "checkpoints" / "global_step_40" / "actor"
     AutoModelForCausalLM.from_pretrained(model_dir)
     AutoModelForCausalLM.from_pretrained(summary["sft_model_path"])
-    assert f"  archer eval model={model_dir} benchmark=[{out / 'data' / 'val_benchmark.yaml'}] " in proc.stdout
+    assert f"  archer eval model={model_dir} 'benchmark=[{out / 'data' / 'val_benchmark.yaml'}]' " in proc.stdout  # quoted for the shell
     assert pq.read_table(summary["train_files"][0]).num_rows == 1000
     assert pq.read_table(summary["val_files"][0]).num_rows == 200
     assert (out / "rl" / "metrics.jsonl").is_file() and list((out / "rl" / "plots").glob("*.png"))

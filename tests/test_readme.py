@@ -35,8 +35,11 @@ def test_the_opening_says_what_runs_now() -> None:
 
 def make(target: str, folder: Path, python: str, *, dry_run: bool, env: dict[str, str] | None = None
          ) -> subprocess.CompletedProcess:
-    """``make TARGET PY=python`` in ``folder`` (a copy of the repository's Makefile), outside any activated venv."""
-    clean = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    """``make TARGET PY=python`` in ``folder`` (a copy of the repository's Makefile), outside any activated venv
+    and as a make of its own (CI runs the suite under ``make test``, whose variables would make it a sub-make that
+    prints the folders it enters)."""
+    nested = {"VIRTUAL_ENV", "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES"}
+    clean = {k: v for k, v in os.environ.items() if k not in nested}
     return subprocess.run(["make", *(["-n"] if dry_run else []), target, f"PY={python}"], cwd=folder, text=True,
                           capture_output=True, timeout=300, env={**clean, **(env or {})})
 

@@ -61,6 +61,8 @@ CONTINUABLE: dict[str, tuple[str, ...]] = {
         "trainer.val_before_train", "trainer.val_only", "trainer.max_actor_ckpt_to_keep",
         "trainer.entropy_trace.output_dir", "trainer.entropy_trace.fsync", "trainer.influence_trace.output_dir",
         "trainer.influence_trace.fsync", "eval.*",
+        # what the health checks flag and whether a critical flag stops the run: they read the run, never steer it
+        "trainer.health.*",
         # where and in how much memory it runs: the same losses and updates (the losses are normalised over the
         # whole mini-batch; only choices made per micro-batch move, README "Micro-batches")
         "trainer.device", "trainer.nnodes", "trainer.n_gpus_per_node", "actor_rollout_ref.nccl_timeout",
@@ -81,7 +83,8 @@ CONTINUABLE: dict[str, tuple[str, ...]] = {
         "critic.forward_micro_batch_size", "critic.forward_micro_batch_size_per_gpu", "critic.use_dynamic_bsz",
         "critic.ppo_max_token_len_per_gpu", "critic.forward_max_token_len_per_gpu", "reward_model.micro_batch_size",
         "reward_model.micro_batch_size_per_gpu", "reward_model.use_dynamic_bsz",
-        "reward_model.forward_max_token_len_per_gpu",
+        "reward_model.forward_max_token_len_per_gpu", "actor_rollout_ref.rollout.log_prob_by_tokens",
+        "actor_rollout_ref.ref.log_prob_by_tokens", "critic.forward_by_tokens", "reward_model.forward_by_tokens",
         *(entry.key for entry in NO_OPS if entry.in_schema),  # accepted without effect
     ),
     "sft_trainer": (
