@@ -221,6 +221,10 @@ def test_instability_spikes_skipped_steps_and_the_ratio() -> None:
     assert flagged(flags) == [(5, "instability", "warning")] and "actor/grad_norm 12 is 12x" in flags[0].message
     assert flagged(run_stream(stream(5, actor__grad_norm=[1.0, 1.1, 0.9, 1.0, 150.0]))[1]) == [
         (5, "instability", "critical")]
+    # the KL loss to the reference grows from 0: a spike counts only from kl_loss_floor (0.05) up
+    assert run_stream(stream(5, actor__kl_loss=[0.001, 0.001, 0.0012, 0.0013, 0.017]))[1] == []
+    assert flagged(run_stream(stream(5, actor__kl_loss=[0.004, 0.005, 0.005, 0.006, 0.06]))[1]) == [
+        (5, "instability", "warning")]
     skipped = stream(2)
     skipped[1]["actor/skipped_steps"] = 1.0
     assert flagged(run_stream(skipped)[1]) == [(2, "instability", "critical")]

@@ -319,6 +319,8 @@ def instability(ctx: Context) -> Finding | None:
             continue
         factor = value / float(np.median(before))
         figures[key] = value
+        if key == "actor/kl_loss" and value < ctx.t(name, "kl_loss_floor"):
+            continue  # a policy leaving its reference starts from 0: early KL losses are many medians yet small
         if factor >= ctx.t(name, "spike_factor"):
             parts.append(f"{key} {_f(value)} is {factor:.0f}x its median of the last {len(before)} steps")
             severity = "critical" if factor >= ctx.t(name, "critical_spike_factor") else severity or "warning"
