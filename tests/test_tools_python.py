@@ -313,9 +313,10 @@ def no_bubblewrap(monkeypatch: pytest.MonkeyPatch):
 
 
 def readable_by_all(python: str) -> bool:
-    """Whether every folder above ``python``'s prefix is enterable by other users (the opt-out level's fresh uid)."""
-    prefix = Path(sandbox_launch.describe_interpreter(python).roots[0])
-    return all(p.stat().st_mode & 0o001 for p in [prefix, *prefix.parents])
+    """Whether every folder above each of ``python``'s prefixes (a venv's and its base interpreter's) is enterable
+    by other users (the opt-out level's fresh uid)."""
+    roots = [Path(root) for root in sandbox_launch.describe_interpreter(python).roots]
+    return all(p.stat().st_mode & 0o001 for root in roots for p in [root, *root.parents])
 
 
 @pytest.fixture(scope="module")
