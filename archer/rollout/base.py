@@ -84,6 +84,9 @@ class RolloutOutput:
     finish_reasons: list[str]
 
 
+PAUSED = "paused"  # a Segment's finish_reason when ContinuousSession.pause stopped its decode
+
+
 @dataclass
 class Segment:
     """What one ``EngineSession.decode`` call appended to one sequence: the sampled tokens (the stop string's or
@@ -92,7 +95,7 @@ class Segment:
     tokens: list[int]
     log_probs: torch.Tensor  # float32 [len(tokens)]
     entropies: torch.Tensor  # float32 [len(tokens)]
-    finish_reason: str       # "eos" | "stop" | "length"
+    finish_reason: str       # "eos" | "stop" | "length" (| "paused": ContinuousSession.pause)
 
 
 class EngineSession(ABC):
@@ -160,6 +163,12 @@ class ContinuousSession(EngineSession):
     def busy(self) -> bool:
         """Whether submitted decodes have not all come back from ``poll``."""
 
+    @abstractmethod
+    def pause(self) -> list[tuple[int, Segment]]:
+        """Stop every submitted decode that has not come back from ``poll``: the (sequence, segment) of each, with
+        what it sampled so far (possibly nothing) and finish_reason ``"paused"``. The sequences keep those tokens,
+        and a later ``submit`` continues them (a partial rollout, docs/async.md)."""
+
     def expect(self, rows: int) -> None:
         """Hint: up to ``rows`` sequences may decode at once (an engine sizes its running batch by it)."""
 
@@ -206,6 +215,11 @@ class RoundSession(ContinuousSession):
     @property
     def busy(self) -> bool:
         return bool(self._queued)
+
+    def pause(self) -> list[tuple[int, Segment]]:
+        """A round decodes nothing until it is polled: every queued decode comes back empty."""
+        queued, self._queued = self._queued, []
+        return [(seq, Segment([], torch.zeros(0), torch.zeros(0), PAUSED)) for seq, _ in queued]
 
     def poll(self) -> list[tuple[int, Segment]]:
         if not self._queued:

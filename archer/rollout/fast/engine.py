@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 from archer.errors import ArcherError
 from archer.models.loading import default_dtype
 from archer.rollout.base import (
+    PAUSED,
     ContinuousSession,
     DecodeCounters,
     RolloutEngine,
@@ -327,6 +328,21 @@ class FastSession(ContinuousSession):
     @property
     def busy(self) -> bool:
         return bool(self._in_flight)
+
+    def pause(self) -> list[tuple[int, Segment]]:
+        """Every decode of this session that is queued, waiting or running stops; a running one frees its slot
+        and its sequence takes the tokens it sampled (read at the last window, stop strings checked), so that a
+        later ``submit`` continues it. Its cached keys and values stay until the weights change."""
+        paused = []
+        for job in list(self._in_flight):
+            if job in self._queued:
+                self._queued.remove(job)
+            else:
+                self.engine.scheduler.interrupt(job)
+            self._in_flight.discard(job)
+            paused.append((job.tag[1], Segment(list(job.tokens), torch.tensor(job.log_probs, dtype=torch.float32),
+                                               torch.tensor(job.entropies, dtype=torch.float32), PAUSED)))
+        return sorted(paused, key=lambda item: item[0])
 
     def poll(self) -> list[tuple[int, Segment]]:
         engine, scheduler = self.engine, self.engine.scheduler

@@ -142,6 +142,20 @@ class Scheduler:
         self.cache.shrink(job.seq)
         self._compact()
 
+    def interrupt(self, job: Job) -> None:
+        """Stop a session job where it is: waiting, it never starts; decoding, its slot is freed and its sequence
+        takes the tokens it sampled (as when it ends), so that a later job continues it."""
+        if job in self.waiting:
+            self.waiting.remove(job)
+            return
+        slot = next((s for s, j in self.running.items() if j is job), None)
+        if slot is None:
+            return
+        self.runner.clear([slot])
+        del self.running[slot]
+        self._finish(self.cache, job)
+        self._compact()
+
     def reset(self) -> None:
         """Drop every job (after a generation that failed): the slots idle, the jobs' pages stay their owners'."""
         self.runner.clear(list(self.running))

@@ -1,0 +1,181 @@
+"""Requests that outlive a weight update: the rollout pool of the asynchronous modes (docs/async.md).
+
+A pool holds prompt groups (a prompt and its n requests) from the step that admitted them until they are
+complete and handed to the trainer. ``run`` decodes every unfinished request of the pool in one running batch
+(a ``ContinuousSession``) until ``quota`` groups are complete, then pauses the others: each keeps the tokens it
+sampled, their behaviour log-probs and entropies, and the policy versions that sampled them, and the next
+``run`` (after the weights change) continues it from there (a partial rollout): its prompt and tokens so far are
+prefilled with the new weights, and it samples on with the same noise (keyed by its seed and the token
+position), so a paused request draws what it would have drawn unpaused under the same weights.
+
+Policy versions follow docs/algorithms.md: a request records the version of its first sampled token and of its
+last; a group's age at a step is the step's version minus the oldest first version among its requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from archer.rollout.base import (
+    PAUSED,
+    ContinuousSession,
+    DecodeCounters,
+    RolloutEngine,
+    RoundSession,
+    SamplingParams,
+    Segment,
+)
+
+
+@dataclass
+class Request:
+    """One response being sampled: its seed, what it sampled so far and why it ended (None: not yet)."""
+
+    seed: int
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
+    reason: str | None = None
+    first_version: int | None = None
+    last_version: int | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.reason is not None
+
+    def take(self, segment: Segment, version: int) -> None:
+        """Append a segment sampled by policy ``version``; it ends the request unless it was paused."""
+        if segment.tokens:
+            self.tokens += segment.tokens
+            self.log_probs += segment.log_probs.tolist()
+            self.entropies += segment.entropies.tolist()
+            if self.first_version is None:
+                self.first_version = version
+            self.last_version = version
+        if segment.finish_reason != PAUSED:
+            self.reason = segment.finish_reason
+
+    def restart(self) -> None:
+        """Forget what was sampled (partial rollouts off: a paused request starts again under new weights)."""
+        self.tokens, self.log_probs, self.entropies = [], [], []
+        self.first_version = self.last_version = None
+
+
+@dataclass
+class PoolGroup:
+    """A prompt and its requests; ``key`` is the caller's name for it (the prompt's uid)."""
+
+    key: Hashable
+    prompt: list[int]
+    requests: list[Request]
+    order: int  # admission order: older groups are handed out first
+
+    @property
+    def complete(self) -> bool:
+        return all(r.done for r in self.requests)
+
+    @property
+    def first_version(self) -> int | None:
+        """The oldest version that sampled a token of the group (None before its first token)."""
+        versions = [r.first_version for r in self.requests if r.first_version is not None]
+        return min(versions) if versions else None
+
+    def age(self, version: int) -> int:
+        """Versions between ``version`` and the group's oldest token (0 before its first token)."""
+        first = self.first_version
+        return 0 if first is None else version - first
+
+
+@dataclass
+class PoolRun:
+    """What one ``run`` did: the groups it hands out (complete, oldest first), the requests it paused and
+    resumed, and the engine's decode counters (prefilled tokens include the resumed requests' re-prefill)."""
+
+    groups: list[PoolGroup]
+    paused: int
+    resumed: int
+    counters: DecodeCounters
+
+
+class RolloutPool:
+    """Prompt groups in flight across steps (see the module docstring); ``max_new_tokens`` is every request's
+    budget, counted over all its segments."""
+
+    def __init__(self, max_new_tokens: int) -> None:
+        self.max_new_tokens = max_new_tokens
+        self.groups: dict[Hashable, PoolGroup] = {}
+        self._order = 0
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def admit(self, key: Hashable, prompt: list[int], seeds: list[int]) -> None:
+        """A new group: ``prompt`` (token ids) answered once per seed."""
+        if key in self.groups:
+            raise ValueError(f"prompt group {key!r} is already in the pool")
+        self.groups[key] = PoolGroup(key, list(prompt), [Request(seed) for seed in seeds], self._order)
+        self._order += 1
+
+    def older_than(self, version: int, threshold: int) -> list[PoolGroup]:
+        """Groups whose age at ``version`` exceeds ``threshold``, oldest first."""
+        return sorted((g for g in self.groups.values() if g.age(version) > threshold), key=lambda g: g.order)
+
+    def evict(self, keys: list[Hashable]) -> None:
+        for key in keys:
+            del self.groups[key]
+
+    def run(self, engine: RolloutEngine, params: SamplingParams, version: int, quota: int, *,
+            must_finish: frozenset = frozenset(), partial: bool = True) -> PoolRun:
+        """Decode with policy ``version`` until ``quota`` groups and every group of ``must_finish`` (keys) are
+        complete (or nothing is left to decode); pause the rest (``partial=False``: what they sampled is
+        dropped and they start again at the next run). Hands out and removes the complete groups of
+        ``must_finish`` and then the oldest others, ``quota`` at least when there are that many."""
+        session = engine.session()
+        if not isinstance(session, ContinuousSession):
+            session = RoundSession(session)
+        owners: dict[int, Request] = {}
+        roots: list[int] = []
+        resumed = 0
+        try:
+            for group in sorted(self.groups.values(), key=lambda g: g.order):
+                waiting = [r for r in group.requests if not r.done]
+                if not waiting:
+                    continue
+                root = session.add(group.prompt, 0)  # the forks share its prefill
+                roots.append(root)
+                for request in waiting:
+                    seq = session.fork(root, request.seed)
+                    if request.tokens:
+                        session.extend(seq, request.tokens)
+                        resumed += 1
+                    owners[seq] = request
+            session.expect(len(owners))
+            for seq, request in owners.items():
+                session.submit(seq, params, self.max_new_tokens - len(request.tokens))
+
+            def satisfied() -> bool:
+                complete = [g for g in self.groups.values() if g.complete]
+                return len(complete) >= quota and all(self.groups[k].complete for k in must_finish)
+
+            while session.busy and not satisfied():
+                for seq, segment in session.poll():
+                    owners[seq].take(segment, version)
+            paused = session.pause()
+            for seq, segment in paused:
+                owners[seq].take(segment, version)
+                if not partial:
+                    owners[seq].restart()
+            counters = session.counters()
+        finally:
+            for seq in [*owners, *roots]:
+                session.release(seq)
+        return PoolRun(self._hand_out(quota, must_finish), len(paused), resumed, counters)
+
+    def _hand_out(self, quota: int, must_finish: frozenset) -> list[PoolGroup]:
+        complete = sorted((g for g in self.groups.values() if g.complete), key=lambda g: g.order)
+        forced = [g for g in complete if g.key in must_finish]
+        others = [g for g in complete if g.key not in must_finish]
+        chosen = forced + others[: max(0, quota - len(forced))]
+        self.evict([g.key for g in chosen])
+        return sorted(chosen, key=lambda g: g.order)
