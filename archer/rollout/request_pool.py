@@ -27,6 +27,9 @@ from archer.rollout.base import (
     Segment,
 )
 
+POLICY_VERSION = "policy_version"  # batch row: the newest policy version that wrote a token of the response
+FIRST_POLICY_VERSION = "first_policy_version"  # batch row: the oldest (the version of its first token)
+
 
 @dataclass
 class Request:
@@ -127,10 +130,12 @@ class RolloutPool:
 
     def run(self, engine: RolloutEngine, params: SamplingParams, version: int, quota: int, *,
             must_finish: frozenset = frozenset(), partial: bool = True) -> PoolRun:
-        """Decode with policy ``version`` until ``quota`` groups and every group of ``must_finish`` (keys) are
-        complete (or nothing is left to decode); pause the rest (``partial=False``: what they sampled is
-        dropped and they start again at the next run). Hands out and removes the complete groups of
-        ``must_finish`` and then the oldest others, ``quota`` at least when there are that many."""
+        """Decode with policy ``version`` until ``quota`` more groups than at the start and every group of
+        ``must_finish`` (keys) are complete, or nothing is left to decode; pause the rest (``partial=False``: what
+        they sampled is dropped and they start again at the next run). Each run thus completes as many groups
+        as it hands out (a colocated engine's turn does a batch's worth of work, however many complete groups
+        it already holds). Hands out and removes the complete groups of ``must_finish`` and then the oldest
+        others, ``quota`` in all when there are that many."""
         session = engine.session()
         if not isinstance(session, ContinuousSession):
             session = RoundSession(session)
@@ -154,9 +159,11 @@ class RolloutPool:
             for seq, request in owners.items():
                 session.submit(seq, params, self.max_new_tokens - len(request.tokens))
 
+            complete_before = sum(g.complete for g in self.groups.values())
+
             def satisfied() -> bool:
-                complete = [g for g in self.groups.values() if g.complete]
-                return len(complete) >= quota and all(self.groups[k].complete for k in must_finish)
+                completed = sum(g.complete for g in self.groups.values()) - complete_before
+                return completed >= quota and all(self.groups[k].complete for k in must_finish)
 
             while session.busy and not satisfied():
                 for seq, segment in session.poll():

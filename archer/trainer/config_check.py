@@ -22,7 +22,7 @@ from archer.health.settings import HealthSettings
 from archer.models.lora import LoraSettings
 from archer.rewards.row_scorers import check_manager
 from archer.rewards.shaping import OverlongBuffer
-from archer.rollout.agentic_config import check_agentic_config
+from archer.rollout.agentic_config import check_agentic_config, uses_tools
 from archer.rollout.factory import check_engine_name
 from archer.trace.influence import check_settings as check_influence_settings
 from archer.trainer.group_filter import check_filter_metric
@@ -175,15 +175,36 @@ def check_trainer_mode(cfg: DictConfig) -> None:
     if v1.sampler.max_off_policy_strategy not in OFF_POLICY_STRATEGIES:
         raise ArcherError(f"unknown trainer.v1.sampler.max_off_policy_strategy "
                           f"{v1.sampler.max_off_policy_strategy!r}", f"use one of: {', '.join(OFF_POLICY_STRATEGIES)}")
-    if mode != "sync":
-        raise ArcherError(f"trainer.v1.trainer_mode={mode} is not built yet: archer runs the synchronous loop "
-                          "(generate, then train, each step); docs/async.md has the plan of the asynchronous modes",
-                          "set trainer.v1.trainer_mode=sync (the default)")
+    if mode == "separate_async":
+        raise ArcherError("trainer.v1.trainer_mode=separate_async (rollout GPUs apart from the trainer's) is not "
+                          "built yet: docs/async.md has the plan", "use trainer.v1.trainer_mode=colocate_async (the "
+                          "trainer's GPUs generate ahead of training) or sync")
+    if mode == "colocate_async":
+        check_colocate_async(cfg)
     nodes = cfg.actor_rollout_ref.rollout.nnodes
     if nodes != 0:
         raise ArcherError(f"actor_rollout_ref.rollout.nnodes={nodes!r}: standalone rollout GPUs serve "
                           "trainer.v1.trainer_mode=separate_async, which is not built yet (docs/async.md)",
                           "set actor_rollout_ref.rollout.nnodes=0 (the trainer's GPUs generate)")
+
+
+def check_colocate_async(cfg: DictConfig) -> None:
+    """What colocate_async does not combine with yet (each one error), and a warm-up that the staleness bound
+    would evict or force at once."""
+    v1, rollout = cfg.trainer.v1, cfg.actor_rollout_ref.rollout
+    refused = [(uses_tools(rollout), "multi-turn tool rollouts (actor_rollout_ref.rollout.tools.tool_instances)",
+                "drop the tools, or use trainer.v1.trainer_mode=sync"),
+               (bool(cfg.algorithm.filter_groups.enable), "dynamic sampling (algorithm.filter_groups.enable)",
+                "set algorithm.filter_groups.enable=false, or use trainer.v1.trainer_mode=sync")]
+    for refuse, what, fix in refused:
+        if refuse:
+            raise ArcherError(f"trainer.v1.trainer_mode=colocate_async does not run with {what} yet "
+                              "(docs/async.md)", fix)
+    warmup, bound = v1.colocate_async.num_warmup_batches, v1.sampler.max_off_policy_threshold
+    if warmup > bound:
+        raise ArcherError(f"trainer.v1.colocate_async.num_warmup_batches={warmup} is more than "
+                          f"trainer.v1.sampler.max_off_policy_threshold={bound}: the warm-up's groups would be older "
+                          "than the bound when they are trained", "lower num_warmup_batches or raise the threshold")
 
 
 def check_trainer_modes(trainer: DictConfig, *, has_val_files: bool) -> None:

@@ -23,9 +23,8 @@ from omegaconf import DictConfig
 
 from archer.algorithms.rollout_correction import RS_REJECTED, RolloutCorrection, correct
 from archer.batch import Batch
+from archer.rollout.request_pool import FIRST_POLICY_VERSION, POLICY_VERSION
 
-POLICY_VERSION = "policy_version"  # row: the newest policy version that wrote a token of the response
-FIRST_POLICY_VERSION = "first_policy_version"  # row: the oldest one (the version its first token was sampled with)
 STALENESS = "staleness"  # row: versions between policy_version and the version the step updates
 OFF_POLICY = "training/off_policy/"
 

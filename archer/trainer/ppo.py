@@ -42,6 +42,7 @@ from archer.rollout.rollout_stats import RolloutStats
 from archer.trace.entropy import EntropyTrace
 from archer.trace.influence import InfluenceTrace
 from archer.trace.influence_capture import CaptureSettings
+from archer.trainer.async_batches import ASYNC_STATE, AsyncBatches, prompt_batch_seed
 from archer.trainer.checkpoint_dirs import CheckpointManager, load_torch_state
 from archer.trainer.config_check import check_config
 from archer.trainer.group_filter import (
@@ -71,8 +72,6 @@ from archer.workers.results import ROLLOUT_STATS
 from archer.workers.rollout import concat_sequences
 
 log = logging.getLogger("archer.trainer")
-
-GEN_BATCH_SEED_STRIDE = 7_919_993  # sampling-seed offset of a step's 2nd, 3rd, ... generation batch
 
 VAL_ONLY_FILE = "val_only.jsonl"  # trainer.val_only: one line per validation, appended
 
@@ -168,6 +167,7 @@ class PPOTrainer:
         self.peaks = MemoryPeaks(self.device)  # the current step's peak GPU memory per stage
         self.template_kwargs = OmegaConf.to_container(cfg.data.apply_chat_template_kwargs)
         self.workers: WorkerGroup | None = None
+        self.async_batches: AsyncBatches | None = None  # trainer.v1.trainer_mode=colocate_async's batches
         if cfg.trainer.val_only:  # a policy that only generates: no optimiser, reference, critic or train data
             return
         steps = cfg.trainer.total_training_steps
@@ -189,6 +189,8 @@ class PPOTrainer:
         self.workers = build_worker_group(RankWorkers, worker_kwargs, nnodes=int(cfg.trainer.nnodes),
                                           n_gpus_per_node=int(cfg.trainer.n_gpus_per_node),
                                           device_kind=str(cfg.trainer.device))
+        self.async_batches = (AsyncBatches(cfg, self.loader, self.workers, self.tokenizer.pad_token_id)
+                              if cfg.trainer.v1.trainer_mode == "colocate_async" else None)
         self.kl_ctrl = make_kl_controller(algo.kl_ctrl.type, float(algo.kl_ctrl.kl_coef),
                                           float(algo.kl_ctrl.target_kl), int(algo.kl_ctrl.horizon))
 
@@ -200,10 +202,14 @@ class PPOTrainer:
         prompts = collate_prompts(self.loader.next_batch(), self.tokenizer.pad_token_id)
         prefix = f"{step}" if gen_index == 0 else f"{step}.{gen_index}"
         prompts["uid"] = [f"{prefix}-{i}" for i in range(len(prompts))]
-        prompts.info.update(validate=False, seed=self.seed * 1_000_003 + step + gen_index * GEN_BATCH_SEED_STRIDE)
+        prompts.info.update(validate=False, seed=prompt_batch_seed(self.seed, step, gen_index))
         with timer("gen", timings, self.peaks):
             batch = self.workers.call("generate_sequences", prompts)
         stamp_policy_version(batch, step - 1)  # the engine holds the weights of the previous step's update
+        return self.score_batch(batch, timings, rollout_stats)
+
+    def score_batch(self, batch: Batch, timings: dict[str, float], rollout_stats: list[RolloutStats]) -> Batch:
+        """The reward of every response of a generated batch (the reward model's scores first, when enabled)."""
         if ROLLOUT_STATS in batch.info:
             rollout_stats.append(batch.info.pop(ROLLOUT_STATS))
         with timer("reward", timings, self.peaks):
@@ -219,7 +225,13 @@ class PPOTrainer:
         algo, n = self.cfg.algorithm, int(self.cfg.actor_rollout_ref.rollout.n)
         fg = algo.filter_groups
         rollout_stats: list[RolloutStats] = []
-        if not fg.enable:
+        if self.async_batches is not None:  # colocate_async: the groups the ranks' pools completed
+            with timer("gen", timings, self.peaks):
+                batch = self.async_batches.next(step, metrics)
+            if len(batch):
+                batch = self.score_batch(batch, timings, rollout_stats)
+            metrics["train/num_candidate_groups"] = float(count_groups(batch["uid"])) if len(batch) else 0.0
+        elif not fg.enable:
             batch = self.generate_batch(step, 0, timings, rollout_stats)
             metrics["train/num_candidate_groups"] = float(count_groups(batch["uid"]))
         else:
@@ -366,9 +378,10 @@ class PPOTrainer:
     def save_checkpoint(self, step: int) -> Path:
         def write(tmp: Path) -> None:
             self.workers.call("save_checkpoint", tmp, self.tokenizer)
+            pending = {} if self.async_batches is None else {ASYNC_STATE: self.async_batches.state()}
             save_trainer_state(tmp, step, self.loader, self.clock,
                                {"model_path": self.model_path, "val_before": self.val_before,
-                                "val_after": self.val_last}, kl_coef=float(self.kl_ctrl.value))
+                                "val_after": self.val_last}, kl_coef=float(self.kl_ctrl.value), **pending)
 
         return self.checkpoints.save(step, write)
 
@@ -381,6 +394,14 @@ class PPOTrainer:
         self.workers.call("load_checkpoint", path)
         state = restore_trainer_state(path, self.loader, self.clock)
         self.kl_ctrl.value = state["kl_coef"]
+        pending = state.get(ASYNC_STATE)
+        if self.async_batches is not None:
+            self.async_batches.restore(pending)
+        elif pending and pending["batches"]:
+            untrained = sum(len(b["rows"]) for b in pending["batches"])
+            log.warning("%s was written by trainer.v1.trainer_mode=colocate_async with %d prompt groups admitted "
+                        "and not trained yet; the synchronous loop goes on with the loader's next batch and leaves "
+                        "them out (resume with trainer.v1.trainer_mode=colocate_async to train them)", path, untrained)
         record = state["run"]
         self.model_path = record.get("model_path", self.model_path)
         self.val_before, self.val_last = record.get("val_before", {}), record.get("val_after", {})

@@ -24,8 +24,8 @@ the reference worker uses the same module with the adapters off.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from contextlib import nullcontext
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -58,6 +58,7 @@ from archer.trace.influence_capture import (
     select_modules,
 )
 from archer.workers.actor_objective import ActorObjective
+from archer.workers.async_rollout import AsyncRollout, StalenessBound
 from archer.workers.data_parallel import rank_passes, reduce_metric_sums
 from archer.workers.memory import MemoryPlan, planned_no_grad_tokens, release_cached_blocks
 from archer.workers.mini_batches import StepAverages, mini_batches
@@ -66,6 +67,10 @@ from archer.workers.results import ROLLOUT_STATS, UpdateResult
 from archer.workers.rollout import FIRST_PROMPT, RolloutWorker, pad_sequences
 
 log = logging.getLogger("archer.actor")
+
+def _width(batch: Batch, key: str) -> int:
+    return int(batch[key].shape[1]) if key in batch.tensors else 0
+
 
 class ActorWorker(OwnsModel):
     """Owns the policy model, its optimiser and schedule, and the rollout engine, on one device."""
@@ -97,6 +102,7 @@ class ActorWorker(OwnsModel):
         self.fast_engine = uses_fast_engine(cfg.rollout, self.model, device)
         self.rollout: RolloutWorker | None = None
         self._engine_is_stale = False  # the weights changed since the engine last took them
+        self.async_rollout: AsyncRollout | None = None  # colocate_async's pool (produce_groups)
         # the influence trace's settings, hooked modules and their projections (setup_influence)
         self.influence: tuple[CaptureSettings, dict[str, torch.nn.Linear], dict[str, ModuleProjection]] | None = None
         if start_rollout:
@@ -149,20 +155,47 @@ class ActorWorker(OwnsModel):
                                lora_policy=self.owner if self.owner.peft is not None else None)
 
     # -- generation --------------------------------------------------------------------------------------
-    def generate_sequences(self, prompts: Batch) -> Batch:
-        """Responses to ``prompts`` (``info``: ``validate`` picks rollout.val_kwargs and turns branching off,
-        ``seed`` the sampling seed); with tools configured, through the multi-turn tool loop."""
+    @contextmanager
+    def _generating(self) -> Iterator[None]:
+        """The engine's turn on the card: the policy's current weights synced into it first, the policy's
+        parameters on the host meanwhile (param_offload)."""
         release_cached_blocks(self.device)  # what the update left in the caching allocator
         if self._engine_is_stale:
             self.rollout.engine.sync_weights(self.owner.weights())
             self._engine_is_stale = False
         self.owner.offload.params_to_host()
         try:
-            return self._generate_rank_share(prompts)
+            yield
         finally:
             if self.cfg.rollout.free_cache_engine:  # the weight copy went too: the next generation syncs again
                 self._engine_is_stale = True
             self.owner.offload.params_to_device()
+
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        """Responses to ``prompts`` (``info``: ``validate`` picks rollout.val_kwargs and turns branching off,
+        ``seed`` the sampling seed); with tools configured, through the multi-turn tool loop."""
+        with self._generating():
+            return self._generate_rank_share(prompts)
+
+    def produce_groups(self, admissions: list[Batch], quota: int, version: int, bound: StalenessBound) -> Batch:
+        """colocate_async (workers/async_rollout.py): admit this rank's rows of each prompt batch of
+        ``admissions``, then hand back its share of ``quota`` complete groups sampled up to policy ``version``,
+        padded to the widest prompt and response of every rank."""
+        if self.async_rollout is None:
+            self.async_rollout = AsyncRollout(self.rollout, self.pad_token_id)
+        for prompts in admissions:
+            start, stop = shard_bounds(len(prompts), self.ctx.rank, self.ctx.world_size)
+            if stop > start:
+                self.async_rollout.admit(prompts.index(slice(start, stop)))
+        start, stop = shard_bounds(quota, self.ctx.rank, self.ctx.world_size)
+        with self._generating():
+            out = self.async_rollout.produce(stop - start, version, bound)
+        if not self.ctx.distributed:
+            return out
+        widths = self.ctx.all_reduce_max(torch.tensor([_width(out, "prompts"), _width(out, "responses")]))
+        if not len(out):
+            return out
+        return pad_sequences(out, int(widths[0]), int(widths[1]), self.pad_token_id)
 
     def _generate_rank_share(self, prompts: Batch) -> Batch:
         """The responses to this rank's prompts (all of them at world 1), each sampled with the seed of its index

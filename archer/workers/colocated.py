@@ -34,6 +34,7 @@ from archer.rollout.rollout_stats import RolloutStats
 from archer.trace.influence_capture import CaptureSettings, TracedTokens, merge_rank_factors
 from archer.units import GIB
 from archer.workers.actor import ActorWorker
+from archer.workers.async_rollout import ASYNC_STATS, StalenessBound
 from archer.workers.critic import CriticWorker
 from archer.workers.dispatch import collect, concat_batches, rank_zero, shard_rows
 from archer.workers.memory import MemoryPlan, card_figures, plan_actor_memory
@@ -51,6 +52,15 @@ def concat_generated(results: list[Batch]) -> Batch:
     batch = concat_batches(results)
     if stats:
         batch.info[ROLLOUT_STATS] = RolloutStats.merge(stats)
+    return batch
+
+
+def concat_produced(results: list[Batch]) -> Batch:
+    """Every rank's complete prompt groups in rank order, with what the ranks' pools did summed (evicted uids
+    joined)."""
+    stats = [b.info.pop(ASYNC_STATS) for b in results]
+    batch = concat_batches([b for b in results if len(b)] or results[:1])
+    batch.info[ASYNC_STATS] = {key: sum((s[key] for s in stats), [] if key == "evicted" else 0) for key in stats[0]}
     return batch
 
 
@@ -134,6 +144,12 @@ class RankWorkers:
     def generate_sequences(self, prompts: Batch) -> Batch:
         """The responses to this rank's prompts (sampled with the seeds of a single-process run)."""
         return self.actor.generate_sequences(prompts)
+
+    @collect(concat_produced)
+    def produce_groups(self, admissions: list[Batch], quota: int, version: int, bound: StalenessBound) -> Batch:
+        """colocate_async: admit this rank's rows of ``admissions`` and hand back its share of ``quota`` complete
+        prompt groups (workers/async_rollout.py)."""
+        return self.actor.produce_groups(admissions, quota, version, bound)
 
     @collect(concat_batches)
     def compute_rm_score(self, batch: Batch) -> Batch:

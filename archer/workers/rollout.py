@@ -32,6 +32,7 @@ from archer.batch import Batch, response_attention
 from archer.models.loading import autocast_for
 from archer.rollout.agentic_config import branch_settings, build_agentic_rollout, uses_tools
 from archer.rollout.base import RolloutEngine, SamplingParams
+from archer.rollout.request_pool import PoolRun, RolloutPool
 from archer.workers.results import ROLLOUT_STATS
 
 log = logging.getLogger("archer.rollout")
@@ -104,6 +105,18 @@ class RolloutWorker:
         finally:
             if self.cfg.free_cache_engine:
                 self.engine.release_memory(weights=release_weights)
+
+    def run_pool(self, pool: RolloutPool, params: SamplingParams, version: int, quota: int, *,
+                 must_finish: frozenset, partial: bool) -> PoolRun:
+        """``pool.run`` on this worker's engine (the asynchronous modes), its memory reclaimed before and, with
+        rollout.free_cache_engine, released after with its weight copy (the caller syncs before the next call)."""
+        self.engine.reclaim_memory()
+        try:
+            with autocast_for(self.device):
+                return pool.run(self.engine, params, version, quota, must_finish=must_finish, partial=partial)
+        finally:
+            if self.cfg.free_cache_engine:
+                self.engine.release_memory(weights=True)
 
     def generate_sequences(self, prompts: Batch, params: SamplingParams, *, validate: bool = False) -> Batch:
         ids, mask = prompts["input_ids"], prompts["attention_mask"]

@@ -1,0 +1,132 @@
+"""The trainer's side of trainer.v1.trainer_mode=colocate_async (docs/async.md): which prompts the ranks' pools
+take in and when, which came back, and what a checkpoint keeps of the rest.
+
+Each step admits the loader's next batch (the first step of a run also ``num_warmup_batches`` more, so that
+generation runs ahead of training) and takes back ``data.train_batch_size`` complete prompt groups, the oldest
+first, sampled by the policy the step updates or by older ones within the staleness bound. A loader batch keeps
+the uids and sampling seeds the synchronous loop would give it (batch b: uids ``b-i``), so the two modes sample
+the same prompts in the same order.
+
+A checkpoint records, for every admitted loader batch with groups not yet trained, its data position and those
+rows; a resumed run admits them again first (their partial responses are gone with the process that sampled
+them: they are sampled anew), then goes on with the loader, so the trained data order is the one an unbroken
+run has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig
+
+from archer.batch import Batch
+from archer.controller.worker_group import WorkerGroup
+from archer.data.loader import PromptLoader, collate_prompts
+from archer.workers.async_rollout import ASYNC_STATS, SAMPLE_INDEX, StalenessBound
+
+ASYNC_STATE = "async_pending"  # trainer-state key: the admitted loader batches with untrained groups
+GEN_BATCH_SEED_STRIDE = 7_919_993  # sampling-seed offset of a step's 2nd, 3rd, ... generation batch
+
+
+def prompt_batch_seed(seed: int, step: int, gen_index: int = 0) -> int:
+    """The sampling seed of loader batch ``step`` (the ``gen_index``-th generation batch of that step)."""
+    return seed * 1_000_003 + step + gen_index * GEN_BATCH_SEED_STRIDE
+
+
+@dataclass
+class Admission:
+    """A loader batch in the pools: its number (the step whose batch it is), data position and untrained rows."""
+
+    number: int
+    epoch: int
+    position: int
+    pending: set[int] = field(default_factory=set)
+
+    def to_state(self) -> dict[str, Any]:
+        return {"number": self.number, "epoch": self.epoch, "position": self.position, "rows": sorted(self.pending)}
+
+
+class AsyncBatches:
+    """The generation batches of colocate_async, from ``loader`` through the ranks' pools (``workers``)."""
+
+    def __init__(self, cfg: DictConfig, loader: PromptLoader, workers: WorkerGroup, pad_token_id: int) -> None:
+        v1 = cfg.trainer.v1
+        self.loader, self.workers, self.pad_token_id = loader, workers, pad_token_id
+        self.seed = int(cfg.trainer.seed)
+        self.quota = int(cfg.data.train_batch_size)
+        self.warmup = int(v1.colocate_async.num_warmup_batches)
+        self.bound = StalenessBound(int(v1.sampler.max_off_policy_threshold), str(v1.sampler.max_off_policy_strategy),
+                                    bool(v1.partial_rollout))
+        self.admitted: dict[int, Admission] = {}
+        self.next_number: int | None = None  # the loader batch admitted next (None: from the first step on)
+        self.restored: list[dict[str, Any]] = []  # a resumed run's pending batches, admitted again at its first step
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        """A checkpoint's pending loader batches (None: a checkpoint of the synchronous loop)."""
+        if state:
+            self.next_number, self.restored = int(state["next_number"]), list(state["batches"])
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the next loader batch's number and the admitted loader batches with untrained
+        rows (plain values)."""
+        return {"next_number": self.next_number,
+                "batches": [a.to_state() for a in sorted(self.admitted.values(), key=lambda a: a.number)]}
+
+    def next(self, step: int, metrics: dict[str, float]) -> Batch:
+        """The generated (unscored) batch of ``step``, which updates policy version step - 1: the pools take
+        the loader's batches up to number step + num_warmup_batches, and hand back the step's groups."""
+        admissions = [self._again(record) for record in self.restored]
+        self.restored = []
+        if self.next_number is None:
+            self.next_number = step
+        while self.next_number <= step + self.warmup:
+            admissions.append(self._admit(self.next_number))
+            self.next_number += 1
+        batch = self.workers.call("produce_groups", admissions, self.quota, step - 1, self.bound)
+        stats = batch.info.pop(ASYNC_STATS)
+        returned = list(dict.fromkeys(batch["uid"])) if len(batch) else []
+        for uid in [*returned, *stats["evicted"]]:
+            self._trained(str(uid))
+        metrics.update({"async/in_flight_groups": float(stats["in_flight"]),
+                        "async/paused_requests": float(stats["paused"]),
+                        "async/resumed_requests": float(stats["resumed"]),
+                        "async/prefilled_tokens": float(stats["prefilled"]),
+                        "training/off_policy/evicted_samples": float(len(stats["evicted"]))})
+        return batch
+
+    def _admit(self, number: int) -> Batch:
+        epoch, position = self.loader.epoch, self.loader.position
+        items = self.loader.next_batch()
+        admission = Admission(number, epoch, position, set(range(len(items))))
+        self.admitted[number] = admission
+        return self._prompts(items, admission)
+
+    def _again(self, record: dict[str, Any]) -> Batch:
+        """A checkpoint's pending loader batch, read again from its data position (the loader's own position is
+        put back after)."""
+        saved = self.loader.state_dict()
+        self.loader.load_state_dict({"epoch": record["epoch"], "position": record["position"]})
+        items = self.loader.next_batch()
+        self.loader.load_state_dict(saved)
+        admission = Admission(int(record["number"]), int(record["epoch"]), int(record["position"]),
+                              {int(i) for i in record["rows"]})
+        self.admitted[admission.number] = admission
+        return self._prompts(items, admission)
+
+    def _prompts(self, items: list[dict[str, Any]], admission: Admission) -> Batch:
+        rows = sorted(admission.pending)
+        prompts = collate_prompts([items[i] for i in rows], self.pad_token_id)
+        prompts["uid"] = [f"{admission.number}-{i}" for i in rows]
+        prompts[SAMPLE_INDEX] = np.array(rows, dtype=np.int64)
+        prompts.info.update(validate=False, seed=prompt_batch_seed(self.seed, admission.number))
+        return prompts
+
+    def _trained(self, uid: str) -> None:
+        number, row = (int(part) for part in uid.split("-"))
+        admission = self.admitted[number]
+        admission.pending.discard(row)
+        if not admission.pending:
+            del self.admitted[number]
+

@@ -1,0 +1,105 @@
+"""A rank's side of trainer.v1.trainer_mode=colocate_async (docs/async.md): its share of the prompt groups in
+flight across steps (a RolloutPool), admitted as the trainer hands it prompts and handed back as complete groups
+in the rollout worker's layout, each response tagged with the policy versions that sampled it.
+
+Each call decodes with the policy the engine holds (``version``) until the rank's quota of groups is complete,
+applying the staleness bound first (``drop``: evict groups older than it; ``wait``: finish the groups that would
+pass it at the next step), and pauses the rest for the next call, which resumes them under the new weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from archer.batch import Batch
+from archer.rollout.prompt_rounds import stream_seed
+from archer.rollout.request_pool import FIRST_POLICY_VERSION, POLICY_VERSION, PoolGroup, RolloutPool
+from archer.workers.rollout import RolloutWorker, concat_sequences, layout_sequences, sampling_params
+
+ASYNC_STATS = "async_rollout"  # info key: what the call did (evicted uids, paused and resumed requests, counts)
+SAMPLE_INDEX = "sample_index"  # row of an admitted prompt: its index in its loader batch (its sampling seeds)
+_SAMPLE_STREAM = 3  # seed stream of the asynchronous modes' requests
+
+
+@dataclass(frozen=True)
+class StalenessBound:
+    """trainer.v1.sampler and partial_rollout: how many policy versions a group may lag the trainer, what
+    happens past it (``drop`` | ``wait``), and whether paused requests keep their tokens."""
+
+    max_off_policy_threshold: int
+    strategy: str
+    partial_rollout: bool
+
+
+class AsyncRollout:
+    """The pool of one rank, over the rollout worker's engine and sampling keys."""
+
+    def __init__(self, worker: RolloutWorker, pad_token_id: int) -> None:
+        self.worker = worker
+        self.pad_token_id = pad_token_id
+        self.pool = RolloutPool(int(worker.cfg.response_length))
+        self.rows: dict[str, Batch] = {}  # uid -> its prompt (one row)
+        self.n = int(worker.cfg.n)
+
+    def admit(self, prompts: Batch) -> None:
+        """Prompt groups of this rank: each row answered n times, with seeds from the batch's ``seed`` and the
+        row's ``sample_index``."""
+        seed = int(prompts.info["seed"])
+        for i, uid in enumerate(prompts["uid"]):
+            row = prompts.index(slice(i, i + 1))
+            ids = row["input_ids"][0][row["attention_mask"][0].bool()].tolist()
+            index = int(prompts[SAMPLE_INDEX][i])
+            self.pool.admit(uid, ids, [stream_seed(seed, _SAMPLE_STREAM, index, j) for j in range(self.n)])
+            self.rows[uid] = row
+
+    def produce(self, quota: int, version: int, bound: StalenessBound) -> Batch:
+        """This rank's complete groups for the step that updates ``version`` (the engine's weights)."""
+        evicted: list[str] = []
+        must_finish: frozenset = frozenset()
+        threshold = bound.max_off_policy_threshold
+        if bound.strategy == "drop":
+            evicted = [g.key for g in self.pool.older_than(version, threshold)]
+            self.pool.evict(evicted)
+            for uid in evicted:
+                del self.rows[uid]
+        else:  # wait: what would pass the bound at the next step finishes now
+            must_finish = frozenset(g.key for g in self.pool.older_than(version + 1, threshold))
+        params = sampling_params(self.worker.cfg, validate=False, seed=0)  # the requests carry their own seeds
+        run = self.worker.run_pool(self.pool, params, version, quota, must_finish=must_finish,
+                                   partial=bound.partial_rollout)
+        batch = self._layout(run.groups, version)
+        batch.info[ASYNC_STATS] = {"evicted": evicted, "paused": run.paused, "resumed": run.resumed,
+                                   "in_flight": len(self.pool), "prefilled": run.counters.prefilled}
+        return batch
+
+    def _layout(self, groups: list[PoolGroup], version: int) -> Batch:
+        parts = [self._group_rows(group, version) for group in groups]
+        if not parts:
+            return Batch({})
+        return concat_sequences(parts, self.pad_token_id)
+
+    def _group_rows(self, group: PoolGroup, version: int) -> Batch:
+        requests = group.requests
+        width = max(len(r.tokens) for r in requests)
+        responses = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(requests), width, dtype=torch.long)
+        log_probs = torch.zeros(len(requests), width)
+        entropies = torch.zeros(len(requests), width)
+        for row, request in enumerate(requests):
+            length = len(request.tokens)
+            responses[row, :length] = torch.tensor(request.tokens, dtype=torch.long)
+            mask[row, :length] = 1
+            log_probs[row, :length] = torch.tensor(request.log_probs)
+            entropies[row, :length] = torch.tensor(request.entropies)
+        batch = layout_sequences(self.rows.pop(group.key), responses, mask, len(requests))
+        batch["rollout_log_probs"] = log_probs
+        batch["rollout_entropies"] = entropies
+        batch["finish_reason"] = [r.reason for r in requests]
+        versions = [(version, version) if r.first_version is None else (r.first_version, r.last_version)
+                    for r in requests]  # a request that sampled nothing (an empty budget) counts as this version's
+        batch[FIRST_POLICY_VERSION] = np.array([first for first, _ in versions], dtype=np.int64)
+        batch[POLICY_VERSION] = np.array([last for _, last in versions], dtype=np.int64)
+        return batch
