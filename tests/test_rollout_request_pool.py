@@ -4,13 +4,16 @@ unpaused, quotas and forced groups, policy versions, partial rollouts off, and e
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from test_rollout_fast_engine import TEXTS
 
+from archer.errors import ArcherError
 from archer.models.loading import load_causal_lm, load_tokenizer
 from archer.rollout.base import PAUSED, SamplingParams
-from archer.rollout.fast import FastEngine
+from archer.rollout.fast import FastEngine, simulated_lengths
+from archer.rollout.fast.sampling import noise_key
 from archer.rollout.hf_engine import HFGenerateEngine
 from archer.rollout.request_pool import Request, RolloutPool
 
@@ -136,3 +139,33 @@ def test_round_sessions_finish_every_request_in_one_run(parts, prompts):
     assert [g.key for g in run.groups] == [0, 1] and run.paused == 0
     assert sorted(pool.groups) == [2, 3] and all(g.complete for g in pool.groups.values())
     assert pool.older_than(4, 1) == [pool.groups[2], pool.groups[3]] and pool.older_than(3, 1) == []
+
+
+def test_simulated_lengths_end_responses_at_their_draws_across_a_pause(parts, monkeypatch):
+    """bench/async_rl.py's long tail (ARCHER_SIMULATED_LENGTHS): a response ends at the length drawn for its noise
+    key, also when it was paused and resumed; the draws follow the lognormal asked for."""
+    monkeypatch.setenv(simulated_lengths.ENV, "prompt=6,median=10,sigma=0.8")
+    simulated_lengths.from_environment.cache_clear()
+    try:
+        draws = simulated_lengths.from_environment()
+        lengths = np.array([draws.length(noise_key(seed)) for seed in range(4000)])
+        assert np.median(lengths) == pytest.approx(10, abs=1) and np.mean(lengths >= 40) == pytest.approx(0.042,
+                                                                                                            abs=0.01)
+        engine = _engine(parts)
+        pool = RolloutPool(max_new_tokens=30)
+        prompt = list(range(10, 16))  # 6 tokens, as the setting says
+        for key in range(6):
+            pool.admit(key, prompt, seeds=[key])
+        run = pool.run(engine, PARAMS, version=0, quota=2)
+        resumed = pool.run(engine, PARAMS, version=1, quota=len(pool))
+        assert run.paused > 0 and resumed.resumed > 0
+        for group in run.groups + resumed.groups:
+            request = group.requests[0]
+            assert len(request.tokens) == min(30, draws.length(noise_key(request.seed)))
+        monkeypatch.setenv(simulated_lengths.ENV, "prompt=6,median")
+        simulated_lengths.from_environment.cache_clear()
+        with pytest.raises(ArcherError, match="cannot be read"):
+            simulated_lengths.from_environment()
+    finally:
+        monkeypatch.delenv(simulated_lengths.ENV)
+        simulated_lengths.from_environment.cache_clear()

@@ -22,6 +22,7 @@ import torch
 from archer.errors import ArcherError
 from archer.rollout.base import DecodeCounters, SamplingParams
 from archer.rollout.endings import StopMatcher
+from archer.rollout.fast import simulated_lengths
 from archer.rollout.fast.model import FastModel
 from archer.rollout.fast.pages import TRASH_PAGE, KVCache, Sequence
 from archer.rollout.fast.runner import EOS, RUNNING, DecodeRunner, SlotInit
@@ -125,6 +126,11 @@ class Scheduler:
 
     def add(self, jobs: list[Job]) -> None:
         """Queue jobs on the open batch; they start as slots and pages allow."""
+        draws = simulated_lengths.from_environment()
+        if draws is not None:  # benchmarks: a random model's responses end at drawn lengths
+            for job in jobs:
+                seq = job.seq or job.parent
+                job.budget = draws.cap(job.budget, job.key if job.seq is None else seq.key, len(seq.tokens))
         self.waiting.extend(jobs)
         self.children.update(job.parent for job in jobs if job.parent is not None)
 

@@ -1,0 +1,212 @@
+"""Asynchronous RL against the synchronous loop (issue 25): tokens/s/GPU of whole GRPO steps, per trainer mode.
+
+Each mode is one ``archer train`` run in a subprocess, exactly what a user runs, at the Qwen2.5-1.5B shape with Qwen's
+real 151,936-row vocabulary (bench/gpu_step.py's random model and small tokenizer), prompts of exactly
+``--prompt-length`` tokens and responses of up to ``--response-length``. A random model never samples its eos
+token, so the fast engine ends each response at a length drawn for it (``ARCHER_SIMULATED_LENGTHS``,
+archer/rollout/fast/simulated_lengths.py): lognormal with median ``--median-fraction`` of the limit and a shape
+that puts ``--at-limit`` of the responses at the limit (a real reasoning run's long tail). Modes:
+
+- ``sync``: archer's default loop (generate, then train, each step);
+- ``colocate_async``: trainer.v1.trainer_mode=colocate_async with ``--warmup`` batches generated ahead and
+  ``max_off_policy_threshold=--threshold`` (partial rollouts on).
+
+    python bench/async_rl.py                                    # both modes, one GPU each, side by side
+    python bench/async_rl.py --gpus 4 --prompts 32              # 4 ranks per run (one run at a time)
+    python bench/async_rl.py --tiny --steps 3                   # CPU: the tiny model, a smoke test
+
+Per mode, from the run's own metrics.jsonl, over the steps after the first (warm-up, and for the async modes the
+step that generates the warm-up batches): the mean step time, the stage times, tokens/s/GPU (the trained
+sequences' prompt and response tokens, ``perf/total_num_tokens``, over the step time and GPUs) and the model
+FLOPs utilisation of the step (8 N per trained token: the update's 6 N and the old-log-prob pass's 2 N, plus
+2 N per generated token, over the GPUs' bf16 peak; attention left out). The records go to ``--out`` (JSON) and
+a table is printed with each async mode's speed-up over sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from statistics import NormalDist
+from typing import Any
+
+import torch
+from model_sizes import archer_command, failure
+from scale_out import gpu_name, measure, read_metrics, workload_files
+
+from archer.rollout.fast.simulated_lengths import ENV
+
+RESULTS = Path(__file__).resolve().parent / "results"
+QWEN_VOCAB = 151_936
+PARAMS_1_5B = 1.54e9  # Qwen2.5-1.5B's parameters (embeddings included)
+H100_BF16_FLOPS = 989e12  # dense bf16 peak of an H100 SXM
+
+
+def length_env(args: argparse.Namespace) -> str:
+    """``ARCHER_SIMULATED_LENGTHS`` for the workload: median at ``median_fraction`` of the limit, sigma such that
+    ``at_limit`` of the draws reach it."""
+    median = args.response_length * args.median_fraction
+    sigma = math.log(args.response_length / median) / NormalDist().inv_cdf(1 - args.at_limit)
+    return f"prompt={args.prompt_length},median={median:g},sigma={sigma:.4f}"
+
+
+def mode_overrides(mode: str, args: argparse.Namespace) -> list[str]:
+    common = [f"trainer.n_gpus_per_node={args.gpus}", "actor_rollout_ref.rollout.name=fast",
+              *(["trainer.device=cpu"] if args.tiny else [])]
+    if mode == "sync":
+        return common
+    return [*common, "trainer.v1.trainer_mode=colocate_async",
+            f"trainer.v1.colocate_async.num_warmup_batches={args.warmup}",
+            f"trainer.v1.sampler.max_off_policy_threshold={args.threshold}"]
+
+
+def launch(args: argparse.Namespace, work: argparse.Namespace, files: tuple[Path, Path, Path], mode: str,
+           device: int | None) -> tuple[subprocess.Popen, Path, list[str]]:
+    out = args.workdir / mode
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    cmd = archer_command(work, *files, mode_overrides(mode, args) + args.archer_override, out / "run")
+    env = {**os.environ, ENV: length_env(args)}
+    if device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(device)
+    log = (out / "train.log").open("w")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True), out, cmd
+
+
+def mfu(record: dict[str, Any], gpus: int) -> float | None:
+    """The step's model FLOPs utilisation (see the module docstring); None without the token counts."""
+    stages = record["stages_s"]
+    if "response_length/mean" not in record:
+        return None
+    tokens = record["tokens"][-1]
+    generated = record["response_length/mean"] * record["responses"]
+    flops = 8 * PARAMS_1_5B * tokens + 2 * PARAMS_1_5B * generated
+    return flops / (record["timed_step_s"] * gpus * H100_BF16_FLOPS) if stages else None
+
+
+def collect(out: Path, mode: str, cmd: list[str], code: int, args: argparse.Namespace) -> dict[str, Any]:
+    lines = read_metrics(out / "run")
+    record: dict[str, Any] = {"mode": mode, "gpus": args.gpus, "ran": False,
+                              "archer_command": " ".join(["python", *cmd[1:]])}
+    if code != 0 or len(lines) < 2:
+        return {**record, "error": failure((out / "train.log").read_text()) if code else "fewer than 2 steps",
+                "log": str(out / "train.log")}
+    timed = lines[1:]
+    record.update(ran=True, **measure(lines))
+    record["tokens_per_s_per_gpu"] = record["tokens_per_s"] / args.gpus
+    for key in ("response_length/mean", "response_length/clip_ratio", "training/off_policy/trajectory_staleness/mean",
+                "training/off_policy/trajectory_spans/max", "async/paused_requests", "async/resumed_requests"):
+        values = [line[key] for line in timed if key in line]
+        if values:
+            record[key] = sum(values) / len(values)
+    record["responses"] = args.prompts * args.n
+    if not args.tiny:
+        record["mfu"] = mfu(record, args.gpus)
+    return record
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    sync = next((r for r in records if r["mode"] == "sync" and r["ran"]), None)
+    rows = ["| mode | GPUs | step | tokens/s/GPU | vs sync | MFU | gen | old_log_prob | update_actor | staleness | "
+            "response length |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        if not r["ran"]:
+            rows.append(f"| {r['mode']} | {r['gpus']} | not run: {r['error']} | | | | | | | | |")
+            continue
+        s = r["stages_s"]
+        ratio = f"{r['tokens_per_s'] / sync['tokens_per_s']:.2f}x" if sync else "-"
+        share = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+        rows.append(f"| {r['mode']} | {r['gpus']} | {r['timed_step_s']:.2f} s | {r['tokens_per_s_per_gpu']:,.0f} | "
+                    f"{ratio} | {share} | {s.get('gen', 0):.2f} s | {s.get('old_log_prob', 0):.2f} s | "
+                    f"{s.get('update_actor', 0):.2f} s | "
+                    f"{r.get('training/off_policy/trajectory_staleness/mean', 0):.2f} | "
+                    f"{r.get('response_length/mean', 0):.0f} |")
+    return "\n".join(rows)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", default="sync,colocate_async", help="modes, from sync,colocate_async")
+    parser.add_argument("--gpus", type=int, default=1, help="ranks per run; with 1 and several GPUs visible the "
+                        "modes run side by side, one GPU each")
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per step (data.train_batch_size)")
+    parser.add_argument("--n", type=int, default=8, help="responses per prompt")
+    parser.add_argument("--prompt-length", type=int, default=1024)
+    parser.add_argument("--response-length", type=int, default=2048, help="the response limit")
+    parser.add_argument("--median-fraction", type=float, default=0.25, help="median response / the limit")
+    parser.add_argument("--at-limit", type=float, default=0.05, help="share of responses that reach the limit")
+    parser.add_argument("--micro-batch", type=int, default=8, help="ppo_micro_batch_size_per_gpu")
+    parser.add_argument("--warmup", type=int, default=2, help="colocate_async: num_warmup_batches")
+    parser.add_argument("--threshold", type=int, default=2, help="colocate_async: max_off_policy_threshold")
+    parser.add_argument("--steps", type=int, default=5, help="steps per mode (the first is left out)")
+    parser.add_argument("--tiny", action="store_true", help="the tiny model on the CPU (trainer.device=cpu)")
+    parser.add_argument("--out", type=Path, help="the JSON records (default: bench/results/async_rl_<device>.json)")
+    parser.add_argument("--workdir", type=Path, default=Path("runs/bench_async_rl"))
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds one mode may run")
+    parser.add_argument("--archer-override", nargs="*", default=[], help="more archer train overrides, every run")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in ("sync", "colocate_async") for m in modes):
+        parser.error(f"--modes {args.modes!r}: choose from sync,colocate_async")
+    if args.steps < 2:
+        parser.error("--steps must be 2 or more (the first is left out)")
+    visible = torch.cuda.device_count()
+    if not args.tiny and visible < args.gpus:
+        parser.error(f"{args.gpus} GPU(s) per run, {visible} visible (on a CPU, run with --tiny)")
+    shape = "tiny" if args.tiny else "qwen2.5-1.5b"
+    if args.tiny:
+        args.prompt_length, args.response_length, args.micro_batch = 32, 32, 4
+    work = argparse.Namespace(shape=shape, prompts=args.prompts, n=args.n, prompt_length=args.prompt_length,
+                              response_length=args.response_length, micro_batch=args.micro_batch,
+                              vocab=None if args.tiny else QWEN_VOCAB, steps=args.steps, out=args.workdir)
+    device = "cpu" if args.tiny else gpu_name()
+    slug = "".join(c if c.isalnum() else "_" for c in device.lower()).strip("_")
+    args.out = args.out or RESULTS / f"async_rl_{slug}.json"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    from rich.console import Console
+
+    files = workload_files(args.workdir, work, args.prompts * (args.steps + args.warmup + 1), Console(stderr=True))
+    side_by_side = not args.tiny and args.gpus == 1 and visible >= len(modes)
+    common = {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+              "command": " ".join(["python", "bench/async_rl.py", *argv]), "lengths": length_env(args),
+              **{k: getattr(args, k) for k in ("prompts", "n", "prompt_length", "response_length", "warmup",
+                                               "threshold", "steps")}}
+    records = []
+    batches = [modes] if side_by_side else [[m] for m in modes]
+    for batch in batches:
+        started = [(mode, *launch(args, work, files, mode, i if side_by_side else None)) for i, mode in enumerate(batch)]
+        for mode, proc, out, cmd in started:
+            try:
+                code = proc.wait(timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                code = proc.wait()
+            record = {**common, **collect(out, mode, cmd, code, args)}
+            records.append(record)
+            print(f"{mode}: " + (f"{record['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU" if record["ran"]
+                                 else f"not run: {record['error']}"), flush=True)
+            args.out.write_text(json.dumps(records, indent=1))
+    print(f"\n{shape}: {args.prompts} prompts x {args.n}, prompt {args.prompt_length}, responses up to "
+          f"{args.response_length} ({length_env(args)}), {args.steps} steps (first left out) on {device}, "
+          f"{'side by side' if side_by_side else 'one after another'}")
+    print(table(records))
+    print(f"records: {args.out}")
+    return records
+
+
+if __name__ == "__main__":
+    main()
