@@ -11,7 +11,12 @@ that puts ``--at-limit`` of the responses at the limit (a real reasoning run's l
 - ``colocate_async``: trainer.v1.trainer_mode=colocate_async with ``--warmup`` batches generated ahead and
   ``max_off_policy_threshold=--threshold`` (partial rollouts on).
 
+Each mode runs in each ``--variants``: ``plain`` (archer's defaults: padded micro-batches of ``--micro-batch``
+rows) and ``packed`` (``use_remove_padding`` and ``use_dynamic_bsz``: the update's micro-batches packed to
+ppo_max_token_len_per_gpu tokens, no padding computed).
+
     python bench/async_rl.py                                    # both modes, one GPU each, side by side
+    python bench/async_rl.py --variants plain,packed            # 4 runs side by side on 4 GPUs
     python bench/async_rl.py --gpus 4 --prompts 32              # 4 ranks per run (one run at a time)
     python bench/async_rl.py --tiny --steps 3                   # CPU: the tiny model, a smoke test
 
@@ -44,6 +49,8 @@ from scale_out import gpu_name, measure, read_metrics, workload_files
 from archer.rollout.fast.simulated_lengths import ENV
 
 RESULTS = Path(__file__).resolve().parent / "results"
+VARIANTS = {"plain": [], "packed": ["actor_rollout_ref.model.use_remove_padding=true",
+                                    "actor_rollout_ref.actor.use_dynamic_bsz=true"]}
 QWEN_VOCAB = 151_936
 PARAMS_1_5B = 1.54e9  # Qwen2.5-1.5B's parameters (embeddings included)
 H100_BF16_FLOPS = 989e12  # dense bf16 peak of an H100 SXM
@@ -68,11 +75,12 @@ def mode_overrides(mode: str, args: argparse.Namespace) -> list[str]:
 
 
 def launch(args: argparse.Namespace, work: argparse.Namespace, files: tuple[Path, Path, Path], mode: str,
-           device: int | None) -> tuple[subprocess.Popen, Path, list[str]]:
-    out = args.workdir / mode
+           variant: str, device: int | None) -> tuple[subprocess.Popen, Path, list[str]]:
+    out = args.workdir / f"{mode}_{variant}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    cmd = archer_command(work, *files, mode_overrides(mode, args) + args.archer_override, out / "run")
+    overrides = mode_overrides(mode, args) + VARIANTS[variant] + args.archer_override
+    cmd = archer_command(work, *files, overrides, out / "run")
     env = {**os.environ, ENV: length_env(args)}
     if device is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(device)
@@ -91,9 +99,10 @@ def mfu(record: dict[str, Any], gpus: int) -> float | None:
     return flops / (record["timed_step_s"] * gpus * H100_BF16_FLOPS) if stages else None
 
 
-def collect(out: Path, mode: str, cmd: list[str], code: int, args: argparse.Namespace) -> dict[str, Any]:
+def collect(out: Path, mode: str, variant: str, cmd: list[str], code: int, args: argparse.Namespace
+            ) -> dict[str, Any]:
     lines = read_metrics(out / "run")
-    record: dict[str, Any] = {"mode": mode, "gpus": args.gpus, "ran": False,
+    record: dict[str, Any] = {"mode": mode, "variant": variant, "gpus": args.gpus, "ran": False,
                               "archer_command": " ".join(["python", *cmd[1:]])}
     if code != 0 or len(lines) < 2:
         return {**record, "error": failure((out / "train.log").read_text()) if code else "fewer than 2 steps",
@@ -113,17 +122,20 @@ def collect(out: Path, mode: str, cmd: list[str], code: int, args: argparse.Name
 
 
 def table(records: list[dict[str, Any]]) -> str:
-    sync = next((r for r in records if r["mode"] == "sync" and r["ran"]), None)
-    rows = ["| mode | GPUs | step | tokens/s/GPU | vs sync | MFU | gen | old_log_prob | update_actor | staleness | "
-            "response length |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    """One row per run; "vs sync" against the sync run of the same variant."""
+    sync = {r["variant"]: r for r in records if r["mode"] == "sync" and r["ran"]}
+    rows = ["| mode | variant | GPUs | step | tokens/s/GPU | vs sync | MFU | gen | old_log_prob | update_actor | "
+            "staleness | response length |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if not r["ran"]:
-            rows.append(f"| {r['mode']} | {r['gpus']} | not run: {r['error']} | | | | | | | | |")
+            rows.append(f"| {r['mode']} | {r['variant']} | {r['gpus']} | not run: {r['error']} | | | | | | | | |")
             continue
         s = r["stages_s"]
-        ratio = f"{r['tokens_per_s'] / sync['tokens_per_s']:.2f}x" if sync else "-"
+        base = sync.get(r["variant"])
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
         share = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
-        rows.append(f"| {r['mode']} | {r['gpus']} | {r['timed_step_s']:.2f} s | {r['tokens_per_s_per_gpu']:,.0f} | "
+        rows.append(f"| {r['mode']} | {r['variant']} | {r['gpus']} | {r['timed_step_s']:.2f} s | "
+                    f"{r['tokens_per_s_per_gpu']:,.0f} | "
                     f"{ratio} | {share} | {s.get('gen', 0):.2f} s | {s.get('old_log_prob', 0):.2f} s | "
                     f"{s.get('update_actor', 0):.2f} s | "
                     f"{r.get('training/off_policy/trajectory_staleness/mean', 0):.2f} | "
@@ -134,6 +146,7 @@ def table(records: list[dict[str, Any]]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", default="sync,colocate_async", help="modes, from sync,colocate_async")
+    parser.add_argument("--variants", default="plain", help=f"variants, from {','.join(VARIANTS)}")
     parser.add_argument("--gpus", type=int, default=1, help="ranks per run; with 1 and several GPUs visible the "
                         "modes run side by side, one GPU each")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step (data.train_batch_size)")
@@ -161,6 +174,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in ("sync", "colocate_async") for m in modes):
         parser.error(f"--modes {args.modes!r}: choose from sync,colocate_async")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not variants or any(v not in VARIANTS for v in variants):
+        parser.error(f"--variants {args.variants!r}: choose from {','.join(VARIANTS)}")
     if args.steps < 2:
         parser.error("--steps must be 2 or more (the first is left out)")
     visible = torch.cuda.device_count()
@@ -180,24 +196,26 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     from rich.console import Console
 
     files = workload_files(args.workdir, work, args.prompts * (args.steps + args.warmup + 1), Console(stderr=True))
-    side_by_side = not args.tiny and args.gpus == 1 and visible >= len(modes)
+    runs = [(mode, variant) for variant in variants for mode in modes]
+    side_by_side = not args.tiny and args.gpus == 1 and visible >= len(runs)
     common = {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
               "command": " ".join(["python", "bench/async_rl.py", *argv]), "lengths": length_env(args),
               **{k: getattr(args, k) for k in ("prompts", "n", "prompt_length", "response_length", "warmup",
                                                "threshold", "steps")}}
     records = []
-    batches = [modes] if side_by_side else [[m] for m in modes]
+    batches = [runs] if side_by_side else [[run] for run in runs]
     for batch in batches:
-        started = [(mode, *launch(args, work, files, mode, i if side_by_side else None)) for i, mode in enumerate(batch)]
-        for mode, proc, out, cmd in started:
+        started = [(mode, variant, *launch(args, work, files, mode, variant, i if side_by_side else None))
+                   for i, (mode, variant) in enumerate(batch)]
+        for mode, variant, proc, out, cmd in started:
             try:
                 code = proc.wait(timeout=args.timeout)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, 9)
                 code = proc.wait()
-            record = {**common, **collect(out, mode, cmd, code, args)}
+            record = {**common, **collect(out, mode, variant, cmd, code, args)}
             records.append(record)
-            print(f"{mode}: " + (f"{record['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU" if record["ran"]
+            print(f"{mode} ({variant}): " + (f"{record['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU" if record["ran"]
                                  else f"not run: {record['error']}"), flush=True)
             args.out.write_text(json.dumps(records, indent=1))
     print(f"\n{shape}: {args.prompts} prompts x {args.n}, prompt {args.prompt_length}, responses up to "

@@ -166,8 +166,8 @@ NO_OPS: tuple[NoOp, ...] = (
     NoOp("trainer.max_critic_ckpt_to_keep", "a checkpoint holds actor and critic; max_actor_ckpt_to_keep governs",
          None),
     NoOp("trainer.use_legacy_worker_impl", "archer has one worker implementation", "auto", ANY),
-    NoOp("trainer.use_v1", "archer has one RL loop: the synchronous one both of verl's trainers run "
-         "(trainer.v1.trainer_mode=sync)", True, ANY),
+    NoOp("trainer.use_v1", "archer's one RL loop runs verl's V1 trainer modes (trainer.v1.trainer_mode) whatever "
+         "its value", True, ANY),
     NoOp("trainer.entropy_trace.update_summary_every", "summary.json is rewritten with every written step", 1, ANY),
     NoOp("trainer.entropy_trace.atomic_write", "archer's trace writes are always atomic", True, ANY),
     NoOp("trainer.influence_trace.atomic_write", "archer's trace writes are always atomic", True, ANY),
