@@ -173,3 +173,4 @@ def test_what_colocate_async_does_not_run_with_yet_is_refused(task: dict[str, Pa
             check(f"trainer.v1.trainer_mode={mode}", "trainer.v1.sampler.max_off_policy_threshold=1", *extra)
     assert not (tmp_path / "run").exists()
     assert torch.get_num_threads() >= 1
+
