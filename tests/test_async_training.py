@@ -161,16 +161,34 @@ def test_paused_requests_resume_with_their_tokens_and_log_probs_and_are_weighted
             assert float(gap[~fresh].max()) > 1e-3, step
 
 
+def test_dynamic_sampling_asks_the_pools_again_for_the_groups_it_filtered_out(task: dict[str, Path],
+                                                                              tmp_path: Path) -> None:
+    """filter_groups with colocate_async: each call after the first admits one more loader batch and asks for the
+    groups still missing; the step trains exactly train_batch_size informative groups."""
+    run_dir = tmp_path / "run"
+    got = train_here(task, run_dir, 3, *ASYNC, "algorithm.filter_groups.enable=true",
+                     "algorithm.filter_groups.metric=score", f"custom_reward_function.path={task['reward']}")
+    for step in got:
+        assert got[step]["train/num_kept_groups"] == 4.0
+        assert got[step]["train/num_candidate_groups"] >= 4.0
+    assert max(got[s]["train/num_gen_batches"] for s in got) > 1  # some group scored alike: the pools were asked again
+    trained = [p for step in got for p in trained_prompts(run_dir, step)]
+    assert len(trained) == len(set(trained)) == 12
+    with pytest.raises(ArcherError, match="max_num_gen_batches"):  # the micro model never answers right: no
+        train_here(task, tmp_path / "never", 1, *ASYNC, "algorithm.filter_groups.enable=true",  # group varies
+                   "algorithm.filter_groups.max_num_gen_batches=2")
+
+
 def test_what_colocate_async_does_not_run_with_yet_is_refused(task: dict[str, Path], tmp_path: Path) -> None:
     def check(*extra: str) -> None:
         PPOTrainer(load_config("ppo_trainer", overrides(task, tmp_path / "run", 1, *extra)))
 
-    for extra, message in [(["algorithm.filter_groups.enable=true"], "dynamic sampling"),
+    tools = ["+actor_rollout_ref.rollout.tools.tool_instances.python.class_path=agentic_support.Echo",
+             "+actor_rollout_ref.rollout.tools.tool_instances.python.params.answer='7'"]
+    for extra, message in [(tools, "multi-turn tool rollouts"),
                            (["trainer.v1.colocate_async.num_warmup_batches=2"], "older than the bound"),
                            ([], "separate_async")]:
         mode = "separate_async" if not extra else "colocate_async"
         with pytest.raises(ArcherError, match=message):
             check(f"trainer.v1.trainer_mode={mode}", "trainer.v1.sampler.max_off_policy_threshold=1", *extra)
     assert not (tmp_path / "run").exists()
-    assert torch.get_num_threads() >= 1
-

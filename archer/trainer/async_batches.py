@@ -74,17 +74,20 @@ class AsyncBatches:
         return {"next_number": self.next_number,
                 "batches": [a.to_state() for a in sorted(self.admitted.values(), key=lambda a: a.number)]}
 
-    def next(self, step: int, metrics: dict[str, float]) -> Batch:
-        """The generated (unscored) batch of ``step``, which updates policy version step - 1: the pools take
-        the loader's batches up to number step + num_warmup_batches, and hand back the step's groups."""
+    def next(self, step: int, metrics: dict[str, float], *, quota: int | None = None, extra: bool = False) -> Batch:
+        """The generated (unscored) groups of ``step``, which updates policy version step - 1: the pools take the
+        loader's batches up to number step + num_warmup_batches (``extra``: one more, for a step that asks again
+        after dynamic sampling left too few), and hand back ``quota`` groups (default data.train_batch_size)."""
         admissions = [self._again(record) for record in self.restored]
         self.restored = []
         if self.next_number is None:
             self.next_number = step
-        while self.next_number <= step + self.warmup:
+        while self.next_number <= step + self.warmup or extra:
             admissions.append(self._admit(self.next_number))
             self.next_number += 1
-        batch = self.workers.call("produce_groups", admissions, self.quota, step - 1, self.bound)
+            extra = False
+        quota = self.quota if quota is None else quota
+        batch = self.workers.call("produce_groups", admissions, quota, step - 1, self.bound)
         stats = batch.info.pop(ASYNC_STATS)
         returned = list(dict.fromkeys(batch["uid"])) if len(batch) else []
         for uid in [*returned, *stats["evicted"]]:

@@ -189,17 +189,13 @@ def check_trainer_mode(cfg: DictConfig) -> None:
 
 
 def check_colocate_async(cfg: DictConfig) -> None:
-    """What colocate_async does not combine with yet (each one error), and a warm-up that the staleness bound
-    would evict or force at once."""
+    """What colocate_async does not combine with yet (tools), and a warm-up that the staleness bound would evict
+    or force at once."""
     v1, rollout = cfg.trainer.v1, cfg.actor_rollout_ref.rollout
-    refused = [(uses_tools(rollout), "multi-turn tool rollouts (actor_rollout_ref.rollout.tools.tool_instances)",
-                "drop the tools, or use trainer.v1.trainer_mode=sync"),
-               (bool(cfg.algorithm.filter_groups.enable), "dynamic sampling (algorithm.filter_groups.enable)",
-                "set algorithm.filter_groups.enable=false, or use trainer.v1.trainer_mode=sync")]
-    for refuse, what, fix in refused:
-        if refuse:
-            raise ArcherError(f"trainer.v1.trainer_mode=colocate_async does not run with {what} yet "
-                              "(docs/async.md)", fix)
+    if uses_tools(rollout):
+        raise ArcherError("trainer.v1.trainer_mode=colocate_async does not run with multi-turn tool rollouts "
+                          "(actor_rollout_ref.rollout.tools.tool_instances) yet (docs/async.md)",
+                          "drop the tools, or use trainer.v1.trainer_mode=sync")
     warmup, bound = v1.colocate_async.num_warmup_batches, v1.sampler.max_off_policy_threshold
     if warmup > bound:
         raise ArcherError(f"trainer.v1.colocate_async.num_warmup_batches={warmup} is more than "

@@ -208,6 +208,18 @@ class PPOTrainer:
         stamp_policy_version(batch, step - 1)  # the engine holds the weights of the previous step's update
         return self.score_batch(batch, timings, rollout_stats)
 
+    def generated_groups(self, step: int, gen_index: int, timings: dict[str, float],
+                         rollout_stats: list[RolloutStats], metrics: dict[str, float], quota: int | None = None
+                         ) -> Batch:
+        """The step's ``gen_index``-th batch of scored prompt groups: a generation batch (sync), or the groups the
+        ranks' pools completed (colocate_async; ``quota``: how many, default data.train_batch_size; a step's
+        later calls admit one more loader batch each, as the synchronous loop's later batches read one)."""
+        if self.async_batches is None:
+            return self.generate_batch(step, gen_index, timings, rollout_stats)
+        with timer("gen", timings, self.peaks):
+            batch = self.async_batches.next(step, metrics, quota=quota, extra=gen_index > 0)
+        return self.score_batch(batch, timings, rollout_stats) if len(batch) else batch
+
     def score_batch(self, batch: Batch, timings: dict[str, float], rollout_stats: list[RolloutStats]) -> Batch:
         """The reward of every response of a generated batch (the reward model's scores first, when enabled)."""
         if ROLLOUT_STATS in batch.info:
@@ -225,15 +237,9 @@ class PPOTrainer:
         algo, n = self.cfg.algorithm, int(self.cfg.actor_rollout_ref.rollout.n)
         fg = algo.filter_groups
         rollout_stats: list[RolloutStats] = []
-        if self.async_batches is not None:  # colocate_async: the groups the ranks' pools completed
-            with timer("gen", timings, self.peaks):
-                batch = self.async_batches.next(step, metrics)
-            if len(batch):
-                batch = self.score_batch(batch, timings, rollout_stats)
+        if not fg.enable:
+            batch = self.generated_groups(step, 0, timings, rollout_stats, metrics)
             metrics["train/num_candidate_groups"] = float(count_groups(batch["uid"])) if len(batch) else 0.0
-        elif not fg.enable:
-            batch = self.generate_batch(step, 0, timings, rollout_stats)
-            metrics["train/num_candidate_groups"] = float(count_groups(batch["uid"]))
         else:
             needed, limit = int(self.cfg.data.train_batch_size), int(fg.max_num_gen_batches)
             kept: list[Batch] = []
@@ -241,8 +247,11 @@ class PPOTrainer:
             while num_kept < needed:
                 if limit > 0 and num_batches >= limit:  # verl: <= 0 means no limit
                     raise too_many_batches_error(num_batches, num_kept, needed)
-                generated = self.generate_batch(step, num_batches, timings, rollout_stats)
+                generated = self.generated_groups(step, num_batches, timings, rollout_stats, metrics,
+                                                  quota=needed - num_kept)
                 num_batches += 1
+                if not len(generated):
+                    continue
                 candidates += count_groups(generated["uid"])
                 values = generated["acc"] if fg.metric == "acc" else generated["score"]
                 informative = generated.index(np.flatnonzero(informative_rows(generated["uid"], values)))
