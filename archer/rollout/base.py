@@ -19,8 +19,9 @@ The rollout worker owns its engine: the trainer never sees one.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
@@ -85,6 +86,32 @@ class RolloutOutput:
 
 
 PAUSED = "paused"  # a Segment's finish_reason when ContinuousSession.pause stopped its decode
+
+
+class Sampled(Protocol):
+    """A response being or having been sampled: its tokens, their log-probs and entropies."""
+
+    tokens: list[int]
+    log_probs: list[float]
+    entropies: list[float]
+
+
+def padded_samples(samples: Sequence[Sampled], pad_token_id: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Responses of different lengths as right-padded [N, R] tensors (R: the longest): token ids (the pad token
+    after the end), the mask (1 on sampled tokens), float32 log-probs and entropies (0 after the end)."""
+    width = max((len(sample.tokens) for sample in samples), default=0)
+    responses = torch.full((len(samples), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(samples), width, dtype=torch.long)
+    log_probs = torch.zeros(len(samples), width)
+    entropies = torch.zeros(len(samples), width)
+    for row, sample in enumerate(samples):
+        length = len(sample.tokens)
+        responses[row, :length] = torch.tensor(sample.tokens, dtype=torch.long)
+        mask[row, :length] = 1
+        log_probs[row, :length] = torch.tensor(sample.log_probs)
+        entropies[row, :length] = torch.tensor(sample.entropies)
+    return responses, mask, log_probs, entropies
 
 
 @dataclass

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from archer.batch import Batch
+from archer.rollout.base import padded_samples
 from archer.rollout.prompt_rounds import stream_seed
 from archer.rollout.request_pool import FIRST_POLICY_VERSION, POLICY_VERSION, PoolGroup, RolloutPool
 from archer.workers.rollout import RolloutWorker, concat_sequences, layout_sequences, sampling_params
@@ -83,17 +83,7 @@ class AsyncRollout:
 
     def _group_rows(self, group: PoolGroup, version: int) -> Batch:
         requests = group.requests
-        width = max(len(r.tokens) for r in requests)
-        responses = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(len(requests), width, dtype=torch.long)
-        log_probs = torch.zeros(len(requests), width)
-        entropies = torch.zeros(len(requests), width)
-        for row, request in enumerate(requests):
-            length = len(request.tokens)
-            responses[row, :length] = torch.tensor(request.tokens, dtype=torch.long)
-            mask[row, :length] = 1
-            log_probs[row, :length] = torch.tensor(request.log_probs)
-            entropies[row, :length] = torch.tensor(request.entropies)
+        responses, mask, log_probs, entropies = padded_samples(requests, self.pad_token_id)
         batch = layout_sequences(self.rows.pop(group.key), responses, mask, len(requests))
         batch["rollout_log_probs"] = log_probs
         batch["rollout_entropies"] = entropies

@@ -33,6 +33,7 @@ from archer.rollout.base import (
     RolloutOutput,
     SamplingParams,
     Segment,
+    padded_samples,
 )
 from archer.rollout.endings import eos_ids
 from archer.rollout.fast import ops
@@ -204,17 +205,7 @@ class FastEngine(RolloutEngine):
         return self._output(jobs, len(prompts), params.n)
 
     def _output(self, jobs: list[Job], prompts: int, n: int) -> RolloutOutput:
-        width = max((len(job.tokens) for job in jobs), default=0)
-        responses = torch.full((len(jobs), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(len(jobs), width, dtype=torch.long)
-        log_probs = torch.zeros(len(jobs), width)
-        entropies = torch.zeros(len(jobs), width)
-        for row, job in enumerate(jobs):
-            length = len(job.tokens)
-            responses[row, :length] = torch.tensor(job.tokens, dtype=torch.long)
-            mask[row, :length] = 1
-            log_probs[row, :length] = torch.tensor(job.log_probs)
-            entropies[row, :length] = torch.tensor(job.entropies)
+        responses, mask, log_probs, entropies = padded_samples(jobs, self.pad_token_id)
         return RolloutOutput(responses=responses, response_mask=mask, log_probs=log_probs, entropies=entropies,
                              prompt_index=torch.arange(prompts).repeat_interleave(n),
                              finish_reasons=[job.reason for job in jobs])

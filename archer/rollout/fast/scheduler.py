@@ -137,30 +137,28 @@ class Scheduler:
     def cancel(self, job: Job) -> None:
         """Take a session job out: waiting, it never starts; decoding, its slot is freed and what it decoded is
         dropped (its sequence keeps its tokens and cached prefix)."""
-        if job in self.waiting:
-            self.waiting.remove(job)
-            return
-        slot = next((s for s, j in self.running.items() if j is job), None)
-        if slot is None:
-            return
-        self.runner.clear([slot])
-        del self.running[slot]
-        self.cache.shrink(job.seq)
-        self._compact()
+        if self._take_out(job):
+            self.cache.shrink(job.seq)
+            self._compact()
 
     def interrupt(self, job: Job) -> None:
         """Stop a session job where it is: waiting, it never starts; decoding, its slot is freed and its sequence
         takes the tokens it sampled (as when it ends), so that a later job continues it."""
+        if self._take_out(job):
+            self._finish(self.cache, job)
+            self._compact()
+
+    def _take_out(self, job: Job) -> bool:
+        """Remove ``job`` from the waiting queue or its slot; whether it was decoding."""
         if job in self.waiting:
             self.waiting.remove(job)
-            return
+            return False
         slot = next((s for s, j in self.running.items() if j is job), None)
         if slot is None:
-            return
+            return False
         self.runner.clear([slot])
         del self.running[slot]
-        self._finish(self.cache, job)
-        self._compact()
+        return True
 
     def reset(self) -> None:
         """Drop every job (after a generation that failed): the slots idle, the jobs' pages stay their owners'."""
