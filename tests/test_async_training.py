@@ -145,7 +145,9 @@ def test_paused_requests_resume_with_their_tokens_and_log_probs_and_are_weighted
         assert got[step]["training/off_policy/trajectory_staleness_worst/max"] <= 2.0
     step = spanning[0]
     assert np.any(seen[step]["first_policy_version"] < seen[step]["policy_version"])
-    arrays = TraceReader(run_dir / "entropy_trace").load_step(step)  # the trace has each response's newest version
+    arrays = TraceReader(run_dir / "entropy_trace").load_step(step)  # the trace records both versions
+    assert np.any(arrays["first_policy_version"] < arrays["policy_version"])
+    assert arrays["first_policy_version"].tolist() == seen[step]["first_policy_version"].tolist()
     assert arrays["policy_version"].tolist() == seen[step]["policy_version"].tolist()
     assert arrays["staleness"].tolist() == seen[step]["staleness"].tolist()
     for step, batch in seen.items():

@@ -115,6 +115,7 @@ def test_response_arrays_record_the_tool_fields_of_a_tool_run() -> None:
 def test_response_arrays_record_policy_versions_staleness_and_rejected_tokens() -> None:
     batch = traced_batch()
     batch["policy_version"] = np.array([6, 6, 5])
+    batch["first_policy_version"] = np.array([6, 5, 5])  # row 1: a partial rollout resumed under version 6
     batch["staleness"] = np.array([0, 0, 1])
     # the rollout correction took token 1 of row 1 out of the loss (RESPONSE_MASK [[1,1,0],[1,1,1],[1,0,0]])
     batch["rollout_rs_rejected"] = torch.tensor([[False] * 3, [False, True, False], [False] * 3])
@@ -122,6 +123,7 @@ def test_response_arrays_record_policy_versions_staleness_and_rejected_tokens() 
     arrays = response_arrays(batch)
     assert arrays["policy_version"].dtype == np.int32 and arrays["policy_version"].tolist() == [6, 6, 5]
     assert arrays["staleness"].dtype == np.int32 and arrays["staleness"].tolist() == [0, 0, 1]
+    assert arrays["first_policy_version"].dtype == np.int32 and arrays["first_policy_version"].tolist() == [6, 5, 5]
     # the policy wrote the rejected token: it stays in response_mask, marked in rollout_rs_rejected
     assert arrays["response_mask"].tolist() == [[True, True, False], [True, True, True], [True, False, False]]
     assert arrays["rollout_rs_rejected"].tolist() == [[False] * 3, [False, True, False], [False] * 3]

@@ -496,13 +496,13 @@ def test_a_step_file_written_before_the_tool_fields_still_loads(tmp_path: Path) 
 def off_policy_arrays() -> dict[str, np.ndarray]:
     """entropy_arrays() of a run with the policy versions and the rollout correction's rejection."""
     return {**entropy_arrays(), "policy_version": np.array([4, 3], dtype=np.int32),
-            "staleness": np.array([0, 1], dtype=np.int32),
+            "first_policy_version": np.array([3, 3], dtype=np.int32), "staleness": np.array([0, 1], dtype=np.int32),
             "rollout_rs_rejected": np.array([[False, True, False], [False, False, False]])}
 
 
 def test_the_off_policy_fields_round_trip_and_are_checked(tmp_path: Path) -> None:
-    assert [field_spec(name)[0] for name in ("policy_version", "staleness", "rollout_rs_rejected")] == [
-        "int32", "int32", "bool"]
+    assert [field_spec(name)[0] for name in ("policy_version", "first_policy_version", "staleness",
+                                             "rollout_rs_rejected")] == ["int32", "int32", "int32", "bool"]
     arrays = off_policy_arrays()
     TraceWriter(tmp_path, kind="entropy").write_step(1, arrays, {})
     step = TraceReader(tmp_path).load_step(1)
@@ -522,7 +522,7 @@ def test_a_step_file_written_before_the_policy_versions_still_loads(tmp_path: Pa
     TraceWriter(tmp_path, kind="entropy").write_step(1, old, {})
     step = TraceReader(tmp_path).load_step(1)
     assert sorted(step) == sorted(old)
-    assert not {"policy_version", "staleness", "rollout_rs_rejected"} & set(step)
+    assert not {"policy_version", "first_policy_version", "staleness", "rollout_rs_rejected"} & set(step)
 
 
 def test_reward_extra_fields_are_float32_per_response() -> None:

@@ -146,8 +146,9 @@ def test_the_response_view_shows_policy_versions_staleness_and_rejected_tokens(t
     trace = trace_support.write_trace(tmp_path / "entropy_trace", tokenizer, steps=(5,), off_policy=True)
     explorer = Explorer(trace)
     stale, fresh = explorer.response(5, 1), explorer.response(5, 0)
-    assert "**policy_version** 3 | **staleness** 1" in stale.metadata
-    assert "**policy_version** 4 | **staleness** 0" in fresh.metadata
+    assert "**first_policy_version** 3 | **policy_version** 3 | **staleness** 1" in stale.metadata
+    assert "**first_policy_version** 4 | **policy_version** 4 | **staleness** 0" in fresh.metadata
+    assert "**first_policy_version** 2 | **policy_version** 3" in explorer.response(5, 3).metadata  # resumed
     assert "**rejected_tokens** 1" in fresh.metadata and "**rejected_tokens** 0" in explorer.response(5, 4).metadata
     first = fresh.entropy_html.split('data-pos="0"')[0].rsplit("<span", 1)[1]
     assert "archer-tok--rejected" in first and "archer-tok--rejected" not in stale.entropy_html.split(

@@ -41,7 +41,8 @@ def step_arrays(tokenizer: Any, step: int, *, kind: str = "entropy", num_prompts
                 response_len: int = 32, prompt_len: int = 40, seed: int = 0,
                 off_policy: bool = False) -> dict[str, np.ndarray]:
     """The arrays of one step (fields of trace/format.py), deterministic in (step, seed). ``off_policy`` adds
-    policy_version and staleness (odd rows sampled one version before the step's, as an asynchronous run) and
+    policy_version, first_policy_version and staleness (odd rows sampled one version before the step's, as an
+    asynchronous run, and every fourth row's first token one version earlier still: a partial rollout) and
     rollout_rs_rejected (the first token of every response of the first prompt)."""
     rng = np.random.default_rng([seed, step])
     n = num_prompts * rollout_n
@@ -81,8 +82,9 @@ def step_arrays(tokenizer: Any, step: int, *, kind: str = "entropy", num_prompts
         stale = (np.arange(n) % 2).astype(np.int32)
         rejected = np.zeros_like(mask)
         rejected[:rollout_n, 0] = True
-        arrays.update({"policy_version": (step - 1 - stale).astype(np.int32), "staleness": stale,
-                       "rollout_rs_rejected": rejected})
+        first = (step - 1 - stale - (np.arange(n) % 4 == 3)).astype(np.int32)  # rows 3, 7, ...: partial rollouts
+        arrays.update({"policy_version": (step - 1 - stale).astype(np.int32), "first_policy_version": first,
+                       "staleness": stale, "rollout_rs_rejected": rejected})
     if kind == "influence":
         influence = rng.normal(0.0, 0.5, (n, response_len))
         computed = mask & (np.arange(response_len) % 5 != 4)

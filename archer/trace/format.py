@@ -10,7 +10,8 @@ A trace directory holds
     latest_step.txt     the newest written step
     steps/step_XXXXXX.npz   np.savez_compressed arrays of one step (fields below; each numeric reward extra
                         adds a float32 field ``reward_extra/<key>``; a run with tools adds TOOL_FIELDS;
-                        policy_version, staleness and rollout_rs_rejected came later: older traces lack them)
+                        policy_version, staleness, rollout_rs_rejected and first_policy_version came later:
+                        older traces lack them)
     tokenizer/          the run's tokenizer, so the trace can be read without the run
 
 Every file is replaced atomically (temporary file + os.replace, optional fsync): a crash leaves either the
@@ -67,6 +68,8 @@ RESPONSE_FIELDS = {
     "finish_reason": ("str", "[num_responses] why generation ended: eos | stop | length | call_limit"),
     "policy_version": ("int32", "[num_responses] the policy version that sampled the response: the global step "
                        "whose update made its weights (0: the initial model); with a partial rollout, the newest"),
+    "first_policy_version": ("int32", "[num_responses] the policy version of the response's first token: below "
+                             "policy_version when a partial rollout resumed it under newer weights"),
     "staleness": ("int32", "[num_responses] policy versions between policy_version and the version the step "
                   "updates (0 in the synchronous loop)"),
     "rollout_rs_rejected": ("bool", "[num_responses, response_len] True on the tokens the rollout correction's "

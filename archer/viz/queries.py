@@ -90,7 +90,7 @@ def _row_means(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
 
 
 def overview_table(arrays: Arrays) -> pd.DataFrame:
-    """One row per response: its metadata (policy_version and staleness when the trace has them),
+    """One row per response: its metadata (its policy versions and staleness when the trace has them),
     learned_tokens (the policy's tokens the loss learned from: response_mask less rollout_rs_rejected, whose
     count is rejected_tokens), reward extras (each under its key, or its field name when the key is taken) and
     mean/max entropy (and mean influence)."""
@@ -108,7 +108,8 @@ def overview_table(arrays: Arrays) -> pd.DataFrame:
     if "tool_mask" in arrays:
         table["tool_tokens"] = arrays["tool_mask"].sum(axis=1)
     for name in ("reward", "acc", "advantage", "accepted", "group_id", "num_tool_calls", "num_turns",
-                 "branch_parent", "branch_position", "finish_reason", "policy_version", "staleness"):
+                 "branch_parent", "branch_position", "finish_reason", "first_policy_version", "policy_version",
+                 "staleness"):
         if name in arrays:
             table[name] = arrays[name]
     for name in sorted(n for n in arrays if n.startswith(REWARD_EXTRA_PREFIX)):  # the reward's extras
