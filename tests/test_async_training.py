@@ -86,7 +86,6 @@ def test_responses_are_exactly_one_version_old_and_two_ranks_train_what_one_proc
     train_here(task, sync_dir, 2)
     for step in (1, 2):
         assert trained_prompts(one_process, step) == trained_prompts(sync_dir, step)
-    assert metrics(sync_dir)[1]["actor/pg_loss"] == want[1]["actor/pg_loss"]  # step 1 is the sync loop's step 1
 
     run_dir = tmp_path / "two"
     command = [sys.executable, "-m", "archer.cli", "train", *overrides(task, run_dir, 3, *ASYNC),

@@ -127,7 +127,8 @@ def test_forced_groups_finish_and_go_first_and_partial_off_restarts(parts, promp
     assert [g.key for g in run.groups] == [0] and run.resumed == len(started)
     assert any(not r.done for r in pool.groups[1].requests)
     for request in pool.groups[1].requests:  # paused again, its tokens dropped: it starts afresh next time
-        assert request.done or (request.tokens == [] and request.first_version is None)
+        assert request.done or (request.tokens == [] and request.first_version is None and request.started == 0)
+    assert pool.groups[1].age(2) == 2  # the bound still sees it in flight since version 0
 
 
 def test_round_sessions_finish_every_request_in_one_run(parts, prompts):

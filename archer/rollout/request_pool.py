@@ -42,6 +42,7 @@ class Request:
     reason: str | None = None
     first_version: int | None = None
     last_version: int | None = None
+    started: int | None = None  # the version of its very first token, kept when it restarts
 
     @property
     def done(self) -> bool:
@@ -55,12 +56,15 @@ class Request:
             self.entropies += segment.entropies.tolist()
             if self.first_version is None:
                 self.first_version = version
+            if self.started is None:
+                self.started = version
             self.last_version = version
         if segment.finish_reason != PAUSED:
             self.reason = segment.finish_reason
 
     def restart(self) -> None:
-        """Forget what was sampled (partial rollouts off: a paused request starts again under new weights)."""
+        """Forget what was sampled (partial rollouts off: a paused request starts again under new weights); when
+        it started is kept, so that the staleness bound still sees how long it has been in flight."""
         self.tokens, self.log_probs, self.entropies = [], [], []
         self.first_version = self.last_version = None
 
@@ -85,9 +89,10 @@ class PoolGroup:
         return min(versions) if versions else None
 
     def age(self, version: int) -> int:
-        """Versions between ``version`` and the group's oldest token (0 before its first token)."""
-        first = self.first_version
-        return 0 if first is None else version - first
+        """Versions between ``version`` and the oldest version that sampled for the group, tokens dropped by a
+        restart included (0 before its first token)."""
+        started = [r.started for r in self.requests if r.started is not None]
+        return version - min(started) if started else 0
 
 
 @dataclass
@@ -151,10 +156,10 @@ class RolloutPool:
                 roots.append(root)
                 for request in waiting:
                     seq = session.fork(root, request.seed)
+                    owners[seq] = request
                     if request.tokens:
                         session.extend(seq, request.tokens)
                         resumed += 1
-                    owners[seq] = request
             session.expect(len(owners))
             for seq, request in owners.items():
                 session.submit(seq, params, self.max_new_tokens - len(request.tokens))

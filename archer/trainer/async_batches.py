@@ -1,11 +1,12 @@
 """The trainer's side of trainer.v1.trainer_mode=colocate_async (docs/async.md): which prompts the ranks' pools
 take in and when, which came back, and what a checkpoint keeps of the rest.
 
-Each step admits the loader's next batch (the first step of a run also ``num_warmup_batches`` more, so that
-generation runs ahead of training) and takes back ``data.train_batch_size`` complete prompt groups, the oldest
+Each step admits the loader's batches up to number step + ``num_warmup_batches`` (the first step of a run that
+many more than the others, so that generation runs ahead of training; a dynamic-sampling call after a step's first
+admits one more, and later steps then admit nothing until the numbers catch up) and takes back ``data.train_batch_size`` complete prompt groups, the oldest
 first, sampled by the policy the step updates or by older ones within the staleness bound. A loader batch keeps
-the uids and sampling seeds the synchronous loop would give it (batch b: uids ``b-i``), so the two modes sample
-the same prompts in the same order.
+the uids the synchronous loop gives it (batch b: uids ``b-i``) and its batch seed, so the two modes train the same
+prompts in the same order (each response's own sampling seed differs between the modes).
 
 A checkpoint records, for every admitted loader batch with groups not yet trained, its data position and those
 rows; a resumed run admits them again first (their partial responses are gone with the process that sampled
@@ -24,7 +25,7 @@ from omegaconf import DictConfig
 from archer.batch import Batch
 from archer.controller.worker_group import WorkerGroup
 from archer.data.loader import PromptLoader, collate_prompts
-from archer.workers.async_rollout import ASYNC_STATS, SAMPLE_INDEX, StalenessBound
+from archer.workers.async_rollout import ASYNC_STATS, BATCH_ROWS, SAMPLE_INDEX, StalenessBound
 
 ASYNC_STATE = "async_pending"  # trainer-state key: the admitted loader batches with untrained groups
 GEN_BATCH_SEED_STRIDE = 7_919_993  # sampling-seed offset of a step's 2nd, 3rd, ... generation batch
@@ -56,6 +57,8 @@ class AsyncBatches:
         self.loader, self.workers, self.pad_token_id = loader, workers, pad_token_id
         self.seed = int(cfg.trainer.seed)
         self.quota = int(cfg.data.train_batch_size)
+        self.n = int(cfg.actor_rollout_ref.rollout.n)
+        self.calls = 0  # produce calls so far: the ranks take turns at a quota's remainder
         self.warmup = int(v1.colocate_async.num_warmup_batches)
         self.bound = StalenessBound(int(v1.sampler.max_off_policy_threshold), str(v1.sampler.max_off_policy_strategy),
                                     bool(v1.partial_rollout))
@@ -87,16 +90,18 @@ class AsyncBatches:
             self.next_number += 1
             extra = False
         quota = self.quota if quota is None else quota
-        batch = self.workers.call("produce_groups", admissions, quota, step - 1, self.bound)
+        batch = self.workers.call("produce_groups", admissions, quota, step - 1, self.bound, self.calls)
+        self.calls += 1
         stats = batch.info.pop(ASYNC_STATS)
         returned = list(dict.fromkeys(batch["uid"])) if len(batch) else []
         for uid in [*returned, *stats["evicted"]]:
             self._trained(str(uid))
-        metrics.update({"async/in_flight_groups": float(stats["in_flight"]),
-                        "async/paused_requests": float(stats["paused"]),
-                        "async/resumed_requests": float(stats["resumed"]),
-                        "async/prefilled_tokens": float(stats["prefilled"]),
-                        "training/off_policy/evicted_samples": float(len(stats["evicted"]))})
+        metrics["async/in_flight_groups"] = float(stats["in_flight"])
+        summed = {"async/paused_requests": stats["paused"], "async/resumed_requests": stats["resumed"],
+                  "async/prefilled_tokens": stats["prefilled"],
+                  "training/off_policy/evicted_samples": len(stats["evicted"]) * self.n}
+        for name, value in summed.items():  # over the step's calls (dynamic sampling may make several)
+            metrics[name] = metrics.get(name, 0.0) + float(value)
         return batch
 
     def _admit(self, number: int) -> Batch:
@@ -123,7 +128,8 @@ class AsyncBatches:
         prompts = collate_prompts([items[i] for i in rows], self.pad_token_id)
         prompts["uid"] = [f"{admission.number}-{i}" for i in rows]
         prompts[SAMPLE_INDEX] = np.array(rows, dtype=np.int64)
-        prompts.info.update(validate=False, seed=prompt_batch_seed(self.seed, admission.number))
+        prompts.info.update({"validate": False, "seed": prompt_batch_seed(self.seed, admission.number),
+                             BATCH_ROWS: len(items)})
         return prompts
 
     def _trained(self, uid: str) -> None:

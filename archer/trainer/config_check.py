@@ -155,8 +155,8 @@ OFF_POLICY_STRATEGIES = ("drop", "wait")
 
 
 def check_trainer_mode(cfg: DictConfig) -> None:
-    """verl's V1 trainer keys (trainer.v1, actor_rollout_ref.rollout.nnodes): values in range, and the sync loop,
-    the one archer runs; the asynchronous modes and standalone rollout GPUs are refused until they are built
+    """verl's V1 trainer keys (trainer.v1, actor_rollout_ref.rollout.nnodes): values in range; sync and
+    colocate_async run, separate_async and standalone rollout GPUs are refused until they are built
     (docs/async.md), so that none of their keys is accepted and ignored."""
     v1 = cfg.trainer.v1
     mode = v1.trainer_mode

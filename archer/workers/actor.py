@@ -30,6 +30,7 @@ from pathlib import Path
 from time import perf_counter
 from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
@@ -58,7 +59,7 @@ from archer.trace.influence_capture import (
     select_modules,
 )
 from archer.workers.actor_objective import ActorObjective
-from archer.workers.async_rollout import AsyncRollout, StalenessBound
+from archer.workers.async_rollout import BATCH_ROWS, SAMPLE_INDEX, AsyncRollout, StalenessBound
 from archer.workers.data_parallel import rank_passes, reduce_metric_sums
 from archer.workers.memory import MemoryPlan, planned_no_grad_tokens, release_cached_blocks
 from archer.workers.mini_batches import StepAverages, mini_batches
@@ -177,17 +178,23 @@ class ActorWorker(OwnsModel):
         with self._generating():
             return self._generate_rank_share(prompts)
 
-    def produce_groups(self, admissions: list[Batch], quota: int, version: int, bound: StalenessBound) -> Batch:
+    def produce_groups(self, admissions: list[Batch], quota: int, version: int, bound: StalenessBound,
+                       rotation: int = 0) -> Batch:
         """colocate_async (workers/async_rollout.py): admit this rank's rows of each prompt batch of
-        ``admissions``, then hand back its share of ``quota`` complete groups sampled up to policy ``version``,
-        padded to the widest prompt and response of every rank."""
+        ``admissions`` (by their index in their whole loader batch, so a batch admitted again after a resume
+        splits as it first did), then hand back its share of ``quota`` complete groups sampled up to policy
+        ``version`` (a quota that does not divide by the ranks gives its remainder to the ranks from
+        ``rotation`` on), padded to the widest prompt and response of every rank."""
         if self.async_rollout is None:
             self.async_rollout = AsyncRollout(self.rollout, self.pad_token_id)
+        world = self.ctx.world_size
         for prompts in admissions:
-            start, stop = shard_bounds(len(prompts), self.ctx.rank, self.ctx.world_size)
-            if stop > start:
-                self.async_rollout.admit(prompts.index(slice(start, stop)))
-        start, stop = shard_bounds(quota, self.ctx.rank, self.ctx.world_size)
+            start, stop = shard_bounds(int(prompts.info.get(BATCH_ROWS, len(prompts))), self.ctx.rank, world)
+            index = np.asarray(prompts[SAMPLE_INDEX])
+            mine = np.flatnonzero((index >= start) & (index < stop))
+            if len(mine):
+                self.async_rollout.admit(prompts.index(mine))
+        start, stop = shard_bounds(quota, (self.ctx.rank - rotation) % world, world)
         with self._generating():
             out = self.async_rollout.produce(stop - start, version, bound)
         if not self.ctx.distributed:

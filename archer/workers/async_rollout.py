@@ -21,6 +21,7 @@ from archer.workers.rollout import RolloutWorker, concat_sequences, layout_seque
 
 ASYNC_STATS = "async_rollout"  # info key: what the call did (evicted uids, paused and resumed requests, counts)
 SAMPLE_INDEX = "sample_index"  # row of an admitted prompt: its index in its loader batch (its sampling seeds)
+BATCH_ROWS = "batch_rows"  # info of admitted prompts: the rows of their whole loader batch (which rank takes which)
 _SAMPLE_STREAM = 3  # seed stream of the asynchronous modes' requests
 
 

@@ -146,10 +146,11 @@ class RankWorkers:
         return self.actor.generate_sequences(prompts)
 
     @collect(concat_produced)
-    def produce_groups(self, admissions: list[Batch], quota: int, version: int, bound: StalenessBound) -> Batch:
+    def produce_groups(self, admissions: list[Batch], quota: int, version: int, bound: StalenessBound,
+                       rotation: int = 0) -> Batch:
         """colocate_async: admit this rank's rows of ``admissions`` and hand back its share of ``quota`` complete
         prompt groups (workers/async_rollout.py)."""
-        return self.actor.produce_groups(admissions, quota, version, bound)
+        return self.actor.produce_groups(admissions, quota, version, bound, rotation)
 
     @collect(concat_batches)
     def compute_rm_score(self, batch: Batch) -> Batch:
