@@ -184,6 +184,12 @@ class ContinuousScriptedSession(ScriptedSession, ContinuousSession):
     def busy(self) -> bool:
         return bool(self.running)
 
+    def pause(self) -> list[tuple[int, Segment]]:
+        """A scripted turn is whole from its submit on: there is nothing to pause (the agentic loop never does)."""
+        if self.running:
+            raise NotImplementedError("a scripted session decodes whole turns: it cannot pause one")
+        return []
+
     def release(self, seq: int) -> None:
         self.running.pop(seq, None)
         super().release(seq)
