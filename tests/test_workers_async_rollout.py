@@ -8,11 +8,19 @@ import numpy as np
 import pytest
 import torch
 
+from archer.batch import Batch
 from archer.config.loader import load_config
 from archer.data.loader import collate_prompts
 from archer.models.loading import load_causal_lm, load_tokenizer
 from archer.rollout.fast import FastEngine
-from archer.workers.async_rollout import ASYNC_STATS, SAMPLE_INDEX, AsyncRollout, StalenessBound
+from archer.workers.async_rollout import (
+    ASYNC_STATS,
+    BATCH_ROWS,
+    SAMPLE_INDEX,
+    AsyncRollout,
+    StalenessBound,
+    rank_rows,
+)
 from archer.workers.rollout import RolloutWorker
 
 TEXTS = ["what is 3 + 5?", "hi", "The quick brown fox jumps", "<python>print(2 ** 10)</python> and", "7 * 6 ="]
@@ -73,3 +81,13 @@ def test_drop_evicts_and_wait_finishes_the_groups_past_the_bound(rollout: AsyncR
     assert left
     dropped = rollout.produce(0, 4, StalenessBound(1, "drop", True))
     assert set(dropped.info[ASYNC_STATS]["evicted"]) == left and not set(rollout.rows) & left
+
+
+def test_a_batch_admitted_again_in_part_splits_over_the_ranks_as_it_first_did() -> None:
+    """Rows 0-3 of a loader batch of 4 go 2 and 2 to two ranks; after a resume with rows 1-3 pending, row 2 stays
+    rank 1's (a split by the pending rows alone would give it to rank 0)."""
+    whole = Batch({}, {SAMPLE_INDEX: np.arange(4)}, {BATCH_ROWS: 4})
+    assert [rank_rows(whole, r, 2).tolist() for r in (0, 1)] == [[0, 1], [2, 3]]
+    again = Batch({}, {SAMPLE_INDEX: np.array([1, 2, 3])}, {BATCH_ROWS: 4})
+    assert [again[SAMPLE_INDEX][rank_rows(again, r, 2)].tolist() for r in (0, 1)] == [[1], [2, 3]]
+    assert rank_rows(again, 0, 1).tolist() == [0, 1, 2]

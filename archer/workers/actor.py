@@ -30,7 +30,6 @@ from pathlib import Path
 from time import perf_counter
 from typing import Any
 
-import numpy as np
 import torch
 from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
@@ -59,7 +58,7 @@ from archer.trace.influence_capture import (
     select_modules,
 )
 from archer.workers.actor_objective import ActorObjective
-from archer.workers.async_rollout import BATCH_ROWS, SAMPLE_INDEX, AsyncRollout, StalenessBound
+from archer.workers.async_rollout import AsyncRollout, StalenessBound, rank_rows
 from archer.workers.data_parallel import rank_passes, reduce_metric_sums
 from archer.workers.memory import MemoryPlan, planned_no_grad_tokens, release_cached_blocks
 from archer.workers.mini_batches import StepAverages, mini_batches
@@ -189,9 +188,7 @@ class ActorWorker(OwnsModel):
             self.async_rollout = AsyncRollout(self.rollout, self.pad_token_id)
         world = self.ctx.world_size
         for prompts in admissions:
-            start, stop = shard_bounds(int(prompts.info.get(BATCH_ROWS, len(prompts))), self.ctx.rank, world)
-            index = np.asarray(prompts[SAMPLE_INDEX])
-            mine = np.flatnonzero((index >= start) & (index < stop))
+            mine = rank_rows(prompts, self.ctx.rank, world)
             if len(mine):
                 self.async_rollout.admit(prompts.index(mine))
         start, stop = shard_bounds(quota, (self.ctx.rank - rotation) % world, world)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from archer.batch import Batch
+from archer.distributed.context import shard_bounds
 from archer.rollout.base import padded_samples
 from archer.rollout.prompt_rounds import stream_seed
 from archer.rollout.request_pool import FIRST_POLICY_VERSION, POLICY_VERSION, PoolGroup, RolloutPool
@@ -23,6 +24,15 @@ ASYNC_STATS = "async_rollout"  # info key: what the call did (evicted uids, paus
 SAMPLE_INDEX = "sample_index"  # row of an admitted prompt: its index in its loader batch (its sampling seeds)
 BATCH_ROWS = "batch_rows"  # info of admitted prompts: the rows of their whole loader batch (which rank takes which)
 _SAMPLE_STREAM = 3  # seed stream of the asynchronous modes' requests
+
+
+def rank_rows(prompts: Batch, rank: int, world: int) -> np.ndarray:
+    """The rows of admitted ``prompts`` that ``rank`` of ``world`` takes: those whose index in their whole loader
+    batch falls in the rank's share of it (``shard_bounds``), so that a batch admitted again in part after a resume
+    splits over the ranks as it first did."""
+    start, stop = shard_bounds(int(prompts.info.get(BATCH_ROWS, len(prompts))), rank, world)
+    index = np.asarray(prompts[SAMPLE_INDEX])
+    return np.flatnonzero((index >= start) & (index < stop))
 
 
 @dataclass(frozen=True)
