@@ -163,7 +163,7 @@ class ContinuousScriptedSession(ScriptedSession, ContinuousSession):
         self.returned: list[int] = []  # every segment returned, in order
         self.polls: list[int] = []  # how many had been submitted at each poll
 
-    def submit(self, seq: int, params: SamplingParams, max_new_tokens: int) -> None:
+    def submit(self, seq: int, params: SamplingParams, max_new_tokens: int, lookback: int = 0) -> None:
         (segment,) = self.decode([seq], params, [max_new_tokens])
         self.running[seq] = [segment, self.schedule.randint(0, 3)]
         self.started.append(seq)

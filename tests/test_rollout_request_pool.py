@@ -170,3 +170,30 @@ def test_simulated_lengths_end_responses_at_their_draws_across_a_pause(parts, mo
     finally:
         monkeypatch.delenv(simulated_lengths.ENV)
         simulated_lengths.from_environment.cache_clear()
+
+
+def test_a_stop_string_that_straddles_a_pause_is_found(parts, prompts):
+    """A stop string whose first token was sampled before the pause and whose last after it ends the resumed decode
+    where the unpaused one ends (``lookback``); without it the resumed decode would not see it."""
+    engine, tokenizer = _engine(parts), parts[1]
+    whole = _alone(engine, prompts[0], 5, 30)
+    stop = tokenizer.decode(whole.tokens[3:5])  # tokens 3 and 4: the pause comes after the first window of 4
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, stop=(stop,))
+    unpaused = _alone(engine, prompts[0], 5, 30, params)
+    assert unpaused.finish_reason == "stop" and len(unpaused.tokens) == 5  # it ends right after the pause
+
+    def resumed(lookback: int) -> list[int]:
+        session = engine.session()
+        seq = session.add(prompts[0], 5)
+        session.submit(seq, params, 30)
+        session.poll()
+        [(_, part)] = session.pause()
+        assert part.tokens == whole.tokens[:4]
+        session.submit(seq, params, 26, lookback=lookback)
+        rest = {}
+        while session.busy:
+            rest.update(session.poll())
+        session.release(seq)
+        return part.tokens + rest[seq].tokens
+
+    assert resumed(4) == unpaused.tokens and resumed(0) != unpaused.tokens

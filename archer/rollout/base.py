@@ -178,8 +178,10 @@ class ContinuousSession(EngineSession):
     continuous = True
 
     @abstractmethod
-    def submit(self, seq: int, params: SamplingParams, max_new_tokens: int) -> None:
-        """Queue a decode of ``seq`` (one at a time per sequence); one ``params`` for all that decode at once."""
+    def submit(self, seq: int, params: SamplingParams, max_new_tokens: int, lookback: int = 0) -> None:
+        """Queue a decode of ``seq`` (one at a time per sequence); one ``params`` for all that decode at once.
+        ``lookback``: the sequence's last tokens that belong to the text being continued (a paused response's
+        earlier tokens), so that a stop string that starts in them and ends in the new tokens is found."""
 
     @abstractmethod
     def poll(self) -> list[tuple[int, Segment]]:
@@ -235,8 +237,8 @@ class RoundSession(ContinuousSession):
     def tokens(self, seq: int) -> list[int]:
         return self.inner.tokens(seq)
 
-    def submit(self, seq: int, params: SamplingParams, max_new_tokens: int) -> None:
-        self._params = params
+    def submit(self, seq: int, params: SamplingParams, max_new_tokens: int, lookback: int = 0) -> None:
+        self._params = params  # a round's decode never pauses, so it has no earlier segment to look back into
         self._queued.append((seq, max_new_tokens))
 
     @property

@@ -161,8 +161,8 @@ class RolloutPool:
                         session.extend(seq, request.tokens)
                         resumed += 1
             session.expect(len(owners))
-            for seq, request in owners.items():
-                session.submit(seq, params, self.max_new_tokens - len(request.tokens))
+            for seq, request in owners.items():  # a resumed request's stop strings may start in its earlier tokens
+                session.submit(seq, params, self.max_new_tokens - len(request.tokens), lookback=len(request.tokens))
 
             complete_before = sum(g.complete for g in self.groups.values())
 

@@ -303,7 +303,7 @@ class FastSession(ContinuousSession):
     def expect(self, rows: int) -> None:
         self.engine.expected_rows = max(self.engine.expected_rows, rows)
 
-    def submit(self, seq: int, params: SamplingParams, max_new_tokens: int) -> None:
+    def submit(self, seq: int, params: SamplingParams, max_new_tokens: int, lookback: int = 0) -> None:
         sequence = self._get(seq)
         self._check_idle(sequence, "submitted")
         if max_new_tokens < 1:
@@ -312,7 +312,8 @@ class FastSession(ContinuousSession):
             raise ArcherError("a session's decodes sample with different parameters",
                               "use one SamplingParams for every decode of a session")
         self._params = params
-        job = Job(budget=self.engine.budget(len(sequence.tokens), max_new_tokens), seq=sequence, tag=(self, seq))
+        job = Job(budget=self.engine.budget(len(sequence.tokens), max_new_tokens), seq=sequence, tag=(self, seq),
+                  lookback=sequence.tokens[len(sequence.tokens) - min(lookback, len(sequence.tokens)):])
         self._queued.append(job)
         self._in_flight.add(job)
 

@@ -38,6 +38,7 @@ class Job:
     parent: Sequence | None = None
     key: int = 0
     tag: object = None
+    lookback: list[int] = field(default_factory=list)  # earlier tokens of the same text (stop strings may start there)
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)
@@ -270,7 +271,12 @@ class Scheduler:
                     job.log_probs.append(logp)
                     job.entropies.append(entropy)
         self.counters.tokens += sum(len(self.running[slot].tokens) - start for slot, start in zip(slots, starts))
-        stops = self.stops.first_stops([self.running[slot].tokens for slot in slots], starts)
+        jobs = [self.running[slot] for slot in slots]
+        found = self.stops.first_stops([job.lookback[-self.stops.window:] + job.tokens for job in jobs],
+                                       [min(len(job.lookback), self.stops.window) + start
+                                        for job, start in zip(jobs, starts, strict=True)])
+        stops = [None if stop is None else stop - min(len(job.lookback), self.stops.window)
+                 for job, stop in zip(jobs, found, strict=True)]
         finished = []
         for slot, stop in zip(slots, stops, strict=True):
             job, code = self.running[slot], window.finish[slot]
