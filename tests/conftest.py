@@ -1,5 +1,6 @@
-"""Shared fixtures: a micro corpus and a micro Qwen2 model folder built once per test session, and the small
-arithmetic task with a micro model trained on its texts (for tests that train a few RL steps)."""
+"""Shared fixtures: a micro corpus and a micro Qwen2 model folder built once per test session (``parts``: that
+model and its tokenizer loaded once per test module), and the small arithmetic task with a micro model trained
+on its texts (for tests that train a few RL steps)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from train_support import task_model
 
 from archer.data.tasks import write_task_files
+from archer.models.loading import load_causal_lm, load_tokenizer
 from archer.models.tiny import build_tiny_model
 
 # Test models are tiny: one thread is fastest, and on shared cores OpenMP barriers cost milliseconds per op.
@@ -50,6 +52,12 @@ def micro_corpus() -> list[str]:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, micro_corpus: list[str]) -> Path:
     """A Hugging Face folder with a 2-layer, 32-wide Qwen2 model and its 320-token BPE tokenizer."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), micro_corpus, seed=0, **MICRO_MODEL_SIZES)
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_model_dir: Path):
+    """The micro model (CPU, float32) and its tokenizer, loaded once per test module."""
+    return load_causal_lm(tiny_model_dir, device="cpu"), load_tokenizer(tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ from transformers import (
 )
 
 from archer.errors import ArcherError
-from archer.models.loading import load_causal_lm, load_tokenizer
+from archer.models.loading import load_causal_lm
 from archer.models.logprobs import response_logprobs
 from archer.models.lora import policy_weights
 from archer.rollout.base import SamplingParams
@@ -28,11 +28,6 @@ from archer.rollout.fast import FastEngine
 from archer.rollout.hf_engine import HFGenerateEngine
 
 TEXTS = ["what is 3 + 5?", "hi", "The quick brown fox jumps", "<python>print(2 ** 10)</python> and"]
-
-
-@pytest.fixture(scope="module")
-def parts(tiny_model_dir):
-    return load_causal_lm(tiny_model_dir, device="cpu"), load_tokenizer(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,6 @@ TEXTS = ["what is 3 + 5?", "hi", "The quick brown fox jumps"]
 
 
 @pytest.fixture(scope="module")
-def parts(tiny_model_dir):
-    return load_causal_lm(tiny_model_dir, device="cpu"), load_tokenizer(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
 def prompts(parts) -> list[list[int]]:
     return [parts[1](t)["input_ids"] for t in TEXTS]
 

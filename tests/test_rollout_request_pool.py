@@ -10,7 +10,6 @@ import torch
 from test_rollout_fast_engine import TEXTS
 
 from archer.errors import ArcherError
-from archer.models.loading import load_causal_lm, load_tokenizer
 from archer.rollout.base import PAUSED, SamplingParams
 from archer.rollout.fast import FastEngine, simulated_lengths
 from archer.rollout.fast.sampling import noise_key
@@ -19,11 +18,6 @@ from archer.rollout.request_pool import Request, RolloutPool
 
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=40)
 STOPPING = SamplingParams(temperature=1.0, max_new_tokens=40, stop=("e",))  # responses of many lengths
-
-
-@pytest.fixture(scope="module")
-def parts(tiny_model_dir):
-    return load_causal_lm(tiny_model_dir, device="cpu"), load_tokenizer(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import torch
 from archer.batch import Batch
 from archer.config.loader import load_config
 from archer.data.loader import collate_prompts
-from archer.models.loading import load_causal_lm, load_tokenizer
 from archer.rollout.fast import FastEngine
 from archer.workers.async_rollout import (
     ASYNC_STATS,
@@ -37,13 +36,13 @@ def admit(rollout: AsyncRollout, tokenizer, number: int) -> None:
 
 
 @pytest.fixture
-def tokenizer(tiny_model_dir):
-    return load_tokenizer(tiny_model_dir)
+def tokenizer(parts):
+    return parts[1]
 
 
 @pytest.fixture
-def rollout(tiny_model_dir, tokenizer) -> AsyncRollout:
-    model = load_causal_lm(tiny_model_dir, device="cpu")
+def rollout(tiny_model_dir, parts) -> AsyncRollout:
+    model, tokenizer = parts
     cfg = load_config("ppo_trainer", [f"actor_rollout_ref.model.path={tiny_model_dir}", "actor_rollout_ref.rollout.n=2",
                                       "actor_rollout_ref.rollout.response_length=24",
                                       "actor_rollout_ref.rollout.stop=[e]",
@@ -71,13 +70,13 @@ def test_groups_come_back_complete_in_the_rollout_layout(rollout: AsyncRollout) 
 
 def test_drop_evicts_and_wait_finishes_the_groups_past_the_bound(rollout: AsyncRollout, tokenizer) -> None:
     rollout.produce(1, 0, StalenessBound(1, "drop", True))  # the rest paused: started by version 0
-    started = {g.key for g in rollout.pool.groups.values() if g.first_version == 0}
+    started = {g.key for g in rollout.pool.groups.values() if g.started == 0}
     assert started
     waited = rollout.produce(0, 1, StalenessBound(1, "wait", True))  # at version 2 they would be 2 old: finish now
     assert set(waited["uid"]) == started and waited.info[ASYNC_STATS]["evicted"] == []
     admit(rollout, tokenizer, 2)
     rollout.produce(1, 2, StalenessBound(5, "drop", True))  # starts the new batch under version 2, pauses some
-    left = {g.key for g in rollout.pool.groups.values() if g.first_version == 2}
+    left = {g.key for g in rollout.pool.groups.values() if g.started == 2}
     assert left
     dropped = rollout.produce(0, 4, StalenessBound(1, "drop", True))
     assert set(dropped.info[ASYNC_STATS]["evicted"]) == left and not set(rollout.rows) & left

@@ -2,14 +2,14 @@
 
 A pool holds prompt groups (a prompt and its n requests) from the step that admitted them until they are
 complete and handed to the trainer. ``run`` decodes every unfinished request of the pool in one running batch
-(a ``ContinuousSession``) until ``quota`` groups are complete, then pauses the others: each keeps the tokens it
+(a ``ContinuousSession``) until ``quota`` more groups are complete, then pauses the others: each keeps the tokens it
 sampled, their behaviour log-probs and entropies, and the policy versions that sampled them, and the next
 ``run`` (after the weights change) continues it from there (a partial rollout): its prompt and tokens so far are
 prefilled with the new weights, and it samples on with the same noise (keyed by its seed and the token
 position), so a paused request draws what it would have drawn unpaused under the same weights.
 
 Policy versions follow docs/algorithms.md: a request records the version of its first sampled token and of its
-last; a group's age at a step is the step's version minus the oldest first version among its requests.
+last; a group's age at a step is the step's version minus the oldest version that sampled for it.
 """
 
 from __future__ import annotations
@@ -83,16 +83,16 @@ class PoolGroup:
         return all(r.done for r in self.requests)
 
     @property
-    def first_version(self) -> int | None:
-        """The oldest version that sampled a token of the group (None before its first token)."""
-        versions = [r.first_version for r in self.requests if r.first_version is not None]
+    def started(self) -> int | None:
+        """The oldest version that sampled for the group, tokens dropped by a restart included (None before its
+        first token)."""
+        versions = [r.started for r in self.requests if r.started is not None]
         return min(versions) if versions else None
 
     def age(self, version: int) -> int:
-        """Versions between ``version`` and the oldest version that sampled for the group, tokens dropped by a
-        restart included (0 before its first token)."""
-        started = [r.started for r in self.requests if r.started is not None]
-        return version - min(started) if started else 0
+        """Versions between ``version`` and when the group started (0 before its first token)."""
+        started = self.started
+        return 0 if started is None else version - started
 
 
 @dataclass

@@ -4,10 +4,10 @@ The arrays come from the old-log-prob pass (``old_log_probs``, ``entropies``), s
 model work: it copies tensors to numpy, compresses them and replaces files atomically. The step file also
 holds what the explorer needs without the run: prompt ids, reward, accuracy, advantage, data_source, log-probs, the
 reward's numeric extras (``reward_extra/<key>``, float32, NaN where a response has none), each response's
-finish_reason, policy_version, first_policy_version and staleness (trainer/off_policy.py), the tokens the rollout correction rejected
-(``rollout_rs_rejected``, when it rejects) and, for a run with tools, the tool fields (format.TOOL_FIELDS:
-tool_mask, num_tool_calls, num_turns, branch_parent, branch_position). Both trace kinds take their per-response
-fields from here.
+finish_reason, policy_version, first_policy_version and staleness (trainer/off_policy.py), the tokens the rollout
+correction rejected (``rollout_rs_rejected``, when it rejects) and, for a run with tools, the tool fields
+(format.TOOL_FIELDS: tool_mask, num_tool_calls, num_turns, branch_parent, branch_position). Both trace kinds take
+their per-response fields from here.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@ take in and when, which came back, and what a checkpoint keeps of the rest.
 
 Each step admits the loader's batches up to number step + ``num_warmup_batches`` (the first step of a run that
 many more than the others, so that generation runs ahead of training; a dynamic-sampling call after a step's first
-admits one more, and later steps then admit nothing until the numbers catch up) and takes back ``data.train_batch_size`` complete prompt groups, the oldest
-first, sampled by the policy the step updates or by older ones within the staleness bound. A loader batch keeps
+admits one more, and later steps then admit nothing until the numbers catch up) and takes back
+``data.train_batch_size`` complete prompt groups, the oldest first, sampled by the policy the step updates or by
+older ones within the staleness bound. A loader batch keeps
 the uids the synchronous loop gives it (batch b: uids ``b-i``) and its batch seed, so the two modes train the same
 prompts in the same order (each response's own sampling seed differs between the modes).
 

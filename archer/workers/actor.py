@@ -68,6 +68,7 @@ from archer.workers.rollout import FIRST_PROMPT, RolloutWorker, pad_sequences
 
 log = logging.getLogger("archer.actor")
 
+
 def _width(batch: Batch, key: str) -> int:
     return int(batch[key].shape[1]) if key in batch.tensors else 0
 

@@ -313,7 +313,7 @@ class FastSession(ContinuousSession):
                               "use one SamplingParams for every decode of a session")
         self._params = params
         job = Job(budget=self.engine.budget(len(sequence.tokens), max_new_tokens), seq=sequence, tag=(self, seq),
-                  lookback=sequence.tokens[len(sequence.tokens) - min(lookback, len(sequence.tokens)):])
+                  lookback=sequence.tokens[-lookback:] if lookback > 0 else [])
         self._queued.append(job)
         self._in_flight.add(job)
 

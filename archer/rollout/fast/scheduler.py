@@ -128,10 +128,12 @@ class Scheduler:
     def add(self, jobs: list[Job]) -> None:
         """Queue jobs on the open batch; they start as slots and pages allow."""
         draws = simulated_lengths.from_environment()
-        if draws is not None:  # benchmarks: a random model's responses end at drawn lengths
-            for job in jobs:
+        for job in jobs:
+            if draws is not None:  # benchmarks: a random model's responses end at drawn lengths
                 seq = job.seq or job.parent
                 job.budget = draws.cap(job.budget, job.key if job.seq is None else seq.key, len(seq.tokens))
+            if job.lookback:  # a stop string spans at most the matcher's window of tokens
+                job.lookback = job.lookback[-self.stops.window:]
         self.waiting.extend(jobs)
         self.children.update(job.parent for job in jobs if job.parent is not None)
 
@@ -271,12 +273,10 @@ class Scheduler:
                     job.log_probs.append(logp)
                     job.entropies.append(entropy)
         self.counters.tokens += sum(len(self.running[slot].tokens) - start for slot, start in zip(slots, starts))
-        jobs = [self.running[slot] for slot in slots]
-        found = self.stops.first_stops([job.lookback[-self.stops.window:] + job.tokens for job in jobs],
-                                       [min(len(job.lookback), self.stops.window) + start
-                                        for job, start in zip(jobs, starts, strict=True)])
-        stops = [None if stop is None else stop - min(len(job.lookback), self.stops.window)
-                 for job, stop in zip(jobs, found, strict=True)]
+        jobs = [self.running[slot] for slot in slots]  # a resumed job's text starts in its lookback
+        found = self.stops.first_stops([job.lookback + job.tokens if job.lookback else job.tokens for job in jobs],
+                                       [len(job.lookback) + start for job, start in zip(jobs, starts, strict=True)])
+        stops = [None if stop is None else stop - len(job.lookback) for job, stop in zip(jobs, found, strict=True)]
         finished = []
         for slot, stop in zip(slots, stops, strict=True):
             job, code = self.running[slot], window.finish[slot]
