@@ -20,6 +20,7 @@ beside it), with the micro-batching of each variant:
   packed micro-batches of R rows, packed to a budget of R x the longest row, and packed without gradient
   checkpointing at the largest budget the free memory holds (``activation_bytes``); ``--profile`` prints
   torch.profiler's table of the packed token-budget epoch;
+- with ``--liger``: all of the above with ``actor_rollout_ref.model.use_liger=true`` (archer/models/liger.py);
 - decode: archer's fast engine on the grpo workload's 128 rows (16 prompts shared by 8 samples each), its second
   call (the first one captures the CUDA graphs; its time is reported too).
 
@@ -60,7 +61,7 @@ from archer.rollout.base import SamplingParams
 from archer.rollout.fast import FastEngine
 from archer.rollout.fast.model import model_spec
 from archer.workers.actor import ActorWorker
-from archer.workers.memory import activation_bytes
+from archer.workers.memory import activation_bytes, card_figures, plan_actor_memory
 
 PEAK_FLOPS = 989e12  # dense bf16 of an H100 SXM (and of an H200)
 GIB = 1 << 30
@@ -214,7 +215,7 @@ def update_rows(actor: ActorWorker, work: Workload, batch: Batch, device: torch.
                   "micro_batches": len(micro.split(batch["attention_mask"])),
                   "tokens_computed": tokens_computed(micro, batch["attention_mask"]), "real_tokens": real,
                   "mfu": mfu(6 * params, real, seconds, device), "peak_gib": peak,
-                  "grad_norm": out.info["metrics"].get("actor/grad_norm")}
+                  "grad_norm": out.metrics.get("actor/grad_norm")}
         records.append(record)
         console.log(record)
     if profile:
@@ -278,8 +279,13 @@ def run_shape(shape: str, workloads: list[str], args: argparse.Namespace, device
             f"actor_rollout_ref.model.path={model_dir}", "data.train_files=unused", "actor_rollout_ref.rollout.name=hf",
             f"actor_rollout_ref.rollout.n={work.n}", f"actor_rollout_ref.actor.ppo_mini_batch_size={work.mini_prompts}",
             f"data.max_prompt_length={work.prompt}", f"data.max_response_length={work.response}",
-            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={work.micro_rows}", *work.overrides])
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={work.micro_rows}",
+            f"actor_rollout_ref.model.use_liger={args.liger}", *work.overrides])
         actor = ActorWorker(cfg.actor_rollout_ref, device=device, total_steps=100, tokenizer=tokenizer)
+        if device.type == "cuda":  # the no-grad budget from the card's memory plan, as archer train makes it
+            total, elsewhere = card_figures(device)
+            actor.plan_micro_batches(plan_actor_memory(cfg.actor_rollout_ref, actor.model, total=total,
+                                                       fast_engine=False, elsewhere=elsewhere), announce=False)
         params = sum(p.numel() for p in actor.model.parameters())
         batch = make_batch(work, actor.model.config.vocab_size)
         common = {"shape": shape, "workload": name, "rows": work.rows, "params": params,
@@ -345,19 +351,25 @@ def main() -> None:
     parser.add_argument("--scale", type=int, default=1, help="divide rows and lengths by this (a smoke run)")
     parser.add_argument("--no-decode", dest="decode", action="store_false", help="skip the decode stage")
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's table of a packed update")
+    parser.add_argument("--liger", action="store_true",
+                        help="the policy with actor_rollout_ref.model.use_liger=true (liger-kernel's fused RMSNorm, "
+                             "SwiGLU and rotary kernels; they patch transformers for the whole process, so a run "
+                             "measures one kind of kernels: run it again without the flag for the eager ops)")
     parser.add_argument("--json", type=Path, help="write the records here")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     console = Console(stderr=True)
     common = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-              "transformers": transformers.__version__, "command": " ".join(["python", *sys.argv])}
+              "transformers": transformers.__version__, "command": " ".join(["python", *sys.argv]),
+              "kernels": "liger" if args.liger else "eager"}
     records = []
     for shape in args.shapes:
         records += [{**common, **r} for r in run_shape(shape, args.workloads, args, device, console)]
         if args.json:  # after every shape, so a stopped run keeps what it measured
             args.json.write_text(json.dumps(records, indent=1))
-    print(f"\n{common['device']}, torch {common['torch']}, transformers {common['transformers']}, {common['date']}")
+    print(f"\n{common['device']}, torch {common['torch']}, transformers {common['transformers']}, {common['date']}, "
+          f"{common['kernels']} RMSNorm / SwiGLU / rotary")
     print(table(records))
     print("\n".join(goals(records)))
 

@@ -168,18 +168,22 @@ def _autograd_path(hidden, weight, bias, labels, temperature):
     return log_softmax.gather(-1, labels[:, None]).squeeze(-1), entropy
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the GPU's float32-accumulating head gradient needs CUDA"))])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_values_and_gradients_equal_the_autograd_path(autocast):
+def test_values_and_gradients_equal_the_autograd_path(autocast, device):
     """The closed-form backward against autograd, in float32 and under bf16 autocast (the GPU's setting):
-    the same bf16 logits, so the same numbers up to float32 rounding (and bf16 rounding of the gradients)."""
+    the same bf16 logits, so the same numbers up to float32 rounding (and bf16 rounding of the gradients). On
+    a GPU the head's gradient is accumulated by one float32 GEMM per chunk (``_add_product``)."""
     hidden, head, labels = _problem(seed=4)
+    hidden, head, labels = hidden.to(device), head.to(device), labels.to(device)
     gen = torch.Generator().manual_seed(5)
-    c_logp, c_entropy = torch.randn(N, generator=gen), torch.randn(N, generator=gen)
+    c_logp, c_entropy = torch.randn(N, generator=gen).to(device), torch.randn(N, generator=gen).to(device)
     results = []
     for fused in (True, False):
         h = hidden.clone().requires_grad_(True)
         head.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             if fused:
                 logp, entropy = logprobs_from_hidden(h, head, labels, temperature=0.7, chunk_size=8)
             else:

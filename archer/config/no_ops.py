@@ -99,7 +99,6 @@ NO_OPS: tuple[NoOp, ...] = (
     NoOp(f"{AR}.model.enable_activation_offload",
          "activations stay on the device (enable_gradient_checkpointing bounds them)", False),
     NoOp(f"{AR}.model.use_fused_kernels", "log-probs always come from archer's chunked kernel", False, ANY),
-    NoOp(f"{AR}.model.use_liger", "log-probs always come from archer's chunked kernel", False, ANY),
     NoOp(f"{AR}.model.fused_kernel_options.impl_backend", "log-probs come from archer's chunked kernel", "torch", ANY),
     NoOp(f"{AR}.model.use_shm", "the model is read from its folder", False, ANY),
     NoOp(f"{AR}.actor.strategy", STRATEGY, "fsdp", ANY),

@@ -86,6 +86,20 @@ def _matmul_dtype(hidden: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
+def _add_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``total += a @ b`` for a float32 ``total`` (the LM head's gradient, [V, H], summed over the chunks). Half
+    precision on a GPU: one GEMM that accumulates in float32 and adds into ``total`` (cuBLAS's epilogue), where
+    a product in half precision and a separate float32 add would write and read a [V, H] tensor more per chunk.
+    Elsewhere: float32 in place, or the product in the inputs' dtype added in float32 (as autograd through
+    F.linear under autocast)."""
+    if a.dtype == torch.float32:
+        total.addmm_(a, b)
+    elif a.is_cuda:
+        torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
+    else:
+        total += a @ b
+
+
 class _ChunkedLogProbs(torch.autograd.Function):
     """log p(labels) and entropies of softmax((hidden @ W^T + b) / T), chunk by chunk, both directions."""
 
@@ -146,10 +160,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if need_hidden:
                 grad_hidden[rows] = grad @ w
             if need_weight:
-                if dtype == torch.float32:
-                    grad_weight.addmm_(grad.t(), h)
-                else:  # a [V, H] product in the autocast dtype, added in float32 (as autograd through F.linear)
-                    grad_weight += grad.t() @ h
+                _add_product(grad_weight, grad.t(), h)
             if need_bias:
                 grad_bias += grad.sum(0)
             del grad

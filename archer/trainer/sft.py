@@ -93,7 +93,8 @@ def run_sft(cfg: DictConfig) -> Path:
     owner = ModelOwner.policy(cfg.model.partial_pretrain, device=device,
                               lora=LoraSettings.from_config(cfg.model, prefix="model"),
                               gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
-                              trust_remote_code=cfg.model.trust_remote_code)
+                              trust_remote_code=cfg.model.trust_remote_code,
+                              liger_key="model.use_liger" if cfg.model.use_liger else None)
     owner.attach_optimizer(cfg.optim, LRSchedule.from_sft_optim(cfg.optim, total_steps))
     save_config(cfg, run_dir / CONFIG_FILE)
     last = _train(owner, tokenizer, loader, val_set, cfg, total_steps, checkpoints, clock)

@@ -38,6 +38,7 @@ from archer.algorithms.metric_sums import MetricSums
 from archer.algorithms.rollout_correction import RolloutCorrection
 from archer.batch import Batch
 from archer.distributed.context import DistContext, shard_bounds
+from archer.models import liger
 from archer.models.forward import MODEL_INPUTS, compute_log_probs
 from archer.models.loading import autocast_for, load_tokenizer, parse_dtype
 from archer.models.logprobs import layout_logprobs
@@ -118,7 +119,7 @@ class ActorWorker(OwnsModel):
                                   trust_remote_code=bool(model_cfg.trust_remote_code),
                                   master_dtype=parse_dtype(fsdp.model_dtype,
                                                            "actor_rollout_ref.actor.fsdp_config.model_dtype"),
-                                  ctx=self.ctx)
+                                  ctx=self.ctx, liger_key=liger.RL_KEY if model_cfg.use_liger else None)
         param_offload, optimizer_offload = bool(fsdp.param_offload), bool(fsdp.optimizer_offload)
         if self.ctx.distributed:
             owner.shard(self.ctx, fsdp, cpu_offload=param_offload or optimizer_offload)

@@ -9,6 +9,7 @@ from omegaconf import DictConfig
 
 from archer.batch import Batch
 from archer.distributed.context import DistContext
+from archer.models import liger
 from archer.models.forward import compute_log_probs
 from archer.models.lora import base_policy
 from archer.models.micro_batches import LOG_PROB, no_grad_micro_batching
@@ -36,7 +37,8 @@ class ReferenceWorker:
             self.model = lora_policy.peft.get_base_model()
         else:
             self.owner = ModelOwner.frozen_policy(cfg.model.path, device=device,
-                                                  trust_remote_code=bool(cfg.model.trust_remote_code), ctx=self.ctx)
+                                                  trust_remote_code=bool(cfg.model.trust_remote_code), ctx=self.ctx,
+                                                  liger_key=liger.RL_KEY if cfg.model.use_liger else None)
             if self.ctx.distributed:
                 self.owner.shard(self.ctx, cfg.ref.fsdp_config, cpu_offload=bool(cfg.ref.fsdp_config.param_offload))
             self.model = self.owner.model
