@@ -7,7 +7,10 @@ writes the gradient of the logits straight from the closed forms
 
     d logp_y / dz = (onehot_y - p) / T,    d H / dz = -p * (log p + H) / T      (z: logits, p = softmax(z / T))
 
-so a chunk never holds more than two float32 [chunk x vocab] buffers at once, in the forward or the backward.
+so a chunk never holds more than two float32 [chunk x vocab] buffers at once, in the forward or the backward. On a
+GPU (Triton installed) the softmax statistics and the logit gradients come from the fused kernels of
+models/logprob_kernels.py instead, which read a chunk's logits once and hold nothing in float32 beside them; the
+LM head's gradient is then summed over the chunks by float32-accumulating matrix products (``_add_product``).
 By default a chunk's float32 logits take at most ``LOGITS_BYTES_PER_CHUNK`` (``chunk_size=None``). Under
 autocast the matrix products run in the autocast dtype, as ``F.linear`` would, and the softmax in float32.
 The same per-row formula (``token_logprob_and_entropy``) serves the rollout engine, so generation-time and
@@ -27,6 +30,11 @@ from torch.distributed.fsdp import FSDPModule
 from archer.errors import ArcherError
 from archer.models.loading import autocast_for
 from archer.models.sequence_layout import SequenceLayout
+
+try:  # the fused head kernels run on CUDA tensors where Triton is installed (a CUDA build of torch)
+    from archer.models import logprob_kernels
+except ImportError:
+    logprob_kernels = None
 
 LOGITS_BYTES_PER_CHUNK = 256 * 2**20  # float32 logits of one chunk when chunk_size is None
 
@@ -86,6 +94,30 @@ def _matmul_dtype(hidden: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
+def _fused(hidden: torch.Tensor) -> bool:
+    """Whether the Triton kernels of models/logprob_kernels.py make the head's softmax statistics and logit
+    gradients from these hidden states' logits (CUDA, Triton installed)."""
+    return logprob_kernels is not None and hidden.is_cuda
+
+
+def _logit_grads(logits: torch.Tensor, labels: torch.Tensor, log_norm: torch.Tensor, grad_logp: torch.Tensor,
+                 entropy: torch.Tensor | None, grad_entropy: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """float32 dL/dz of a chunk from the closed forms (at most two float32 [N, V] buffers alive at once):
+    dL/dz = -p * (g_logp + g_H (log p + H)) / T + g_logp onehot / T, with g_H = 0 without ``grad_entropy``."""
+    g_logp = grad_logp.unsqueeze(-1) * scale
+    log_p = torch.add(-log_norm.unsqueeze(-1), logits, alpha=scale)
+    del logits
+    grad = log_p.exp()
+    if grad_entropy is not None:
+        g_entropy = grad_entropy.unsqueeze(-1) * scale
+        offset = -(g_logp + g_entropy * entropy.unsqueeze(-1))
+        grad.mul_(torch.addcmul(offset, log_p, -g_entropy, out=log_p))
+    else:
+        grad.mul_(-g_logp)
+    del log_p
+    return grad.scatter_add_(-1, labels.unsqueeze(-1), g_logp)
+
+
 def _add_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``total += a @ b`` for a float32 ``total`` (the LM head's gradient, [V, H], summed over the chunks). Half
     precision on a GPU: one GEMM that accumulates in float32 and adds into ``total`` (cuBLAS's epilogue), where
@@ -115,8 +147,12 @@ class _ChunkedLogProbs(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk_size):
                 rows = slice(start, start + chunk_size)
-                chunk_logp, chunk_norm, chunk_entropy = _log_softmax_stats(
-                    F.linear(hidden[rows].to(dtype), w, b), labels[rows], temperature, compute_entropy)
+                if _fused(hidden):
+                    chunk_logp, chunk_norm, chunk_entropy = logprob_kernels.row_stats(
+                        F.linear(hidden[rows].to(dtype), w, b), labels[rows], temperature)
+                else:  # the logits are a temporary, freed inside
+                    chunk_logp, chunk_norm, chunk_entropy = _log_softmax_stats(
+                        F.linear(hidden[rows].to(dtype), w, b), labels[rows], temperature, compute_entropy)
                 logp[rows], log_norm[rows] = chunk_logp, chunk_norm
                 if compute_entropy:
                     entropy[rows] = chunk_entropy
@@ -144,19 +180,14 @@ class _ChunkedLogProbs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             h = hidden[rows].to(dtype)
-            g_logp = grad_logp[rows].unsqueeze(-1) * scale
-            log_p = torch.add(-log_norm[rows].unsqueeze(-1), F.linear(h, w, b), alpha=scale)
-            grad = log_p.exp()
-            if with_entropy:
-                # dL/dz = -p * (g_logp + g_H (log p + H)) / T + g_logp onehot / T
-                g_entropy = grad_entropy[rows].float().unsqueeze(-1) * scale
-                offset = -(g_logp + g_entropy * entropy[rows].unsqueeze(-1))
-                grad.mul_(torch.addcmul(offset, log_p, -g_entropy, out=log_p))
-            else:
-                grad.mul_(-g_logp)
-            del log_p
-            grad.scatter_add_(-1, labels[rows].unsqueeze(-1), g_logp)
-            grad = grad.to(dtype)
+            chunk_entropy = entropy[rows] if with_entropy else None
+            chunk_grad_entropy = grad_entropy[rows].float() if with_entropy else None
+            if _fused(h):  # written over the logits
+                grad = logprob_kernels.logit_grads_(F.linear(h, w, b), labels[rows], log_norm[rows], grad_logp[rows],
+                                                    chunk_entropy, chunk_grad_entropy, temperature)
+            else:  # the logits are a temporary, freed inside
+                grad = _logit_grads(F.linear(h, w, b), labels[rows], log_norm[rows], grad_logp[rows], chunk_entropy,
+                                    chunk_grad_entropy, scale).to(dtype)
             if need_hidden:
                 grad_hidden[rows] = grad @ w
             if need_weight:
