@@ -14,7 +14,7 @@ from archer.distributed.context import DistContext
 from archer.models.micro_batches import MicroBatching
 from archer.workers.actor import ActorWorker
 from archer.workers.critic import CriticWorker
-from archer.workers.data_parallel import rank_passes
+from archer.workers.data_parallel import balanced_shards, rank_passes
 
 CPU = torch.device("cpu")
 
@@ -62,6 +62,28 @@ def test_a_rank_without_rows_repeats_row_zero_as_padding():
     assert lists(passes.every_rank) == [[0]]
 
 
+def test_balanced_shards_deal_the_longest_rows_to_the_rank_with_the_fewest_tokens():
+    """Lengths 10, 9, 8, 1, 1, 1 over 2 ranks of 3 rows: 10 -> rank 0, 9 -> 1, 8 -> 1 (9 < 10), then the 1s to
+    rank 0 until it is full (11, 12 against 17) and the last to rank 1: 12 and 18 tokens, where contiguous rows
+    give 27 and 3 (and no split of 3 + 3 rows does better than 18)."""
+    lengths = torch.tensor([10, 9, 8, 1, 1, 1])
+    assert lists(balanced_shards(lengths, 2)) == [[0, 3, 4], [1, 2, 5]]
+    assert lists(balanced_shards(torch.tensor([5, 5, 1, 1, 1]), 2)) == [[0, 2, 4], [1, 3]]  # 3 + 2 rows: 7 and 6
+    assert lists(balanced_shards(lengths, 1)) == [[0, 1, 2, 3, 4, 5]]
+    assert lists(balanced_shards(torch.tensor([4]), 2)) == [[0], []]
+
+
+def test_balanced_rank_passes_split_each_rank_shard_into_its_micro_batches():
+    lengths = [10, 9, 8, 1, 1, 1]
+    mask = torch.tensor([[1] * n + [0] * (10 - n) for n in lengths])
+    micro = MicroBatching(2, None, packed=False)
+    first, second = (rank_passes(mask, micro, rank(r, 2), balance=True) for r in (0, 1))
+    assert lists(first.parts) == [[0, 3], [4]] and first.rows.tolist() == [0, 3, 4]
+    assert lists(second.parts) == [[1, 2], [5]] and second.rows.tolist() == [1, 2, 5]
+    assert lists(first.every_rank) == lists(second.every_rank) == [[0, 3], [4], [1, 2], [5]]
+    assert lists(rank_passes(mask, micro, rank(0, 1), balance=True).parts) == [[0, 1], [2, 3], [4, 5]]
+
+
 def recording_steps(worker) -> dict[str, torch.Tensor]:
     """The gradients the worker's owner steps on (the last step's), recorded before its optimiser step."""
     grads: dict[str, torch.Tensor] = {}
@@ -87,20 +109,23 @@ def assert_ranks_add_up(runs: dict[str, tuple[dict[str, float], dict[str, torch.
 SIMULATED = (("single", None), ("rank0", rank(0, 2)), ("rank1", rank(1, 2)))
 
 
-def test_two_simulated_actor_ranks_add_up_to_one_process(tiny_model_dir):
+@pytest.mark.parametrize("balance", [False, True])
+def test_two_simulated_actor_ranks_add_up_to_one_process(tiny_model_dir, balance):
     """One mini-batch of 5 rows, top-entropy tokens (ratio 0.5, chosen and counted per micro-batch), one row a
     micro-batch (so that the ranks' micro-batches are the single process's): the gradients and policy losses of
-    rank 0 (rows 0-2) and rank 1 (rows 3-4 and a padding pass) sum to the single process's, which FSDP's summed
-    gradients rely on."""
+    rank 0 (rows 0-2, or with ``balance`` its balanced shard) and rank 1 (rows 3-4 and a padding pass) sum to the
+    single process's, which FSDP's summed gradients rely on."""
     cfg = ppo_config(tiny_model_dir, "actor_rollout_ref.rollout.n=1", "data.train_batch_size=5",
                      "actor_rollout_ref.actor.ppo_mini_batch_size=5", "actor_rollout_ref.actor.shuffle=false",
                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
                      "actor_rollout_ref.actor.entropy_top_ratio=0.5").actor_rollout_ref
     runs = {}
     for name, ctx in SIMULATED:
-        actor = ActorWorker(cfg, device=CPU, total_steps=1, ctx=ctx, start_rollout=False)
+        actor = ActorWorker(cfg, device=CPU, total_steps=1, ctx=ctx, start_rollout=False, balance_ranks=balance)
         if name == "single":
             batch = unequal_batch(actor.model.config.vocab_size).index(slice(0, 5))
+            shards = rank_passes(batch["attention_mask"], actor.update_micro, rank(0, 2), balance=balance).rows
+            assert (shards == slice(0, 3)) if not balance else shards.tolist() != [0, 1, 2]
             batch = batch.union(actor.compute_log_prob(batch).select(["old_log_probs"]))
             batch["advantages"] = torch.linspace(-1.0, 1.5, 5)[:, None] * batch["response_mask"]
         grads = recording_steps(actor)

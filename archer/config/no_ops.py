@@ -4,7 +4,7 @@ config by ``check_no_ops``) and for verl's keys that archer's schema lacks (drop
 config/verl_compat.py, through ``check_value``).
 
 Each entry says what archer does instead (``note``) and which values are silent: the key's default, and its
-``neutral`` values: those that ask for what archer does (``trainer.balance_batch=false``: no reordering), or
+``neutral`` values: those that ask for what archer does (``rollout.use_fire_sampling=false``: plain sampling), or
 ``ANY`` for a key that only tunes speed, kernels, logging or loading. A value whose no-op would change the result
 is refused (``refuse``: an ArcherError naming ``fix``); any other value asks for something archer does not do
 (an offload, sequence parallelism, a partial resume, ...) and is named in one warning, once a process however
@@ -158,8 +158,6 @@ NO_OPS: tuple[NoOp, ...] = (
     NoOp("critic.checkpoint.load_contents", LOADED, ["model", "optimizer", "extra"]),
     NoOp(f"{RM}.overlong_buffer.log", "the overlong penalty's metrics are always logged", False, ANY),
     NoOp(f"{RM}.launch_reward_fn_async", "rewards are computed after each generation batch", False, ANY),
-    NoOp("trainer.balance_batch", "the ranks take contiguous rows of the batch in order (no reordering by length)",
-         True, (False,)),
     NoOp("trainer.default_hdfs_dir", "checkpoints stay in trainer.default_local_dir", None),
     NoOp("trainer.del_local_ckpt_after_load", "checkpoints are kept (max_actor_ckpt_to_keep prunes them)", False),
     NoOp("trainer.max_critic_ckpt_to_keep", "a checkpoint holds actor and critic; max_actor_ckpt_to_keep governs",

@@ -66,6 +66,7 @@ CONTINUABLE: dict[str, tuple[str, ...]] = {
         # where and in how much memory it runs: the same losses and updates (the losses are normalised over the
         # whole mini-batch; only choices made per micro-batch move, README "Micro-batches")
         "trainer.device", "trainer.nnodes", "trainer.n_gpus_per_node", "actor_rollout_ref.nccl_timeout",
+        "trainer.balance_batch", "actor_rollout_ref.model.use_liger",  # which rank takes a row; fused kernels
         "actor_rollout_ref.model.enable_gradient_checkpointing", "actor_rollout_ref.model.use_remove_padding",
         "actor_rollout_ref.actor.ppo_micro_batch_size", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
         "actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
@@ -90,7 +91,7 @@ CONTINUABLE: dict[str, tuple[str, ...]] = {
     "sft_trainer": (
         *_RUN_KEYS, "trainer.max_ckpt_to_keep", "trainer.device",
         "data.micro_batch_size_per_gpu",  # gradient accumulation is exact (the loss is normalised over the batch)
-        "model.enable_gradient_checkpointing",
+        "model.enable_gradient_checkpointing", "model.use_liger",
     ),
 }
 

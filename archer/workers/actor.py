@@ -80,14 +80,17 @@ class ActorWorker(OwnsModel):
     def __init__(self, cfg: DictConfig, *, device: torch.device, total_steps: int,
                  tokenizer: PreTrainedTokenizerBase | None = None,
                  chat_template_kwargs: Mapping[str, Any] | None = None, ctx: DistContext | None = None,
-                 start_rollout: bool = True, rollout_correction: RolloutCorrection | None = None) -> None:
+                 start_rollout: bool = True, rollout_correction: RolloutCorrection | None = None,
+                 balance_ranks: bool = False) -> None:
         """``ctx``: the rank of a data-parallel run (archer/distributed/context.py; default: one process on
         ``device``); the policy is then sharded with FSDP2 and the offload keys become FSDP2's CPU offload.
         ``start_rollout``: build the rollout engine now; the rank's colocated workers pass False and call
         ``start_rollout`` once the card's memory plan is checked (workers/colocated.py), since the fast engine
         takes its share of the card when built. ``rollout_correction``: algorithm.rollout_correction (its bypass
-        mode corrects in the loss; default: off)."""
+        mode corrects in the loss; default: off). ``balance_ranks``: the update's ranks take rows balanced by tokens
+        (trainer.balance_batch, workers/data_parallel.py)."""
         self.cfg = cfg
+        self.balance_ranks = balance_ranks
         self.actor_cfg = cfg.actor
         self.device = device
         self.ctx = ctx if ctx is not None else DistContext.single(device)
@@ -294,7 +297,7 @@ class ActorWorker(OwnsModel):
     def _update_mini_batch(self, mini_batch: Batch, influence: TokenCapture | None, step_optimizer: bool
                            ) -> dict[str, float]:
         objective = self.objective
-        passes = rank_passes(mini_batch["attention_mask"], self.update_micro, self.ctx)
+        passes = rank_passes(mini_batch["attention_mask"], self.update_micro, self.ctx, balance=self.balance_ranks)
         agg_kwargs, pg_agg_kwargs = objective.mini_batch_normalisers(mini_batch["response_mask"].float(),
                                                                      passes.every_rank)
         sums = MetricSums()

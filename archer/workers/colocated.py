@@ -118,10 +118,12 @@ class RankWorkers:
                                                   policy_path=str(ref_cfg.model.path))
         self.actor = ActorWorker(ref_cfg, device=self.ctx.device, ctx=self.ctx, total_steps=total_steps,
                                  tokenizer=tokenizer, chat_template_kwargs=chat_template_kwargs, start_rollout=False,
-                                 rollout_correction=RolloutCorrection.from_config(cfg.algorithm.rollout_correction))
+                                 rollout_correction=RolloutCorrection.from_config(cfg.algorithm.rollout_correction),
+                                 balance_ranks=bool(cfg.trainer.balance_batch))
         self.ref = self.actor.make_reference() if use_ref else None
         self.critic = (CriticWorker(cfg.critic, rollout_n=int(ref_cfg.rollout.n), device=self.ctx.device, ctx=self.ctx,
-                                    total_steps=total_steps) if use_critic else None)
+                                    total_steps=total_steps, balance_ranks=bool(cfg.trainer.balance_batch))
+                       if use_critic else None)
         self.memory_plan = self.plan_memory() if self.ctx.device.type == "cuda" else None
         for worker in (self.actor, self.ref, self.critic, self.reward_model):
             if worker is not None:  # the no-grad passes' token budgets come from the plan (None on a CPU)

@@ -33,10 +33,12 @@ class CriticWorker(OwnsModel):
     """Owns the value model and its optimiser on one device."""
 
     def __init__(self, cfg: DictConfig, *, rollout_n: int, device: torch.device, total_steps: int,
-                 ctx: DistContext | None = None) -> None:
+                 ctx: DistContext | None = None, balance_ranks: bool = False) -> None:
         """``ctx``: the rank of a data-parallel run (default: one process on ``device``); the value model is
-        then sharded with FSDP2 (CPU offload with critic.model.fsdp_config's offload keys)."""
+        then sharded with FSDP2 (CPU offload with critic.model.fsdp_config's offload keys). ``balance_ranks``:
+        the update's ranks take rows balanced by tokens (trainer.balance_batch, workers/data_parallel.py)."""
         self.cfg = cfg
+        self.balance_ranks = balance_ranks
         self.rollout_n = rollout_n
         self.device = device
         self.ctx = ctx if ctx is not None else DistContext.single(device)
@@ -94,7 +96,7 @@ class CriticWorker(OwnsModel):
         for _, mini_batch in mini_batches(data, mini, epochs=int(c.ppo_epochs), shuffle=bool(c.shuffle), seed=0):
             agg_kwargs = mini_batch_totals(mini_batch["response_mask"].float())
             mini_sums = MetricSums()
-            passes = rank_passes(mini_batch["attention_mask"], self.update_micro, self.ctx)
+            passes = rank_passes(mini_batch["attention_mask"], self.update_micro, self.ctx, balance=self.balance_ranks)
             for index, rows in enumerate(passes.parts):
                 weight = 0.0 if passes.padding(index) else 1.0  # a padding pass keeps FSDP's collectives in step
                 mb = mini_batch.index(rows)

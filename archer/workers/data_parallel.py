@@ -7,6 +7,14 @@ micro-batches (computing the split of every rank, which each can do from the who
 has fewer with passes over rows it already ran. A padding pass changes nothing: its log-probs overwrite the same
 values, and its loss and metrics are weighted by zero.
 
+With ``balance`` (verl's ``trainer.balance_batch``, on by default, for the update passes of the actor and the
+critic) a rank takes instead a balanced shard of rows (``balanced_shards``): the same number of rows as
+``shard_bounds`` gives it, chosen so that the ranks' real tokens come out as even as a greedy pass can make
+them, longest row first, so that no rank waits for one that drew the long responses. The rows of each
+mini-batch stay the ones a single process trains on (verl reorders the whole batch before it splits
+mini-batches; archer keeps a run on N ranks the run of one process), so only the float summation order moves.
+The no-grad passes keep contiguous rows (the driver concatenates their results in rank order).
+
 ``reduce_metric_sums`` adds the declared metric sums (archer/algorithms/metric_sums.py) of every rank, so that a
 metric of the whole mini-batch is the single-process one whatever the number of ranks.
 """
@@ -27,11 +35,12 @@ class RankPasses:
     """The micro-batches a rank runs over a batch: row indices into the whole batch, its own first
     (``own`` of them), then padding passes; ``rows``: the rank's slice [start, stop) of the batch;
     ``every_rank``: the micro-batches of all ranks together (padding excluded), e.g. for normalisers that count
-    per micro-batch."""
+    per micro-batch. ``rows`` is the rank's slice [start, stop) of the batch, or with balanced shards its row
+    indices."""
 
     parts: list[torch.Tensor]
     own: int
-    rows: slice
+    rows: slice | torch.Tensor  # a balanced shard's row indices
     every_rank: list[torch.Tensor]
 
     def padding(self, index: int) -> bool:
@@ -39,18 +48,42 @@ class RankPasses:
         return index >= self.own
 
 
-def rank_passes(attention_mask: torch.Tensor, micro: MicroBatching, ctx: DistContext) -> RankPasses:
-    """The passes ``ctx.rank`` runs over the rows of ``attention_mask`` (the whole batch) split by ``micro``.
-    At world 1: ``micro.split`` as it is. A rank without rows repeats row 0 of the batch."""
-    n = int(attention_mask.shape[0])
+def balanced_shards(lengths: torch.Tensor, world: int) -> list[torch.Tensor]:
+    """Row indices (ascending) of each rank's shard of rows of ``lengths`` tokens: as many rows as
+    ``shard_bounds`` gives the rank, the rows dealt longest first, each to the rank with the fewest tokens so far
+    among those with room (ties to the lowest rank)."""
+    room = [stop - start for start, stop in (shard_bounds(len(lengths), rank, world) for rank in range(world))]
+    tokens = [0] * world
+    shards: list[list[int]] = [[] for _ in range(world)]
+    sizes = lengths.tolist()
+    for row in torch.argsort(lengths, descending=True, stable=True).tolist():
+        rank = min((r for r in range(world) if room[r]), key=lambda r: (tokens[r], r))
+        shards[rank].append(row)
+        tokens[rank] += sizes[row]
+        room[rank] -= 1
+    return [torch.tensor(sorted(shard), dtype=torch.long) for shard in shards]
+
+
+def rank_passes(attention_mask: torch.Tensor, micro: MicroBatching, ctx: DistContext, *, balance: bool = False
+                ) -> RankPasses:
+    """The passes ``ctx.rank`` runs over the rows of ``attention_mask`` (the whole batch) split by ``micro``:
+    over its contiguous rows, or with ``balance`` over its balanced shard (``balanced_shards``). At world 1:
+    ``micro.split`` as it is. A rank without rows repeats row 0 of the batch."""
+    n, world = int(attention_mask.shape[0]), ctx.world_size
+    balanced = balanced_shards(attention_mask.sum(dim=1).cpu(), world) if balance and world > 1 else None
     counts, every_rank, own_parts, own_rows = [], [], [], slice(0, 0)
-    for rank in range(ctx.world_size):
-        start, stop = shard_bounds(n, rank, ctx.world_size)
-        parts = [rows + start for rows in micro.split(attention_mask[start:stop])] if stop > start else []
+    for rank in range(world):
+        if balanced is None:
+            start, stop = shard_bounds(n, rank, world)
+            shard: slice | torch.Tensor = slice(start, stop)
+            index = torch.arange(start, stop)
+        else:
+            shard = index = balanced[rank]
+        parts = [index[rows] for rows in micro.split(attention_mask[shard])] if len(index) else []
         counts.append(len(parts))
         every_rank += parts
         if rank == ctx.rank:
-            own_parts, own_rows = parts, slice(start, stop)
+            own_parts, own_rows = parts, shard
     filler = own_parts[-1] if own_parts else torch.zeros(1, dtype=torch.long)
     padding = [filler] * (max(counts) - len(own_parts)) if n else []
     return RankPasses(parts=own_parts + padding, own=len(own_parts), rows=own_rows, every_rank=every_rank)
