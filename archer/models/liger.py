@@ -39,8 +39,8 @@ def apply_liger(model: nn.Module, device: torch.device, key: str) -> bool:
         log.warning("%s=true has no effect on %s: liger's kernels are Triton kernels for GPUs", key, device.type)
         return False
     registry = logging.getLogger("liger_kernel.backends.registry")
-    level = registry.level
-    registry.setLevel(logging.ERROR)  # its import warns of every optional backend (CuTe DSL, Ascend) it lacks
+    if registry.level == logging.NOTSET:  # it warns, at a kernel's first call, of every optional backend it lacks
+        registry.setLevel(logging.ERROR)  # (CuTe DSL, Ascend), which nobody running on an NVIDIA GPU needs
     try:
         from liger_kernel.transformers.monkey_patch import (
             MODEL_TYPE_TO_APPLY_LIGER_FN,
@@ -49,8 +49,6 @@ def apply_liger(model: nn.Module, device: torch.device, key: str) -> bool:
     except ImportError as err:
         raise ArcherError(f"{key}=true needs the liger-kernel package, which is not installed ({err})",
                           f"pip install liger-kernel, or set {key}=false") from err
-    finally:
-        registry.setLevel(level)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
         log.warning("%s=true has no effect on this model: liger-kernel has no kernels for model_type %r",

@@ -23,6 +23,20 @@ NUM_WARPS = 8
 
 
 @triton.jit
+def online_softmax_step(x, valid, m, total, moment):
+    """One block of float32 values ``x`` (``valid`` where real, -inf elsewhere) folded into the running maximum
+    ``m``, the sum ``total`` of exp(x - m) and its first moment ``moment`` (sum of exp(x - m) * x), both rescaled
+    to the new maximum; returns the three. The log-normaliser is then m + log(total), the entropy
+    m + log(total) - moment / total. The fast engine's sampler folds its blocks with it too."""
+    m_new = tl.maximum(m, tl.max(x, axis=0))
+    e = tl.exp(x - m_new)
+    alpha = tl.exp(m - m_new)
+    total = total * alpha + tl.sum(e, axis=0)
+    moment = moment * alpha + tl.sum(tl.where(valid, e * x, 0.0), axis=0)
+    return m_new, total, moment
+
+
+@triton.jit
 def _row_stats_kernel(logits_ptr, labels_ptr, logp_ptr, norm_ptr, ent_ptr, vocab, stride, scale,
                       BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -34,12 +48,7 @@ def _row_stats_kernel(logits_ptr, labels_ptr, logp_ptr, norm_ptr, ent_ptr, vocab
         idx = start + tl.arange(0, BLOCK)
         valid = idx < vocab
         x = tl.load(base + idx, mask=valid, other=float("-inf")).to(tl.float32) * scale
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        e = tl.exp(x - m_new)
-        alpha = tl.exp(m - m_new)
-        total = total * alpha + tl.sum(e, axis=0)
-        moment = moment * alpha + tl.sum(tl.where(valid, e * x, 0.0), axis=0)
-        m = m_new
+        m, total, moment = online_softmax_step(x, valid, m, total, moment)
     log_norm = m + tl.log(total)
     picked = tl.load(base + tl.load(labels_ptr + row)).to(tl.float32) * scale
     tl.store(logp_ptr + row, picked - log_norm)
