@@ -36,6 +36,17 @@ def test_row_stats_equal_the_torch_statistics(vocab, temperature):
     assert float(got[2][0]) == pytest.approx(float(torch.log(torch.tensor(float(peaks)))), abs=1e-3)
 
 
+def test_a_broadcast_gradient_reads_as_its_values():
+    """logp.sum().backward() hands the head a stride-0 gradient: every row must see 1, not storage past it."""
+    logits, labels = _logits(29, 5000, seed=3)
+    _, log_norm, entropy = _log_softmax_stats(logits.clone(), labels, 1.0, compute_entropy=True)
+    ones = torch.ones((), device=CUDA).expand(29)
+    full = torch.ones(29, device=CUDA)
+    want = _logit_grads(logits.clone(), labels, log_norm, full, entropy, full, 1.0)
+    got = logprob_kernels.logit_grads_(logits.clone(), labels, log_norm, ones, entropy, ones, 1.0)
+    torch.testing.assert_close(got.float(), want.to(torch.bfloat16).float(), atol=1e-6, rtol=1e-2)
+
+
 @pytest.mark.parametrize("with_entropy", [False, True])
 @pytest.mark.parametrize("vocab", [151936, 5000])
 def test_logit_gradients_equal_the_torch_closed_form(vocab, with_entropy):

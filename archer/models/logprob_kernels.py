@@ -78,14 +78,21 @@ def _logit_grads_kernel(logits_ptr, labels_ptr, norm_ptr, ent_ptr, glogp_ptr, ge
         tl.store(base + idx, grad.to(logits_ptr.dtype.element_ty), mask=valid)
 
 
+def _check_rows(logits: torch.Tensor) -> None:
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"the head kernels take [N, V] logits with contiguous rows, got shape "
+                         f"{tuple(logits.shape)} and strides {logits.stride()}")
+
+
 def row_stats(logits: torch.Tensor, labels: torch.Tensor, temperature: float
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log p(label), log-normaliser, entropy) of softmax(logits / temperature), float32 [N], for CUDA logits
     [N, V] (rows contiguous) and labels [N]."""
+    _check_rows(logits)
     rows, vocab = logits.shape
     logp, log_norm, entropy = (torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(3))
     if rows:
-        _row_stats_kernel[(rows,)](logits, labels, logp, log_norm, entropy, vocab, logits.stride(0),
+        _row_stats_kernel[(rows,)](logits, labels.contiguous(), logp, log_norm, entropy, vocab, logits.stride(0),
                                    1.0 / temperature, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return logp, log_norm, entropy
 
@@ -96,8 +103,13 @@ def logit_grads_(logits: torch.Tensor, labels: torch.Tensor, log_norm: torch.Ten
     """Overwrite CUDA ``logits`` [N, V] with the gradient of sum(grad_logp * log p(label) + grad_entropy *
     entropy) with respect to them (float32 [N] rows of ``log_norm``, ``grad_logp``; ``entropy`` and
     ``grad_entropy`` both or neither), and return them."""
+    _check_rows(logits)
     rows, vocab = logits.shape
     has_entropy = grad_entropy is not None
+    # the kernel reads every [N] vector with stride 1: an autograd gradient may be a broadcast (stride 0)
+    labels, log_norm, grad_logp = labels.contiguous(), log_norm.contiguous(), grad_logp.contiguous()
+    if has_entropy:
+        entropy, grad_entropy = entropy.contiguous(), grad_entropy.contiguous()
     if rows:
         _logit_grads_kernel[(rows,)](logits, labels, log_norm, entropy if has_entropy else log_norm, grad_logp,
                                      grad_entropy if has_entropy else grad_logp, vocab, logits.stride(0),
