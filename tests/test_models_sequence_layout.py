@@ -11,7 +11,7 @@ from workers_support import PAD, hand_batch, unequal_batch
 from archer.models import packed_attention as packed_attention_module
 from archer.models.forward import MODEL_INPUTS
 from archer.models.loading import load_causal_lm, load_value_model, value_forward
-from archer.models.logprobs import response_logprobs
+from archer.models.logprobs import layout_logprobs
 from archer.models.packed_attention import PACKED_ATTENTION, packed_attention, supports_packing
 from archer.models.sequence_layout import PackedRows, SequenceLayout
 
@@ -33,11 +33,25 @@ def test_packed_layout_by_hand():
     assert layout.response_states(states).tolist() == [1, 2, 7, 8, 9, 13]
     assert layout.scatter(torch.arange(6.0)).tolist() == [[0, 1, 0], [2, 3, 4], [5, 0, 0]]
 
-    padded = SequenceLayout.build(*(batch[k] for k in MODEL_INPUTS), 3, packed=False)
-    assert not padded.packed and padded.model_inputs()["attention_mask"] is batch["attention_mask"]
-    assert padded.first_predictor.tolist() == [3, 10, 17]  # row i * 7 columns + column 3
-    assert padded.response_tokens().tolist() == [21, 22, 23, 24, 25, 26]
-    assert padded.response_states(torch.arange(21).view(3, 7)).tolist() == [3, 4, 10, 11, 12, 17]
+    masked = SequenceLayout.build(*(batch[k] for k in MODEL_INPUTS), 3, packed=False, aligned=False)
+    assert not masked.packed and masked.model_inputs()["attention_mask"] is batch["attention_mask"]
+    assert masked.first_predictor.tolist() == [3, 10, 17]  # row i * 7 columns + column 3
+    assert masked.response_tokens().tolist() == [21, 22, 23, 24, 25, 26]
+    assert masked.response_states(torch.arange(21).view(3, 7)).tolist() == [3, 4, 10, 11, 12, 17]
+
+    # the default padded layout: every row's tokens from column 0, padding (token 0) after, no mask needed
+    aligned = SequenceLayout.build(*(batch[k] for k in MODEL_INPUTS), 3, packed=False)
+    assert not aligned.packed
+    assert aligned.input_ids.tolist() == [[11, 12, 21, 22, 0, 0, 0], [13, 14, 15, 16, 23, 24, 25],
+                                          [17, 18, 19, 26, 0, 0, 0]]
+    inputs = aligned.model_inputs()
+    assert inputs["attention_mask"].tolist() == [[1] * 7] * 3
+    assert inputs["position_ids"].tolist() == [list(range(7))] * 3  # the pads' positions count on
+    # row 0's prompt started at column 2 (2 tokens): its first response token is now at column 2, scored at 1
+    assert aligned.first_predictor.tolist() == [1, 10, 16]
+    assert aligned.response_tokens().tolist() == [21, 22, 23, 24, 25, 26]
+    assert aligned.response_states(torch.arange(21).view(3, 7)).tolist() == [1, 2, 10, 11, 12, 16]
+    assert aligned.scatter(torch.arange(6.0)).tolist() == [[0, 1, 0], [2, 3, 4], [5, 0, 0]]
 
 
 def test_a_row_that_is_not_one_run_of_tokens_is_refused():
@@ -46,6 +60,9 @@ def test_a_row_that_is_not_one_run_of_tokens_is_refused():
     holed[1, 5] = 0  # a hole inside the response of row 1
     with pytest.raises(ValueError, match="one run of tokens"):
         SequenceLayout.build(batch["input_ids"], holed, batch["position_ids"], 3, packed=True)
+    padded = SequenceLayout.build(batch["input_ids"], holed, batch["position_ids"], 3, packed=False)
+    assert padded.model_inputs()["attention_mask"] is holed  # padded rows keep their columns and mask
+    assert padded.first_predictor.tolist() == [3, 10, 17]
     no_prompt = batch["attention_mask"].clone()
     no_prompt[0, :4] = 0
     with pytest.raises(ValueError, match="start with a prompt token"):
@@ -103,29 +120,30 @@ def test_packed_log_probs_entropies_and_gradients_equal_the_padded_ones(tiny_mod
     rows = (*(batch[k] for k in MODEL_INPUTS), 5)
     weights = torch.randn(6, 5, generator=torch.Generator().manual_seed(4))
     results = []
-    for packed in (False, True):
+    for layout in ({"packed": False, "aligned": False}, {"packed": False}, {"packed": True}):
         model.zero_grad(set_to_none=True)
-        logp, entropy = response_logprobs(model, *rows, temperature=0.8, packed=packed)
+        logp, entropy = layout_logprobs(model, SequenceLayout.build(*rows, **layout), temperature=0.8)
         ((logp * weights).sum() + 0.3 * entropy.sum()).backward()
         results.append((logp.detach(), entropy.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (logp, entropy, grads), (packed_logp, packed_entropy, packed_grads) = results
+    (logp, entropy, grads), *others = results  # the masked rows as they came, against left-aligned and packed
     assert torch.all(logp[rows[1][:, 6:] == 0] == 0) and torch.all(logp[rows[1][:, 6:] == 1] < 0)
-    torch.testing.assert_close(packed_logp, logp, atol=1e-5, rtol=0)
-    torch.testing.assert_close(packed_entropy, entropy, atol=1e-5, rtol=0)
-    for name, grad in grads.items():
-        torch.testing.assert_close(packed_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    for other_logp, other_entropy, other_grads in others:
+        torch.testing.assert_close(other_logp, logp, atol=1e-5, rtol=0)
+        torch.testing.assert_close(other_entropy, entropy, atol=1e-5, rtol=0)
+        for name, grad in grads.items():
+            torch.testing.assert_close(other_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_packed_values_equal_the_padded_ones(tiny_model_dir):
     critic = load_value_model(tiny_model_dir, device="cpu")
     batch = unequal_batch(critic.config.vocab_size)
     rows = tuple(batch[k] for k in MODEL_INPUTS)
-    padded = SequenceLayout.build(*rows, 5, packed=False)
-    packed = SequenceLayout.build(*rows, 5, packed=True)
+    masked = SequenceLayout.build(*rows, 5, packed=False, aligned=False)
     with torch.no_grad():
-        want = padded.response_states(value_forward(critic, **padded.model_inputs()))
-        got = packed.response_states(value_forward(critic, **packed.model_inputs()))
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        want = masked.response_states(value_forward(critic, **masked.model_inputs()))
+        for layout in (SequenceLayout.build(*rows, 5, packed=False), SequenceLayout.build(*rows, 5, packed=True)):
+            got = layout.response_states(value_forward(critic, **layout.model_inputs()))
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
 def test_packed_rows_of_the_reward_model_shape():

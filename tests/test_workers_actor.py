@@ -280,7 +280,7 @@ def test_packed_token_budget_log_probs_equal_the_padded_ones(tiny_model_dir, mon
     batch = unequal_batch(padded.model.config.vocab_size)
     shapes = record_micro_batches(monkeypatch)
     want = padded.compute_log_prob(batch)
-    assert shapes == [(6, 11)]
+    assert shapes == [(6, 10)]  # left-aligned: the longest sequence (10 tokens), not the 11 padded columns
     shapes.clear()
     got = packed.compute_log_prob(batch)
     assert shapes == PACKED_SHAPES

@@ -4,7 +4,11 @@ from the model's output.
 Rows arrive as a left-padded prompt followed by a right-padded response (width P + R, ``attention_mask`` a
 single run of ones, ``position_ids = cumsum(attention_mask) - 1``). Two layouts:
 
-- padded: the rows as they are, with their attention mask;
+- padded: one row per sequence. By default each row's tokens are moved to its first column and the padding after
+  them, the width cut to the longest row (``aligned``): causal attention never lets a token see the padding after
+  it, so the rows need no attention mask, and the model runs the flash kernel whatever the lengths (a mask, which
+  left padding needs as soon as one row is shorter than another, sends SDPA to a kernel two to three times
+  slower on a GPU). Rows that are not one run of tokens starting in the prompt keep their columns and mask;
 - packed (verl's ``use_remove_padding``; ``PackedRows``): the sequences concatenated into one row of
   T = sum(lengths) tokens, each with the positions it has in its padded row, and ``cu_seq_lens`` (int32 [B + 1],
   the sequences' offsets) that keep attention inside each sequence (models/packed_attention.py). No padding is
@@ -24,6 +28,32 @@ from dataclasses import dataclass
 import torch
 
 
+def token_runs(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Each row's token count [B] and first token's column [B], and whether every row's tokens are one run."""
+    present = attention_mask.bool()
+    lengths = present.sum(dim=1)
+    first = present.int().argmax(dim=1)
+    last = present.shape[1] - 1 - present.flip(1).int().argmax(dim=1)
+    return lengths, first, not bool((lengths != last - first + 1).any())
+
+
+def left_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                 prompt_width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The rows with their tokens from column 0 and the padding (token 0, positions counting on) after them, cut
+    to the longest row, and [B] the column each row's tokens started at; None where a row is not one run of
+    tokens that starts in the prompt (or has none)."""
+    lengths, first, one_run = token_runs(attention_mask)
+    if not one_run or bool((first >= prompt_width).any()) or bool((lengths == 0).any()):
+        return None
+    columns = torch.arange(int(lengths.max()), device=input_ids.device)
+    source = (first[:, None] + columns).clamp(max=input_ids.shape[1] - 1)
+    valid = columns < lengths[:, None]
+    ids = torch.where(valid, input_ids.gather(1, source), 0)
+    last_position = position_ids.gather(1, (first + lengths - 1)[:, None])
+    positions = torch.where(valid, position_ids.gather(1, source), last_position + 1 + columns - lengths[:, None])
+    return ids, positions, first
+
+
 @dataclass(frozen=True)
 class PackedRows:
     """Rows (each one run of tokens in its padded row) concatenated into one row: input_ids, position_ids [1, T],
@@ -39,10 +69,8 @@ class PackedRows:
         """The tokens of the padded rows where ``attention_mask`` is 1, with their positions (ValueError when a
         row's tokens are not one run)."""
         present = attention_mask.bool()
-        lengths = present.sum(dim=1)
-        first = present.int().argmax(dim=1)
-        last = present.shape[1] - 1 - present.flip(1).int().argmax(dim=1)
-        if bool((lengths != last - first + 1).any()):
+        lengths, _, one_run = token_runs(attention_mask)
+        if not one_run:
             raise ValueError("packed rows need every row to be one run of tokens (attention_mask 1 from its first "
                              "token to its last)")
         offsets = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=input_ids.device)
@@ -61,9 +89,9 @@ class PackedRows:
 class SequenceLayout:
     """A micro-batch as the model sees it.
 
-    input_ids [B, W] (padded) or [1, T] (packed); first_predictor [B]: the flat position of the output that scores
-    each row's first response token; response_mask [B, R]: where the response has a token; padded: the rows'
-    attention_mask and position_ids; packed: the PackedRows.
+    input_ids [B, W] (padded: W the longest row when aligned) or [1, T] (packed); first_predictor [B]: the flat
+    position of the output that scores each row's first response token; response_mask [B, R]: where the response
+    has a token; padded: the rows' attention_mask (all ones when aligned) and position_ids; packed: the PackedRows.
     """
 
     input_ids: torch.Tensor
@@ -75,17 +103,24 @@ class SequenceLayout:
 
     @classmethod
     def build(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-              response_length: int, *, packed: bool) -> SequenceLayout:
-        """The padded layout of the rows, or (``packed``) the packed one."""
+              response_length: int, *, packed: bool, aligned: bool = True) -> SequenceLayout:
+        """The padded layout of the rows (``aligned``: left-aligned where the rows allow it, else with their
+        mask), or (``packed``) the packed one."""
         if response_length <= 0:
             raise ValueError(f"response_length must be positive, got {response_length}")
         rows, width = input_ids.shape
         prompt_width = width - response_length
         response_mask = attention_mask[:, prompt_width:].bool()
         if not packed:
-            first = torch.arange(rows, device=input_ids.device) * width + prompt_width - 1
-            return cls(input_ids, first, response_mask, attention_mask, position_ids)
-        first_column = attention_mask.bool().int().argmax(dim=1)
+            moved = left_aligned(input_ids, attention_mask, position_ids, prompt_width) if aligned else None
+            row_start = torch.arange(rows, device=input_ids.device)
+            if moved is None:
+                return cls(input_ids, row_start * width + prompt_width - 1, response_mask, attention_mask,
+                           position_ids)
+            ids, positions, first_column = moved
+            first = row_start * ids.shape[1] + prompt_width - first_column - 1
+            return cls(ids, first, response_mask, torch.ones_like(ids), positions)
+        first_column = token_runs(attention_mask)[1]
         if bool((first_column >= prompt_width).any()):
             raise ValueError("a packed layout needs every row to start with a prompt token")
         rows_packed = PackedRows.of(input_ids, attention_mask, position_ids)
