@@ -141,9 +141,10 @@ def measure(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float, fl
 
 
 def tokens_computed(micro: MicroBatching, attention_mask: torch.Tensor) -> int:
-    """The positions the forwards of ``micro``'s micro-batches compute (rows x width; packed: the real tokens)."""
+    """The positions the forwards of ``micro``'s micro-batches compute: padded, rows x the longest row (padded rows
+    are left-aligned and cut to it, models/sequence_layout.py); packed, the real tokens."""
     return sum(int(micro.token_lengths(attention_mask[rows]).sum()) if micro.packed
-               else len(rows) * attention_mask.shape[1] for rows in micro.split(attention_mask))
+               else len(rows) * int(attention_mask[rows].sum(dim=1).max()) for rows in micro.split(attention_mask))
 
 
 def mfu(flops_per_token: float, tokens: int, seconds: float, device: torch.device) -> float | None:
