@@ -40,6 +40,7 @@ from archer.trace.format import TraceReader
 pytestmark = pytest.mark.slow
 
 TIME_BASED = ("timing_s/", "perf/", "timing_per_token_ms/")
+RANK_SPLIT = "global_seqlen/"  # how the rows split over the ranks: only a run on several ranks logs it
 STEPS = 3
 WAIT_S = 240
 REL, ABS = 1e-5, 1e-7  # two ranks against one process: float sums in another order
@@ -101,8 +102,9 @@ def metrics(run_dir: Path) -> dict[int, dict]:
 
 def assert_close_metrics(got: dict, want: dict, step: int, rel: float = REL, abs_: float = ABS,
                          corr_abs: float = CORR_ABS) -> None:
-    keys = {k for k in want if not k.startswith(TIME_BASED)}
-    assert {k for k in got if not k.startswith(TIME_BASED)} == keys, f"step {step}: different metric names"
+    skipped = (*TIME_BASED, RANK_SPLIT)
+    keys = {k for k in want if not k.startswith(skipped)}
+    assert {k for k in got if not k.startswith(skipped)} == keys, f"step {step}: different metric names"
     for key in sorted(keys):
         a, b = got[key], want[key]
         tol = corr_abs if key.startswith("rollout_corr/") else abs_
@@ -133,6 +135,11 @@ def test_two_ranks_compute_what_one_process_computes(one_process: Path, two_rank
     assert want[1]["actor/grad_norm"] > 0.1 and want[1]["actor/kl_loss"] > 0  # the policy moves from the reference
     for step in want:
         assert_close_metrics(got[step], want[step], step)
+        split = {k.removeprefix(RANK_SPLIT): v for k, v in got[step].items() if k.startswith(RANK_SPLIT)}
+        assert not any(k.startswith(RANK_SPLIT) for k in want[step])
+        # two ranks share the same tokens either way: each split's min and max add up to twice the mean
+        assert split["minmax_diff"] == split["max"] - split["min"] and split["min"] <= split["max"]
+        assert split["min"] + split["max"] == split["balanced_min"] + split["balanced_max"] == 2 * split["mean"]
     single, sharded = weights(one_process, STEPS), weights(two_ranks, STEPS)
     assert single.keys() == sharded.keys()
     for name in single:

@@ -14,7 +14,7 @@ from archer.distributed.context import DistContext
 from archer.models.micro_batches import MicroBatching
 from archer.workers.actor import ActorWorker
 from archer.workers.critic import CriticWorker
-from archer.workers.data_parallel import balanced_shards, rank_passes
+from archer.workers.data_parallel import RankTokens, balanced_shards, rank_passes
 
 CPU = torch.device("cpu")
 
@@ -84,6 +84,17 @@ def test_balanced_rank_passes_split_each_rank_shard_into_its_micro_batches():
     assert lists(rank_passes(mask, micro, rank(0, 1), balance=True).parts) == [[0, 1], [2, 3], [4, 5]]
 
 
+def test_rank_token_totals_under_verls_global_seqlen_names():
+    """Two mini-batches over 2 ranks: lengths 10, 9, 8, 1, 1, 1 (contiguous 27 | 3, balanced 12 | 18), then 4, 4
+    (4 | 4 both ways): totals 31 | 7 and 16 | 22."""
+    tokens = RankTokens(2)
+    for lengths in ([10, 9, 8, 1, 1, 1], [4, 4]):
+        tokens.add(torch.tensor([[1] * n + [0] * (10 - n) for n in lengths]))
+    assert tokens.metrics() == {"global_seqlen/min": 7.0, "global_seqlen/max": 31.0,
+                                "global_seqlen/minmax_diff": 24.0, "global_seqlen/balanced_min": 16.0,
+                                "global_seqlen/balanced_max": 22.0, "global_seqlen/mean": 19.0}
+
+
 def recording_steps(worker) -> dict[str, torch.Tensor]:
     """The gradients the worker's owner steps on (the last step's), recorded before its optimiser step."""
     grads: dict[str, torch.Tensor] = {}
@@ -131,6 +142,12 @@ def test_two_simulated_actor_ranks_add_up_to_one_process(tiny_model_dir, balance
         grads = recording_steps(actor)
         runs[name] = (actor.update_actor(batch).metrics, grads)
     assert_ranks_add_up(runs, "actor/pg_loss")
+    # sequences of 6, 7, 6, 6, 6 tokens: rows 0-2 | 3-4 hold 19 | 12; balanced, 7 + 6 + 6 | 6 + 6 as well
+    assert "global_seqlen/min" not in runs["single"][0]
+    for name in ("rank0", "rank1"):
+        assert {k: v for k, v in runs[name][0].items() if k.startswith("global_seqlen/")} == {
+            "global_seqlen/min": 12.0, "global_seqlen/max": 19.0, "global_seqlen/minmax_diff": 7.0,
+            "global_seqlen/balanced_min": 12.0, "global_seqlen/balanced_max": 19.0, "global_seqlen/mean": 15.5}
 
 
 def test_two_simulated_critic_ranks_add_up_to_one_process(tiny_model_dir):

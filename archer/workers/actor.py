@@ -60,7 +60,7 @@ from archer.trace.influence_capture import (
 )
 from archer.workers.actor_objective import ActorObjective
 from archer.workers.async_rollout import AsyncRollout, StalenessBound, rank_rows
-from archer.workers.data_parallel import rank_passes, reduce_metric_sums
+from archer.workers.data_parallel import RankTokens, rank_passes, reduce_metric_sums
 from archer.workers.memory import MemoryPlan, planned_no_grad_tokens, release_cached_blocks
 from archer.workers.mini_batches import StepAverages, mini_batches
 from archer.workers.reference import ReferenceWorker
@@ -283,13 +283,18 @@ class ActorWorker(OwnsModel):
         data = batch.select(keys)
         data["row_id"] = torch.arange(len(data))
         averages = StepAverages()
+        rank_tokens = RankTokens(self.ctx.world_size) if self.ctx.world_size > 1 else None
         self.model.train()
         with influence.hooks() if influence is not None else nullcontext():
             for epoch, mini_batch in mini_batches(data, mini, epochs=int(a.ppo_epochs), shuffle=bool(a.shuffle),
                                                   seed=int(a.get("data_loader_seed") or 0)):
                 tracing = influence if epoch == 0 else None
+                if rank_tokens is not None and epoch == 0:
+                    rank_tokens.add(mini_batch["attention_mask"])
                 averages.add(self._update_mini_batch(mini_batch, tracing, step_optimizer))
         metrics = averages.result()
+        if rank_tokens is not None:  # how evenly the ranks' rows split (trainer.balance_batch), verl's names
+            metrics.update(rank_tokens.metrics())
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]  # the lr of this update, as verl reports it
         self.scheduler.step()
         return metrics

@@ -13,7 +13,8 @@ critic) a rank takes instead a balanced shard of rows (``balanced_shards``): the
 them, longest row first, so that no rank waits for one that drew the long responses. The rows of each
 mini-batch stay the ones a single process trains on (verl reorders the whole batch before it splits
 mini-batches; archer keeps a run on N ranks the run of one process), so only the float summation order moves.
-The no-grad passes keep contiguous rows (the driver concatenates their results in rank order).
+The no-grad passes keep contiguous rows (the driver concatenates their results in rank order). On several ranks
+the actor's update reports both splits' token totals under verl's ``global_seqlen/*`` names (``RankTokens``).
 
 ``reduce_metric_sums`` adds the declared metric sums (archer/algorithms/metric_sums.py) of every rank, so that a
 metric of the whole mini-batch is the single-process one whatever the number of ranks.
@@ -62,6 +63,36 @@ def balanced_shards(lengths: torch.Tensor, world: int) -> list[torch.Tensor]:
         tokens[rank] += sizes[row]
         room[rank] -= 1
     return [torch.tensor(sorted(shard), dtype=torch.long) for shard in shards]
+
+
+def rank_token_totals(attention_mask: torch.Tensor, world: int, *, balance: bool) -> list[int]:
+    """Each rank's real tokens among the rows of ``attention_mask``: its contiguous rows, or (``balance``) its
+    balanced shard, as ``rank_passes`` hands them out."""
+    lengths = attention_mask.sum(dim=1).cpu()
+    if balance:
+        return [int(lengths[shard].sum()) for shard in balanced_shards(lengths, world)]
+    return [int(lengths[slice(*shard_bounds(len(lengths), rank, world))].sum()) for rank in range(world)]
+
+
+class RankTokens:
+    """The ranks' real tokens over an update's mini-batches, as verl's ``global_seqlen/*`` metrics report them:
+    min, max, minmax_diff and mean of the contiguous split, balanced_min and balanced_max of the balanced one."""
+
+    def __init__(self, world: int) -> None:
+        self.contiguous = [0] * world
+        self.balanced = [0] * world
+
+    def add(self, attention_mask: torch.Tensor) -> None:
+        for totals, balance in ((self.contiguous, False), (self.balanced, True)):
+            for rank, tokens in enumerate(rank_token_totals(attention_mask, len(totals), balance=balance)):
+                totals[rank] += tokens
+
+    def metrics(self) -> dict[str, float]:
+        contiguous, balanced = self.contiguous, self.balanced
+        return {"global_seqlen/min": float(min(contiguous)), "global_seqlen/max": float(max(contiguous)),
+                "global_seqlen/minmax_diff": float(max(contiguous) - min(contiguous)),
+                "global_seqlen/balanced_min": float(min(balanced)), "global_seqlen/balanced_max": float(max(balanced)),
+                "global_seqlen/mean": sum(contiguous) / len(contiguous)}
 
 
 def rank_passes(attention_mask: torch.Tensor, micro: MicroBatching, ctx: DistContext, *, balance: bool = False
