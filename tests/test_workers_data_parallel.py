@@ -122,17 +122,18 @@ SIMULATED = (("single", None), ("rank0", rank(0, 2)), ("rank1", rank(1, 2)))
 
 @pytest.mark.parametrize("balance", [False, True])
 def test_two_simulated_actor_ranks_add_up_to_one_process(tiny_model_dir, balance):
-    """One mini-batch of 5 rows, top-entropy tokens (ratio 0.5, chosen and counted per micro-batch), one row a
-    micro-batch (so that the ranks' micro-batches are the single process's): the gradients and policy losses of
-    rank 0 (rows 0-2, or with ``balance`` its balanced shard) and rank 1 (rows 3-4 and a padding pass) sum to the
-    single process's, which FSDP's summed gradients rely on."""
+    """One mini-batch of 5 rows, one row a micro-batch (so that the ranks' micro-batches are the single
+    process's): the gradients and policy losses of rank 0 (rows 0-2, or with ``balance`` its balanced shard) and
+    rank 1 (rows 3-4 and a padding pass) sum to the single process's, which FSDP's summed gradients rely on.
+    Without balance the loss takes top-entropy tokens (ratio 0.5, chosen and counted per micro-batch)."""
+    top_entropy = [] if balance else ["actor_rollout_ref.actor.entropy_top_ratio=0.5"]
     cfg = ppo_config(tiny_model_dir, "actor_rollout_ref.rollout.n=1", "data.train_batch_size=5",
                      "actor_rollout_ref.actor.ppo_mini_batch_size=5", "actor_rollout_ref.actor.shuffle=false",
-                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-                     "actor_rollout_ref.actor.entropy_top_ratio=0.5").actor_rollout_ref
+                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", *top_entropy).actor_rollout_ref
     runs = {}
     for name, ctx in SIMULATED:
         actor = ActorWorker(cfg, device=CPU, total_steps=1, ctx=ctx, start_rollout=False, balance_ranks=balance)
+        assert actor.balance_ranks is balance  # no per-micro-batch choice to keep: balanced as asked
         if name == "single":
             batch = unequal_batch(actor.model.config.vocab_size).index(slice(0, 5))
             shards = rank_passes(batch["attention_mask"], actor.update_micro, rank(0, 2), balance=balance).rows
@@ -148,6 +149,18 @@ def test_two_simulated_actor_ranks_add_up_to_one_process(tiny_model_dir, balance
         assert {k: v for k, v in runs[name][0].items() if k.startswith("global_seqlen/")} == {
             "global_seqlen/min": 12.0, "global_seqlen/max": 19.0, "global_seqlen/minmax_diff": 7.0,
             "global_seqlen/balanced_min": 12.0, "global_seqlen/balanced_max": 19.0, "global_seqlen/mean": 15.5}
+
+
+def test_a_loss_that_chooses_per_micro_batch_keeps_contiguous_rows(tiny_model_dir, caplog):
+    """Top-entropy tokens are chosen within each micro-batch: balanced shards would regroup them, so the actor
+    keeps contiguous rows on several ranks and says so once (rank 0)."""
+    cfg = ppo_config(tiny_model_dir, "actor_rollout_ref.actor.entropy_top_ratio=0.5").actor_rollout_ref
+    with caplog.at_level("WARNING", logger="archer.actor"):
+        first = ActorWorker(cfg, device=CPU, total_steps=1, ctx=rank(0, 2), start_rollout=False, balance_ranks=True)
+        second = ActorWorker(cfg, device=CPU, total_steps=1, ctx=rank(1, 2), start_rollout=False, balance_ranks=True)
+    assert not first.balance_ranks and not second.balance_ranks
+    warnings = [r.getMessage() for r in caplog.records if "balance_batch" in r.getMessage()]
+    assert len(warnings) == 1 and "leaves the actor's rows contiguous" in warnings[0]
 
 
 def test_two_simulated_critic_ranks_add_up_to_one_process(tiny_model_dir):

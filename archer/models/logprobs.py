@@ -19,6 +19,7 @@ training-time numbers agree.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -126,10 +127,23 @@ def _add_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     F.linear under autocast)."""
     if a.dtype == torch.float32:
         total.addmm_(a, b)
-    elif a.is_cuda:
+    elif a.is_cuda and a.dtype in (torch.float16, torch.bfloat16) and _accumulates_in_float32(a.device):
         torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
     else:
         total += a @ b
+
+
+@functools.cache
+def _accumulates_in_float32(device: torch.device) -> bool:
+    """Whether this torch adds a half-precision product into a float32 tensor in one GEMM on ``device``
+    (``addmm``'s ``out_dtype``, torch >= 2.8); probed once on two-by-two matrices."""
+    try:
+        total = torch.zeros(2, 2, device=device)
+        half = torch.ones(2, 2, device=device, dtype=torch.bfloat16)
+        torch.addmm(total, half, half, out_dtype=torch.float32, out=total)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+    return bool(total[0, 0] == 2)
 
 
 class _ChunkedLogProbs(torch.autograd.Function):

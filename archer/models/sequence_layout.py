@@ -40,8 +40,10 @@ def token_runs(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 def left_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                  prompt_width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The rows with their tokens from column 0 and the padding (token 0, positions counting on) after them, cut
-    to the longest row, and [B] the column each row's tokens started at; None where a row is not one run of
-    tokens that starts in the prompt (or has none)."""
+    to the longest row, and [B] the column each row's tokens started at; None for no rows, or where a row is
+    not one run of tokens that starts in the prompt (or has none)."""
+    if not len(input_ids):
+        return None
     lengths, first, one_run = token_runs(attention_mask)
     if not one_run or bool((first >= prompt_width).any()) or bool((lengths == 0).any()):
         return None

@@ -88,9 +88,8 @@ class ActorWorker(OwnsModel):
         ``start_rollout`` once the card's memory plan is checked (workers/colocated.py), since the fast engine
         takes its share of the card when built. ``rollout_correction``: algorithm.rollout_correction (its bypass
         mode corrects in the loss; default: off). ``balance_ranks``: the update's ranks take rows balanced by tokens
-        (trainer.balance_batch, workers/data_parallel.py)."""
+        (trainer.balance_batch, workers/data_parallel.py), unless the loss makes choices per micro-batch."""
         self.cfg = cfg
-        self.balance_ranks = balance_ranks
         self.actor_cfg = cfg.actor
         self.device = device
         self.ctx = ctx if ctx is not None else DistContext.single(device)
@@ -101,6 +100,14 @@ class ActorWorker(OwnsModel):
         self.update_micro = MicroBatching.from_config(self.actor_cfg, ACTOR_UPDATE, packed=remove_padding and self.can_pack)
         self.plan_micro_batches(None, announce=False)
         self.objective = ActorObjective.from_config(self.actor_cfg, rollout_correction)
+        if balance_ranks and self.objective.chooses_per_micro_batch and self.ctx.world_size > 1:
+            balance_ranks = False  # balanced shards would regroup the micro-batches this loss makes choices in
+            if self.ctx.rank == 0:
+                log.warning("trainer.balance_batch=true leaves the actor's rows contiguous over the ranks: its loss "
+                            "(%s) makes choices per micro-batch (top-entropy tokens, the entropy split, AEPO's "
+                            "standardisation or batch-normalised correction weights), which balanced shards would "
+                            "regroup; the critic's update is balanced", self.objective.loss_mode)
+        self.balance_ranks = balance_ranks
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path, role="model")
         self.pad_token_id = int(self.tokenizer.pad_token_id)
         self.chat_template_kwargs = chat_template_kwargs

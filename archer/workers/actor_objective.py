@@ -109,6 +109,14 @@ class ActorObjective:
         return "high_entropy_mask" in self.policy_loss.inputs
 
     @property
+    def chooses_per_micro_batch(self) -> bool:
+        """Whether a step of the loss depends on which rows share a micro-batch: top-entropy tokens, Archer's
+        entropy split (and its split KL's class weights), AEPO's entropy standardisation, the bypass mode's
+        batch-normalised weights (see the module docstring)."""
+        return (self.entropy_top_ratio is not None or self.splits_by_entropy or self.entropy_balanced_advantage
+                or (self.bypass is not None and self.bypass.batch_normalize))
+
+    @property
     def needs_entropy(self) -> bool:
         """Whether the training forward pass must return token entropies."""
         return (self.entropy_coeff != 0 or self.splits_by_entropy or self.entropy_top_ratio is not None

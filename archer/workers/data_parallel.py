@@ -12,7 +12,8 @@ critic) a rank takes instead a balanced shard of rows (``balanced_shards``): the
 ``shard_bounds`` gives it, chosen so that the ranks' real tokens come out as even as a greedy pass can make
 them, longest row first, so that no rank waits for one that drew the long responses. The rows of each
 mini-batch stay the ones a single process trains on (verl reorders the whole batch before it splits
-mini-batches; archer keeps a run on N ranks the run of one process), so only the float summation order moves.
+mini-batches; archer keeps a run on N ranks the run of one process), so only the float summation order moves,
+except where a loss makes choices per micro-batch: the actor then keeps contiguous rows (workers/actor.py).
 The no-grad passes keep contiguous rows (the driver concatenates their results in rank order). On several ranks
 the actor's update reports both splits' token totals under verl's ``global_seqlen/*`` names (``RankTokens``).
 
@@ -34,10 +35,9 @@ from archer.models.micro_batches import MicroBatching
 @dataclass(frozen=True)
 class RankPasses:
     """The micro-batches a rank runs over a batch: row indices into the whole batch, its own first
-    (``own`` of them), then padding passes; ``rows``: the rank's slice [start, stop) of the batch;
-    ``every_rank``: the micro-batches of all ranks together (padding excluded), e.g. for normalisers that count
-    per micro-batch. ``rows`` is the rank's slice [start, stop) of the batch, or with balanced shards its row
-    indices."""
+    (``own`` of them), then padding passes; ``rows``: the rank's slice [start, stop) of the batch, or with
+    balanced shards its row indices; ``every_rank``: the micro-batches of all ranks together (padding excluded),
+    e.g. for normalisers that count per micro-batch."""
 
     parts: list[torch.Tensor]
     own: int

@@ -12,8 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from archer.models.logprob_kernels import online_softmax_step
-
 # -- counter-based noise (same bits as sampling.uniform_noise) -----------------------------------------
 
 
@@ -260,7 +258,12 @@ def _sample_chunk_kernel(logits_ptr, temp_ptr, greedy_ptr, key_ptr, pos_ptr, thr
         idx = start + tl.arange(0, BLOCK)
         valid = idx < vocab
         x = tl.load(logits_ptr + row * vocab + idx, mask=valid, other=float("-inf")).to(tl.float32) / temp
-        m, total, moment = online_softmax_step(x, valid, m, total, moment)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        e = tl.exp(x - m_new)
+        alpha = tl.exp(m - m_new)
+        total = total * alpha + tl.sum(e, axis=0)
+        moment = moment * alpha + tl.sum(tl.where(valid, e * x, 0.0), axis=0)
+        m = m_new
         gumbel = -tl.log(-tl.log(_uniform(stream, idx.to(tl.uint32))))
         score = tl.where(greedy, x, x + gumbel)
         score = tl.where(valid & (x >= thr), score, float("-inf"))
