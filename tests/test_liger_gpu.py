@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers.models.qwen2 import modeling_qwen2
 
-from archer.models.liger import RL_KEY
+from archer.models.liger import RL_KEY, apply_liger
 from archer.models.loading import autocast_for, load_causal_lm
 from archer.models.logprobs import response_logprobs
 
@@ -55,7 +55,8 @@ def test_liger_kernels_give_the_eager_log_probs_entropies_and_gradients(tiny_mod
     eager = load_causal_lm(tiny_model_dir, device=CUDA)
     rows = _rows(eager.config.vocab_size)
     want = _pass(eager, rows, packed)
-    fused = load_causal_lm(tiny_model_dir, device=CUDA, liger_on=CUDA, liger_key=RL_KEY)
+    fused = load_causal_lm(tiny_model_dir, device=CUDA)
+    assert apply_liger(fused, CUDA, RL_KEY)
     layer = fused.model.layers[0]
     assert (layer.mlp._get_name(), layer.input_layernorm._get_name()) == ("LigerSwiGLUMLP", "LigerRMSNorm")
     got = _pass(fused, rows, packed)

@@ -15,6 +15,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RMSNorm
 from archer.errors import ArcherError
 from archer.models.liger import RL_KEY, apply_liger
 from archer.models.loading import load_causal_lm
+from archer.models.owner import ModelOwner
 
 CUDA = torch.device("cuda")  # a device object only: nothing runs on it here
 
@@ -34,7 +35,8 @@ def fake_liger(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
 
 def test_on_the_cpu_the_key_warns_and_the_model_keeps_its_modules(tiny_model_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="archer.models"):
-        model = load_causal_lm(tiny_model_dir, device="cpu", liger_on=torch.device("cpu"), liger_key=RL_KEY)
+        model = ModelOwner.frozen_policy(tiny_model_dir, device=torch.device("cpu"), trust_remote_code=False,
+                                         liger_key=RL_KEY).model
     assert [r.getMessage() for r in caplog.records] == [
         "actor_rollout_ref.model.use_liger=true has no effect on cpu: liger's kernels are Triton kernels for GPUs"]
     layer = model.model.layers[0]

@@ -23,7 +23,6 @@ from transformers import (
 )
 
 from archer.errors import ArcherError
-from archer.models.liger import apply_liger
 from archer.models.packed_attention import use_packed_attention
 
 TOKENIZER_FILES = (
@@ -233,20 +232,15 @@ def load_causal_lm(
     gradient_checkpointing: bool = False,
     trust_remote_code: bool = False,
     empty: bool = False,
-    liger_on: torch.device | None = None,
-    liger_key: str = "actor_rollout_ref.model.use_liger",
 ) -> PreTrainedModel:
     """The policy: AutoModelForCausalLM from a local folder, on ``device`` in ``dtype`` (default by device);
-    ``empty``: on the meta device, no weights read. ``liger_on``: the device the model will compute on, when
-    ``liger_key`` (verl's model.use_liger) asks for liger's kernels (models/liger.py)."""
+    ``empty``: on the meta device, no weights read."""
     device = torch.device(device)
     folder = _check_folder(path, "model")
     config = _load_config(folder, trust_remote_code)
     model = _from_pretrained(
         AutoModelForCausalLM, folder, config, dtype or default_dtype(device), trust_remote_code, empty
     )
-    if liger_on is not None:
-        apply_liger(model, liger_on, liger_key)
     return _prepare(model, device, gradient_checkpointing)
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -32,6 +31,7 @@ from archer.distributed.fsdp import load_from_rank0, shard_model
 from archer.distributed.sharded_checkpoint import load_full_state, load_sharded, save_sharded
 from archer.errors import ArcherError
 from archer.models.hf_checkpoint import load_policy, save_policy
+from archer.models.liger import apply_liger
 from archer.models.loading import default_dtype, load_causal_lm, load_value_model, parse_dtype
 from archer.models.lora import LoraSettings, add_lora, policy_weights, save_merged, trainable_parameters
 from archer.models.offload import Offload
@@ -92,12 +92,14 @@ class ModelOwner:
         default) for full fine-tuning; with ``lora`` a base in the device's dtype with float32 adapters (fresh,
         or loaded from the settings' adapter path). ``ctx``: the rank of a sharded run (see ``load_on``; every
         rank reads a LoRA base, whose adapters peft makes on each). ``liger_key``: the model.use_liger key that
-        is on (liger's kernels, models/liger.py)."""
+        is on (liger's kernels for ``device``, models/liger.py; applied before any LoRA layer)."""
         ctx = ctx if lora is None else None  # every rank reads a LoRA base (peft makes the adapters on each)
         on, empty = load_on(device, ctx)
         model = load_causal_lm(path, device=on, dtype=master_dtype if lora is None else default_dtype(device),
                                gradient_checkpointing=gradient_checkpointing, trust_remote_code=trust_remote_code,
-                               empty=empty, **_liger(device, liger_key))
+                               empty=empty)
+        if liger_key is not None:
+            apply_liger(model, device, liger_key)
         peft = add_lora(model, lora) if lora is not None else None  # injects the LoRA layers into model
         model.train()
         return cls(model, device=device, peft=peft)._loaded_by(ctx)
@@ -105,10 +107,13 @@ class ModelOwner:
     @classmethod
     def frozen_policy(cls, path: str | Path, *, device: torch.device, trust_remote_code: bool,
                       ctx: DistContext | None = None, liger_key: str | None = None) -> ModelOwner:
-        """A causal LM that only scores (the reference): the device's dtype, eval mode, no gradients."""
+        """A causal LM that only scores (the reference): the device's dtype, eval mode, no gradients;
+        ``liger_key`` as for ``policy``."""
         on, empty = load_on(device, ctx)
         model = load_causal_lm(path, device=on, dtype=default_dtype(device), trust_remote_code=trust_remote_code,
-                               empty=empty, **_liger(device, liger_key))
+                               empty=empty)
+        if liger_key is not None:
+            apply_liger(model, device, liger_key)
         model.eval().requires_grad_(False)
         return cls(model, device=device)._loaded_by(ctx)
 
@@ -230,11 +235,6 @@ def model_bytes(model: torch.nn.Module) -> tuple[int, int]:
     params = list(model.parameters())
     return (sum(p.numel() * p.element_size() for p in params),
             sum(p.numel() for p in params if p.requires_grad))
-
-
-def _liger(device: torch.device, key: str | None) -> dict[str, Any]:
-    """load_causal_lm's liger arguments when the model.use_liger key ``key`` is on (None: off)."""
-    return {} if key is None else {"liger_on": device, "liger_key": key}
 
 
 def load_on(device: torch.device, ctx: DistContext | None) -> tuple[torch.device, bool]:
