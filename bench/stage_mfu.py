@@ -264,6 +264,24 @@ def decode_row(model: torch.nn.Module, tokenizer, device: torch.device, scale: i
     return record
 
 
+def build_actor(model_dir: Path, work: Workload, liger: bool, device: torch.device, tokenizer=None) -> ActorWorker:
+    """archer's actor for ``work`` on ``device`` (``rollout.name=hf``: no engine beside it; ``liger``:
+    model.use_liger), its no-grad budget from the card's memory plan on a GPU, as archer train makes it."""
+    cfg = load_config("ppo_trainer", [
+        f"actor_rollout_ref.model.path={model_dir}", "data.train_files=unused", "actor_rollout_ref.rollout.name=hf",
+        f"actor_rollout_ref.rollout.n={work.n}", f"actor_rollout_ref.actor.ppo_mini_batch_size={work.mini_prompts}",
+        f"data.max_prompt_length={work.prompt}", f"data.max_response_length={work.response}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={work.micro_rows}",
+        f"actor_rollout_ref.model.use_liger={liger}", *work.overrides])
+    actor = ActorWorker(cfg.actor_rollout_ref, device=device, total_steps=100,
+                        tokenizer=tokenizer if tokenizer is not None else load_tokenizer(model_dir))
+    if device.type == "cuda":
+        total, elsewhere = card_figures(device)
+        actor.plan_micro_batches(plan_actor_memory(cfg.actor_rollout_ref, actor.model, total=total,
+                                                   fast_engine=False, elsewhere=elsewhere), announce=False)
+    return actor
+
+
 def run_shape(shape: str, workloads: list[str], args: argparse.Namespace, device: torch.device,
               console: Console) -> list[dict[str, Any]]:
     vocab = None if shape == "tiny" else QWEN_VOCAB
@@ -276,17 +294,7 @@ def run_shape(shape: str, workloads: list[str], args: argparse.Namespace, device
         if args.scale > 1:  # a smoke run: fewer, shorter rows
             work = replace(work, prompts=max(1, work.prompts // args.scale), prompt=work.prompt // args.scale,
                            response=work.response // args.scale, micro_rows=max(1, work.micro_rows // args.scale))
-        cfg = load_config("ppo_trainer", [
-            f"actor_rollout_ref.model.path={model_dir}", "data.train_files=unused", "actor_rollout_ref.rollout.name=hf",
-            f"actor_rollout_ref.rollout.n={work.n}", f"actor_rollout_ref.actor.ppo_mini_batch_size={work.mini_prompts}",
-            f"data.max_prompt_length={work.prompt}", f"data.max_response_length={work.response}",
-            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={work.micro_rows}",
-            f"actor_rollout_ref.model.use_liger={args.liger}", *work.overrides])
-        actor = ActorWorker(cfg.actor_rollout_ref, device=device, total_steps=100, tokenizer=tokenizer)
-        if device.type == "cuda":  # the no-grad budget from the card's memory plan, as archer train makes it
-            total, elsewhere = card_figures(device)
-            actor.plan_micro_batches(plan_actor_memory(cfg.actor_rollout_ref, actor.model, total=total,
-                                                       fast_engine=False, elsewhere=elsewhere), announce=False)
+        actor = build_actor(model_dir, work, args.liger, device, tokenizer)
         params = sum(p.numel() for p in actor.model.parameters())
         batch = make_batch(work, actor.model.config.vocab_size)
         common = {"shape": shape, "workload": name, "rows": work.rows, "params": params,

@@ -20,26 +20,14 @@ from typing import Any
 
 import torch
 from gpu_step import QWEN_VOCAB, build_random_model
-from stage_mfu import WORKLOADS, Workload, make_batch, measure, mfu
+from stage_mfu import WORKLOADS, build_actor, make_batch, measure, mfu
 
-from archer.config.loader import load_config
-from archer.models.loading import load_tokenizer, set_gradient_checkpointing
+from archer.models.loading import set_gradient_checkpointing
 from archer.models.micro_batches import MicroBatching
-from archer.workers.actor import ActorWorker
 
 LOG_PROB_BUDGETS = (16384, 32768, 65536)
 CHECKPOINTED_BUDGETS = (4096, 8192, 16384, 32768, 65536)
 UNCHECKPOINTED_BUDGETS = (8192, 16384)
-
-
-def build_actor(model_dir: Path, work: Workload, liger: bool, device: torch.device) -> ActorWorker:
-    cfg = load_config("ppo_trainer", [
-        f"actor_rollout_ref.model.path={model_dir}", "data.train_files=unused", "actor_rollout_ref.rollout.name=hf",
-        f"actor_rollout_ref.rollout.n={work.n}", f"actor_rollout_ref.actor.ppo_mini_batch_size={work.mini_prompts}",
-        f"data.max_prompt_length={work.prompt}", f"data.max_response_length={work.response}",
-        f"actor_rollout_ref.model.use_liger={liger}", *work.overrides])
-    return ActorWorker(cfg.actor_rollout_ref, device=device, total_steps=100,
-                       tokenizer=load_tokenizer(model_dir))
 
 
 def profile_tables(fn: Callable[[], Any], label: str) -> str:
