@@ -28,11 +28,16 @@ from dataclasses import dataclass
 import torch
 
 
+def first_columns(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B] the column of each row's first token."""
+    return attention_mask.bool().int().argmax(dim=1)
+
+
 def token_runs(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """Each row's token count [B] and first token's column [B], and whether every row's tokens are one run."""
     present = attention_mask.bool()
     lengths = present.sum(dim=1)
-    first = present.int().argmax(dim=1)
+    first = first_columns(attention_mask)
     last = present.shape[1] - 1 - present.flip(1).int().argmax(dim=1)
     return lengths, first, not bool((lengths != last - first + 1).any())
 
@@ -122,7 +127,7 @@ class SequenceLayout:
             ids, positions, first_column = moved
             first = row_start * ids.shape[1] + prompt_width - first_column - 1
             return cls(ids, first, response_mask, torch.ones_like(ids), positions)
-        first_column = token_runs(attention_mask)[1]
+        first_column = first_columns(attention_mask)
         if bool((first_column >= prompt_width).any()):
             raise ValueError("a packed layout needs every row to start with a prompt token")
         rows_packed = PackedRows.of(input_ids, attention_mask, position_ids)
