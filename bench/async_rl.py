@@ -9,7 +9,9 @@ that puts ``--at-limit`` of the responses at the limit (a real reasoning run's l
 
 - ``sync``: archer's default loop (generate, then train, each step);
 - ``colocate_async``: trainer.v1.trainer_mode=colocate_async with ``--warmup`` batches generated ahead and
-  ``max_off_policy_threshold=--threshold`` (partial rollouts on).
+  ``max_off_policy_threshold=--threshold`` (partial rollouts on);
+- ``separate_async``: trainer.v1.trainer_mode=separate_async, ``--rollout-gpus`` of the run's ``--gpus`` generate
+  (the rest train) with ``--separate-warmup`` batches admitted ahead, the weights broadcast every step.
 
 Each mode runs in each ``--variants``: ``plain`` (archer's defaults: padded micro-batches of ``--micro-batch``
 rows) and ``packed`` (``use_remove_padding`` and ``use_dynamic_bsz``: the update's micro-batches packed to
@@ -18,6 +20,7 @@ ppo_max_token_len_per_gpu tokens, no padding computed).
     python bench/async_rl.py                                    # both modes, one GPU each, side by side
     python bench/async_rl.py --variants plain,packed            # 4 runs side by side on 4 GPUs
     python bench/async_rl.py --gpus 4 --prompts 32              # 4 ranks per run (one run at a time)
+    python bench/async_rl.py --gpus 4 --modes sync,separate_async --rollout-gpus 2   # 2 train, 2 generate
     python bench/async_rl.py --tiny --steps 3                   # CPU: the tiny model, a smoke test
 
 Per mode, from the run's own metrics.jsonl, over the steps after the first (warm-up, and for the async modes the
@@ -64,11 +67,21 @@ def length_env(args: argparse.Namespace) -> str:
     return f"prompt={args.prompt_length},median={median:g},sigma={sigma:.4f}"
 
 
+MODES = ("sync", "colocate_async", "separate_async")
+
+
 def mode_overrides(mode: str, args: argparse.Namespace) -> list[str]:
-    common = [f"trainer.n_gpus_per_node={args.gpus}", "actor_rollout_ref.rollout.name=fast",
+    trainer_gpus = args.gpus - args.rollout_gpus if mode == "separate_async" else args.gpus
+    common = [f"trainer.n_gpus_per_node={trainer_gpus}", "actor_rollout_ref.rollout.name=fast",
               *(["trainer.device=cpu"] if args.tiny else [])]
     if mode == "sync":
         return common
+    if mode == "separate_async":  # the bench's mini-batch is the whole batch: one sync a step is one mini-batch
+        return [*common, "trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.nnodes=1",
+                f"actor_rollout_ref.rollout.n_gpus_per_node={args.rollout_gpus}",
+                f"trainer.v1.separate_async.num_warmup_batches={args.separate_warmup}",
+                "trainer.v1.separate_async.parameter_sync_step=1",
+                f"trainer.v1.sampler.max_off_policy_threshold={max(args.threshold, args.separate_warmup + 1)}"]
     return [*common, "trainer.v1.trainer_mode=colocate_async",
             f"trainer.v1.colocate_async.num_warmup_batches={args.warmup}",
             f"trainer.v1.sampler.max_off_policy_threshold={args.threshold}"]
@@ -111,7 +124,8 @@ def collect(out: Path, mode: str, variant: str, cmd: list[str], code: int, args:
     record.update(ran=True, **measure(lines))
     record["tokens_per_s_per_gpu"] = record["tokens_per_s"] / args.gpus
     for key in ("response_length/mean", "response_length/clip_ratio", "training/off_policy/trajectory_staleness/mean",
-                "training/off_policy/trajectory_spans/max", "async/paused_requests", "async/resumed_requests"):
+                "training/off_policy/trajectory_spans/max", "async/paused_requests", "async/resumed_requests",
+                "async/generation_s"):
         values = [line[key] for line in timed if key in line]
         if values:
             record[key] = sum(values) / len(values)
@@ -125,10 +139,10 @@ def table(records: list[dict[str, Any]]) -> str:
     """One row per run; "vs sync" against the sync run of the same variant."""
     sync = {r["variant"]: r for r in records if r["mode"] == "sync" and r["ran"]}
     rows = ["| mode | variant | GPUs | step | tokens/s/GPU | vs sync | MFU | gen | old_log_prob | update_actor | "
-            "staleness | response length |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "weight sync | staleness | response length |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if not r["ran"]:
-            rows.append(f"| {r['mode']} | {r['variant']} | {r['gpus']} | not run: {r['error']} | | | | | | | | |")
+            rows.append(f"| {r['mode']} | {r['variant']} | {r['gpus']} | not run: {r['error']} | | | | | | | | | |")
             continue
         s = r["stages_s"]
         base = sync.get(r["variant"])
@@ -138,14 +152,15 @@ def table(records: list[dict[str, Any]]) -> str:
                     f"{r['tokens_per_s_per_gpu']:,.0f} | "
                     f"{ratio} | {share} | {s.get('gen', 0):.2f} s | {s.get('old_log_prob', 0):.2f} s | "
                     f"{s.get('update_actor', 0):.2f} s | "
-                    f"{r.get('training/off_policy/trajectory_staleness/mean', 0):.2f} | "
+                    + (f"{s['update_weights']:.3f} s | " if "update_weights" in s else "- | ")
+                    + f"{r.get('training/off_policy/trajectory_staleness/mean', 0):.2f} | "
                     f"{r.get('response_length/mean', 0):.0f} |")
     return "\n".join(rows)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--modes", default="sync,colocate_async", help="modes, from sync,colocate_async")
+    parser.add_argument("--modes", default="sync,colocate_async", help=f"modes, from {','.join(MODES)}")
     parser.add_argument("--variants", default="plain", help=f"variants, from {','.join(VARIANTS)}")
     parser.add_argument("--gpus", type=int, default=1, help="ranks per run; with 1 and several GPUs visible the "
                         "modes run side by side, one GPU each")
@@ -158,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--micro-batch", type=int, default=8, help="ppo_micro_batch_size_per_gpu")
     parser.add_argument("--warmup", type=int, default=2, help="colocate_async: num_warmup_batches")
     parser.add_argument("--threshold", type=int, default=2, help="colocate_async: max_off_policy_threshold")
+    parser.add_argument("--rollout-gpus", type=int, default=None,
+                        help="separate_async: of --gpus, how many generate (default half, at least 1)")
+    parser.add_argument("--separate-warmup", type=int, default=1, help="separate_async: num_warmup_batches")
     parser.add_argument("--steps", type=int, default=5, help="steps per mode (the first is left out)")
     parser.add_argument("--tiny", action="store_true", help="the tiny model on the CPU (trainer.device=cpu)")
     parser.add_argument("--out", type=Path, help="the JSON records (default: bench/results/async_rl_<device>.json)")
@@ -172,8 +190,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or any(m not in ("sync", "colocate_async") for m in modes):
-        parser.error(f"--modes {args.modes!r}: choose from sync,colocate_async")
+    if not modes or any(m not in MODES for m in modes):
+        parser.error(f"--modes {args.modes!r}: choose from {','.join(MODES)}")
+    args.rollout_gpus = max(1, args.gpus // 2) if args.rollout_gpus is None else args.rollout_gpus
+    if "separate_async" in modes and not 1 <= args.rollout_gpus < args.gpus:
+        parser.error(f"separate_async needs --gpus 2 or more with 1 <= --rollout-gpus < --gpus (got --gpus "
+                     f"{args.gpus}, --rollout-gpus {args.rollout_gpus})")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if not variants or any(v not in VARIANTS for v in variants):
         parser.error(f"--variants {args.variants!r}: choose from {','.join(VARIANTS)}")
@@ -201,7 +223,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     common = {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
               "command": " ".join(["python", "bench/async_rl.py", *argv]), "lengths": length_env(args),
               **{k: getattr(args, k) for k in ("prompts", "n", "prompt_length", "response_length", "warmup",
-                                               "threshold", "steps")}}
+                                               "threshold", "steps", "rollout_gpus", "separate_warmup")}}
     records = []
     batches = [runs] if side_by_side else [[run] for run in runs]
     for batch in batches:

@@ -187,9 +187,7 @@ def test_what_colocate_async_does_not_run_with_yet_is_refused(task: dict[str, Pa
     tools = ["+actor_rollout_ref.rollout.tools.tool_instances.python.class_path=agentic_support.Echo",
              "+actor_rollout_ref.rollout.tools.tool_instances.python.params.answer='7'"]
     for extra, message in [(tools, "multi-turn tool rollouts"),
-                           (["trainer.v1.colocate_async.num_warmup_batches=2"], "older than the bound"),
-                           ([], "separate_async")]:
-        mode = "separate_async" if not extra else "colocate_async"
+                           (["trainer.v1.colocate_async.num_warmup_batches=2"], "older than the bound")]:
         with pytest.raises(ArcherError, match=message):
-            check(f"trainer.v1.trainer_mode={mode}", "trainer.v1.sampler.max_off_policy_threshold=1", *extra)
+            check("trainer.v1.trainer_mode=colocate_async", "trainer.v1.sampler.max_off_policy_threshold=1", *extra)
     assert not (tmp_path / "run").exists()

@@ -39,6 +39,12 @@ def test_modes_and_variants_set_the_keys_they_name(ar) -> None:
     assert colocated[2:] == ["trainer.device=cpu", "trainer.v1.trainer_mode=colocate_async",
                              "trainer.v1.colocate_async.num_warmup_batches=2",
                              "trainer.v1.sampler.max_off_policy_threshold=3"]
+    separate = ar.mode_overrides("separate_async", args(gpus=4, rollout_gpus=1, separate_warmup=1, threshold=1))
+    assert separate == ["trainer.n_gpus_per_node=3", "actor_rollout_ref.rollout.name=fast",
+                        "trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.nnodes=1",
+                        "actor_rollout_ref.rollout.n_gpus_per_node=1", "trainer.v1.separate_async.num_warmup_batches=1",
+                        "trainer.v1.separate_async.parameter_sync_step=1",
+                        "trainer.v1.sampler.max_off_policy_threshold=2"]  # at least the warm-up's lag + 1
     assert ar.VARIANTS["packed"] == ["actor_rollout_ref.model.use_remove_padding=true",
                                      "actor_rollout_ref.actor.use_dynamic_bsz=true"]
 
@@ -52,13 +58,17 @@ def record(mode: str, variant: str, tokens_per_s: float) -> dict:
 
 
 def test_the_table_compares_each_run_with_sync_of_its_variant(ar, tmp_path: Path) -> None:
+    separate = {**record("separate_async", "plain", 16000.0), "stages_s": {"gen": 0.4, "update_weights": 0.125}}
     rows = ar.table([record("sync", "plain", 8000.0), record("colocate_async", "plain", 8800.0),
                      record("sync", "packed", 10000.0), record("colocate_async", "packed", 10300.0),
-                     {"mode": "colocate_async", "variant": "plain", "gpus": 4, "ran": False, "error": "oom"}])
+                     {"mode": "colocate_async", "variant": "plain", "gpus": 4, "ran": False, "error": "oom"}, separate])
     lines = rows.splitlines()
     assert "| colocate_async | plain | 1 | 20.00 s | 8,800 | 1.10x | 12.0% |" in lines[3]
     assert "| colocate_async | packed | 1 | 20.00 s | 10,300 | 1.03x |" in lines[5]
     assert lines[6].startswith("| colocate_async | plain | 4 | not run: oom |")
+    assert lines[7].startswith("| separate_async | plain | 1 | 20.00 s | 16,000 | 2.00x | 12.0% | 0.40 s | 0.00 s | "
+                               "0.00 s | 0.125 s | 1.50 |")
+    assert "| - | 0.00 |" in lines[2]  # sync has no weight sync
     log = tmp_path / "train.log"
     log.write_text("archer: error: the fast engine's KV cache does not fit\n  fix: lower it\n")
     failed = ar.collect(tmp_path, "sync", "plain", ["python", "-m", "archer.cli"], 1, args())

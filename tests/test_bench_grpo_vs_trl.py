@@ -46,6 +46,13 @@ def test_report_lists_each_peer_and_the_ratio(gvt) -> None:
     assert lines[-1] == "archer / trl steady step: 0.250 (goal <= 0.333: met)"
     records[0]["steady_step_s"] = 4.0
     assert gvt.report(records).splitlines()[-1] == "archer / trl steady step: 0.500 (goal <= 0.333: missed)"
+    for record in records:  # issue 26's goals for the shapes it names
+        record["shape"] = "qwen2.5-1.5b"
+    records[0]["steady_step_s"] = 2.1
+    assert gvt.report(records).splitlines()[-1] == "archer / trl steady step: 0.263 (goal <= 0.25: missed)"
+    records[0]["shape"] = records[1]["shape"] = "qwen2.5-0.5b"
+    records[0]["steady_step_s"] = 1.6
+    assert gvt.report(records).splitlines()[-1] == "archer / trl steady step: 0.200 (goal <= 0.2: met)"
 
 
 def test_archer_half_reads_the_run_timings(gvt, tmp_path: Path) -> None:

@@ -136,9 +136,8 @@ NO_OPS: tuple[NoOp, ...] = (
     NoOp(f"{ROLL}.calculate_log_probs", "archer always returns the rollout log-probs", False, ANY),
     NoOp(f"{ROLL}.engine_kwargs", "the engines take no extra arguments", {}, ANY),
     NoOp(f"{ROLL}.checkpoint_engine.backend",
-         "the engine takes the policy's weights in process (standalone rollout GPUs are not built yet)", "naive"),
-    NoOp(f"{ROLL}.checkpoint_engine.update_weights_bucket_megabytes",
-         "the engine takes the policy's weights one tensor at a time, in process", 2048, ANY),
+         "colocated engines take the policy's weights in process; separate_async's rollout GPUs take them by "
+         "broadcast from trainer rank 0 (NCCL on GPUs, gloo on CPUs) whatever the backend", "naive", ("nccl",)),
     NoOp("critic.rollout_n", f"{ROLL}.n governs", f"${{{ROLL}.n}}"),
     NoOp("critic.strategy", STRATEGY, "fsdp", ANY),
     NoOp("critic.optim.total_training_steps", "the trainer sets the schedule's length", -1, ANY),

@@ -10,6 +10,9 @@
   ``MASTER_PORT`` (found by a task on rank 0's bundle) and the driver's ``PYTHONPATH``, so that
   ``torch.distributed`` initialises from the environment and the workers import the driver's archer. On GPUs
   each rank sees its node's GPUs in local-rank order, so its own device is ``cuda:LOCAL_RANK``, as under torchrun.
+- Two groups on one node (separate_async's trainer and rollout ranks) can see each other's GPUs, so that NCCL
+  between them takes the direct GPU-to-GPU path: ``share_node_gpus`` starts both groups' workers with every GPU
+  of their node visible, each rank's own as ``cuda:LOCAL_RANK``.
 - ``call`` puts the arguments in the object store once and hands the same reference to every rank; a rank that
   dies, raises or overruns the call timeout becomes one ArcherError naming the rank and the method, and the
   group is shut down (the other ranks may be waiting in a collective that can no longer finish).
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from archer.controller.worker_group import WorkerGroup
+from archer.controller.worker_group import PendingCall, WorkerGroup
 from archer.distributed.context import DeviceKind
 from archer.errors import ArcherError
 from archer.workers.dispatch import collector_of
@@ -180,6 +183,10 @@ class _RankActor:
 
     def start(self, worker_cls: type, init_kwargs: dict[str, Any], env: dict[str, str]) -> None:
         os.environ.update(env)
+        if "CUDA_VISIBLE_DEVICES" in env:  # "cuda" means this rank's own card, also at world 1
+            import torch
+
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         self.worker = worker_cls(**init_kwargs)
 
     def call(self, method_name: str, payload: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
@@ -201,7 +208,10 @@ class RayWorkerGroup(WorkerGroup):
         placement_timeout_s: float = 120.0,
         call_timeout_s: float | None = None,
         object_store_memory: int | None = None,
+        start: bool = True,
     ) -> None:
+        """``start=False`` places the rank actors without building their workers: ``start_workers`` (or
+        ``share_node_gpus`` for two groups) does it."""
         self._world = nnodes * n_gpus_per_node
         self._ray = import_ray(self._world)
         self._worker_cls = worker_cls
@@ -214,7 +224,10 @@ class RayWorkerGroup(WorkerGroup):
             self.device_kind = self._resolve_device(device_kind)
             self._pg = self._placement_group(nnodes, n_gpus_per_node, placement_timeout_s)
             self.layout = self._layout()
-            self._start_actors(init_kwargs, placement_timeout_s)
+            self._init_kwargs = init_kwargs
+            self.gpu_ids = self._place_actors(placement_timeout_s)
+            if start:
+                self.start_workers()
         except BaseException:
             self.shutdown()
             raise
@@ -269,7 +282,8 @@ class RayWorkerGroup(WorkerGroup):
 
         return PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundle)
 
-    def _start_actors(self, init_kwargs: dict[str, Any], timeout_s: float) -> None:
+    def _place_actors(self, timeout_s: float) -> list[list[str]]:
+        """One rank actor per bundle; returns the GPU ids Ray gave each (empty lists on CPUs)."""
         ray = self._ray
         master = ray.remote(num_cpus=0)(_master_address).options(scheduling_strategy=self._on_bundle(
             self.layout[0].bundle)).remote()
@@ -284,11 +298,18 @@ class RayWorkerGroup(WorkerGroup):
             self._actors.append(actor_cls.options(
                 num_cpus=1, num_gpus=gpus, scheduling_strategy=self._on_bundle(place.bundle),
                 runtime_env={"env_vars": env}).remote(rank))
-        extra: list[dict[str, str]] = [{} for _ in self._actors]
-        if self.device_kind == "cuda":
-            ids = self._gather([a.gpu_ids.remote() for a in self._actors], "gpu_ids", timeout_s)
-            extra = [{"CUDA_VISIBLE_DEVICES": v} for v in visible_devices(self.layout, ids)]
-        self._gather([a.start.remote(self._worker_cls, init_kwargs, e) for a, e in zip(self._actors, extra)],
+        if self.device_kind != "cuda":
+            return [[] for _ in self._actors]
+        return self._gather([a.gpu_ids.remote() for a in self._actors], "gpu_ids", timeout_s)
+
+    def start_workers(self, envs: list[dict[str, str]] | None = None) -> None:
+        """Build every rank's worker; ``envs``: each rank's extra environment (default: on GPUs, its node's
+        GPUs of this group visible, its own as ``cuda:LOCAL_RANK``)."""
+        if envs is None:
+            envs = [{} for _ in self._actors]
+            if self.device_kind == "cuda":
+                envs = [{"CUDA_VISIBLE_DEVICES": v} for v in visible_devices(self.layout, self.gpu_ids)]
+        self._gather([a.start.remote(self._worker_cls, self._init_kwargs, e) for a, e in zip(self._actors, envs)],
                      f"{self._worker_cls.__name__}.__init__", None)
 
     # -- calls -------------------------------------------------------------------------------------
@@ -297,13 +318,16 @@ class RayWorkerGroup(WorkerGroup):
         return self._world
 
     def call(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        return self.submit(method_name, *args, **kwargs).result()
+
+    def submit(self, method_name: str, *args: Any, **kwargs: Any) -> PendingCall:
         if self._closed:
             raise ArcherError(f"cannot call {method_name}: the worker group was shut down",
                               "a rank failed earlier (see the error above); " + RESUME_FIX)
         collector = collector_of(self._worker_cls, method_name)
         payload = self._ray.put((args, kwargs))
         refs = [actor.call.remote(method_name, payload) for actor in self._actors]
-        return collector(self._gather(refs, method_name, self.call_timeout_s))
+        return _RayCall(self, refs, method_name, collector)
 
     def _gather(self, refs: list[Any], what: str, timeout_s: float | None) -> list[Any]:
         """Per-rank results in rank order; any failure shuts the group down and raises."""
@@ -376,3 +400,35 @@ class RayWorkerGroup(WorkerGroup):
             self._pg = None
         if self._owns_ray:
             ray.shutdown()
+
+
+class _RayCall(PendingCall):
+    """A call in flight on every rank of a RayWorkerGroup."""
+
+    def __init__(self, group: RayWorkerGroup, refs: list[Any], method_name: str, collector: Any) -> None:
+        self.group, self.refs, self.method_name, self.collector = group, refs, method_name, collector
+
+    def result(self) -> Any:
+        return self.collector(self.group._gather(self.refs, self.method_name, self.group.call_timeout_s))
+
+
+def share_node_gpus(groups: list[RayWorkerGroup]) -> None:
+    """Start the workers of ``groups`` (placed with ``start=False``) with every GPU that these groups hold on
+    a rank's node visible to it, in group order then local-rank order; each rank's own GPU is ``cuda:LOCAL_RANK``
+    (LOCAL_RANK set to its index in that list). On CPUs each group starts as it would alone."""
+    if any(g.device_kind != "cuda" for g in groups):
+        for group in groups:
+            group.start_workers()
+        return
+    node_gpus: dict[str, list[str]] = {}
+    for group in groups:
+        for place, ids in sorted(zip(group.layout, group.gpu_ids), key=lambda pair: pair[0].local_rank):
+            if len(ids) != 1:
+                raise RuntimeError(f"rank on bundle {place.bundle} holds GPUs {ids}; each rank should hold one")
+            node_gpus.setdefault(place.node_id, []).append(ids[0])
+    for group in groups:
+        envs = []
+        for place, ids in zip(group.layout, group.gpu_ids):
+            visible = node_gpus[place.node_id]
+            envs.append({"CUDA_VISIBLE_DEVICES": ",".join(visible), "LOCAL_RANK": str(visible.index(ids[0]))})
+        group.start_workers(envs)

@@ -5,6 +5,8 @@ returns the per-rank results collected as the method declares (``archer/workers/
 the ``LocalWorkerGroup`` here: the worker lives in this process and is called directly, with no Ray and no
 copy. World > 1 is the ``RayWorkerGroup`` (``archer/controller/ray_group.py``): one Ray actor per rank.
 ``build_worker_group`` (``archer/controller/factory.py``) picks one; the trainer reads the same for both.
+``group.submit(...)`` starts the same call and returns at once (``PendingCall``): two groups' calls then run
+side by side (separate_async: the rollout ranks generate while the trainer ranks train).
 """
 
 from __future__ import annotations
@@ -14,6 +16,21 @@ from types import TracebackType
 from typing import Any
 
 from archer.workers.dispatch import collector_of
+
+
+class PendingCall(ABC):
+    """A call started on every rank of a group; ``result`` waits for it and collects as ``call`` does."""
+
+    @abstractmethod
+    def result(self) -> Any: ...
+
+
+class _DoneCall(PendingCall):
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
 
 
 class WorkerGroup(ABC):
@@ -27,6 +44,10 @@ class WorkerGroup(ABC):
     def call(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``method_name(*args, **kwargs)`` on every rank and apply the method's declared collector to
         the list of per-rank results (rank order)."""
+
+    def submit(self, method_name: str, *args: Any, **kwargs: Any) -> PendingCall:
+        """Start ``call(method_name, ...)`` and return without waiting (in process: it has run when this returns)."""
+        return _DoneCall(self.call(method_name, *args, **kwargs))
 
     @abstractmethod
     def shutdown(self) -> None:

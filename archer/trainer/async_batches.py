@@ -1,5 +1,5 @@
-"""The trainer's side of trainer.v1.trainer_mode=colocate_async (docs/async.md): which prompts the ranks' pools
-take in and when, which came back, and what a checkpoint keeps of the rest.
+"""The trainer's side of trainer.v1.trainer_mode=colocate_async and separate_async (docs/async.md): which prompts
+the ranks' pools take in and when, which came back, and what a checkpoint keeps of the rest.
 
 Each step admits the loader's batches up to number step + ``num_warmup_batches`` (the first step of a run that
 many more than the others, so that generation runs ahead of training; a dynamic-sampling call after a step's first
@@ -24,9 +24,10 @@ import numpy as np
 from omegaconf import DictConfig
 
 from archer.batch import Batch
-from archer.controller.worker_group import WorkerGroup
+from archer.controller.worker_group import PendingCall, WorkerGroup
 from archer.data.loader import PromptLoader, collate_prompts
 from archer.workers.async_rollout import ASYNC_STATS, BATCH_ROWS, SAMPLE_INDEX, StalenessBound
+from archer.workers.rollout_rank import GENERATION_S
 
 ASYNC_STATE = "async_pending"  # trainer-state key: the admitted loader batches with untrained groups
 GEN_BATCH_SEED_STRIDE = 7_919_993  # sampling-seed offset of a step's 2nd, 3rd, ... generation batch
@@ -51,7 +52,8 @@ class Admission:
 
 
 class AsyncBatches:
-    """The generation batches of colocate_async, from ``loader`` through the ranks' pools (``workers``)."""
+    """The generation batches of the asynchronous modes, from ``loader`` through the pools of ``workers`` (the
+    trainer's ranks in colocate_async, the rollout ranks in separate_async)."""
 
     def __init__(self, cfg: DictConfig, loader: PromptLoader, workers: WorkerGroup, pad_token_id: int) -> None:
         v1 = cfg.trainer.v1
@@ -60,7 +62,7 @@ class AsyncBatches:
         self.quota = int(cfg.data.train_batch_size)
         self.n = int(cfg.actor_rollout_ref.rollout.n)
         self.calls = 0  # produce calls so far: the ranks take turns at a quota's remainder
-        self.warmup = int(v1.colocate_async.num_warmup_batches)
+        self.warmup = int(v1[str(v1.trainer_mode)].num_warmup_batches)
         self.bound = StalenessBound(int(v1.sampler.max_off_policy_threshold), str(v1.sampler.max_off_policy_strategy),
                                     bool(v1.partial_rollout))
         self.admitted: dict[int, Admission] = {}
@@ -82,6 +84,12 @@ class AsyncBatches:
         """The generated (unscored) groups of ``step``, which updates policy version step - 1: the pools take the
         loader's batches up to number step + num_warmup_batches (``extra``: one more, for a step that asks again
         after dynamic sampling left too few), and hand back ``quota`` groups (default data.train_batch_size)."""
+        return self.finish(self.start(step, quota=quota, extra=extra), metrics)
+
+    def start(self, step: int, *, quota: int | None = None, extra: bool = False, version: int | None = None
+              ) -> PendingCall:
+        """Start ``next``'s call on the pools and return at once; ``version``: the policy the engines hold (default step - 1; separate_async's rollout ranks are one update
+        behind the trainer, and the staleness bound counts from the step's version)."""
         admissions = [self._again(record) for record in self.restored]
         self.restored = []
         if self.next_number is None:
@@ -91,8 +99,16 @@ class AsyncBatches:
             self.next_number += 1
             extra = False
         quota = self.quota if quota is None else quota
-        batch = self.workers.call("produce_groups", admissions, quota, step - 1, self.bound, self.calls)
+        version = step - 1 if version is None else version
+        lag = {} if version == step - 1 else {"lag": step - 1 - version}
+        pending = self.workers.submit("produce_groups", admissions, quota, version, self.bound,
+                                                   self.calls, **lag)
         self.calls += 1
+        return pending
+
+    def finish(self, pending: PendingCall, metrics: dict[str, float]) -> Batch:
+        """The groups of a started call, its pools' figures added to ``metrics``."""
+        batch = pending.result()
         stats = batch.info.pop(ASYNC_STATS)
         returned = list(dict.fromkeys(batch["uid"])) if len(batch) else []
         for uid in [*returned, *stats["evicted"]]:
@@ -101,6 +117,8 @@ class AsyncBatches:
         summed = {"async/paused_requests": stats["paused"], "async/resumed_requests": stats["resumed"],
                   "async/prefilled_tokens": stats["prefilled"],
                   "training/off_policy/evicted_samples": len(stats["evicted"]) * self.n}
+        if GENERATION_S in stats:
+            summed["async/generation_s"] = stats[GENERATION_S]
         for name, value in summed.items():  # over the step's calls (dynamic sampling may make several)
             metrics[name] = metrics.get(name, 0.0) + float(value)
         return batch

@@ -155,9 +155,8 @@ OFF_POLICY_STRATEGIES = ("drop", "wait")
 
 
 def check_trainer_mode(cfg: DictConfig) -> None:
-    """verl's V1 trainer keys (trainer.v1, actor_rollout_ref.rollout.nnodes): values in range; sync and
-    colocate_async run, separate_async and standalone rollout GPUs are refused until they are built
-    (docs/async.md), so that none of their keys is accepted and ignored."""
+    """verl's V1 trainer keys (trainer.v1, actor_rollout_ref.rollout.nnodes): values in range, and what each
+    mode does not combine with (docs/async.md); standalone rollout GPUs only in separate_async."""
     v1 = cfg.trainer.v1
     mode = v1.trainer_mode
     if mode not in TRAINER_MODES:
@@ -176,16 +175,48 @@ def check_trainer_mode(cfg: DictConfig) -> None:
         raise ArcherError(f"unknown trainer.v1.sampler.max_off_policy_strategy "
                           f"{v1.sampler.max_off_policy_strategy!r}", f"use one of: {', '.join(OFF_POLICY_STRATEGIES)}")
     if mode == "separate_async":
-        raise ArcherError("trainer.v1.trainer_mode=separate_async (rollout GPUs apart from the trainer's) is not "
-                          "built yet: docs/async.md has the plan", "use trainer.v1.trainer_mode=colocate_async (the "
-                          "trainer's GPUs generate ahead of training) or sync")
+        check_separate_async(cfg)
+        return
     if mode == "colocate_async":
         check_colocate_async(cfg)
     nodes = cfg.actor_rollout_ref.rollout.nnodes
     if nodes != 0:
         raise ArcherError(f"actor_rollout_ref.rollout.nnodes={nodes!r}: standalone rollout GPUs serve "
-                          "trainer.v1.trainer_mode=separate_async, which is not built yet (docs/async.md)",
-                          "set actor_rollout_ref.rollout.nnodes=0 (the trainer's GPUs generate)")
+                          f"trainer.v1.trainer_mode=separate_async, not {mode}",
+                          "set actor_rollout_ref.rollout.nnodes=0 (the trainer's GPUs generate), or "
+                          "trainer.v1.trainer_mode=separate_async")
+
+
+def check_separate_async(cfg: DictConfig) -> None:
+    """separate_async: standalone rollout GPUs configured, no tools yet, verl's parameter_sync_step consistent
+    with archer's one sync a step, and a staleness bound that the pipeline's one version of lag (plus the
+    warm-up's) passes."""
+    v1, rollout, actor = cfg.trainer.v1, cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
+    if uses_tools(rollout):
+        raise ArcherError("trainer.v1.trainer_mode=separate_async does not run with multi-turn tool rollouts "
+                          "(actor_rollout_ref.rollout.tools.tool_instances) yet (docs/async.md)",
+                          "drop the tools, or use trainer.v1.trainer_mode=sync")
+    for key in ("nnodes", "n_gpus_per_node"):
+        value = rollout[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ArcherError(f"trainer.v1.trainer_mode=separate_async needs standalone rollout GPUs, but "
+                              f"actor_rollout_ref.rollout.{key}={value!r}",
+                              "set actor_rollout_ref.rollout.nnodes=1 and actor_rollout_ref.rollout.n_gpus_per_node "
+                              "to the GPUs that generate (trainer.n_gpus_per_node GPUs train beside them)")
+    sync_step, mini, train = (int(v1.separate_async.parameter_sync_step), int(actor.ppo_mini_batch_size),
+                              int(cfg.data.train_batch_size))
+    if sync_step * mini != train:
+        raise ArcherError(f"trainer.v1.separate_async.parameter_sync_step={sync_step} x "
+                          f"actor_rollout_ref.actor.ppo_mini_batch_size={mini} is not data.train_batch_size={train}: "
+                          "archer syncs the weights once a step, after its last mini-batch",
+                          f"set trainer.v1.separate_async.parameter_sync_step={max(1, train // max(1, mini))} "
+                          "(and ppo_mini_batch_size dividing data.train_batch_size)")
+    warmup, bound = int(v1.separate_async.num_warmup_batches), int(v1.sampler.max_off_policy_threshold)
+    if bound < warmup + 1:
+        raise ArcherError(f"trainer.v1.sampler.max_off_policy_threshold={bound} is below what separate_async's "
+                          f"groups reach: one version (the trainer is one update ahead of the rollout ranks) plus "
+                          f"num_warmup_batches={warmup}", f"set trainer.v1.sampler.max_off_policy_threshold to "
+                          f"{warmup + 1} or more, or lower trainer.v1.separate_async.num_warmup_batches")
 
 
 def check_colocate_async(cfg: DictConfig) -> None:

@@ -64,6 +64,7 @@ from archer.trainer.run_folder import (
     restore_trainer_state,
     save_trainer_state,
 )
+from archer.trainer.separate_rollout import SeparateRollout, build_separate_groups
 from archer.trainer.step_metrics import MemoryPeaks, compute_data_metrics, compute_timing_metrics, timer
 from archer.trainer.tracking import Tracking
 from archer.workers.colocated import RankWorkers
@@ -167,7 +168,8 @@ class PPOTrainer:
         self.peaks = MemoryPeaks(self.device)  # the current step's peak GPU memory per stage
         self.template_kwargs = OmegaConf.to_container(cfg.data.apply_chat_template_kwargs)
         self.workers: WorkerGroup | None = None
-        self.async_batches: AsyncBatches | None = None  # trainer.v1.trainer_mode=colocate_async's batches
+        self.async_batches: AsyncBatches | None = None  # the asynchronous modes' batches
+        self.separate: SeparateRollout | None = None  # separate_async's rollout ranks and their pipeline
         if cfg.trainer.val_only:  # a policy that only generates: no optimiser, reference, critic or train data
             return
         steps = cfg.trainer.total_training_steps
@@ -180,17 +182,26 @@ class PPOTrainer:
         self.rollout_correction = RolloutCorrectionStage(algo.rollout_correction)
         self.use_ref = bool(ref_cfg.actor.use_kl_loss or algo.use_kl_in_reward)
         self.use_critic = algo.adv_estimator == "gae"
-        local = self.world == 1  # the driver's tokenizer goes to an in-process worker; ranks load their own
+        mode = str(cfg.trainer.v1.trainer_mode)
+        # the driver's tokenizer goes to an in-process worker; ranks load their own
+        local = self.world == 1 and mode != "separate_async"
         worker_kwargs = {"cfg": cfg, "total_steps": self.total_steps, "use_ref": self.use_ref,
                          "use_critic": self.use_critic, "tokenizer": self.tokenizer if local else None,
                          "chat_template_kwargs": self.template_kwargs}
         if not local:
             self.device = torch.device("cpu")  # the driver holds no model: the ranks own the devices
-        self.workers = build_worker_group(RankWorkers, worker_kwargs, nnodes=int(cfg.trainer.nnodes),
-                                          n_gpus_per_node=int(cfg.trainer.n_gpus_per_node),
-                                          device_kind=str(cfg.trainer.device))
-        self.async_batches = (AsyncBatches(cfg, self.loader, self.workers, self.tokenizer.pad_token_id)
-                              if cfg.trainer.v1.trainer_mode == "colocate_async" else None)
+        pad = self.tokenizer.pad_token_id
+        if mode == "separate_async":  # rollout GPUs of their own: two Ray worker groups
+            self.workers, rollout, owns_ray = build_separate_groups(
+                cfg, worker_kwargs, {"cfg": cfg, "chat_template_kwargs": self.template_kwargs})
+            self.async_batches = AsyncBatches(cfg, self.loader, rollout, pad)
+            self.separate = SeparateRollout(cfg, self.workers, self.async_batches, owns_ray)
+        else:
+            self.workers = build_worker_group(RankWorkers, worker_kwargs, nnodes=int(cfg.trainer.nnodes),
+                                              n_gpus_per_node=int(cfg.trainer.n_gpus_per_node),
+                                              device_kind=str(cfg.trainer.device))
+            self.async_batches = (AsyncBatches(cfg, self.loader, self.workers, pad)
+                                  if mode == "colocate_async" else None)
         self.kl_ctrl = make_kl_controller(algo.kl_ctrl.type, float(algo.kl_ctrl.kl_coef),
                                           float(algo.kl_ctrl.target_kl), int(algo.kl_ctrl.horizon))
 
@@ -216,9 +227,26 @@ class PPOTrainer:
         later calls admit one more loader batch each, as the synchronous loop's later batches read one)."""
         if self.async_batches is None:
             return self.generate_batch(step, gen_index, timings, rollout_stats)
-        with timer("gen", timings, self.peaks):
-            batch = self.async_batches.next(step, metrics, quota=quota, extra=gen_index > 0)
+        if self.separate is not None:
+            batch = self.separate_groups(step, gen_index, timings, metrics, quota)
+        else:
+            with timer("gen", timings, self.peaks):
+                batch = self.async_batches.next(step, metrics, quota=quota, extra=gen_index > 0)
         return self.score_batch(batch, timings, rollout_stats) if len(batch) else batch
+
+    def separate_groups(self, step: int, gen_index: int, timings: dict[str, float], metrics: dict[str, float],
+                        quota: int | None) -> Batch:
+        """separate_async (trainer/separate_rollout.py): the groups of the call in flight, then the weights of
+        version step - 1 to the rollout ranks (``timing_s/update_weights``); ``timing_s/gen`` is the wait for
+        the rollout ranks, ``async/generation_s`` their own time in the call."""
+        if gen_index == 0:
+            self.separate.prepare(step, timings)
+            with timer("gen", timings, self.peaks):
+                batch = self.separate.groups(step, metrics)
+            self.separate.sync(step - 1, timings)
+            return batch
+        with timer("gen", timings, self.peaks):
+            return self.separate.more_groups(step, quota or int(self.cfg.data.train_batch_size), metrics)
 
     def score_batch(self, batch: Batch, timings: dict[str, float], rollout_stats: list[RolloutStats]) -> Batch:
         """The reward of every response of a generated batch (the reward model's scores first, when enabled)."""
@@ -283,6 +311,8 @@ class PPOTrainer:
         self.peaks = MemoryPeaks(self.device)
         with timer("step", timings, self.peaks):
             batch = self.sample_batch(step, timings, metrics)
+            if self.separate is not None and step < self.total_steps:
+                self.separate.launch(step + 1)  # the rollout ranks generate the next step's groups meanwhile
             if not len(batch):
                 log.warning("step %d: rejection sampling dropped every prompt group (all accuracies 0 or 1); "
                             "no update this step", step)
@@ -340,14 +370,17 @@ class PPOTrainer:
         metrics.update(compute_data_metrics(batch, max_response_length=int(cfg.data.max_response_length)))
         metrics.update(compute_timing_metrics(timings, int(batch["attention_mask"].sum())))
         metrics.update(self.peaks.metrics())
-        if self.world > 1:  # the step's peak memory on the busiest device (the driver holds no model)
+        if self.world > 1 or self.separate is not None:  # the busiest trainer device's peak (the driver holds none)
             metrics.update(self.workers.call("memory_peaks"))
         metrics["training/global_step"] = float(step)
         metrics["training/epoch"] = float(self.loader.epoch)
         return metrics
 
     def generate_sequences(self, prompts: Batch) -> Batch:
-        """The policy's responses to ``prompts``, generated by the ranks."""
+        """The policy's responses to ``prompts``, generated by the ranks (separate_async: the rollout ranks,
+        with the trainer's newest weights)."""
+        if self.separate is not None:
+            return self.separate.generate(prompts, self.global_step)
         return self.workers.call("generate_sequences", prompts)
 
     # -- validation -----------------------------------------------------------------------------------------
@@ -427,7 +460,9 @@ class PPOTrainer:
         try:
             return self.train()
         finally:
-            if self.world > 1:
+            if self.separate is not None:
+                self.separate.shutdown()
+            elif self.world > 1:
                 self.workers.shutdown()
 
     def train(self) -> dict[str, Any]:

@@ -59,7 +59,7 @@ from archer.trace.influence_capture import (
     select_modules,
 )
 from archer.workers.actor_objective import ActorObjective
-from archer.workers.async_rollout import AsyncRollout, StalenessBound, rank_rows
+from archer.workers.async_rollout import AsyncRollout, StalenessBound
 from archer.workers.data_parallel import RankTokens, rank_passes, reduce_metric_sums
 from archer.workers.memory import MemoryPlan, planned_no_grad_tokens, release_cached_blocks
 from archer.workers.mini_batches import StepAverages, mini_batches
@@ -191,21 +191,14 @@ class ActorWorker(OwnsModel):
 
     def produce_groups(self, admissions: list[Batch], quota: int, version: int, bound: StalenessBound,
                        rotation: int = 0) -> Batch:
-        """colocate_async (workers/async_rollout.py): admit this rank's rows of each prompt batch of
-        ``admissions`` (by their index in their whole loader batch, so a batch admitted again after a resume
-        splits as it first did), then hand back its share of ``quota`` complete groups sampled up to policy
-        ``version`` (a quota that does not divide by the ranks gives its remainder to the ranks from
-        ``rotation`` on), padded to the widest prompt and response of every rank."""
+        """colocate_async (workers/async_rollout.py, ``AsyncRollout.take``): this rank's share of ``quota``
+        complete groups of ``admissions`` sampled up to policy ``version``, padded to the widest prompt and
+        response of every rank."""
         if self.async_rollout is None:
             self.async_rollout = AsyncRollout(self.rollout, self.pad_token_id)
-        world = self.ctx.world_size
-        for prompts in admissions:
-            mine = rank_rows(prompts, self.ctx.rank, world)
-            if len(mine):
-                self.async_rollout.admit(prompts.index(mine))
-        start, stop = shard_bounds(quota, (self.ctx.rank - rotation) % world, world)
         with self._generating():
-            out = self.async_rollout.produce(stop - start, version, bound)
+            out = self.async_rollout.take(admissions, quota, version, bound, rank=self.ctx.rank,
+                                          world=self.ctx.world_size, rotation=rotation)
         if not self.ctx.distributed:
             return out
         widths = self.ctx.all_reduce_max(torch.tensor([_width(out, "prompts"), _width(out, "responses")]))

@@ -66,18 +66,33 @@ class AsyncRollout:
             self.pool.admit(uid, ids, [stream_seed(seed, _SAMPLE_STREAM, index, j) for j in range(self.n)])
             self.rows[uid] = row
 
-    def produce(self, quota: int, version: int, bound: StalenessBound) -> Batch:
-        """This rank's complete groups for the step that updates ``version`` (the engine's weights)."""
+    def take(self, admissions: list[Batch], quota: int, version: int, bound: StalenessBound, *, rank: int,
+             world: int, rotation: int = 0, lag: int = 0) -> Batch:
+        """Admit this rank's rows of each prompt batch of ``admissions`` (by their index in their whole loader
+        batch, so a batch admitted again after a resume splits as it first did), then produce its share of
+        ``quota`` complete groups (a quota that does not divide by the ranks gives its remainder to the ranks from
+        ``rotation`` on)."""
+        for prompts in admissions:
+            mine = rank_rows(prompts, rank, world)
+            if len(mine):
+                self.admit(prompts.index(mine))
+        start, stop = shard_bounds(quota, (rank - rotation) % world, world)
+        return self.produce(stop - start, version, bound, lag=lag)
+
+    def produce(self, quota: int, version: int, bound: StalenessBound, *, lag: int = 0) -> Batch:
+        """This rank's complete groups sampled up to policy ``version`` (the engine's weights), for the step that
+        updates version ``version + lag`` (colocated: 0; separate_async: the trainer is one update ahead of the
+        rollout ranks): the staleness bound counts from that version."""
         evicted: list[str] = []
         must_finish: frozenset = frozenset()
-        threshold = bound.max_off_policy_threshold
+        threshold, trained = bound.max_off_policy_threshold, version + lag
         if bound.strategy == "drop":
-            evicted = [g.key for g in self.pool.older_than(version, threshold)]
+            evicted = [g.key for g in self.pool.older_than(trained, threshold)]
             self.pool.evict(evicted)
             for uid in evicted:
                 del self.rows[uid]
         else:  # wait: what would pass the bound at the next step finishes now
-            must_finish = frozenset(g.key for g in self.pool.older_than(version + 1, threshold))
+            must_finish = frozenset(g.key for g in self.pool.older_than(trained + 1, threshold))
         params = sampling_params(self.worker.cfg, validate=False, seed=0)  # the requests carry their own seeds
         run = self.worker.run_pool(self.pool, params, version, quota, must_finish=must_finish,
                                    partial=bound.partial_rollout)

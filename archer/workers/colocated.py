@@ -16,6 +16,8 @@ there with its figures.
 from __future__ import annotations
 
 import logging
+import os
+import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,6 +31,7 @@ from archer.algorithms.rollout_correction import RolloutCorrection
 from archer.batch import Batch
 from archer.config.world import world_size
 from archer.distributed.context import DistContext
+from archer.distributed.weight_sync import WeightManifest, WeightSender, join_group, open_store
 from archer.models.loading import load_tokenizer, pick_device
 from archer.rollout.rollout_stats import RolloutStats
 from archer.trace.influence_capture import CaptureSettings, TracedTokens, merge_rank_factors
@@ -100,7 +103,10 @@ class RankWorkers:
 
     def __init__(self, cfg: DictConfig, *, total_steps: int, use_ref: bool, use_critic: bool,
                  tokenizer: PreTrainedTokenizerBase | None = None,
-                 chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
+                 chat_template_kwargs: Mapping[str, Any] | None = None, generates: bool = True) -> None:
+        """``generates=False``: the ranks only train (separate_async: rollout ranks of their own generate, and
+        rank 0 sends them the weights, ``send_weights``); no engine is built and the memory plan counts none."""
+        self.generates = generates
         device = pick_device(cfg.trainer.device)
         # The value model returns its logits as a view; nothing writes into it in place (models/loading.py).
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -128,14 +134,18 @@ class RankWorkers:
         for worker in (self.actor, self.ref, self.critic, self.reward_model):
             if worker is not None:  # the no-grad passes' token budgets come from the plan (None on a CPU)
                 worker.plan_micro_batches(self.memory_plan, announce=self.ctx.rank == 0)
-        self.actor.start_rollout()
+        if generates:
+            self.actor.start_rollout()
+        self.weight_sender: WeightSender | None = None  # separate_async: rank 0's side of the weight sync
+        self._weight_store: Any = None
 
     def plan_memory(self) -> MemoryPlan:
         """The card's memory plan (workers/memory.py): the actor's policy, training state and engine, and the
         models beside it as they sit on the card; checked (one ArcherError with the figures when a stage cannot
         fit)."""
         total, elsewhere = card_figures(self.ctx.device)
-        plan = plan_actor_memory(self.actor.cfg, self.actor.model, total=total, fast_engine=self.actor.fast_engine,
+        plan = plan_actor_memory(self.actor.cfg, self.actor.model, total=total,
+                                 fast_engine=self.actor.fast_engine and self.generates,
                                  others=models_beside_actor(self.ref, self.critic, self.reward_model),
                                  elsewhere=elsewhere, shards=self.ctx.world_size)
         plan.check()
@@ -182,6 +192,41 @@ class RankWorkers:
     @collect(rank_zero)
     def setup_influence(self, settings: CaptureSettings) -> list[str]:
         return self.actor.setup_influence(settings)
+
+    # -- weights to standalone rollout ranks (separate_async) ----------------------------------------------
+    @collect(rank_zero)
+    def open_weight_sync(self) -> tuple[str, int]:
+        """Rank 0 hosts the weight-sync group's store on its node; returns its address and port."""
+        if self.ctx.rank != 0:
+            return "", 0
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self._weight_store = open_store(host, float(self.actor.cfg.nccl_timeout))
+        return host, int(self._weight_store.port)
+
+    @collect(rank_zero)
+    def weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The policy's weight stream as (name, shape), in its order (every rank reads the stream)."""
+        return [(name, tuple(tensor.shape)) for name, tensor in self.actor.owner.weights()]
+
+    @collect(rank_zero)
+    def join_weight_sync(self, host: str, port: int, size: int, manifest: WeightManifest) -> None:
+        """Rank 0 joins the weight-sync group as its rank 0 (the sender); the other ranks have no part in it."""
+        if self.ctx.rank == 0:
+            group = join_group(host, port, 0, size, self.ctx.device, float(self.actor.cfg.nccl_timeout),
+                               store=self._weight_store)
+            self.weight_sender = WeightSender(group, manifest, self.ctx.device)
+
+    @collect(rank_zero)
+    def send_weights(self) -> float:
+        """The policy's current weights to every rollout rank (sharded: every rank gathers, rank 0 sends);
+        returns rank 0's seconds."""
+        start = time.perf_counter()
+        if self.weight_sender is not None:
+            self.weight_sender.send(self.actor.owner.weights())
+        else:
+            for _ in self.actor.owner.weights():  # the gathers rank 0's stream needs
+                pass
+        return time.perf_counter() - start
 
     # -- memory -------------------------------------------------------------------------------------------
     @collect(max_over_ranks)

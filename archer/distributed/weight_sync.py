@@ -1,0 +1,160 @@
+"""The policy's weights from the trainer's rank 0 to standalone rollout ranks, with no disk round trip
+(trainer.v1.trainer_mode=separate_async, docs/async.md "Weight sync between GPU groups").
+
+A small process group of its own joins trainer rank 0 (its rank 0) and every rollout rank (ranks 1..R), over a
+TCP store that trainer rank 0 hosts: NCCL between GPUs, gloo on CPUs. It lives beside the trainer ranks' own
+process group (FSDP's), which it never touches. The weights travel in flat buckets of
+``checkpoint_engine.update_weights_bucket_megabytes`` in the engine's dtype, in the order of the policy's weight
+stream (``WeightManifest``, taken once at set-up): the sender broadcasts bucket k while it packs bucket k + 1 into
+a second buffer; each receiver hands the engine views of the bucket it holds, so the engine copies them in place
+by name (``RolloutEngine.sync_weights``) while the next bucket arrives into the other buffer. A tensor larger than
+a bucket travels in a bucket of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from archer.errors import ArcherError
+from archer.units import MIB
+
+STORE_PREFIX = "archer-weight-sync"
+
+
+@dataclass(frozen=True)
+class WeightSlot:
+    """One tensor's place in a bucket: its name, shape, and first element."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class WeightManifest:
+    """The buckets of the weight stream: which tensors each holds where, and their element dtype."""
+
+    buckets: tuple[tuple[WeightSlot, ...], ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def plan(cls, shapes: Iterable[tuple[str, tuple[int, ...]]], dtype: torch.dtype, bucket_bytes: int
+             ) -> WeightManifest:
+        """Tensors in stream order, filled into buckets of at most ``bucket_bytes`` (a larger tensor alone)."""
+        if bucket_bytes < 1:
+            raise ArcherError(f"a weight bucket of {bucket_bytes} bytes holds nothing",
+                              "set actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes >= 1")
+        capacity = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
+        buckets: list[list[WeightSlot]] = []
+        used = capacity  # the first tensor opens a bucket
+        for name, shape in shapes:
+            numel = math.prod(shape)
+            if used + numel > capacity:
+                buckets.append([])
+                used = 0
+            buckets[-1].append(WeightSlot(name, tuple(shape), used))
+            used += numel
+        return cls(tuple(tuple(b) for b in buckets), dtype)
+
+    def bucket_numel(self, index: int) -> int:
+        last = self.buckets[index][-1]
+        return last.offset + last.numel
+
+    @property
+    def num_bytes(self) -> int:
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return sum(self.bucket_numel(i) for i in range(len(self.buckets))) * size
+
+    def largest_bucket(self) -> int:
+        return max(self.bucket_numel(i) for i in range(len(self.buckets)))
+
+
+def bucket_bytes(megabytes: float) -> int:
+    """checkpoint_engine.update_weights_bucket_megabytes in bytes (verl's MB are MiB)."""
+    return int(float(megabytes) * MIB)
+
+
+def open_store(host: str, timeout_s: float) -> dist.TCPStore:
+    """The sync group's store, hosted by trainer rank 0 on a free port (``store.port``)."""
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+
+
+def join_group(host: str, port: int, rank: int, size: int, device: torch.device, timeout_s: float,
+               store: dist.TCPStore | None = None) -> dist.ProcessGroup:
+    """This process's member of the sync group (rank 0: trainer rank 0, passing the store it hosts)."""
+    if store is None:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    prefixed = dist.PrefixStore(STORE_PREFIX, store)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timedelta(seconds=timeout_s)
+        return dist.ProcessGroupNCCL(prefixed, rank, size, options)
+    return dist.ProcessGroupGloo(prefixed, rank, size, timedelta(seconds=timeout_s))
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    return group.broadcast([tensor], options)
+
+
+class WeightSender:
+    """Trainer rank 0's side: broadcasts the weight stream, bucket by bucket, double-buffered."""
+
+    def __init__(self, group: dist.ProcessGroup, manifest: WeightManifest, device: torch.device) -> None:
+        self.group, self.manifest = group, manifest
+        numel = manifest.largest_bucket()
+        self.buffers = [torch.empty(numel, dtype=manifest.dtype, device=device) for _ in range(2)]
+
+    def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Broadcast ``weights`` (the policy's stream, in the manifest's order and shapes)."""
+        stream = iter(weights)
+        in_flight: dist.Work | None = None
+        for index, slots in enumerate(self.manifest.buckets):
+            buffer = self.buffers[index % 2]
+            for slot in slots:
+                name, tensor = next(stream, (None, None))
+                if name != slot.name or tuple(tensor.shape) != slot.shape:
+                    raise ArcherError(f"the policy's weight stream gave {name!r} where the rollout ranks expect "
+                                      f"{slot.name!r} {slot.shape}", "restart the run: the policy's parameters "
+                                      "changed after the weight sync was set up")
+                buffer[slot.offset: slot.offset + slot.numel].copy_(tensor.reshape(-1), non_blocking=True)
+            if in_flight is not None:
+                in_flight.wait()
+            in_flight = _broadcast(self.group, buffer[: self.manifest.bucket_numel(index)])
+        if in_flight is not None:
+            in_flight.wait()
+        for _ in stream:  # a sharded policy's ranks gather every tensor: the stream is read to its end
+            pass
+        if self.buffers[0].device.type == "cuda":
+            torch.cuda.current_stream(self.buffers[0].device).synchronize()
+
+
+class WeightReceiver:
+    """A rollout rank's side: the buckets as they arrive, as views named for the engine."""
+
+    def __init__(self, group: dist.ProcessGroup, manifest: WeightManifest, device: torch.device) -> None:
+        self.group, self.manifest = group, manifest
+        numel = manifest.largest_bucket()
+        self.buffers = [torch.empty(numel, dtype=manifest.dtype, device=device) for _ in range(2)]
+
+    def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights, (name, tensor view) in stream order; each view is valid until the bucket after next
+        arrives (the engine copies it in place first)."""
+        for index, slots in enumerate(self.manifest.buckets):
+            buffer = self.buffers[index % 2]
+            _broadcast(self.group, buffer[: self.manifest.bucket_numel(index)]).wait()
+            for slot in slots:
+                yield slot.name, buffer[slot.offset: slot.offset + slot.numel].view(slot.shape)
+        if self.buffers[0].device.type == "cuda":
+            torch.cuda.current_stream(self.buffers[0].device).synchronize()

@@ -1,0 +1,158 @@
+"""trainer.v1.trainer_mode=separate_async (docs/async.md): rollout GPUs apart from the trainer's, generating the
+next step's groups while the trainer trains on this step's.
+
+Two Ray worker groups: the trainer's ranks (``RankWorkers`` without engines) on trainer.nnodes x
+trainer.n_gpus_per_node GPUs, and the rollout ranks (``RolloutRank``) on actor_rollout_ref.rollout.nnodes x
+n_gpus_per_node GPUs, every GPU of a node visible to both groups' ranks there (NCCL's direct path). Step k:
+
+1. take the groups of the call in flight (started during step k - 1; at the first step, start one and wait);
+2. sync the trainer's weights, version k - 1, to the rollout ranks (skipped when they hold it already);
+3. dynamic sampling's further calls, if any, run now, with those weights;
+4. start the call for step k + 1 (the rollout ranks decode under version k - 1, and pause what is unfinished
+   when a batch's worth of groups is complete), and return: the trainer trains on step k's groups meanwhile.
+
+So from the second step on, every trained response is at least one version old (the trainer is one update ahead
+of the weights that sampled it), and a step takes about the longer of generation and training, plus the sync.
+Validation waits for the call in flight (its groups are kept for the next step), syncs the newest weights and
+generates on the rollout ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from omegaconf import DictConfig
+
+from archer.batch import Batch
+from archer.controller.ray_group import RayWorkerGroup, connect_ray, share_node_gpus
+from archer.controller.worker_group import PendingCall
+from archer.distributed.weight_sync import WeightManifest, bucket_bytes
+from archer.trainer.async_batches import AsyncBatches
+from archer.workers.colocated import RankWorkers
+from archer.workers.rollout_rank import RolloutRank, engine_dtype
+
+log = logging.getLogger("archer.trainer")
+
+
+def rollout_world(cfg: DictConfig) -> int:
+    """The standalone rollout ranks: actor_rollout_ref.rollout.nnodes x n_gpus_per_node."""
+    rollout = cfg.actor_rollout_ref.rollout
+    return int(rollout.nnodes) * int(rollout.n_gpus_per_node)
+
+
+def build_separate_groups(cfg: DictConfig, trainer_kwargs: dict, rollout_kwargs: dict
+                          ) -> tuple[RayWorkerGroup, RayWorkerGroup, bool]:
+    """The trainer's and the rollout's Ray worker groups, their workers started with the node's GPUs of both
+    visible; returns them and whether this call started Ray (then ``SeparateRollout.shutdown`` stops it)."""
+    trainer_cfg, rollout = cfg.trainer, cfg.actor_rollout_ref.rollout
+    trainer_world = int(trainer_cfg.nnodes) * int(trainer_cfg.n_gpus_per_node)
+    owns_ray = connect_ray(trainer_world + rollout_world(cfg))
+    device = str(trainer_cfg.device)
+    trainer = RayWorkerGroup(RankWorkers, {**trainer_kwargs, "generates": False}, nnodes=int(trainer_cfg.nnodes),
+                             n_gpus_per_node=int(trainer_cfg.n_gpus_per_node), device_kind=device, start=False)
+    try:
+        rollout_group = RayWorkerGroup(RolloutRank, rollout_kwargs, nnodes=int(rollout.nnodes),
+                                       n_gpus_per_node=int(rollout.n_gpus_per_node), device_kind=device,
+                                       start=False)
+    except BaseException:
+        trainer.shutdown()
+        raise
+    try:
+        share_node_gpus([trainer, rollout_group])
+    except BaseException:
+        rollout_group.shutdown()
+        trainer.shutdown()
+        raise
+    return trainer, rollout_group, owns_ray
+
+
+class SeparateRollout:
+    """The pipeline of separate_async over the trainer's group (``trainer``) and the rollout ranks
+    (``batches.workers``)."""
+
+    def __init__(self, cfg: DictConfig, trainer: RayWorkerGroup, batches: AsyncBatches, owns_ray: bool) -> None:
+        self.trainer, self.batches, self.owns_ray = trainer, batches, owns_ray
+        self.rollout: RayWorkerGroup = batches.workers  # type: ignore[assignment]
+        self.in_flight: tuple[int, PendingCall] | None = None  # (the step it is for, the call)
+        self.kept: tuple[int, Batch, dict[str, float]] | None = None  # a call's groups taken early (validation)
+        self.rollout_version: int | None = None  # the policy version the rollout ranks hold
+        self.set_up_weight_sync(cfg)
+
+    def set_up_weight_sync(self, cfg: DictConfig) -> None:
+        """The weight-sync group: trainer rank 0 hosts it, every rollout rank joins; the buckets are planned
+        from the policy's weight stream."""
+        rollout = cfg.actor_rollout_ref.rollout
+        host, port = self.trainer.call("open_weight_sync")
+        shapes = self.trainer.call("weight_shapes")
+        device = torch.device("cuda" if self.trainer.device_kind == "cuda" else "cpu")
+        manifest = WeightManifest.plan(shapes, engine_dtype(rollout, device),
+                                       bucket_bytes(rollout.checkpoint_engine.update_weights_bucket_megabytes))
+        size = 1 + self.rollout.world_size
+        joins = [group.submit("join_weight_sync", host, port, size, manifest)
+                 for group in (self.trainer, self.rollout)]
+        for join in joins:
+            join.result()
+        log.info("separate_async: %d trainer rank(s), %d rollout rank(s); weights of %.2f GB sync in %d bucket(s)",
+                 self.trainer.world_size, self.rollout.world_size, manifest.num_bytes / 1e9, len(manifest.buckets))
+
+    def sync(self, version: int, timings: dict[str, float]) -> None:
+        """The trainer's weights (policy ``version``) into the rollout ranks' engines, unless they hold them."""
+        if self.rollout_version == version:
+            return
+        start = time.perf_counter()
+        calls = [self.trainer.submit("send_weights"), self.rollout.submit("receive_weights")]
+        for call in calls:
+            call.result()
+        timings["update_weights"] = timings.get("update_weights", 0.0) + time.perf_counter() - start
+        self.rollout_version = version
+
+    def prepare(self, step: int, timings: dict[str, float]) -> None:
+        """Before step ``step``'s groups are taken: with no call in flight for it (the run's first step, a resumed
+        run's), sync the weights of version step - 1 and start one."""
+        if self.in_flight is None and (self.kept is None or self.kept[0] != step):
+            self.sync(step - 1, timings)
+            self.launch(step)
+
+    def groups(self, step: int, metrics: dict[str, float]) -> Batch:
+        """Step ``step``'s first batch of groups: those of the call in flight (or kept by a validation)."""
+        if self.kept is not None and self.kept[0] == step:
+            _, batch, kept_metrics = self.kept
+            self.kept = None
+            metrics.update(kept_metrics)
+            return batch
+        return self._take(metrics)
+
+    def more_groups(self, step: int, quota: int, metrics: dict[str, float]) -> Batch:
+        """A further call of dynamic sampling at ``step``, under the weights of version step - 1."""
+        return self.batches.finish(self.batches.start(step, quota=quota, extra=True, version=self.rollout_version),
+                                   metrics)
+
+    def launch(self, step: int) -> None:
+        """Start the call for ``step``'s groups under the weights the rollout ranks hold."""
+        self.in_flight = (step, self.batches.start(step, version=self.rollout_version))
+
+    def _take(self, metrics: dict[str, float]) -> Batch:
+        _, call = self.in_flight
+        self.in_flight = None
+        return self.batches.finish(call, metrics)
+
+    def generate(self, prompts: Batch, version: int) -> Batch:
+        """Validation's responses under policy ``version`` (the trainer's newest): the call in flight is taken
+        first (its groups kept for its step), the weights synced, then the rollout ranks generate."""
+        if self.in_flight is not None:
+            step = self.in_flight[0]
+            metrics: dict[str, float] = {}
+            self.kept = (step, self._take(metrics), metrics)
+        self.sync(version, {})
+        return self.rollout.call("generate_sequences", prompts)
+
+    def shutdown(self) -> None:
+        """Stop the rollout ranks (the trainer's group is the trainer's to stop), and Ray if this run started it."""
+        self.rollout.shutdown()
+        self.trainer.shutdown()
+        if self.owns_ray:
+            import ray
+
+            ray.shutdown()

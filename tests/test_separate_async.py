@@ -1,0 +1,82 @@
+"""trainer.v1.trainer_mode=separate_async on CPU processes (docs/async.md): one trainer rank and one rollout rank
+(Ray, gloo), the weights broadcast between them each step.
+
+The hf engine decodes whole rounds, so at num_warmup_batches=0 the rollout rank's call for step s + 1, made while
+step s trains, completes exactly that step's loader batch under version s - 1: the same responses, log-probs and
+updates as colocate_async at num_warmup_batches=1 on one process (to float tolerance), which needs every synced
+weight to arrive exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_async_training import ASYNC, STALENESS, overrides, task, train_here, trained_prompts  # noqa: F401
+from test_scale_out_on_cpu import assert_close_metrics
+
+from archer.config.loader import load_config
+from archer.errors import ArcherError
+from archer.trace.format import TraceReader
+from archer.trainer.ppo import PPOTrainer
+
+pytestmark = pytest.mark.slow
+
+SEPARATE = ["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.num_warmup_batches=0",
+            "trainer.v1.separate_async.parameter_sync_step=2", "trainer.v1.sampler.max_off_policy_threshold=1",
+            "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
+OWN_KEYS = ("timing_s/update_weights", "async/generation_s", "async/in_flight_groups")  # separate's own figures
+
+
+def with_validation(files: dict[str, Path]) -> list[str]:
+    return [f"custom_reward_function.path={files['reward']}", f"data.val_files={files['val']}", "trainer.test_freq=2"]
+
+
+def test_separate_rollout_ranks_train_what_colocate_async_trains_one_version_behind(
+        task: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
+    want = train_here(task, tmp_path / "colocated", 3, *ASYNC, *with_validation(task))
+    run_dir = tmp_path / "separate"
+    got = train_here(task, run_dir, 3, *SEPARATE, *with_validation(task))
+    assert sorted(got) == [1, 2, 3]
+    assert got[1]["actor/pg_loss"] != 0.0  # the reward varies within groups: the policy moves every step
+    for step in got:
+        same = {k: v for k, v in got[step].items() if not k.startswith(OWN_KEYS)}
+        assert_close_metrics(same, {k: v for k, v in want[step].items() if not k.startswith(OWN_KEYS)}, step)
+    assert "val-core/arithmetic/acc/mean@1" in got[2] or any(k.startswith("val") for k in got[2])
+    assert [got[1][k] for k in STALENESS] == [0.0] * 3
+    for step in (2, 3):  # trained one update after the weights that sampled them
+        assert [got[step][k] for k in STALENESS] == [1.0] * 3
+        trace = TraceReader(run_dir / "entropy_trace").load_step(step)
+        assert trace["policy_version"].tolist() == [step - 2] * 12 and trace["staleness"].tolist() == [1] * 12
+    # the first step's sync sends version 0 and step 2's version 1; step 2's validation sent version 2 already
+    assert got[1]["timing_s/update_weights"] > 0 and got[2]["timing_s/update_weights"] > 0
+    assert "timing_s/update_weights" not in got[3]
+    assert all(got[s]["async/generation_s"] > 0 for s in got)
+
+    resumed_dir = tmp_path / "resumed"  # stopped after step 1, resumed: the same prompts, batch 2 sampled anew
+    train_here(task, resumed_dir, 1, *SEPARATE, "trainer.save_freq=1", f"custom_reward_function.path={task['reward']}")
+    resumed = train_here(task, resumed_dir, 3, *SEPARATE, "trainer.save_freq=1",
+                         f"custom_reward_function.path={task['reward']}")
+    for step in (2, 3):
+        assert trained_prompts(resumed_dir, step) == trained_prompts(run_dir, step)
+    assert [resumed[s]["training/off_policy/trajectory_staleness/max"] for s in (2, 3)] == [0.0, 1.0]
+
+
+def test_what_separate_async_needs_is_checked_before_anything_starts(task: dict[str, Path],  # noqa: F811
+                                                                    tmp_path: Path) -> None:
+    def check(*extra: str) -> None:
+        PPOTrainer(load_config("ppo_trainer", overrides(task, tmp_path / "run", 1, *extra)))
+
+    tools = ["+actor_rollout_ref.rollout.tools.tool_instances.python.class_path=agentic_support.Echo",
+             "+actor_rollout_ref.rollout.tools.tool_instances.python.params.answer='7'"]
+    cases = [(tools, "multi-turn tool rollouts"),
+             (["actor_rollout_ref.rollout.nnodes=0"], "needs standalone rollout GPUs"),
+             (["trainer.v1.separate_async.parameter_sync_step=1"], r"parameter_sync_step=1 x .*ppo_mini_batch_size=2"),
+             (["trainer.v1.sampler.max_off_policy_threshold=0"], "max_off_policy_threshold=0 is below"),
+             (["trainer.v1.separate_async.num_warmup_batches=1"], "num_warmup_batches=1")]
+    for extra, message in cases:
+        with pytest.raises(ArcherError, match=message):
+            check(*SEPARATE, *extra)
+    with pytest.raises(ArcherError, match="standalone rollout GPUs serve trainer.v1.trainer_mode=separate_async"):
+        check("actor_rollout_ref.rollout.nnodes=1")
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,94 @@
+"""The weight sync of separate_async (archer/distributed/weight_sync.py): bucket plans by hand, and a broadcast
+between two gloo processes that delivers every tensor exactly, by name, across bucket boundaries."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+
+import pytest
+import torch
+
+from archer.distributed.weight_sync import (
+    WeightManifest,
+    WeightReceiver,
+    WeightSender,
+    join_group,
+    open_store,
+)
+from archer.errors import ArcherError
+
+SHAPES = [("embed", (10, 4)), ("norm", (4,)), ("big", (3, 20)), ("head", (2, 4)), ("bias", (2,))]
+
+
+def weights(scale: float) -> list[tuple[str, torch.Tensor]]:
+    return [(name, torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape) * scale + i)
+            for i, (name, shape) in enumerate(SHAPES)]
+
+
+def test_buckets_fill_in_stream_order_and_a_large_tensor_gets_its_own() -> None:
+    manifest = WeightManifest.plan(SHAPES, torch.float32, bucket_bytes=48 * 4)  # 48 elements a bucket
+    layout = [[(s.name, s.offset, s.numel) for s in bucket] for bucket in manifest.buckets]
+    # embed 40 + norm 4 = 44 <= 48; big 60 > 48 alone; head 8 + bias 2 together
+    assert layout == [[("embed", 0, 40), ("norm", 40, 4)], [("big", 0, 60)], [("head", 0, 8), ("bias", 8, 2)]]
+    assert [manifest.bucket_numel(i) for i in range(3)] == [44, 60, 10]
+    assert manifest.largest_bucket() == 60 and manifest.num_bytes == (44 + 60 + 10) * 4
+    bf16 = WeightManifest.plan(SHAPES, torch.bfloat16, bucket_bytes=48 * 4)  # 96 two-byte elements
+    assert [[s.name for s in b] for b in bf16.buckets] == [["embed", "norm"], ["big", "head", "bias"]]
+    with pytest.raises(ArcherError, match="update_weights_bucket_megabytes"):
+        WeightManifest.plan(SHAPES, torch.float32, bucket_bytes=0)
+
+
+def _rank(rank: int, ports: mp.Queue, results: mp.Queue) -> None:
+    """Rank 0 hosts the store and sends twice (then a stream that names the wrong tensor first); rank 1
+    receives twice."""
+    torch.set_num_threads(1)
+    manifest = WeightManifest.plan(SHAPES, torch.float32, bucket_bytes=48 * 4)
+    try:
+        store = open_store("127.0.0.1", 30) if rank == 0 else None
+        if store is not None:
+            ports.put(store.port)
+            port = store.port
+        else:
+            port = ports.get(timeout=30)
+        group = join_group("127.0.0.1", port, rank, 2, torch.device("cpu"), 30, store=store)
+        if rank == 0:
+            sender = WeightSender(group, manifest, torch.device("cpu"))
+            for scale in (1.0, -2.0):
+                sender.send(weights(scale))
+            try:
+                sender.send([("wrong" if name == "embed" else name, t) for name, t in weights(3.0)])
+            except ArcherError as error:
+                results.put(("sender_error", error.problem))
+            return
+        receiver = WeightReceiver(group, manifest, torch.device("cpu"))
+        for _ in range(2):
+            results.put(("received", [(name, tensor.clone()) for name, tensor in receiver.receive()]))
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        results.put(("error", f"rank {rank}: {error!r}"))
+
+
+def test_two_processes_get_the_exact_weights_by_name_across_bucket_boundaries() -> None:
+    context = mp.get_context("spawn")
+    ports, results = context.Queue(), context.Queue()
+    procs = [context.Process(target=_rank, args=(rank, ports, results)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    got: dict[str, list] = {"received": [], "sender_error": [], "error": []}
+    try:
+        while len(got["received"]) < 2 or not got["sender_error"]:
+            kind, value = results.get(timeout=60)
+            got[kind].append(value)
+            assert not got["error"], got["error"]
+    except queue.Empty:
+        pytest.fail(f"no result within 60 s: {got}")
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    for received, scale in zip(got["received"], (1.0, -2.0)):
+        assert [name for name, _ in received] == [name for name, _ in SHAPES]
+        for (name, tensor), (_, want) in zip(received, weights(scale)):
+            assert tensor.shape == want.shape and torch.equal(tensor, want), name
+    assert "'wrong'" in got["sender_error"][0] and "'embed'" in got["sender_error"][0]
