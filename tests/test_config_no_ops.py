@@ -54,7 +54,7 @@ def test_the_table_lists_every_marked_key_once():
     assert {entry.key for entry in schema if not entry.sharded_only} == marked_keys()
     cfg = load_config("ppo_trainer", REQUIRED)
     assert all(OmegaConf.select(cfg, entry.key) == entry.default for entry in NO_OPS if entry.sharded_only)
-    assert len(schema) == 76 and sum(entry.sharded_only for entry in NO_OPS) == 9
+    assert len(schema) == 75 and sum(entry.sharded_only for entry in NO_OPS) == 9
     assert all(OmegaConf.select(cfg, entry.key, default="absent") == "absent"
                for entry in NO_OPS if not entry.in_schema and not entry.key.endswith(".*"))  # verl's keys archer lacks
 

@@ -327,3 +327,22 @@ def test_a_worker_module_the_ranks_cannot_import_is_named(ray_cluster: None, tmp
         build_worker_group(Far, {}, nnodes=1, n_gpus_per_node=2, device_kind="cpu")
     assert "of 2 cannot import module 'driver_only_worker' (Far.__init__)" in err.value.problem
     assert "PYTHONPATH" in err.value.fix
+
+
+def test_calls_side_by_side_on_two_groups_fail_at_the_first_failing_rank(ray_cluster: None) -> None:
+    """separate_async's weight sync waits on both groups at once: a rollout rank that fails does not leave the
+    driver waiting for the trainer's rank, blocked in a collective the failed rank never finishes."""
+    from archer.controller.ray_group import RayWorkerGroup, wait_all
+
+    sender, receiver = (RayWorkerGroup(ToyWorker, {"scale": 1}, nnodes=1, n_gpus_per_node=1, device_kind="cpu")
+                        for _ in range(2))
+    try:
+        assert wait_all([sender.submit("rank_times_scale"), receiver.submit("sleep_on", 0, 0.1)]) == [1, "done"]
+        start = time.monotonic()
+        with pytest.raises(ArcherError) as err:
+            wait_all([sender.submit("sleep_on", 0, 60), receiver.submit("refuse_on", 0)])
+        assert time.monotonic() - start < 10
+        assert err.value.problem == "rank 0, refuse_on: the toy value is out of range"
+    finally:
+        sender.shutdown()
+        receiver.shutdown()

@@ -412,6 +412,26 @@ class _RayCall(PendingCall):
         return self.collector(self.group._gather(self.refs, self.method_name, self.group.call_timeout_s))
 
 
+def wait_all(calls: list[PendingCall]) -> list[Any]:
+    """The results of calls running side by side on several groups (separate_async's weight sync: trainer rank 0
+    sends while the rollout ranks receive), in order. A rank that fails in any of them raises at once, as its
+    group's error, without waiting for the others, which may be blocked in a collective the failed rank never
+    joins (the caller then shuts every group down)."""
+    ray_calls = [call for call in calls if isinstance(call, _RayCall)]
+    if ray_calls:
+        ray = ray_calls[0].group._ray
+        pending = {ref: call for call in ray_calls for ref in call.refs}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            call = pending.pop(ready[0])
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayError as exc:
+                others = {ref: call.refs.index(ref) for ref, owner in pending.items() if owner is call}
+                raise call.group._failure(call.method_name, call.refs.index(ready[0]), exc, others) from None
+    return [call.result() for call in calls]
+
+
 def share_node_gpus(groups: list[RayWorkerGroup]) -> None:
     """Start the workers of ``groups`` (placed with ``start=False``) with every GPU that these groups hold on
     a rank's node visible to it, in group order then local-rank order; each rank's own GPU is ``cuda:LOCAL_RANK``

@@ -26,7 +26,7 @@ import torch
 from omegaconf import DictConfig
 
 from archer.batch import Batch
-from archer.controller.ray_group import RayWorkerGroup, connect_ray, share_node_gpus
+from archer.controller.ray_group import RayWorkerGroup, connect_ray, share_node_gpus, wait_all
 from archer.controller.worker_group import PendingCall
 from archer.distributed.weight_sync import WeightManifest, bucket_bytes
 from archer.trainer.async_batches import AsyncBatches
@@ -90,10 +90,7 @@ class SeparateRollout:
         manifest = WeightManifest.plan(shapes, engine_dtype(rollout, device),
                                        bucket_bytes(rollout.checkpoint_engine.update_weights_bucket_megabytes))
         size = 1 + self.rollout.world_size
-        joins = [group.submit("join_weight_sync", host, port, size, manifest)
-                 for group in (self.trainer, self.rollout)]
-        for join in joins:
-            join.result()
+        wait_all([group.submit("join_weight_sync", host, port, size, manifest) for group in (self.trainer, self.rollout)])
         log.info("separate_async: %d trainer rank(s), %d rollout rank(s); weights of %.2f GB sync in %d bucket(s)",
                  self.trainer.world_size, self.rollout.world_size, manifest.num_bytes / 1e9, len(manifest.buckets))
 
@@ -102,9 +99,7 @@ class SeparateRollout:
         if self.rollout_version == version:
             return
         start = time.perf_counter()
-        calls = [self.trainer.submit("send_weights"), self.rollout.submit("receive_weights")]
-        for call in calls:
-            call.result()
+        wait_all([self.trainer.submit("send_weights"), self.rollout.submit("receive_weights")])
         timings["update_weights"] = timings.get("update_weights", 0.0) + time.perf_counter() - start
         self.rollout_version = version
 
