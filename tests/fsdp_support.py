@@ -116,6 +116,7 @@ def record(ctx: DistContext, work: Path) -> dict:
     # (a) + (e): three steps with gradient checkpointing, sharded, against the reference's single process.
     model = shard_model(load_model(model_dir, checkpointing=True), ctx, param_dtype=torch.float32)
     out["initial"] = weights(model)
+    out["initial_bf16"] = {name: tensor.clone() for name, tensor in policy_weights(model, torch.bfloat16)}
     optimizer = adamw(model.parameters())
     out["steps"] = [train_step(model, optimizer, ctx, step) for step in range(3)]
     out["trained"] = weights(model)
@@ -146,6 +147,7 @@ def record(ctx: DistContext, work: Path) -> dict:
     with torch.no_grad():
         lora(input_ids=batch(0, lora.config.vocab_size)[0][:1])
     out["lora_initial"] = list(policy_weights(lora))
+    out["lora_initial_bf16"] = list(policy_weights(lora, torch.bfloat16))
     optimizer = adamw(trainable_parameters(lora))
     out["lora_step"] = train_step(lora, optimizer, ctx, 0)
     out["lora_trained"] = list(policy_weights(lora))

@@ -92,6 +92,17 @@ def test_the_weight_stream_on_two_ranks_equals_the_plain_state_dict(runs):
     assert_weights(ranks["initial"], {k: v for k, v in ref["initial"].items() if k not in tied}, exact=True)
 
 
+def test_a_stream_cast_before_the_gather_holds_the_gathered_weights_cast(runs):
+    """separate_async gathers the weights in the engine's dtype: half the bytes, the same values."""
+    ranks = runs["ranks"]
+    assert ranks["initial_bf16"].keys() == ranks["initial"].keys()
+    for name, tensor in ranks["initial"].items():
+        got = ranks["initial_bf16"][name]
+        assert got.dtype == torch.bfloat16 and torch.equal(got, tensor.to(torch.bfloat16)), name
+    for (name, got), (_, want) in zip(ranks["lora_initial_bf16"], ranks["lora_initial"], strict=True):
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16)), name
+
+
 def test_the_lora_merged_stream_on_two_ranks_equals_the_unsharded_one(runs):
     ref, ranks = runs["ref"], runs["ranks"]
     assert [name for name, _ in ranks["lora_initial"]] == [name for name, _ in ref["lora_initial"]]

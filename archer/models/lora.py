@@ -153,7 +153,7 @@ def _lora_layers(model: nn.Module) -> dict[str, LoraLayer]:
 
 
 @torch.no_grad()
-def policy_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def policy_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's weights as (state-dict name, tensor) pairs named as in the plain model (tied weights once;
     peft's ``base_model.model.`` / ``.base_layer`` never appear), lazily, one parameter at a time. A LoRA layer
     gives its merged weight ``W + scaling * B @ A`` (peft's delta added in float32, returned in W's dtype) and
@@ -161,20 +161,25 @@ def policy_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
     On a model sharded with FSDP2 every tensor is all-gathered whole, with the same values as on the unsharded
     model: every rank must iterate the whole stream in step, between optimiser steps (not between a forward
-    and its backward); a rank that needs nothing (not rank 0 in an export) still drains it."""
+    and its backward); a rank that needs nothing (not rank 0 in an export) still drains it. ``dtype``: each tensor
+    cast to it (before the gather: fewer bytes to gather, the same values; a LoRA merge adds in float32 first)."""
+
+    def cast(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if dtype is None else tensor.to(dtype)
+
     root = unwrap(model)
     reshard(root)
     layers = _lora_layers(root)
     inside = tuple(f"{name}." for name in layers)
     for name, param in root.named_parameters():
         if not name.startswith(inside):
-            yield name, full_tensor(param.detach())
+            yield name, full_tensor(cast(param.detach()))
     for name, layer in layers.items():
         base = layer.get_base_layer()
         weight = full_tensor(base.weight.detach())
-        yield f"{name}.weight", _merged(name, layer, weight)
+        yield f"{name}.weight", cast(_merged(name, layer, weight))
         if getattr(base, "bias", None) is not None:
-            yield f"{name}.bias", full_tensor(base.bias.detach())
+            yield f"{name}.bias", full_tensor(cast(base.bias.detach()))
 
 
 def _merged(name: str, layer: LoraLayer, weight: torch.Tensor) -> torch.Tensor:

@@ -159,10 +159,11 @@ class ModelOwner:
         held = weights + (12 * trainable if self.optimizer is not None else 0)
         return -(-held // self.ctx.world_size)
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The policy's weights as (state-dict name, tensor) pairs, LoRA layers merged: what an engine syncs.
-        Sharded, each is gathered in turn: every rank must read the whole stream."""
-        return policy_weights(self.model)
+    def weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's weights as (state-dict name, tensor) pairs, LoRA layers merged: what an engine syncs
+        (``dtype``: cast to it before any gather). Sharded, each is gathered in turn: every rank must read the
+        whole stream."""
+        return policy_weights(self.model, dtype)
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     def save_model(self, out_dir: Path, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
