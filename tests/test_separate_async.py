@@ -9,6 +9,7 @@ weight to arrive exactly.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -62,14 +63,38 @@ def test_separate_rollout_ranks_train_what_colocate_async_trains_one_version_beh
     assert [resumed[s]["training/off_policy/trajectory_staleness/max"] for s in (2, 3)] == [0.0, 1.0]
 
 
+TOOLS = ["+actor_rollout_ref.rollout.tools.tool_instances.python.class_path=agentic_support.Echo",
+         "+actor_rollout_ref.rollout.tools.tool_instances.python.params.answer='7'"]
+
+
+def test_with_tools_the_rollout_rank_generates_each_batch_whole_one_step_ahead(
+        task: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """The tool loop runs on the rollout rank; step 1 samples the loader's first batch with the seeds and weights
+    the synchronous loop uses (the same metrics), later steps train the batch generated while the step before
+    trained, one version old."""
+    tests_dir = str(Path(__file__).resolve().parent)  # the ranks import the test tool from here
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
+    reward = f"custom_reward_function.path={task['reward']}"
+    want = train_here(task, tmp_path / "sync", 1, *TOOLS, reward)
+    got = train_here(task, tmp_path / "separate", 3, *SEPARATE, *TOOLS, reward)
+    assert "tools/invalid_calls" in got[1] and "rollout/turns_mean" in got[1]  # the tool loop's statistics
+    async_keys = (*OWN_KEYS, "async/", "training/off_policy/evicted_samples",  # what sync does not log
+                  "rollout/longest_trajectory_share", "rollout/tool_wait_s")  # and wall-clock shares
+    same = {k: v for k, v in got[1].items() if not k.startswith(async_keys)}
+    assert_close_metrics(same, {k: v for k, v in want[1].items() if not k.startswith(async_keys)}, 1)
+    assert [got[s]["training/off_policy/trajectory_staleness/mean"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert all(got[s]["train/num_kept_groups"] == 4.0 for s in got)
+    for step in (2, 3):
+        assert trained_prompts(tmp_path / "separate", step) != trained_prompts(tmp_path / "separate", step - 1)
+
+
 def test_what_separate_async_needs_is_checked_before_anything_starts(task: dict[str, Path],  # noqa: F811
                                                                     tmp_path: Path) -> None:
     def check(*extra: str) -> None:
         PPOTrainer(load_config("ppo_trainer", overrides(task, tmp_path / "run", 1, *extra)))
 
-    tools = ["+actor_rollout_ref.rollout.tools.tool_instances.python.class_path=agentic_support.Echo",
-             "+actor_rollout_ref.rollout.tools.tool_instances.python.params.answer='7'"]
-    cases = [(tools, "multi-turn tool rollouts"),
+    cases = [([*TOOLS, "trainer.v1.separate_async.num_warmup_batches=1", "trainer.v1.sampler.max_off_policy_threshold=2"],
+              "num_warmup_batches=1 would train more groups"),
              (["actor_rollout_ref.rollout.nnodes=0"], "needs standalone rollout GPUs"),
              (["trainer.v1.separate_async.parameter_sync_step=1"], r"parameter_sync_step=1 x .*ppo_mini_batch_size=2"),
              (["trainer.v1.sampler.max_off_policy_threshold=0"], "max_off_policy_threshold=0 is below"),

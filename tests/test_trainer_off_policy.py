@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 from workers_support import hand_batch
 
 from archer.batch import Batch
-from archer.trainer.off_policy import RolloutCorrectionStage, record_staleness, stamp_policy_version
+from archer.rollout.request_pool import stamp_policy_version
+from archer.trainer.off_policy import RolloutCorrectionStage, record_staleness
 
 # hand_batch's RESPONSE_MASK [[1,1,0],[1,1,1],[1,0,0]]; log(old / rollout) on its tokens: ln 3, 0 | 0, ln 0.25, 0 | 0
 OLD = torch.tensor([[-1.0, -0.5, 0.0], [-0.2, -1.5, -0.7], [-0.9, 0.0, 0.0]])

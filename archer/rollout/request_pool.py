@@ -17,6 +17,9 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from archer.batch import Batch
 from archer.rollout.base import (
     PAUSED,
     ContinuousSession,
@@ -29,6 +32,13 @@ from archer.rollout.base import (
 
 POLICY_VERSION = "policy_version"  # batch row: the newest policy version that wrote a token of the response
 FIRST_POLICY_VERSION = "first_policy_version"  # batch row: the oldest (the version of its first token)
+
+
+def stamp_policy_version(batch: Batch, version: int) -> None:
+    """Mark every response of ``batch`` as sampled, from its first token to its last, by policy ``version``."""
+    versions = np.full(len(batch), int(version), dtype=np.int64)
+    batch[POLICY_VERSION] = versions
+    batch[FIRST_POLICY_VERSION] = versions.copy()
 
 
 @dataclass

@@ -188,14 +188,15 @@ def check_trainer_mode(cfg: DictConfig) -> None:
 
 
 def check_separate_async(cfg: DictConfig) -> None:
-    """separate_async: standalone rollout GPUs configured, no tools yet, verl's parameter_sync_step consistent
+    """separate_async: standalone rollout GPUs configured, tools only without a warm-up, verl's parameter_sync_step consistent
     with archer's one sync a step, and a staleness bound that the pipeline's one version of lag (plus the
     warm-up's) passes."""
     v1, rollout, actor = cfg.trainer.v1, cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
-    if uses_tools(rollout):
-        raise ArcherError("trainer.v1.trainer_mode=separate_async does not run with multi-turn tool rollouts "
-                          "(actor_rollout_ref.rollout.tools.tool_instances) yet (docs/async.md)",
-                          "drop the tools, or use trainer.v1.trainer_mode=sync")
+    if uses_tools(rollout) and v1.separate_async.num_warmup_batches != 0:
+        raise ArcherError("trainer.v1.trainer_mode=separate_async with multi-turn tool rollouts generates each step's "
+                          "batch whole, one step ahead (docs/async.md): trainer.v1.separate_async.num_warmup_batches="
+                          f"{v1.separate_async.num_warmup_batches} would train more groups a step than "
+                          "data.train_batch_size", "set trainer.v1.separate_async.num_warmup_batches=0")
     for key in ("nnodes", "n_gpus_per_node"):
         value = rollout[key]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

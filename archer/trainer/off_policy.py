@@ -29,13 +29,6 @@ STALENESS = "staleness"  # row: versions between policy_version and the version 
 OFF_POLICY = "training/off_policy/"
 
 
-def stamp_policy_version(batch: Batch, version: int) -> None:
-    """Mark every response of ``batch`` as sampled, from its first token to its last, by policy ``version``."""
-    versions = np.full(len(batch), int(version), dtype=np.int64)
-    batch[POLICY_VERSION] = versions
-    batch[FIRST_POLICY_VERSION] = versions.copy()
-
-
 def _stats(name: str, values: np.ndarray) -> dict[str, float]:
     return {f"{OFF_POLICY}{name}/mean": float(values.mean()), f"{OFF_POLICY}{name}/max": float(values.max()),
             f"{OFF_POLICY}{name}/min": float(values.min())}

@@ -38,6 +38,7 @@ from archer.rewards.extras import REWARD_EXTRAS
 from archer.rewards.reward_stage import build_reward_manager
 from archer.rewards.routing import check_routes
 from archer.rollout.agentic_config import check_row_tools, tool_call_tags
+from archer.rollout.request_pool import stamp_policy_version
 from archer.rollout.rollout_stats import RolloutStats
 from archer.trace.entropy import EntropyTrace
 from archer.trace.influence import InfluenceTrace
@@ -51,7 +52,7 @@ from archer.trainer.group_filter import (
     uniform_accuracy_rows,
 )
 from archer.trainer.model_check import check_sequence_lengths
-from archer.trainer.off_policy import RolloutCorrectionStage, record_staleness, stamp_policy_version
+from archer.trainer.off_policy import RolloutCorrectionStage, record_staleness
 from archer.trainer.plots import plot_metrics
 from archer.trainer.run_folder import (
     CHECKPOINTS_DIR,
