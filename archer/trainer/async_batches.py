@@ -26,8 +26,7 @@ from omegaconf import DictConfig
 from archer.batch import Batch
 from archer.controller.worker_group import PendingCall, WorkerGroup
 from archer.data.loader import PromptLoader, collate_prompts
-from archer.workers.async_rollout import ASYNC_STATS, BATCH_ROWS, SAMPLE_INDEX, StalenessBound
-from archer.workers.rollout_rank import GENERATION_S
+from archer.workers.async_rollout import ASYNC_STATS, BATCH_ROWS, GENERATION_S, SAMPLE_INDEX, StalenessBound
 
 ASYNC_STATE = "async_pending"  # trainer-state key: the admitted loader batches with untrained groups
 GEN_BATCH_SEED_STRIDE = 7_919_993  # sampling-seed offset of a step's 2nd, 3rd, ... generation batch

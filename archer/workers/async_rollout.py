@@ -23,7 +23,17 @@ from archer.workers.rollout import RolloutWorker, concat_sequences, layout_seque
 ASYNC_STATS = "async_rollout"  # info key: what the call did (evicted uids, paused and resumed requests, counts)
 SAMPLE_INDEX = "sample_index"  # row of an admitted prompt: its index in its loader batch (its sampling seeds)
 BATCH_ROWS = "batch_rows"  # info of admitted prompts: the rows of their whole loader batch (which rank takes which)
+GENERATION_S = "generation_s"  # async stats of a standalone rollout rank: its seconds in the call
 _SAMPLE_STREAM = 3  # seed stream of the asynchronous modes' requests
+
+
+def merge_async_stats(stats: list[dict]) -> dict:
+    """The ranks' pool figures of one call: counts summed, evicted uids joined, the slowest rank's seconds."""
+    merged: dict = {}
+    for key in stats[0]:
+        values = [s[key] for s in stats]
+        merged[key] = max(values) if key == GENERATION_S else sum(values, [] if key == "evicted" else 0)
+    return merged
 
 
 def rank_rows(prompts: Batch, rank: int, world: int) -> np.ndarray:

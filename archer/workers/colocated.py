@@ -33,16 +33,15 @@ from archer.config.world import world_size
 from archer.distributed.context import DistContext
 from archer.distributed.weight_sync import WeightManifest, WeightSender, join_group, open_store
 from archer.models.loading import load_tokenizer, pick_device
-from archer.rollout.rollout_stats import RolloutStats
 from archer.trace.influence_capture import CaptureSettings, TracedTokens, merge_rank_factors
 from archer.units import GIB
 from archer.workers.actor import ActorWorker
-from archer.workers.async_rollout import ASYNC_STATS, StalenessBound
+from archer.workers.async_rollout import ASYNC_STATS, StalenessBound, merge_async_stats
 from archer.workers.critic import CriticWorker
 from archer.workers.dispatch import collect, concat_batches, rank_zero, shard_rows
 from archer.workers.memory import MemoryPlan, card_figures, plan_actor_memory
 from archer.workers.reference import ReferenceWorker
-from archer.workers.results import ROLLOUT_STATS, UpdateResult
+from archer.workers.results import UpdateResult, concat_generations
 from archer.workers.reward_model import RewardModelWorker
 
 log = logging.getLogger("archer.workers")
@@ -51,11 +50,7 @@ log = logging.getLogger("archer.workers")
 def concat_generated(results: list[Batch]) -> Batch:
     """Every rank's generated rows in rank order (padded to one width by the ranks), the agentic loop's
     statistics merged over the ranks."""
-    stats = [b.info.pop(ROLLOUT_STATS) for b in results if ROLLOUT_STATS in b.info]
-    batch = concat_batches(results)
-    if stats:
-        batch.info[ROLLOUT_STATS] = RolloutStats.merge(stats)
-    return batch
+    return concat_generations(results, concat_batches)
 
 
 def concat_produced(results: list[Batch]) -> Batch:
@@ -63,7 +58,7 @@ def concat_produced(results: list[Batch]) -> Batch:
     joined)."""
     stats = [b.info.pop(ASYNC_STATS) for b in results]
     batch = concat_batches([b for b in results if len(b)] or results[:1])
-    batch.info[ASYNC_STATS] = {key: sum((s[key] for s in stats), [] if key == "evicted" else 0) for key in stats[0]}
+    batch.info[ASYNC_STATS] = merge_async_stats(stats)
     return batch
 
 

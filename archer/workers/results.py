@@ -4,11 +4,23 @@ the agentic loop's statistics on a generated batch. The trainer reads worker res
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from archer.batch import Batch
+from archer.rollout.rollout_stats import RolloutStats
 from archer.trace.influence_capture import FactorGroup
 
 ROLLOUT_STATS = "rollout_stats"  # info key of a generated batch: the agentic loop's RolloutStats
+
+
+def concat_generations(results: list[Batch], concat: Callable[[list[Batch]], Batch]) -> Batch:
+    """The ranks' generated batches joined by ``concat``, their agentic loop's statistics merged."""
+    stats = [b.info.pop(ROLLOUT_STATS) for b in results if ROLLOUT_STATS in b.info]
+    batch = concat(results)
+    if stats:
+        batch.info[ROLLOUT_STATS] = RolloutStats.merge(stats)
+    return batch
 
 
 @dataclass

@@ -25,14 +25,20 @@ from archer.distributed.weight_sync import WeightManifest, WeightReceiver, join_
 from archer.models.loading import load_causal_lm, load_tokenizer, pick_device
 from archer.rollout.factory import build_engine, uses_fast_engine
 from archer.rollout.request_pool import stamp_policy_version
-from archer.rollout.rollout_stats import RolloutStats
-from archer.workers.async_rollout import ASYNC_STATS, SAMPLE_INDEX, AsyncRollout, StalenessBound, rank_rows
+from archer.workers.async_rollout import (
+    ASYNC_STATS,
+    GENERATION_S,
+    SAMPLE_INDEX,
+    AsyncRollout,
+    StalenessBound,
+    merge_async_stats,
+    rank_rows,
+)
 from archer.workers.dispatch import collect
-from archer.workers.results import ROLLOUT_STATS
+from archer.workers.results import concat_generations
 from archer.workers.rollout import FIRST_PROMPT, RolloutWorker, concat_sequences
 
 PAD_TOKEN = "pad_token_id"  # info key of a rollout rank's result: the pad token its rows are padded with
-GENERATION_S = "generation_s"  # async stats: the rank's seconds in the call (the overlapped generation)
 
 
 def engine_dtype(rollout: DictConfig, device: torch.device) -> torch.dtype:
@@ -49,25 +55,17 @@ def _padded(results: list[Batch]) -> Batch:
 
 
 def concat_rank_groups(results: list[Batch]) -> Batch:
-    """produce_groups' results: the ranks' complete groups, with what their pools did summed (evicted uids
-    joined; the generation time is the slowest rank's) and the tool loop's statistics merged."""
+    """produce_groups' results: the ranks' complete groups, with what their pools did (``merge_async_stats``)
+    and the tool loop's statistics merged."""
     stats = [b.info.pop(ASYNC_STATS) for b in results]
     batch = concat_rank_generations(results)
-    merged: dict[str, Any] = {}
-    for key in stats[0]:
-        values = [s[key] for s in stats]
-        merged[key] = max(values) if key == GENERATION_S else sum(values, [] if key == "evicted" else 0)
-    batch.info[ASYNC_STATS] = merged
+    batch.info[ASYNC_STATS] = merge_async_stats(stats)
     return batch
 
 
 def concat_rank_generations(results: list[Batch]) -> Batch:
     """generate_sequences' results: the ranks' rows in order, the agentic loop's statistics merged."""
-    stats = [b.info.pop(ROLLOUT_STATS) for b in results if ROLLOUT_STATS in b.info]
-    batch = _padded(results)
-    if stats:
-        batch.info[ROLLOUT_STATS] = RolloutStats.merge(stats)
-    return batch
+    return concat_generations(results, _padded)
 
 
 def _none(results: list[Any]) -> None:
@@ -137,10 +135,8 @@ class RolloutRank:
             out = self.rollout.generate_for(share)
             stamp_policy_version(out, version)
             parts.append(out)
-        stats = [b.info.pop(ROLLOUT_STATS) for b in parts if ROLLOUT_STATS in b.info]
-        batch = concat_sequences(parts, int(self.tokenizer.pad_token_id)) if parts else Batch({})
-        if stats:
-            batch.info[ROLLOUT_STATS] = RolloutStats.merge(stats)
+        pad = int(self.tokenizer.pad_token_id)
+        batch = concat_generations(parts, lambda ps: concat_sequences(ps, pad)) if parts else Batch({})
         batch.info[ASYNC_STATS] = {"evicted": [], "paused": 0, "resumed": 0, "in_flight": 0, "prefilled": 0}
         return batch
 
