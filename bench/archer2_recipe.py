@@ -12,6 +12,7 @@ recipe allows. Checkpoints and validation are off (``trainer.save_freq=-1``, ``t
 
     python bench/archer2_recipe.py --gpus 2 --steps 4 --json /tmp/archer2_recipe.json   # the goal's run
     python bench/archer2_recipe.py --tiny --steps 2                                     # CPU: the plumbing only
+    python bench/archer2_recipe.py --gpus 2 --archer-override actor_rollout_ref.model.use_liger=true   # one key more
 
 The run's own metrics.jsonl gives each step's time and stages (``timing_s/*``); the first step is warm-up. With
 ``--tiny`` the tiny shape runs on the CPU with small batches and lengths appended as overrides (a check that the
@@ -86,6 +87,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the tiny shape on the CPU: the plumbing only")
     parser.add_argument("--timeout", type=float, default=1500, help="seconds the run may take")
     parser.add_argument("--json", type=Path, help="write the record here")
+    parser.add_argument("--archer-override", nargs="*", default=[],
+                        help="overrides appended to the recipe's (e.g. actor_rollout_ref.model.use_liger=true)")
     args = parser.parse_args()
     shape = "tiny" if args.tiny else "qwen2.5-1.5b"
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
@@ -102,7 +105,7 @@ def main() -> None:
            "PATH": f"{archer_shim(args.workdir / 'bin')}:{os.environ.get('PATH', '')}"}
     overrides = [f"custom_reward_function.path={reward}", f"trainer.total_training_steps={args.steps}",
                  "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.resume_mode=disable",
-                 *(TINY if args.tiny else ())]
+                 *(TINY if args.tiny else ()), *args.archer_override]
     cmd = ["bash", str(RECIPE), *overrides]
     log = args.workdir / "train.log"
     os.environ.update(env)  # model_sizes.run starts the command with this process's environment

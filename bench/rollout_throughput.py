@@ -108,10 +108,25 @@ def run_fast(model, tokenizer, prompts, args) -> dict:
                       repeat_hbm_fraction=record["repeat_tokens_per_s"] / bound)
     if args.check:
         record.update(_check(model, prompts, out, args))
+    if args.profile:
+        args.profile.write_text(profile_decode(engine, prompts, args))
     held = torch.cuda.memory_reserved()
     engine.release_memory()
     record["released_gib"] = (held - torch.cuda.memory_reserved()) / 2**30
     return record
+
+
+def profile_decode(engine: FastEngine, prompts: list[list[int]], args, new: int = 64) -> str:
+    """torch.profiler's table of the GPU kernels of a ``new``-token generate call (the graphs replayed as in the
+    timed calls, prefill included), the costliest first: where a decode step's time goes."""
+    params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=new, seed=2)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        engine.generate(prompts, params)
+        torch.cuda.synchronize()
+    header = (f"{args.shape}, {len(prompts)} x {args.n} rows, prompt {args.prompt}, {new} new tokens, "
+              f"{torch.cuda.get_device_name()}\n")
+    return header + prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
 
 
 def _check(model, prompts, out, args, rows: int = 16) -> dict:
@@ -172,6 +187,8 @@ def main() -> None:
     parser.add_argument("--batched-tokens", type=int, default=8192, help="rollout.max_num_batched_tokens")
     parser.add_argument("--check", action="store_true", help="compare log-probs with the training forward")
     parser.add_argument("--out", type=Path, help="append one JSON line per peer here")
+    parser.add_argument("--profile", type=Path, help="fast: write the profiler's kernel table of a short "
+                        "generate call here")
     args = parser.parse_args()
     model, tokenizer = build_model(args.shape, torch.device("cuda"))
     generator = torch.Generator().manual_seed(1)
