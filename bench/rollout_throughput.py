@@ -126,7 +126,7 @@ def profile_decode(engine: FastEngine, prompts: list[list[int]], args, new: int 
         torch.cuda.synchronize()
     header = (f"{args.shape}, {len(prompts)} x {args.n} rows, prompt {args.prompt}, {new} new tokens, "
               f"{torch.cuda.get_device_name()}\n")
-    return header + prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+    return header + prof.key_averages().table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70)
 
 
 def _check(model, prompts, out, args, rows: int = 16) -> dict:
