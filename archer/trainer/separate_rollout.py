@@ -144,7 +144,8 @@ class SeparateRollout:
         return self.rollout.call("generate_sequences", prompts)
 
     def shutdown(self) -> None:
-        """Stop the rollout ranks (the trainer's group is the trainer's to stop), and Ray if this run started it."""
+        """Stop both groups (the rollout ranks first: they may wait on a sync the trainer's ranks no longer
+        serve), and Ray if this run started it."""
         self.rollout.shutdown()
         self.trainer.shutdown()
         if self.owns_ray:
