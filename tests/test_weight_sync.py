@@ -92,3 +92,42 @@ def test_two_processes_get_the_exact_weights_by_name_across_bucket_boundaries() 
         for (name, tensor), (_, want) in zip(received, weights(scale)):
             assert tensor.shape == want.shape and torch.equal(tensor, want), name
     assert "'wrong'" in got["sender_error"][0] and "'embed'" in got["sender_error"][0]
+
+
+def _vanishing_receiver(ports: mp.Queue, results: mp.Queue) -> None:
+    """Rank 0 sends to a rank 1 that joins the group, then exits without receiving."""
+    torch.set_num_threads(1)
+    manifest = WeightManifest.plan(SHAPES, torch.float32, bucket_bytes=48 * 4)
+    store = open_store("127.0.0.1", 30)
+    ports.put(store.port)
+    group = join_group("127.0.0.1", store.port, 0, 2, torch.device("cpu"), 5, store=store)
+    try:
+        WeightSender(group, manifest, torch.device("cpu")).send(weights(1.0))
+        results.put(("sent", ""))
+    except ArcherError as error:
+        results.put(("error", f"{error.problem}\n{error.fix}"))
+
+
+def _joins_and_leaves(ports: mp.Queue) -> None:
+    port = ports.get(timeout=30)
+    join_group("127.0.0.1", port, 1, 2, torch.device("cpu"), 5)
+
+
+def test_a_rollout_rank_that_leaves_makes_the_sync_one_clear_error() -> None:
+    context = mp.get_context("spawn")
+    ports, results = context.Queue(), context.Queue()
+    procs = [context.Process(target=_vanishing_receiver, args=(ports, results)),
+             context.Process(target=_joins_and_leaves, args=(ports,))]
+    for proc in procs:
+        proc.start()
+    try:
+        kind, text = results.get(timeout=60)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    assert kind == "error", text
+    problem, fix = text.split("\n")
+    assert problem.startswith("the weight sync between trainer rank 0 and the 1 rollout rank(s) failed at bucket ")
+    assert "trainer.resume_mode=auto" in fix and "actor_rollout_ref.nccl_timeout" in fix

@@ -102,10 +102,31 @@ def join_group(host: str, port: int, rank: int, size: int, device: torch.device,
     return dist.ProcessGroupGloo(prefixed, rank, size, timedelta(seconds=timeout_s))
 
 
-def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:
+SYNC_FIX = ("a rank of the other side died or stopped answering (its own log lines, prefixed (rank N pid=...), say "
+            "why); restart the run with trainer.resume_mode=auto, raising actor_rollout_ref.nccl_timeout if the ranks "
+            "were only slow")
+
+
+def _sync_error(group: dist.ProcessGroup, bucket: int, error: RuntimeError) -> ArcherError:
+    """A collective of the sync that failed (a peer gone, the timeout past), as one ArcherError."""
+    return ArcherError(f"the weight sync between trainer rank 0 and the {group.size() - 1} rollout rank(s) failed at "
+                       f"bucket {bucket}: {str(error).splitlines()[0]}", SYNC_FIX)
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, bucket: int) -> dist.Work:
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    return group.broadcast([tensor], options)
+    try:
+        return group.broadcast([tensor], options)
+    except RuntimeError as error:
+        raise _sync_error(group, bucket, error) from None
+
+
+def _wait(work: dist.Work, group: dist.ProcessGroup, bucket: int) -> None:
+    try:
+        work.wait()
+    except RuntimeError as error:
+        raise _sync_error(group, bucket, error) from None
 
 
 class WeightSender:
@@ -130,10 +151,10 @@ class WeightSender:
                                       "changed after the weight sync was set up")
                 buffer[slot.offset: slot.offset + slot.numel].copy_(tensor.reshape(-1), non_blocking=True)
             if in_flight is not None:
-                in_flight.wait()
-            in_flight = _broadcast(self.group, buffer[: self.manifest.bucket_numel(index)])
+                _wait(in_flight, self.group, index - 1)
+            in_flight = _broadcast(self.group, buffer[: self.manifest.bucket_numel(index)], index)
         if in_flight is not None:
-            in_flight.wait()
+            _wait(in_flight, self.group, len(self.manifest.buckets) - 1)
         for _ in stream:  # a sharded policy's ranks gather every tensor: the stream is read to its end
             pass
         if self.buffers[0].device.type == "cuda":
@@ -153,7 +174,7 @@ class WeightReceiver:
         arrives (the engine copies it in place first)."""
         for index, slots in enumerate(self.manifest.buckets):
             buffer = self.buffers[index % 2]
-            _broadcast(self.group, buffer[: self.manifest.bucket_numel(index)]).wait()
+            _wait(_broadcast(self.group, buffer[: self.manifest.bucket_numel(index)], index), self.group, index)
             for slot in slots:
                 yield slot.name, buffer[slot.offset: slot.offset + slot.numel].view(slot.shape)
         if self.buffers[0].device.type == "cuda":
