@@ -180,14 +180,32 @@ def test_dynamic_sampling_asks_the_pools_again_for_the_groups_it_filtered_out(ta
                    "algorithm.filter_groups.max_num_gen_batches=2")
 
 
-def test_what_colocate_async_does_not_run_with_yet_is_refused(task: dict[str, Path], tmp_path: Path) -> None:
-    def check(*extra: str) -> None:
-        PPOTrainer(load_config("ppo_trainer", overrides(task, tmp_path / "run", 1, *extra)))
-
-    tools = ["+actor_rollout_ref.rollout.tools.tool_instances.python.class_path=agentic_support.Echo",
-             "+actor_rollout_ref.rollout.tools.tool_instances.python.params.answer='7'"]
-    for extra, message in [(tools, "multi-turn tool rollouts"),
-                           (["trainer.v1.colocate_async.num_warmup_batches=2"], "older than the bound")]:
-        with pytest.raises(ArcherError, match=message):
-            check("trainer.v1.trainer_mode=colocate_async", "trainer.v1.sampler.max_off_policy_threshold=1", *extra)
+def test_a_warm_up_past_the_staleness_bound_is_refused(task: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(ArcherError, match="older than the bound"):
+        PPOTrainer(load_config("ppo_trainer", overrides(task, tmp_path / "run", 1, *ASYNC,
+                                                        "trainer.v1.colocate_async.num_warmup_batches=2")))
     assert not (tmp_path / "run").exists()
+
+
+TOOLS = ["+actor_rollout_ref.rollout.tools.tool_instances.python.class_path=agentic_support.Echo",
+         "+actor_rollout_ref.rollout.tools.tool_instances.python.params.answer='7'"]
+TOOL_LOOP_FIGURES = ("tools/", "rollout/")  # the tool loop's statistics: a turn also generates the next batch
+
+
+def test_with_tools_each_turn_generates_whole_batches_and_the_step_trains_the_oldest(task: dict[str, Path],
+                                                                                     tmp_path: Path) -> None:
+    """Tool trajectories are never paused: the first turn generates loader batches 1 and 2 whole (the warm-up),
+    step 1 trains batch 1 as the synchronous loop does (the same seeds and weights), and every later step trains
+    the batch generated one turn earlier, one version old."""
+    reward = f"custom_reward_function.path={task['reward']}"
+    want = train_here(task, tmp_path / "sync", 1, *TOOLS, reward)
+    run_dir = tmp_path / "colocated"
+    got = train_here(task, run_dir, 3, *ASYNC, *TOOLS, reward)
+    assert "tools/invalid_calls" in got[1] and "rollout/turns_mean" in got[1]
+    skipped = (*TOOL_LOOP_FIGURES, "async/", "training/off_policy/evicted_samples")
+    assert_close_metrics({k: v for k, v in got[1].items() if not k.startswith(skipped)},
+                         {k: v for k, v in want[1].items() if not k.startswith(skipped)}, 1)
+    assert trained_prompts(run_dir, 1) == trained_prompts(tmp_path / "sync", 1)
+    assert [got[s]["training/off_policy/trajectory_staleness/mean"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert [got[s]["async/in_flight_groups"] for s in (1, 2, 3)] == [4.0] * 3  # the next batch, complete
+    assert all(got[s]["async/paused_requests"] == 0 for s in got)

@@ -22,7 +22,7 @@ from archer.health.settings import HealthSettings
 from archer.models.lora import LoraSettings
 from archer.rewards.row_scorers import check_manager
 from archer.rewards.shaping import OverlongBuffer
-from archer.rollout.agentic_config import check_agentic_config, uses_tools
+from archer.rollout.agentic_config import check_agentic_config
 from archer.rollout.factory import check_engine_name
 from archer.trace.influence import check_settings as check_influence_settings
 from archer.trainer.group_filter import check_filter_metric
@@ -188,15 +188,10 @@ def check_trainer_mode(cfg: DictConfig) -> None:
 
 
 def check_separate_async(cfg: DictConfig) -> None:
-    """separate_async: standalone rollout GPUs configured, tools only without a warm-up, verl's parameter_sync_step consistent
+    """separate_async: standalone rollout GPUs configured, verl's parameter_sync_step consistent
     with archer's one sync a step, and a staleness bound that the pipeline's one version of lag (plus the
     warm-up's) passes."""
     v1, rollout, actor = cfg.trainer.v1, cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
-    if uses_tools(rollout) and v1.separate_async.num_warmup_batches != 0:
-        raise ArcherError("trainer.v1.trainer_mode=separate_async with multi-turn tool rollouts generates each step's "
-                          "batch whole, one step ahead (docs/async.md): trainer.v1.separate_async.num_warmup_batches="
-                          f"{v1.separate_async.num_warmup_batches} would train more groups a step than "
-                          "data.train_batch_size", "set trainer.v1.separate_async.num_warmup_batches=0")
     for key in ("nnodes", "n_gpus_per_node"):
         value = rollout[key]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -221,13 +216,8 @@ def check_separate_async(cfg: DictConfig) -> None:
 
 
 def check_colocate_async(cfg: DictConfig) -> None:
-    """What colocate_async does not combine with yet (tools), and a warm-up that the staleness bound would evict
-    or force at once."""
-    v1, rollout = cfg.trainer.v1, cfg.actor_rollout_ref.rollout
-    if uses_tools(rollout):
-        raise ArcherError("trainer.v1.trainer_mode=colocate_async does not run with multi-turn tool rollouts "
-                          "(actor_rollout_ref.rollout.tools.tool_instances) yet (docs/async.md)",
-                          "drop the tools, or use trainer.v1.trainer_mode=sync")
+    """A warm-up that the staleness bound would evict or force at once."""
+    v1 = cfg.trainer.v1
     warmup, bound = v1.colocate_async.num_warmup_batches, v1.sampler.max_off_policy_threshold
     if warmup > bound:
         raise ArcherError(f"trainer.v1.colocate_async.num_warmup_batches={warmup} is more than "

@@ -60,6 +60,7 @@ from archer.trace.influence_capture import (
 )
 from archer.workers.actor_objective import ActorObjective
 from archer.workers.async_rollout import AsyncRollout, StalenessBound
+from archer.workers.async_tool_rollout import WholeBatchRollout, async_rollout_for
 from archer.workers.data_parallel import RankTokens, rank_passes, reduce_metric_sums
 from archer.workers.memory import MemoryPlan, planned_no_grad_tokens, release_cached_blocks
 from archer.workers.mini_batches import StepAverages, mini_batches
@@ -114,7 +115,7 @@ class ActorWorker(OwnsModel):
         self.fast_engine = uses_fast_engine(cfg.rollout, self.model, device)
         self.rollout: RolloutWorker | None = None
         self._engine_is_stale = False  # the weights changed since the engine last took them
-        self.async_rollout: AsyncRollout | None = None  # colocate_async's pool (produce_groups)
+        self.async_rollout: AsyncRollout | WholeBatchRollout | None = None  # colocate_async's pool (produce_groups)
         # the influence trace's settings, hooked modules and their projections (setup_influence)
         self.influence: tuple[CaptureSettings, dict[str, torch.nn.Linear], dict[str, ModuleProjection]] | None = None
         if start_rollout:
@@ -195,7 +196,7 @@ class ActorWorker(OwnsModel):
         complete groups of ``admissions`` sampled up to policy ``version``, padded to the widest prompt and
         response of every rank."""
         if self.async_rollout is None:
-            self.async_rollout = AsyncRollout(self.rollout, self.pad_token_id)
+            self.async_rollout = async_rollout_for(self.rollout, self.pad_token_id)
         with self._generating():
             out = self.async_rollout.take(admissions, quota, version, bound, rank=self.ctx.rank,
                                           world=self.ctx.world_size, rotation=rotation)

@@ -1,8 +1,8 @@
 """A standalone rollout rank (trainer.v1.trainer_mode=separate_async, docs/async.md): a GPU that only generates.
 
 It holds the policy in the engine's dtype with its rollout engine (no optimiser, reference or critic), keeps a pool
-of prompt groups in flight across calls as a colocate_async rank does (workers/async_rollout.py), or with tools
-generates each admitted batch to the end through the tool loop, and takes new weights from trainer rank 0 over the
+of prompt groups in flight across calls as a colocate_async rank does (workers/async_rollout.py; with tools, whole
+batches through the tool loop: workers/async_tool_rollout.py), and takes new weights from trainer rank 0 over the
 weight-sync group (archer/distributed/weight_sync.py) between calls. Its
 engine never gives its memory back (nothing else runs on its card): rollout.free_cache_engine is off here. The
 rollout ranks share no process group among themselves; the driver pads their results to one width.
@@ -24,16 +24,8 @@ from archer.distributed.context import shard_bounds
 from archer.distributed.weight_sync import WeightManifest, WeightReceiver, join_group
 from archer.models.loading import load_causal_lm, load_tokenizer, pick_device
 from archer.rollout.factory import build_engine, uses_fast_engine
-from archer.rollout.request_pool import stamp_policy_version
-from archer.workers.async_rollout import (
-    ASYNC_STATS,
-    GENERATION_S,
-    SAMPLE_INDEX,
-    AsyncRollout,
-    StalenessBound,
-    merge_async_stats,
-    rank_rows,
-)
+from archer.workers.async_rollout import ASYNC_STATS, GENERATION_S, StalenessBound, merge_async_stats
+from archer.workers.async_tool_rollout import async_rollout_for
 from archer.workers.dispatch import collect
 from archer.workers.results import concat_generations
 from archer.workers.rollout import FIRST_PROMPT, RolloutWorker, concat_sequences
@@ -100,7 +92,7 @@ class RolloutRank:
         self.rollout = RolloutWorker(engine, rollout_cfg, device=self.device, tokenizer=self.tokenizer,
                                      chat_template=ref_cfg.model.custom_chat_template,
                                      template_kwargs=chat_template_kwargs)
-        self.pool = AsyncRollout(self.rollout, int(self.tokenizer.pad_token_id))
+        self.pool = async_rollout_for(self.rollout, int(self.tokenizer.pad_token_id))
         self.receiver: WeightReceiver | None = None
 
     def _tagged(self, batch: Batch) -> Batch:
@@ -113,32 +105,10 @@ class RolloutRank:
         """This rank's share of ``quota`` complete groups of ``admissions`` (``AsyncRollout.take``), sampled up to
         policy ``version`` for the step that updates ``version + lag``."""
         start = time.perf_counter()
-        if self.rollout.agentic is not None:
-            out = self._whole_batches(admissions, version)
-        else:
-            out = self.pool.take(admissions, quota, version, bound, rank=self.rank, world=self.world,
-                                 rotation=rotation, lag=lag)
+        out = self.pool.take(admissions, quota, version, bound, rank=self.rank, world=self.world,
+                             rotation=rotation, lag=lag)
         out.info[ASYNC_STATS][GENERATION_S] = time.perf_counter() - start
         return self._tagged(out)
-
-    def _whole_batches(self, admissions: list[Batch], version: int) -> Batch:
-        """With tools: this rank's rows of every admitted batch generated to the end through the tool loop (no
-        pause: a trajectory waiting for a tool is not carried over a weight sync), each sampled with the seed of
-        its index in its loader batch, as the synchronous loop samples it."""
-        parts = []
-        for prompts in admissions:
-            mine = rank_rows(prompts, self.rank, self.world)
-            if not len(mine):
-                continue
-            share = prompts.index(mine)
-            share.info[FIRST_PROMPT] = int(share[SAMPLE_INDEX][0])
-            out = self.rollout.generate_for(share)
-            stamp_policy_version(out, version)
-            parts.append(out)
-        pad = int(self.tokenizer.pad_token_id)
-        batch = concat_generations(parts, lambda ps: concat_sequences(ps, pad)) if parts else Batch({})
-        batch.info[ASYNC_STATS] = {"evicted": [], "paused": 0, "resumed": 0, "in_flight": 0, "prefilled": 0}
-        return batch
 
     @collect(concat_rank_generations)
     def generate_sequences(self, prompts: Batch) -> Batch:
