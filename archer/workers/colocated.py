@@ -11,6 +11,10 @@ sharded with FSDP2 (archer/distributed/fsdp.py); at world 1 nothing changes from
 Knowing every model on the card, the rank makes its memory plan (workers/memory.py) on a GPU: after the models
 are loaded and before the actor's engine takes its share of the card, so that a setting that cannot fit stops
 there with its figures.
+
+In trainer.v1.trainer_mode=separate_async the same roles train without an engine (``generates=False``): standalone
+rollout ranks generate (workers/rollout_rank.py), and rank 0 sends them the policy's weights over the weight-sync
+group (archer/distributed/weight_sync.py, ``open_weight_sync`` .. ``send_weights``).
 """
 
 from __future__ import annotations
