@@ -35,6 +35,49 @@ from archer.workers.rollout_rank import RolloutRank, engine_dtype
 
 log = logging.getLogger("archer.trainer")
 
+IDLE_SHARE = 0.3  # a side idle this share of the step for BALANCE_STEPS steps in a row gets one hint
+BALANCE_STEPS = 3
+
+
+class PipelineBalance:
+    """Which side of separate_async waits for the other, step by step: the trainer's wait for generation
+    (``timing_s/gen``) and the rollout ranks' idle time between finishing a call and being asked for its groups
+    (``async/rollout_idle_s``), each against the step's period (from one take of groups to the next). When one
+    side idles ``IDLE_SHARE`` of the period for ``BALANCE_STEPS`` steps in a row, ``observe`` returns one hint
+    (once a run) naming the GPUs to move."""
+
+    def __init__(self, trainer_gpus: int, rollout_gpus: int) -> None:
+        self.trainer_gpus, self.rollout_gpus = trainer_gpus, rollout_gpus
+        self.last_take: float | None = None
+        self.streak: dict[str, int] = {"rollout": 0, "trainer": 0}
+        self.hinted = False
+
+    def observe(self, launched: float, taken: float, generation_s: float, wait_s: float,
+                metrics: dict[str, float]) -> str | None:
+        """One take of groups at ``taken`` (perf_counter seconds) from a call launched at ``launched`` whose ranks
+        worked ``generation_s``, after the trainer waited ``wait_s``; adds ``async/rollout_idle_s``."""
+        idle = max(0.0, taken - launched - generation_s)
+        metrics["async/rollout_idle_s"] = idle
+        period = None if self.last_take is None else taken + wait_s - self.last_take
+        self.last_take = taken + wait_s
+        if not period or period <= 0:
+            return None
+        for side, share in (("rollout", idle / period), ("trainer", wait_s / period)):
+            self.streak[side] = self.streak[side] + 1 if share >= IDLE_SHARE else 0
+        if self.hinted:
+            return None
+        if self.streak["rollout"] >= BALANCE_STEPS and self.rollout_gpus > 1:
+            self.hinted = True
+            return (f"separate_async: the {self.rollout_gpus} rollout GPU(s) idled {idle / period:.0%} of the last step "
+                    f"({BALANCE_STEPS} steps in a row above {IDLE_SHARE:.0%}): training is the bottleneck; move a GPU "
+                    "to training (trainer.n_gpus_per_node + 1, actor_rollout_ref.rollout.n_gpus_per_node - 1)")
+        if self.streak["trainer"] >= BALANCE_STEPS and self.trainer_gpus > 1:
+            self.hinted = True
+            return (f"separate_async: the trainer waited for generation {wait_s / period:.0%} of the last step "
+                    f"({BALANCE_STEPS} steps in a row above {IDLE_SHARE:.0%}): generation is the bottleneck; move a "
+                    "GPU to generation (actor_rollout_ref.rollout.n_gpus_per_node + 1, trainer.n_gpus_per_node - 1)")
+        return None
+
 
 def rollout_world(cfg: DictConfig) -> int:
     """The standalone rollout ranks: actor_rollout_ref.rollout.nnodes x n_gpus_per_node."""
@@ -75,7 +118,8 @@ class SeparateRollout:
     def __init__(self, cfg: DictConfig, trainer: RayWorkerGroup, batches: AsyncBatches, owns_ray: bool) -> None:
         self.trainer, self.batches, self.owns_ray = trainer, batches, owns_ray
         self.rollout: RayWorkerGroup = batches.workers  # type: ignore[assignment]
-        self.in_flight: tuple[int, PendingCall] | None = None  # (the step it is for, the call)
+        self.in_flight: tuple[int, PendingCall, float] | None = None  # (the step it is for, the call, its start)
+        self.balance = PipelineBalance(trainer.world_size, self.rollout.world_size)
         self.kept: tuple[int, Batch, dict[str, float]] | None = None  # a call's groups taken early (validation)
         self.rollout_version: int | None = None  # the policy version the rollout ranks hold
         self.set_up_weight_sync(cfg)
@@ -126,12 +170,19 @@ class SeparateRollout:
 
     def launch(self, step: int) -> None:
         """Start the call for ``step``'s groups under the weights the rollout ranks hold."""
-        self.in_flight = (step, self.batches.start(step, version=self.rollout_version))
+        self.in_flight = (step, self.batches.start(step, version=self.rollout_version), time.perf_counter())
 
     def _take(self, metrics: dict[str, float]) -> Batch:
-        _, call = self.in_flight
+        """The groups of the call in flight; which side waited for the other (``PipelineBalance``)."""
+        _, call, launched = self.in_flight
         self.in_flight = None
-        return self.batches.finish(call, metrics)
+        asked, before = time.perf_counter(), metrics.get("async/generation_s", 0.0)
+        batch = self.batches.finish(call, metrics)
+        wait = time.perf_counter() - asked
+        hint = self.balance.observe(launched, asked, metrics.get("async/generation_s", 0.0) - before, wait, metrics)
+        if hint is not None:
+            log.warning(hint)
+        return batch
 
     def generate(self, prompts: Batch, version: int) -> Batch:
         """Validation's responses under policy ``version`` (the trainer's newest): the call in flight is taken
