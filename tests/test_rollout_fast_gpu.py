@@ -120,3 +120,17 @@ def test_bfloat16_log_probs_near_the_training_pass(tokenizer, prompts):
     logp, _ = _training_pass(model, tokenizer, prompts, out, 1.0)
     diff = (out.log_probs - logp.float())[out.response_mask.bool()].abs()
     assert diff.mean() < 5e-2
+
+
+def test_an_engine_built_from_a_model_on_the_host_generates_as_one_built_on_the_gpu(tokenizer, prompts):
+    """separate_async's rollout ranks read the policy on the host and build the engine's copy on the card."""
+    on_gpu = _model(tokenizer)
+    on_host = _model(tokenizer).cpu()
+    greedy = SamplingParams(n=2, do_sample=False, max_new_tokens=24)
+    want = FastEngine(on_gpu, tokenizer, dtype=torch.float32, max_num_seqs=8, page_size=16).generate(prompts, greedy)
+    engine = FastEngine(on_host, tokenizer, device=torch.device("cuda"), dtype=torch.float32, max_num_seqs=8,
+                        page_size=16)
+    assert engine.model.embed.is_cuda and engine.model.cos.is_cuda
+    got = engine.generate(prompts, greedy)
+    assert torch.equal(got.responses, want.responses)
+    torch.testing.assert_close(got.log_probs, want.log_probs, atol=1e-5, rtol=0)

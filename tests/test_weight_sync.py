@@ -37,6 +37,8 @@ def test_buckets_fill_in_stream_order_and_a_large_tensor_gets_its_own() -> None:
     assert [[s.name for s in b] for b in bf16.buckets] == [["embed", "norm"], ["big", "head", "bias"]]
     with pytest.raises(ArcherError, match="update_weights_bucket_megabytes"):
         WeightManifest.plan(SHAPES, torch.float32, bucket_bytes=0)
+    empty_first = WeightManifest.plan([("none", (0,)), ("norm", (4,))], torch.float32, bucket_bytes=48 * 4)
+    assert [[(s.name, s.offset) for s in b] for b in empty_first.buckets] == [[("none", 0), ("norm", 0)]]
 
 
 def _rank(rank: int, ports: mp.Queue, results: mp.Queue) -> None:

@@ -209,9 +209,12 @@ class RayWorkerGroup(WorkerGroup):
         call_timeout_s: float | None = None,
         object_store_memory: int | None = None,
         start: bool = True,
+        size_keys: str = "trainer.nnodes / trainer.n_gpus_per_node",
     ) -> None:
         """``start=False`` places the rank actors without building their workers: ``start_workers`` (or
-        ``share_node_gpus`` for two groups) does it."""
+        ``share_node_gpus`` for two groups) does it. ``size_keys``: the config keys that size this group (named
+        when it cannot be placed)."""
+        self.size_keys = size_keys
         self._world = nnodes * n_gpus_per_node
         self._ray = import_ray(self._world)
         self._worker_cls = worker_cls
@@ -265,7 +268,7 @@ class RayWorkerGroup(WorkerGroup):
             f"Ray could not place {self._world} ranks ({nnodes} node(s) x {n_gpus_per_node} {per}s, "
             f"{bundle} each, {strategy}) within {timeout_s:g} s: they ask {asked}, the cluster has {have} "
             f"free of {total} on {nodes} node(s)",
-            "lower trainer.nnodes / trainer.n_gpus_per_node to what the cluster has, add nodes with "
+            f"lower {self.size_keys} to what the cluster has, add nodes with "
             "`ray start --address=<head>:6379`, or stop what holds the resources (`ray status` shows them)"
             + ("; on CPU set trainer.device=cpu" if self.device_kind == "cuda" else ""),
         )

@@ -25,7 +25,9 @@ class PendingCall(ABC):
     def result(self) -> Any: ...
 
 
-class _DoneCall(PendingCall):
+class DoneCall(PendingCall):
+    """A call whose result is already here."""
+
     def __init__(self, value: Any) -> None:
         self.value = value
 
@@ -47,7 +49,7 @@ class WorkerGroup(ABC):
 
     def submit(self, method_name: str, *args: Any, **kwargs: Any) -> PendingCall:
         """Start ``call(method_name, ...)`` and return without waiting (in process: it has run when this returns)."""
-        return _DoneCall(self.call(method_name, *args, **kwargs))
+        return DoneCall(self.call(method_name, *args, **kwargs))
 
     @abstractmethod
     def shutdown(self) -> None:

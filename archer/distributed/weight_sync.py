@@ -6,9 +6,10 @@ TCP store that trainer rank 0 hosts: NCCL between GPUs, gloo on CPUs. It lives b
 process group (FSDP's), which it never touches. The weights travel in flat buckets of
 ``checkpoint_engine.update_weights_bucket_megabytes`` in the engine's dtype, in the order of the policy's weight
 stream (``WeightManifest``, taken once at set-up): the sender broadcasts bucket k while it packs bucket k + 1 into
-a second buffer; each receiver hands the engine views of the bucket it holds, so the engine copies them in place
-by name (``RolloutEngine.sync_weights``) while the next bucket arrives into the other buffer. A tensor larger than
-a bucket travels in a bucket of its own.
+a second buffer (both allocated for the sync and freed after it: between steps, where the update's activations
+were); each receiver hands the engine views of its one bucket buffer, which the engine copies in place by name
+(``RolloutEngine.sync_weights``) before the next bucket is received into it (on a GPU, NCCL's stream waits for
+those copies). A tensor larger than a bucket travels in a bucket of its own.
 """
 
 from __future__ import annotations
@@ -56,10 +57,10 @@ class WeightManifest:
                               "set actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes >= 1")
         capacity = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
         buckets: list[list[WeightSlot]] = []
-        used = capacity  # the first tensor opens a bucket
+        used = 0
         for name, shape in shapes:
             numel = math.prod(shape)
-            if used + numel > capacity:
+            if not buckets or used + numel > capacity:
                 buckets.append([])
                 used = 0
             buckets[-1].append(WeightSlot(name, tuple(shape), used))
@@ -133,16 +134,17 @@ class WeightSender:
     """Trainer rank 0's side: broadcasts the weight stream, bucket by bucket, double-buffered."""
 
     def __init__(self, group: dist.ProcessGroup, manifest: WeightManifest, device: torch.device) -> None:
-        self.group, self.manifest = group, manifest
-        numel = manifest.largest_bucket()
-        self.buffers = [torch.empty(numel, dtype=manifest.dtype, device=device) for _ in range(2)]
+        self.group, self.manifest, self.device = group, manifest, device
 
     def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Broadcast ``weights`` (the policy's stream, in the manifest's order and shapes)."""
         stream = iter(weights)
+        numel = self.manifest.largest_bucket()
+        buffers = [torch.empty(numel, dtype=self.manifest.dtype, device=self.device)
+                   for _ in range(min(2, len(self.manifest.buckets)))]
         in_flight: dist.Work | None = None
         for index, slots in enumerate(self.manifest.buckets):
-            buffer = self.buffers[index % 2]
+            buffer = buffers[index % len(buffers)]
             for slot in slots:
                 name, tensor = next(stream, (None, None))
                 if name != slot.name or tuple(tensor.shape) != slot.shape:
@@ -157,8 +159,8 @@ class WeightSender:
             _wait(in_flight, self.group, len(self.manifest.buckets) - 1)
         for _ in stream:  # a sharded policy's ranks gather every tensor: the stream is read to its end
             pass
-        if self.buffers[0].device.type == "cuda":
-            torch.cuda.current_stream(self.buffers[0].device).synchronize()
+        if self.device.type == "cuda":  # the buffers are reused by the allocator only after the last broadcast
+            torch.cuda.current_stream(self.device).synchronize()
 
 
 class WeightReceiver:
@@ -166,16 +168,14 @@ class WeightReceiver:
 
     def __init__(self, group: dist.ProcessGroup, manifest: WeightManifest, device: torch.device) -> None:
         self.group, self.manifest = group, manifest
-        numel = manifest.largest_bucket()
-        self.buffers = [torch.empty(numel, dtype=manifest.dtype, device=device) for _ in range(2)]
+        self.buffer = torch.empty(manifest.largest_bucket(), dtype=manifest.dtype, device=device)
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The weights, (name, tensor view) in stream order; each view is valid until the bucket after next
-        arrives (the engine copies it in place first)."""
+        """The weights, (name, tensor view) in stream order; each view is valid until the next bucket arrives
+        (the engine copies it in place first)."""
         for index, slots in enumerate(self.manifest.buckets):
-            buffer = self.buffers[index % 2]
-            _wait(_broadcast(self.group, buffer[: self.manifest.bucket_numel(index)], index), self.group, index)
+            _wait(_broadcast(self.group, self.buffer[: self.manifest.bucket_numel(index)], index), self.group, index)
             for slot in slots:
-                yield slot.name, buffer[slot.offset: slot.offset + slot.numel].view(slot.shape)
-        if self.buffers[0].device.type == "cuda":
-            torch.cuda.current_stream(self.buffers[0].device).synchronize()
+                yield slot.name, self.buffer[slot.offset: slot.offset + slot.numel].view(slot.shape)
+        if self.buffer.device.type == "cuda":
+            torch.cuda.current_stream(self.buffer.device).synchronize()

@@ -199,6 +199,11 @@ def check_separate_async(cfg: DictConfig) -> None:
                               f"actor_rollout_ref.rollout.{key}={value!r}",
                               "set actor_rollout_ref.rollout.nnodes=1 and actor_rollout_ref.rollout.n_gpus_per_node "
                               "to the GPUs that generate (trainer.n_gpus_per_node GPUs train beside them)")
+    bucket = rollout.checkpoint_engine.update_weights_bucket_megabytes
+    if not isinstance(bucket, (int, float)) or isinstance(bucket, bool) or bucket <= 0:
+        raise ArcherError(f"actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes={bucket!r}: "
+                          "the weight sync's buckets need a positive size in MiB",
+                          "set it to e.g. 512 (verl's default is 2048)")
     sync_step, mini, train = (int(v1.separate_async.parameter_sync_step), int(actor.ppo_mini_batch_size),
                               int(cfg.data.train_batch_size))
     if sync_step * mini != train:

@@ -65,7 +65,7 @@ from archer.trainer.run_folder import (
     restore_trainer_state,
     save_trainer_state,
 )
-from archer.trainer.separate_rollout import SeparateRollout, build_separate_groups
+from archer.trainer.separate_rollout import SeparateRollout, build_separate_groups, stop_groups
 from archer.trainer.step_metrics import MemoryPeaks, compute_data_metrics, compute_timing_metrics, timer
 from archer.trainer.tracking import Tracking
 from archer.workers.colocated import RankWorkers
@@ -196,7 +196,11 @@ class PPOTrainer:
             self.workers, rollout, owns_ray = build_separate_groups(
                 cfg, worker_kwargs, {"cfg": cfg, "chat_template_kwargs": self.template_kwargs})
             self.async_batches = AsyncBatches(cfg, self.loader, rollout, pad)
-            self.separate = SeparateRollout(cfg, self.workers, self.async_batches, owns_ray)
+            try:
+                self.separate = SeparateRollout(cfg, self.workers, self.async_batches, owns_ray)
+            except BaseException:
+                stop_groups([rollout, self.workers], owns_ray)
+                raise
         else:
             self.workers = build_worker_group(RankWorkers, worker_kwargs, nnodes=int(cfg.trainer.nnodes),
                                               n_gpus_per_node=int(cfg.trainer.n_gpus_per_node),
@@ -245,9 +249,17 @@ class PPOTrainer:
             with timer("gen", timings, self.peaks):
                 batch = self.separate.groups(step, metrics)
             self.separate.sync(step - 1, timings)
+            if not self.cfg.algorithm.filter_groups.enable:  # no further call this step: the next one starts now
+                self.launch_next(step)
             return batch
         with timer("gen", timings, self.peaks):
             return self.separate.more_groups(step, quota or int(self.cfg.data.train_batch_size), metrics)
+
+    def launch_next(self, step: int) -> None:
+        """separate_async: the rollout ranks start on step + 1's groups (once, and not after the last step) while
+        this step scores and trains."""
+        if self.separate.in_flight is None and step < self.total_steps:
+            self.separate.launch(step + 1)
 
     def score_batch(self, batch: Batch, timings: dict[str, float], rollout_stats: list[RolloutStats]) -> Batch:
         """The reward of every response of a generated batch (the reward model's scores first, when enabled)."""
@@ -312,8 +324,8 @@ class PPOTrainer:
         self.peaks = MemoryPeaks(self.device)
         with timer("step", timings, self.peaks):
             batch = self.sample_batch(step, timings, metrics)
-            if self.separate is not None and step < self.total_steps:
-                self.separate.launch(step + 1)  # the rollout ranks generate the next step's groups meanwhile
+            if self.separate is not None:
+                self.launch_next(step)
             if not len(batch):
                 log.warning("step %d: rejection sampling dropped every prompt group (all accuracies 0 or 1); "
                             "no update this step", step)

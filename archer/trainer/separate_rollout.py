@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 
 from archer.batch import Batch
 from archer.controller.ray_group import RayWorkerGroup, connect_ray, share_node_gpus, wait_all
-from archer.controller.worker_group import PendingCall
+from archer.controller.worker_group import DoneCall, PendingCall
 from archer.distributed.weight_sync import WeightManifest, bucket_bytes
 from archer.trainer.async_batches import AsyncBatches
 from archer.workers.colocated import RankWorkers
@@ -93,21 +93,20 @@ def build_separate_groups(cfg: DictConfig, trainer_kwargs: dict, rollout_kwargs:
     trainer_world = int(trainer_cfg.nnodes) * int(trainer_cfg.n_gpus_per_node)
     owns_ray = connect_ray(trainer_world + rollout_world(cfg))
     device = str(trainer_cfg.device)
-    trainer = RayWorkerGroup(RankWorkers, {**trainer_kwargs, "generates": False}, nnodes=int(trainer_cfg.nnodes),
-                             n_gpus_per_node=int(trainer_cfg.n_gpus_per_node), device_kind=device, start=False)
+    groups: list[RayWorkerGroup] = []
     try:
-        rollout_group = RayWorkerGroup(RolloutRank, rollout_kwargs, nnodes=int(rollout.nnodes),
-                                       n_gpus_per_node=int(rollout.n_gpus_per_node), device_kind=device,
-                                       start=False)
+        groups.append(RayWorkerGroup(RankWorkers, {**trainer_kwargs, "generates": False},
+                                     nnodes=int(trainer_cfg.nnodes), n_gpus_per_node=int(trainer_cfg.n_gpus_per_node),
+                                     device_kind=device, start=False))
+        groups.append(RayWorkerGroup(RolloutRank, rollout_kwargs, nnodes=int(rollout.nnodes),
+                                     n_gpus_per_node=int(rollout.n_gpus_per_node), device_kind=device, start=False,
+                                     size_keys="actor_rollout_ref.rollout.nnodes / n_gpus_per_node (which defaults "
+                                               "to trainer.n_gpus_per_node) or trainer.n_gpus_per_node"))
+        share_node_gpus(groups)
     except BaseException:
-        trainer.shutdown()
+        stop_groups(groups[::-1], owns_ray)
         raise
-    try:
-        share_node_gpus([trainer, rollout_group])
-    except BaseException:
-        rollout_group.shutdown()
-        trainer.shutdown()
-        raise
+    trainer, rollout_group = groups
     return trainer, rollout_group, owns_ray
 
 
@@ -118,9 +117,10 @@ class SeparateRollout:
     def __init__(self, cfg: DictConfig, trainer: RayWorkerGroup, batches: AsyncBatches, owns_ray: bool) -> None:
         self.trainer, self.batches, self.owns_ray = trainer, batches, owns_ray
         self.rollout: RayWorkerGroup = batches.workers  # type: ignore[assignment]
-        self.in_flight: tuple[int, PendingCall, float] | None = None  # (the step it is for, the call, its start)
+        # the call for the next step's groups: (its step, the call, when it started; None once a validation waited
+        # for it: its groups stay admitted until the step takes them, so a checkpoint in between keeps them)
+        self.in_flight: tuple[int, PendingCall, float | None] | None = None
         self.balance = PipelineBalance(trainer.world_size, self.rollout.world_size)
-        self.kept: tuple[int, Batch, dict[str, float]] | None = None  # a call's groups taken early (validation)
         self.rollout_version: int | None = None  # the policy version the rollout ranks hold
         self.set_up_weight_sync(cfg)
 
@@ -150,17 +150,12 @@ class SeparateRollout:
     def prepare(self, step: int, timings: dict[str, float]) -> None:
         """Before step ``step``'s groups are taken: with no call in flight for it (the run's first step, a resumed
         run's), sync the weights of version step - 1 and start one."""
-        if self.in_flight is None and (self.kept is None or self.kept[0] != step):
+        if self.in_flight is None:
             self.sync(step - 1, timings)
             self.launch(step)
 
     def groups(self, step: int, metrics: dict[str, float]) -> Batch:
-        """Step ``step``'s first batch of groups: those of the call in flight (or kept by a validation)."""
-        if self.kept is not None and self.kept[0] == step:
-            _, batch, kept_metrics = self.kept
-            self.kept = None
-            metrics.update(kept_metrics)
-            return batch
+        """Step ``step``'s first batch of groups: those of the call in flight."""
         return self._take(metrics)
 
     def more_groups(self, step: int, quota: int, metrics: dict[str, float]) -> Batch:
@@ -173,33 +168,41 @@ class SeparateRollout:
         self.in_flight = (step, self.batches.start(step, version=self.rollout_version), time.perf_counter())
 
     def _take(self, metrics: dict[str, float]) -> Batch:
-        """The groups of the call in flight; which side waited for the other (``PipelineBalance``)."""
+        """The groups of the call in flight; which side waited for the other (``PipelineBalance``; not for a
+        call a validation already waited for)."""
         _, call, launched = self.in_flight
         self.in_flight = None
         asked, before = time.perf_counter(), metrics.get("async/generation_s", 0.0)
         batch = self.batches.finish(call, metrics)
-        wait = time.perf_counter() - asked
-        hint = self.balance.observe(launched, asked, metrics.get("async/generation_s", 0.0) - before, wait, metrics)
-        if hint is not None:
-            log.warning(hint)
+        if launched is not None:
+            wait = time.perf_counter() - asked
+            hint = self.balance.observe(launched, asked, metrics.get("async/generation_s", 0.0) - before, wait,
+                                        metrics)
+            if hint is not None:
+                log.warning(hint)
         return batch
 
     def generate(self, prompts: Batch, version: int) -> Batch:
-        """Validation's responses under policy ``version`` (the trainer's newest): the call in flight is taken
-        first (its groups kept for its step), the weights synced, then the rollout ranks generate."""
+        """Validation's responses under policy ``version`` (the trainer's newest): the call in flight is waited for
+        first (its result kept for its step, its groups still admitted), the weights synced, then the rollout
+        ranks generate (this sync's time is not in the step's timing_s/update_weights)."""
         if self.in_flight is not None:
-            step = self.in_flight[0]
-            metrics: dict[str, float] = {}
-            self.kept = (step, self._take(metrics), metrics)
+            step, call, _ = self.in_flight
+            self.in_flight = (step, DoneCall(call.result()), None)
         self.sync(version, {})
         return self.rollout.call("generate_sequences", prompts)
 
     def shutdown(self) -> None:
-        """Stop both groups (the rollout ranks first: they may wait on a sync the trainer's ranks no longer
-        serve), and Ray if this run started it."""
-        self.rollout.shutdown()
-        self.trainer.shutdown()
-        if self.owns_ray:
-            import ray
+        """Stop both groups, and Ray if this run started it (``stop_groups``)."""
+        stop_groups([self.rollout, self.trainer], self.owns_ray)
 
-            ray.shutdown()
+
+def stop_groups(groups: list[RayWorkerGroup], owns_ray: bool) -> None:
+    """Stop ``groups`` in order (the rollout ranks first: they may wait on a sync the trainer's ranks no longer
+    serve), then Ray when this run started it."""
+    for group in groups:
+        group.shutdown()
+    if owns_ray:
+        import ray
+
+        ray.shutdown()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -218,17 +217,14 @@ class RankWorkers:
             self.weight_sender = WeightSender(group, manifest, self.ctx.device)
 
     @collect(rank_zero)
-    def send_weights(self) -> float:
-        """The policy's current weights to every rollout rank (sharded: every rank gathers, rank 0 sends);
-        returns rank 0's seconds."""
-        start = time.perf_counter()
+    def send_weights(self) -> None:
+        """The policy's current weights to every rollout rank (sharded: every rank gathers, rank 0 sends)."""
         stream = self.actor.owner.weights(self._weight_dtype)  # gathered in the engine's dtype
         if self.weight_sender is not None:
             self.weight_sender.send(stream)
         else:
             for _ in stream:  # the gathers rank 0's stream needs
                 pass
-        return time.perf_counter() - start
 
     # -- memory -------------------------------------------------------------------------------------------
     @collect(max_over_ranks)

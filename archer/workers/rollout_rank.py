@@ -39,11 +39,15 @@ def engine_dtype(rollout: DictConfig, device: torch.device) -> torch.dtype:
 
 
 def _padded(results: list[Batch]) -> Batch:
-    """The ranks' rows in rank order, padded to one prompt and response width."""
+    """The ranks' rows in rank order, padded to one prompt and response width (the pad token each rank named
+    in its ``info`` is taken out)."""
+    pad = int(results[0].info[PAD_TOKEN])
+    for batch in results:
+        batch.info.pop(PAD_TOKEN, None)
     parts = [b for b in results if len(b)]
     if not parts:
         return results[0]
-    return concat_sequences(parts, int(results[0].info[PAD_TOKEN])) if len(parts) > 1 else parts[0]
+    return concat_sequences(parts, pad) if len(parts) > 1 else parts[0]
 
 
 def concat_rank_groups(results: list[Batch]) -> Batch:
@@ -64,10 +68,6 @@ def _none(results: list[Any]) -> None:
     return None
 
 
-def _slowest(results: list[float]) -> float:
-    return max(results)
-
-
 class RolloutRank:
     """One rollout rank of ``cfg`` (the whole run config); ``RANK`` / ``WORLD_SIZE`` in its environment place it
     among the rollout ranks."""
@@ -83,10 +83,11 @@ class RolloutRank:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(ref_cfg.model.path, role="model")
         rollout_cfg = OmegaConf.merge(ref_cfg.rollout, {"free_cache_engine": False})
         self.dtype = engine_dtype(rollout_cfg, self.device)
-        model = load_causal_lm(ref_cfg.model.path, device=self.device, dtype=self.dtype,
+        # read on the host: the engine takes its own copy on the card (the fast engine's weights, the hf engine's
+        # module filled by every sync: the first comes before any generation), so no second copy sits beside it
+        model = load_causal_lm(ref_cfg.model.path, device="cpu", dtype=self.dtype,
                                trust_remote_code=bool(ref_cfg.model.trust_remote_code))
         model.eval()
-        # the hf engine gets a module of its own, filled by every sync (the first one comes before any generation)
         fast = uses_fast_engine(rollout_cfg, model, self.device)
         engine = build_engine(rollout_cfg, model, self.tokenizer, self.device, standalone=not fast)
         self.rollout = RolloutWorker(engine, rollout_cfg, device=self.device, tokenizer=self.tokenizer,
@@ -128,9 +129,7 @@ class RolloutRank:
         group = join_group(host, port, 1 + self.rank, size, self.device, self.timeout_s)
         self.receiver = WeightReceiver(group, manifest, self.device)
 
-    @collect(_slowest)
-    def receive_weights(self) -> float:
-        """Take the policy's weights from trainer rank 0 into the engine, in place; returns the seconds."""
-        start = time.perf_counter()
+    @collect(_none)
+    def receive_weights(self) -> None:
+        """Take the policy's weights from trainer rank 0 into the engine, in place."""
         self.rollout.engine.sync_weights(self.receiver.receive())
-        return time.perf_counter() - start
