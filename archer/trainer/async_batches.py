@@ -99,9 +99,8 @@ class AsyncBatches:
             extra = False
         quota = self.quota if quota is None else quota
         version = step - 1 if version is None else version
-        lag = {} if version == step - 1 else {"lag": step - 1 - version}
-        pending = self.workers.submit("produce_groups", admissions, quota, version, self.bound,
-                                                   self.calls, **lag)
+        pending = self.workers.submit("produce_groups", admissions, quota, version, self.bound, self.calls,
+                                      step - 1 - version)
         self.calls += 1
         return pending
 

@@ -247,19 +247,13 @@ class PPOTrainer:
         if gen_index == 0:
             self.separate.prepare(step, timings)
             with timer("gen", timings, self.peaks):
-                batch = self.separate.groups(step, metrics)
+                batch = self.separate.take(metrics)
             self.separate.sync(step - 1, timings)
             if not self.cfg.algorithm.filter_groups.enable:  # no further call this step: the next one starts now
-                self.launch_next(step)
+                self.separate.launch_next(step, self.total_steps)
             return batch
         with timer("gen", timings, self.peaks):
-            return self.separate.more_groups(step, quota or int(self.cfg.data.train_batch_size), metrics)
-
-    def launch_next(self, step: int) -> None:
-        """separate_async: the rollout ranks start on step + 1's groups (once, and not after the last step) while
-        this step scores and trains."""
-        if self.separate.in_flight is None and step < self.total_steps:
-            self.separate.launch(step + 1)
+            return self.separate.more_groups(step, quota, metrics)
 
     def score_batch(self, batch: Batch, timings: dict[str, float], rollout_stats: list[RolloutStats]) -> Batch:
         """The reward of every response of a generated batch (the reward model's scores first, when enabled)."""
@@ -324,8 +318,8 @@ class PPOTrainer:
         self.peaks = MemoryPeaks(self.device)
         with timer("step", timings, self.peaks):
             batch = self.sample_batch(step, timings, metrics)
-            if self.separate is not None:
-                self.launch_next(step)
+            if self.separate is not None:  # the rollout ranks generate the next step's groups meanwhile
+                self.separate.launch_next(step, self.total_steps)
             if not len(batch):
                 log.warning("step %d: rejection sampling dropped every prompt group (all accuracies 0 or 1); "
                             "no update this step", step)

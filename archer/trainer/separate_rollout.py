@@ -117,9 +117,9 @@ class SeparateRollout:
     def __init__(self, cfg: DictConfig, trainer: RayWorkerGroup, batches: AsyncBatches, owns_ray: bool) -> None:
         self.trainer, self.batches, self.owns_ray = trainer, batches, owns_ray
         self.rollout: RayWorkerGroup = batches.workers  # type: ignore[assignment]
-        # the call for the next step's groups: (its step, the call, when it started; None once a validation waited
-        # for it: its groups stay admitted until the step takes them, so a checkpoint in between keeps them)
-        self.in_flight: tuple[int, PendingCall, float | None] | None = None
+        # the call for the next step's groups and when it started (None once a validation waited for it: its
+        # groups stay admitted until the step takes them, so a checkpoint in between keeps them)
+        self.in_flight: tuple[PendingCall, float | None] | None = None
         self.balance = PipelineBalance(trainer.world_size, self.rollout.world_size)
         self.rollout_version: int | None = None  # the policy version the rollout ranks hold
         self.set_up_weight_sync(cfg)
@@ -154,23 +154,24 @@ class SeparateRollout:
             self.sync(step - 1, timings)
             self.launch(step)
 
-    def groups(self, step: int, metrics: dict[str, float]) -> Batch:
-        """Step ``step``'s first batch of groups: those of the call in flight."""
-        return self._take(metrics)
-
-    def more_groups(self, step: int, quota: int, metrics: dict[str, float]) -> Batch:
+    def more_groups(self, step: int, quota: int | None, metrics: dict[str, float]) -> Batch:
         """A further call of dynamic sampling at ``step``, under the weights of version step - 1."""
         return self.batches.finish(self.batches.start(step, quota=quota, extra=True, version=self.rollout_version),
                                    metrics)
 
     def launch(self, step: int) -> None:
         """Start the call for ``step``'s groups under the weights the rollout ranks hold."""
-        self.in_flight = (step, self.batches.start(step, version=self.rollout_version), time.perf_counter())
+        self.in_flight = (self.batches.start(step, version=self.rollout_version), time.perf_counter())
 
-    def _take(self, metrics: dict[str, float]) -> Batch:
-        """The groups of the call in flight; which side waited for the other (``PipelineBalance``; not for a
-        call a validation already waited for)."""
-        _, call, launched = self.in_flight
+    def launch_next(self, step: int, last_step: int) -> None:
+        """Start step + 1's call while step ``step`` scores and trains (once; none after ``last_step``)."""
+        if self.in_flight is None and step < last_step:
+            self.launch(step + 1)
+
+    def take(self, metrics: dict[str, float]) -> Batch:
+        """The groups of the call in flight (the step's first batch); which side waited for the other
+        (``PipelineBalance``; not for a call a validation already waited for)."""
+        call, launched = self.in_flight
         self.in_flight = None
         asked, before = time.perf_counter(), metrics.get("async/generation_s", 0.0)
         batch = self.batches.finish(call, metrics)
@@ -187,8 +188,7 @@ class SeparateRollout:
         first (its result kept for its step, its groups still admitted), the weights synced, then the rollout
         ranks generate (this sync's time is not in the step's timing_s/update_weights)."""
         if self.in_flight is not None:
-            step, call, _ = self.in_flight
-            self.in_flight = (step, DoneCall(call.result()), None)
+            self.in_flight = (DoneCall(self.in_flight[0].result()), None)
         self.sync(version, {})
         return self.rollout.call("generate_sequences", prompts)
 

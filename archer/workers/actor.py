@@ -191,15 +191,15 @@ class ActorWorker(OwnsModel):
             return self._generate_rank_share(prompts)
 
     def produce_groups(self, admissions: list[Batch], quota: int, version: int, bound: StalenessBound,
-                       rotation: int = 0) -> Batch:
+                       rotation: int = 0, lag: int = 0) -> Batch:
         """colocate_async (workers/async_rollout.py, ``AsyncRollout.take``): this rank's share of ``quota``
-        complete groups of ``admissions`` sampled up to policy ``version``, padded to the widest prompt and
-        response of every rank."""
+        complete groups of ``admissions`` sampled up to policy ``version`` (for the step that trains version
+        ``version + lag``), padded to the widest prompt and response of every rank."""
         if self.async_rollout is None:
             self.async_rollout = async_rollout_for(self.rollout, self.pad_token_id)
         with self._generating():
             out = self.async_rollout.take(admissions, quota, version, bound, rank=self.ctx.rank,
-                                          world=self.ctx.world_size, rotation=rotation)
+                                          world=self.ctx.world_size, rotation=rotation, lag=lag)
         if not self.ctx.distributed:
             return out
         widths = self.ctx.all_reduce_max(torch.tensor([_width(out, "prompts"), _width(out, "responses")]))

@@ -36,6 +36,13 @@ def merge_async_stats(stats: list[dict]) -> dict:
     return merged
 
 
+def rank_quota(quota: int, rank: int, world: int, rotation: int) -> int:
+    """How many of a call's ``quota`` groups ``rank`` of ``world`` hands back: an even share, the remainder going to
+    the ranks from ``rotation`` on (calls take turns at it)."""
+    start, stop = shard_bounds(quota, (rank - rotation) % world, world)
+    return stop - start
+
+
 def rank_rows(prompts: Batch, rank: int, world: int) -> np.ndarray:
     """The rows of admitted ``prompts`` that ``rank`` of ``world`` takes: those whose index in their whole loader
     batch falls in the rank's share of it (``shard_bounds``), so that a batch admitted again in part after a resume
@@ -86,8 +93,7 @@ class AsyncRollout:
             mine = rank_rows(prompts, rank, world)
             if len(mine):
                 self.admit(prompts.index(mine))
-        start, stop = shard_bounds(quota, (rank - rotation) % world, world)
-        return self.produce(stop - start, version, bound, lag=lag)
+        return self.produce(rank_quota(quota, rank, world, rotation), version, bound, lag=lag)
 
     def produce(self, quota: int, version: int, bound: StalenessBound, *, lag: int = 0) -> Batch:
         """This rank's complete groups sampled up to policy ``version`` (the engine's weights), for the step that

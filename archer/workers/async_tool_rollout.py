@@ -14,10 +14,16 @@ from __future__ import annotations
 import numpy as np
 
 from archer.batch import Batch
-from archer.distributed.context import shard_bounds
 from archer.rollout.request_pool import FIRST_POLICY_VERSION, stamp_policy_version
 from archer.rollout.rollout_stats import RolloutStats
-from archer.workers.async_rollout import ASYNC_STATS, SAMPLE_INDEX, AsyncRollout, StalenessBound, rank_rows
+from archer.workers.async_rollout import (
+    ASYNC_STATS,
+    SAMPLE_INDEX,
+    AsyncRollout,
+    StalenessBound,
+    rank_quota,
+    rank_rows,
+)
 from archer.workers.results import ROLLOUT_STATS
 from archer.workers.rollout import FIRST_PROMPT, RolloutWorker, concat_sequences
 
@@ -38,8 +44,7 @@ class WholeBatchRollout:
         stats = [self._generate(prompts.index(mine), version)
                  for prompts in admissions if len(mine := rank_rows(prompts, rank, world))]
         evicted = self._evict(version + lag, bound)
-        start, stop = shard_bounds(quota, (rank - rotation) % world, world)
-        parts = [self.done.pop(uid) for uid in list(self.done)[: stop - start]]
+        parts = [self.done.pop(uid) for uid in list(self.done)[: rank_quota(quota, rank, world, rotation)]]
         batch = concat_sequences(parts, self.pad_token_id) if parts else Batch({})
         if any(s is not None for s in stats):
             batch.info[ROLLOUT_STATS] = RolloutStats.merge([s for s in stats if s is not None])

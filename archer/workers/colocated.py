@@ -158,10 +158,10 @@ class RankWorkers:
 
     @collect(concat_produced)
     def produce_groups(self, admissions: list[Batch], quota: int, version: int, bound: StalenessBound,
-                       rotation: int = 0) -> Batch:
+                       rotation: int = 0, lag: int = 0) -> Batch:
         """colocate_async: admit this rank's rows of ``admissions`` and hand back its share of ``quota`` complete
         prompt groups (workers/async_rollout.py)."""
-        return self.actor.produce_groups(admissions, quota, version, bound, rotation)
+        return self.actor.produce_groups(admissions, quota, version, bound, rotation, lag)
 
     @collect(concat_batches)
     def compute_rm_score(self, batch: Batch) -> Batch:
