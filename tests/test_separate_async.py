@@ -69,6 +69,40 @@ def test_separate_rollout_ranks_train_what_colocate_async_trains_one_version_beh
     assert [resumed[s]["training/off_policy/trajectory_staleness/max"] for s in (2, 3)] == [0.0, 1.0]
 
 
+@pytest.mark.parametrize("extra", [
+    pytest.param(["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=2", "trainer.n_gpus_per_node=2",
+                  "actor_rollout_ref.rollout.n_gpus_per_node=2"], id="critic-two-trainer-and-two-rollout-ranks"),
+    pytest.param(["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8"], id="lora"),
+])
+def test_more_ranks_a_critic_and_lora_train_what_colocate_async_trains(
+        task: dict[str, Path], tmp_path: Path, extra: list[str]) -> None:  # noqa: F811
+    """Sharded trainer ranks gather and send the whole policy (LoRA merged into its layers), each rollout rank
+    generates its share of a call's groups, and the critic trains beside the actor: the same metrics as one
+    process in colocate_async."""
+    reward = f"custom_reward_function.path={task['reward']}"
+    want = train_here(task, tmp_path / "colocated", 3, *ASYNC, reward, *extra[:2])
+    got = train_here(task, tmp_path / "separate", 3, *SEPARATE, reward, *extra)
+    assert sorted(got) == [1, 2, 3] and got[1]["actor/pg_loss"] != 0.0
+    if "algorithm.adv_estimator=gae" in extra:
+        assert "critic/vf_loss" in got[2]
+    for step in got:
+        same = {k: v for k, v in got[step].items() if not k.startswith(OWN_KEYS)}
+        assert_close_metrics(same, {k: v for k, v in want[step].items() if not k.startswith(OWN_KEYS)}, step)
+    assert [got[s]["training/off_policy/trajectory_staleness/mean"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+
+
+def test_dynamic_sampling_asks_the_rollout_ranks_again_for_the_groups_it_filtered_out(
+        task: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
+    run_dir = tmp_path / "run"
+    got = train_here(task, run_dir, 3, *SEPARATE, "algorithm.filter_groups.enable=true",
+                     "algorithm.filter_groups.metric=score", f"custom_reward_function.path={task['reward']}")
+    for step in got:
+        assert got[step]["train/num_kept_groups"] == 4.0 and got[step]["train/num_candidate_groups"] >= 4.0
+    assert max(got[s]["train/num_gen_batches"] for s in got) > 1  # some group scored alike: asked again
+    trained = [p for step in got for p in trained_prompts(run_dir, step)]
+    assert len(trained) == len(set(trained)) == 12
+
+
 def test_with_tools_the_rollout_rank_generates_each_batch_whole_one_step_ahead(
         task: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     """The tool loop runs on the rollout rank; step 1 samples the loader's first batch with the seeds and weights
