@@ -21,7 +21,14 @@ from archer.distributed.context import DistContext, shard_bounds
 from archer.distributed.fsdp import clip_grad_norm, shard_model
 from archer.distributed.sharded_checkpoint import load_sharded, save_sharded
 from archer.models.loading import load_causal_lm, load_tokenizer
-from archer.models.lora import LoraSettings, add_lora, policy_weights, save_merged, trainable_parameters
+from archer.models.lora import (
+    LoraSettings,
+    add_lora,
+    policy_weight_shapes,
+    policy_weights,
+    save_merged,
+    trainable_parameters,
+)
 
 ROWS = 5  # odd: rank 0 takes 3 rows, rank 1 takes 2
 LENGTHS = (12, 9, 12, 5, 10)  # right-padded to 12: the token count differs per row and per rank
@@ -117,6 +124,7 @@ def record(ctx: DistContext, work: Path) -> dict:
     model = shard_model(load_model(model_dir, checkpointing=True), ctx, param_dtype=torch.float32)
     out["initial"] = weights(model)
     out["initial_bf16"] = {name: tensor.clone() for name, tensor in policy_weights(model, torch.bfloat16)}
+    out["shapes"] = policy_weight_shapes(model)
     optimizer = adamw(model.parameters())
     out["steps"] = [train_step(model, optimizer, ctx, step) for step in range(3)]
     out["trained"] = weights(model)
@@ -148,6 +156,7 @@ def record(ctx: DistContext, work: Path) -> dict:
         lora(input_ids=batch(0, lora.config.vocab_size)[0][:1])
     out["lora_initial"] = list(policy_weights(lora))
     out["lora_initial_bf16"] = list(policy_weights(lora, torch.bfloat16))
+    out["lora_shapes"] = policy_weight_shapes(lora)
     optimizer = adamw(trainable_parameters(lora))
     out["lora_step"] = train_step(lora, optimizer, ctx, 0)
     out["lora_trained"] = list(policy_weights(lora))

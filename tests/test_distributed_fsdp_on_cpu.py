@@ -103,6 +103,14 @@ def test_a_stream_cast_before_the_gather_holds_the_gathered_weights_cast(runs):
         assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16)), name
 
 
+def test_the_streams_names_and_whole_shapes_come_without_a_gather(runs):
+    """What the weight sync plans its buckets from (a sharded parameter's shape is the whole one's)."""
+    ranks = runs["ranks"]
+    assert ranks["shapes"] == [(name, tuple(tensor.shape)) for name, tensor in ranks["initial"].items()]
+    assert ranks["lora_shapes"] == [(name, tuple(tensor.shape)) for name, tensor in ranks["lora_initial"]]
+    assert any(shape[0] > 1 for _, shape in ranks["shapes"])
+
+
 def test_the_lora_merged_stream_on_two_ranks_equals_the_unsharded_one(runs):
     ref, ranks = runs["ref"], runs["ranks"]
     assert [name for name, _ in ranks["lora_initial"]] == [name for name, _ in ref["lora_initial"]]

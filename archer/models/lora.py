@@ -169,17 +169,32 @@ def policy_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterat
 
     root = unwrap(model)
     reshard(root)
+    for name, param, layer in _stream_parameters(root):
+        if layer is None:
+            yield name, full_tensor(cast(param.detach()))
+        else:
+            yield name, cast(_merged(name.removesuffix(".weight"), layer, full_tensor(param.detach())))
+
+
+def policy_weight_shapes(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """``policy_weights``'s names and whole shapes, in its order, without gathering or merging anything (a
+    sharded parameter knows its whole shape): what a weight sync plans its buckets from."""
+    return [(name, tuple(param.shape)) for name, param, _ in _stream_parameters(unwrap(model))]
+
+
+def _stream_parameters(root: nn.Module) -> Iterator[tuple[str, nn.Parameter, LoraLayer | None]]:
+    """The parameters behind ``policy_weights``'s stream, in its order: (name, parameter, the LoRA layer whose
+    merged weight it gives, else None)."""
     layers = _lora_layers(root)
     inside = tuple(f"{name}." for name in layers)
     for name, param in root.named_parameters():
         if not name.startswith(inside):
-            yield name, full_tensor(cast(param.detach()))
+            yield name, param, None
     for name, layer in layers.items():
         base = layer.get_base_layer()
-        weight = full_tensor(base.weight.detach())
-        yield f"{name}.weight", cast(_merged(name, layer, weight))
+        yield f"{name}.weight", base.weight, layer
         if getattr(base, "bias", None) is not None:
-            yield f"{name}.bias", full_tensor(cast(base.bias.detach()))
+            yield f"{name}.bias", base.bias, None
 
 
 def _merged(name: str, layer: LoraLayer, weight: torch.Tensor) -> torch.Tensor:

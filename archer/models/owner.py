@@ -33,7 +33,14 @@ from archer.errors import ArcherError
 from archer.models.hf_checkpoint import load_policy, save_policy
 from archer.models.liger import apply_liger
 from archer.models.loading import default_dtype, load_causal_lm, load_value_model, parse_dtype
-from archer.models.lora import LoraSettings, add_lora, policy_weights, save_merged, trainable_parameters
+from archer.models.lora import (
+    LoraSettings,
+    add_lora,
+    policy_weight_shapes,
+    policy_weights,
+    save_merged,
+    trainable_parameters,
+)
 from archer.models.offload import Offload
 from archer.models.optim import (
     OPTIM_STATE,
@@ -164,6 +171,10 @@ class ModelOwner:
         (``dtype``: cast to it before any gather). Sharded, each is gathered in turn: every rank must read the
         whole stream."""
         return policy_weights(self.model, dtype)
+
+    def weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``weights``'s names and whole shapes in its order, with nothing gathered."""
+        return policy_weight_shapes(self.model)
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     def save_model(self, out_dir: Path, tokenizer: PreTrainedTokenizerBase | None = None) -> None:

@@ -204,8 +204,8 @@ class RankWorkers:
 
     @collect(rank_zero)
     def weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        """The policy's weight stream as (name, shape), in its order (every rank reads the stream)."""
-        return [(name, tuple(tensor.shape)) for name, tensor in self.actor.owner.weights()]
+        """The policy's weight stream as (name, shape), in its order (nothing gathered)."""
+        return self.actor.owner.weight_shapes()
 
     @collect(rank_zero)
     def join_weight_sync(self, host: str, port: int, size: int, manifest: WeightManifest) -> None:
