@@ -53,6 +53,9 @@ def test_separate_rollout_ranks_train_what_colocate_async_trains_one_version_beh
     # the first step's sync sends version 0 and step 2's version 1; step 2's validation sent version 2 already
     assert got[1]["timing_s/update_weights"] > 0 and got[2]["timing_s/update_weights"] > 0
     assert "timing_s/update_weights" not in got[3]
+    # the validations' syncs (step 2's, the last step's), timed apart from the steps'
+    assert got[2]["timing_s/testing_update_weights"] > 0 and got[3]["timing_s/testing_update_weights"] > 0
+    assert "timing_s/testing_update_weights" not in got[1]
     assert all(got[s]["async/generation_s"] > 0 for s in got)
     # how long the rollout rank sat idle: not for step 3's call, which step 2's validation waited for
     assert got[1]["async/rollout_idle_s"] == 0.0 and got[2]["async/rollout_idle_s"] >= 0.0

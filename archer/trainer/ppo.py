@@ -415,6 +415,8 @@ class PPOTrainer:
         ks = self.cfg.eval.k
         metrics = records_metrics(records, n, None if ks is None else list(ks))
         metrics["timing_s/testing"] = time.perf_counter() - start
+        if self.separate is not None:
+            metrics.update(self.separate.take_validation_timings())
         if self.cfg.trainer.validation_data_dir:
             write_generations(Path(self.cfg.trainer.validation_data_dir) / f"{dump_prefix}step_{self.global_step}.jsonl",
                               merged, merged["response_text"], merged["score"], self.global_step)

@@ -122,6 +122,7 @@ class SeparateRollout:
         self.in_flight: tuple[PendingCall, float | None] | None = None
         self.balance = PipelineBalance(trainer.world_size, self.rollout.world_size)
         self.rollout_version: int | None = None  # the policy version the rollout ranks hold
+        self.validation_timings: dict[str, float] = {}  # the syncs of validations since the last take_validation_timings
         self.set_up_weight_sync(cfg)
 
     def set_up_weight_sync(self, cfg: DictConfig) -> None:
@@ -186,11 +187,16 @@ class SeparateRollout:
     def generate(self, prompts: Batch, version: int) -> Batch:
         """Validation's responses under policy ``version`` (the trainer's newest): the call in flight is waited for
         first (its result kept for its step, its groups still admitted), the weights synced, then the rollout
-        ranks generate (this sync's time is not in the step's timing_s/update_weights)."""
+        ranks generate (this sync's time goes to ``take_validation_timings``, not the step's)."""
         if self.in_flight is not None:
             self.in_flight = (DoneCall(self.in_flight[0].result()), None)
-        self.sync(version, {})
+        self.sync(version, self.validation_timings)
         return self.rollout.call("generate_sequences", prompts)
+
+    def take_validation_timings(self) -> dict[str, float]:
+        """The weight syncs validations made since the last call, as ``timing_s/testing_update_weights``."""
+        seconds = self.validation_timings.pop("update_weights", None)
+        return {} if seconds is None else {"timing_s/testing_update_weights": seconds}
 
     def shutdown(self) -> None:
         """Stop both groups, and Ray if this run started it (``stop_groups``)."""
