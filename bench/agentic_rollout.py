@@ -7,7 +7,7 @@ BPE of 277 tokens trained on arithmetic text (bench/gpu_step.py's), so 1,113-1,4
 the ``--prompt-len`` 1536 left cut); ``--n`` 8 responses of at most ``--new`` 512 tokens.
 
 A random model never stops, so a script decides where each response ends and which turns call the Python tool
-(``ScriptedTurns``, wrapped around the engine's own session): a response's length is drawn from a log-normal
+(``ScriptedTurns`` of archer/rollout/simulated_turns.py, wrapped around the engine's own session): a response's length is drawn from a log-normal
 (median ``--median-len`` 220 tokens, sigma 0.6, clipped to 16..512: about 7% reach 512); with tools, its first
 turn ends with a call with probability ``--tool-rate`` (0.5), each later turn with 0.3 (at most 3 calls), after
 16 tokens to half of what is left; the call's text (``<python>print(N)</python>``, N random) is appended to the
@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import random
 import statistics
 import sys
@@ -54,11 +53,9 @@ from archer.models.tiny import train_tokenizer
 from archer.rollout.agentic import AgenticRollout, LoopSettings
 from archer.rollout.base import (
     ContinuousSession,
-    DecodeCounters,
     RolloutEngine,
     RoundSession,
     SamplingParams,
-    Segment,
 )
 from archer.rollout.branching import BranchSettings
 from archer.rollout.call_formats import ArpoTags
@@ -67,6 +64,7 @@ from archer.rollout.fast.pages import Sequence, page_bytes
 from archer.rollout.fast.sampling import noise_key
 from archer.rollout.fast.scheduler import Job
 from archer.rollout.prompt_rounds import stream_seed
+from archer.rollout.simulated_turns import ScriptedTurns, TurnScript
 from archer.tools import Tool, ToolRegistry, ToolResult
 
 _REPO = Path(__file__).resolve().parents[1]
@@ -80,118 +78,16 @@ ROWS = ("plain", "tools_idle", "arpo_refills", "tools", "arpo_tools", "arpo_refi
 
 
 # -- the script ----------------------------------------------------------------------------------------------------
-class Script:
-    """How responses end and which turns call the tool, drawn per sequence from its seed."""
-
-    def __init__(self, args: argparse.Namespace, tokenizer) -> None:
-        self.args, self.tokenizer = args, tokenizer
-
-    def length(self, rng: random.Random) -> int:
-        a = self.args
-        return min(a.new, max(16, round(math.exp(rng.gauss(math.log(a.median_len), 0.6)))))
-
-    def call_ids(self, rng: random.Random) -> list[int]:
-        return self.tokenizer.encode(f"<python>print({rng.randrange(10**6)})</python>", add_special_tokens=False)
-
-
-class _Plan:
-    """One sequence's script: its response length, the tokens it holds, its calls, and the turn under way."""
-
-    def __init__(self, rng: random.Random, total: int, held: int = 0, calls: int = 0) -> None:
-        self.rng, self.total, self.held, self.calls = rng, total, held, calls
-        self.call: list[int] | None = None  # the call text the turn under way ends with
-        self.cap = 0
-
-
-class ScriptedTurns(ContinuousSession):
-    """An engine session whose turns end where the script says (see the module docstring)."""
-
-    def __init__(self, inner: ContinuousSession, script: Script, tool_rate: float) -> None:
-        self.inner, self.script, self.tool_rate = inner, script, tool_rate
-        self.plans: dict[int, _Plan] = {}
-
-    def add(self, prompt: list[int], seed: int) -> int:
-        seq = self.inner.add(prompt, seed)
-        rng = random.Random(seed)
-        self.plans[seq] = _Plan(rng, self.script.length(rng))
-        return seq
-
-    def fork(self, seq: int, seed: int) -> int:
-        child = self.inner.fork(seq, seed)
-        parent, rng = self.plans[seq], random.Random(seed)
-        total = max(self.script.length(rng), parent.held + 16)  # a branch's own length, past what it holds
-        self.plans[child] = _Plan(rng, min(total, self.script.args.new), parent.held, parent.calls)
-        return child
-
-    def extend(self, seq: int, tokens: list[int]) -> None:
-        self.inner.extend(seq, tokens)
-        self.plans[seq].held += len(tokens)
-
-    def release(self, seq: int) -> None:
-        self.inner.release(seq)
-        del self.plans[seq]
-
-    def tokens(self, seq: int) -> list[int]:
-        return self.inner.tokens(seq)
-
-    def submit(self, seq: int, params: SamplingParams, max_new_tokens: int) -> None:
-        plan = self.plans[seq]
-        left = max(1, plan.total - plan.held)
-        rate = self.tool_rate if plan.calls == 0 else 0.3
-        plan.call = None
-        if plan.calls < CALL_LIMIT and left > 48 and plan.rng.random() < rate:
-            plan.call = self.script.call_ids(plan.rng)
-            left = plan.rng.randint(16, left // 2)
-            if left + len(plan.call) >= max_new_tokens:
-                plan.call, left = None, max(1, plan.total - plan.held)
-        plan.cap = min(left, max_new_tokens)
-        self.inner.submit(seq, params, plan.cap)
-
-    def poll(self) -> list[tuple[int, Segment]]:
-        out = []
-        for seq, segment in self.inner.poll():
-            plan = self.plans[seq]
-            if segment.finish_reason == "length" and len(segment.tokens) == plan.cap:
-                if plan.call is not None:  # the turn writes its call
-                    self.inner.extend(seq, plan.call)
-                    pad = torch.full((len(plan.call),), float(segment.entropies.mean()))
-                    segment = Segment(segment.tokens + plan.call, torch.cat([segment.log_probs, torch.zeros_like(pad)]),
-                                      torch.cat([segment.entropies, pad]), "stop")
-                    plan.calls += 1
-                elif plan.held + plan.cap >= plan.total:  # the response ends where it was drawn to
-                    segment = Segment(segment.tokens, segment.log_probs, segment.entropies, "eos")
-            plan.held += len(segment.tokens)
-            out.append((seq, segment))
-        return out
-
-    def decode(self, seqs: list[int], params: SamplingParams, max_new_tokens: list[int]) -> list[Segment]:
-        for seq, budget in zip(seqs, max_new_tokens, strict=True):
-            self.submit(seq, params, budget)
-        ended: dict[int, Segment] = {}
-        while self.inner.busy:
-            ended.update(self.poll())
-        return [ended[seq] for seq in seqs]
-
-    @property
-    def busy(self) -> bool:
-        return self.inner.busy
-
-    def expect(self, rows: int) -> None:
-        self.inner.expect(rows)
-
-    def counters(self) -> DecodeCounters:
-        return self.inner.counters()
-
-
 class ScriptedEngine(RolloutEngine):
-    """The fast engine, its sessions scripted (``rounds``: driven round by round)."""
+    """The fast engine, its sessions scripted (archer/rollout/simulated_turns.py; ``rounds``: driven round by
+    round)."""
 
-    def __init__(self, engine: FastEngine, script: Script, tool_rate: float, rounds: bool) -> None:
-        self.engine, self.script, self.tool_rate, self.rounds = engine, script, tool_rate, rounds
+    def __init__(self, engine: FastEngine, script: TurnScript, rounds: bool) -> None:
+        self.engine, self.script, self.rounds = engine, script, rounds
         self.last: ContinuousSession | None = None
 
     def session(self):
-        scripted = ScriptedTurns(self.engine.session(), self.script, self.tool_rate)
+        scripted = ScriptedTurns(self.engine.session(), self.script, self.engine.tokenizer)
         self.last = scripted
         return RoundSession(scripted) if self.rounds else scripted
 
@@ -209,10 +105,12 @@ class ScriptedEngine(RolloutEngine):
 
 
 class SandboxLatency(Tool):
-    """The Python tool's stand-in: answers after the latency archer's sandbox took (LATENCIES), drawn from the call."""
+    """The Python tool's stand-in: answers after the latency archer's sandbox took (LATENCIES), drawn from the call,
+    times ``scale`` (a training run names it by ``tool_instances.python.class_path=agentic_rollout.SandboxLatency``
+    with bench/ on PYTHONPATH)."""
 
-    def __init__(self, scale: float) -> None:
-        super().__init__("python", "python")
+    def __init__(self, name: str = "python", *, trigger_tag: str = "python", scale: float = 1.0) -> None:
+        super().__init__(name, trigger_tag)
         self.scale = scale
 
     def execute(self, text: str) -> ToolResult:
@@ -229,7 +127,12 @@ class SandboxLatency(Tool):
 
 
 # -- the rows ------------------------------------------------------------------------------------------------------
-def plain_generate(engine: FastEngine, prompts: list[list[int]], n: int, seed: int, script: Script) -> int:
+def turn_script(args, tool_rate: float) -> TurnScript:
+    """The module docstring's script: lengths of median --median-len, sigma 0.6, up to --new tokens."""
+    return TurnScript(median=args.median_len, sigma=0.6, limit=args.new, tool_rate=tool_rate, calls=CALL_LIMIT)
+
+
+def plain_generate(engine: FastEngine, prompts: list[list[int]], n: int, seed: int, script: TurnScript) -> int:
     """FastEngine.generate's own jobs (each prompt prefilled once, n forks of it), each row's budget the length the
     script draws for its (prompt, sample); returns the tokens generated."""
     parents = [Sequence(list(p), key=0) for p in prompts]
@@ -238,7 +141,7 @@ def plain_generate(engine: FastEngine, prompts: list[list[int]], n: int, seed: i
             for i, parent in enumerate(parents) for j in range(n)]
     engine.reclaim_memory()
     with torch.no_grad():
-        engine.scheduler.run(engine.cache, jobs, SamplingParams(n=n, max_new_tokens=script.args.new, seed=seed))
+        engine.scheduler.run(engine.cache, jobs, SamplingParams(n=n, max_new_tokens=script.limit, seed=seed))
     for seq in parents + [job.seq for job in jobs]:
         engine.cache.release(seq)
     return sum(len(job.tokens) for job in jobs)
@@ -263,7 +166,7 @@ def synced(fn):
 
 
 def run_row(row: str, engine: FastEngine, tokenizer, prompts: list[list[int]], args, seed: int) -> dict:
-    script = Script(args, tokenizer)
+    script = turn_script(args, args.tool_rate)
     before = engine.scheduler.counters
     steps0, tokens0 = before.steps, before.tokens
     if row == "plain":
@@ -274,8 +177,9 @@ def run_row(row: str, engine: FastEngine, tokenizer, prompts: list[list[int]], a
                 "decode_tokens": tokens, "responses": len(prompts) * args.n,
                 "mean_context": statistics.mean(len(p) for p in prompts) + generated / (2 * len(prompts) * args.n)}
     rate, branching = row_settings(row, args.n)
-    wrapped = ScriptedEngine(engine, script, args.tool_rate if rate is None else rate, row.endswith("_rounds"))
-    registry = ToolRegistry([SandboxLatency(args.latency_scale)], call_limit=CALL_LIMIT, max_workers=64,
+    wrapped = ScriptedEngine(engine, turn_script(args, args.tool_rate if rate is None else rate),
+                             row.endswith("_rounds"))
+    registry = ToolRegistry([SandboxLatency(scale=args.latency_scale)], call_limit=CALL_LIMIT, max_workers=64,
                             timeout=120.0, retry_count=0)
     loop = AgenticRollout(wrapped, tokenizer, registry, ArpoTags(registry),
                           LoopSettings(response_length=args.new, call_limit=CALL_LIMIT))

@@ -13,6 +13,12 @@ that puts ``--at-limit`` of the responses at the limit (a real reasoning run's l
 - ``separate_async``: trainer.v1.trainer_mode=separate_async, ``--rollout-gpus`` of the run's ``--gpus`` generate
   (the rest train) with ``--separate-warmup`` batches admitted ahead, the weights broadcast every step.
 
+``--recipe arpo`` runs ARPO's rollout instead of GRPO's (``initial_rollouts`` n / 2, beam 2, branch probability
+0.5 + 0.2 dH, 3 calls at most): the responses' turns are scripted (``ARCHER_SIMULATED_TURNS``,
+archer/rollout/simulated_turns.py: the same long-tailed lengths, ``--tool-rate`` of the first turns and 0.3 of later
+ones ending in a ``<python>`` call) and the Python tool is bench/agentic_rollout.py's stand-in, which answers after
+the latencies archer's sandbox took (0.12-1.3 s, times ``--tool-latency-scale``).
+
 Each mode runs in each ``--variants``: ``plain`` (archer's defaults: padded micro-batches of ``--micro-batch``
 rows) and ``packed`` (``use_remove_padding`` and ``use_dynamic_bsz``: the update's micro-batches packed to
 ppo_max_token_len_per_gpu tokens, no padding computed).
@@ -21,6 +27,7 @@ ppo_max_token_len_per_gpu tokens, no padding computed).
     python bench/async_rl.py --variants plain,packed            # 4 runs side by side on 4 GPUs
     python bench/async_rl.py --gpus 4 --prompts 32              # 4 ranks per run (one run at a time)
     python bench/async_rl.py --gpus 4 --modes sync,separate_async --rollout-gpus 2   # 2 train, 2 generate
+    python bench/async_rl.py --gpus 4 --prompts 32 --recipe arpo --modes sync,separate_async --rollout-gpus 1
     python bench/async_rl.py --tiny --steps 3                   # CPU: the tiny model, a smoke test
 
 Per mode, from the run's own metrics.jsonl, over the steps after the first (warm-up, and for the async modes the
@@ -50,8 +57,10 @@ from model_sizes import archer_command, failure
 from scale_out import gpu_name, measure, read_metrics, workload_files
 
 from archer.rollout.fast.simulated_lengths import ENV
+from archer.rollout.simulated_turns import ENV as TURNS_ENV
 
-RESULTS = Path(__file__).resolve().parent / "results"
+BENCH = Path(__file__).resolve().parent
+RESULTS = BENCH / "results"
 VARIANTS = {"plain": [], "packed": ["actor_rollout_ref.model.use_remove_padding=true",
                                     "actor_rollout_ref.actor.use_dynamic_bsz=true"]}
 QWEN_VOCAB = 151_936
@@ -59,12 +68,28 @@ PARAMS_1_5B = 1.54e9  # Qwen2.5-1.5B's parameters (embeddings included)
 H100_BF16_FLOPS = 989e12  # dense bf16 peak of an H100 SXM
 
 
-def length_env(args: argparse.Namespace) -> str:
-    """``ARCHER_SIMULATED_LENGTHS`` for the workload: median at ``median_fraction`` of the limit, sigma such that
-    ``at_limit`` of the draws reach it."""
+def length_env(args: argparse.Namespace) -> tuple[str, str]:
+    """The script of the responses, (variable, value): a lognormal with median at ``median_fraction`` of the limit
+    and a shape such that ``at_limit`` of the draws reach it. Plain: ``ARCHER_SIMULATED_LENGTHS``; arpo:
+    ``ARCHER_SIMULATED_TURNS``, whose turns also call the tool (``--tool-rate`` of the first turns)."""
     median = args.response_length * args.median_fraction
     sigma = math.log(args.response_length / median) / NormalDist().inv_cdf(1 - args.at_limit)
-    return f"prompt={args.prompt_length},median={median:g},sigma={sigma:.4f}"
+    if args.recipe == "arpo":
+        return TURNS_ENV, (f"median={median:g},sigma={sigma:.4f},limit={args.response_length},"
+                           f"tool_rate={args.tool_rate}")
+    return ENV, f"prompt={args.prompt_length},median={median:g},sigma={sigma:.4f}"
+
+
+def recipe_overrides(args: argparse.Namespace) -> list[str]:
+    """arpo: ARPO's rollout (bench/agentic_rollout.py's arpo_tools row) with the Python tool's stand-in, which
+    answers after the latencies archer's sandbox took; plain: nothing."""
+    if args.recipe != "arpo":
+        return []
+    tool = "+actor_rollout_ref.rollout.tools.tool_instances.python"
+    return [f"{tool}.class_path=agentic_rollout.SandboxLatency", f"{tool}.params.scale={args.tool_latency_scale}",
+            "actor_rollout_ref.rollout.tools.call_limit=3", f"actor_rollout_ref.rollout.initial_rollouts={args.n // 2}",
+            "actor_rollout_ref.rollout.beam_size=2", "actor_rollout_ref.rollout.branch_probability=0.5",
+            "actor_rollout_ref.rollout.entropy_weight=0.2"]
 
 
 MODES = ("sync", "colocate_async", "separate_async")
@@ -92,9 +117,12 @@ def launch(args: argparse.Namespace, work: argparse.Namespace, files: tuple[Path
     out = args.workdir / f"{mode}_{variant}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    overrides = mode_overrides(mode, args) + VARIANTS[variant] + args.archer_override
+    overrides = mode_overrides(mode, args) + VARIANTS[variant] + recipe_overrides(args) + args.archer_override
     cmd = archer_command(work, *files, overrides, out / "run")
-    env = {**os.environ, ENV: length_env(args)}
+    variable, value = length_env(args)
+    env = {**os.environ, variable: value}
+    if args.recipe == "arpo":  # the ranks import the tool's stand-in from bench/
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCH), os.environ.get("PYTHONPATH")) if p)
     if device is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(device)
     log = (out / "train.log").open("w")
@@ -176,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rollout-gpus", type=int, default=None,
                         help="separate_async: of --gpus, how many generate (default half, at least 1)")
     parser.add_argument("--separate-warmup", type=int, default=1, help="separate_async: num_warmup_batches")
+    parser.add_argument("--recipe", choices=("plain", "arpo"), default="plain",
+                        help="plain: GRPO; arpo: ARPO's tool-calling rollout with branches (scripted turns)")
+    parser.add_argument("--tool-rate", type=float, default=0.5, help="arpo: share of first turns that call the tool")
+    parser.add_argument("--tool-latency-scale", type=float, default=1.0,
+                        help="arpo: the tool's stand-in answers after the sandbox's latencies times this")
     parser.add_argument("--steps", type=int, default=5, help="steps per mode (the first is left out)")
     parser.add_argument("--tiny", action="store_true", help="the tiny model on the CPU (trainer.device=cpu)")
     parser.add_argument("--out", type=Path, help="the JSON records (default: bench/results/async_rl_<device>.json)")
@@ -206,7 +239,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         parser.error(f"{args.gpus} GPU(s) per run, {visible} visible (on a CPU, run with --tiny)")
     shape = "tiny" if args.tiny else "qwen2.5-1.5b"
     if args.tiny:
-        args.prompt_length, args.response_length, args.micro_batch = 32, 32, 4
+        args.prompt_length, args.response_length, args.micro_batch = 32, 128 if args.recipe == "arpo" else 32, 4
     work = argparse.Namespace(shape=shape, prompts=args.prompts, n=args.n, prompt_length=args.prompt_length,
                               response_length=args.response_length, micro_batch=args.micro_batch,
                               vocab=None if args.tiny else QWEN_VOCAB, steps=args.steps, out=args.workdir)
@@ -221,7 +254,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     runs = [(mode, variant) for variant in variants for mode in modes]
     side_by_side = not args.tiny and args.gpus == 1 and visible >= len(runs)
     common = {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-              "command": " ".join(["python", "bench/async_rl.py", *argv]), "lengths": length_env(args),
+              "command": " ".join(["python", "bench/async_rl.py", *argv]), "lengths": "=".join(length_env(args)),
+              "recipe": args.recipe,
               **{k: getattr(args, k) for k in ("prompts", "n", "prompt_length", "response_length", "warmup",
                                                "threshold", "steps", "rollout_gpus", "separate_warmup")}}
     records = []

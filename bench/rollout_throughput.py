@@ -101,6 +101,7 @@ def run_fast(model, tokenizer, prompts, args) -> dict:
               "repeat_prefill_s": sum(prefill_s) - first_prefill_s, "warmup_s": build_s + warm_s,
               "same_tokens_on_repeat": bool(torch.equal(out.responses, again.responses)),
               "kv_pages": engine.cache.pages, "eos_rows": out.finish_reasons.count("eos")}
+    record.update(decode_split(engine, prompts, params))
     bandwidth = hbm_bandwidth(torch.cuda.get_device_name())
     if bandwidth is not None:
         bound = decode_hbm_bound(model_spec(model), len(prompts) * args.n, args.prompt, args.new, bandwidth)
@@ -114,6 +115,47 @@ def run_fast(model, tokenizer, prompts, args) -> dict:
     engine.release_memory()
     record["released_gib"] = (held - torch.cuda.memory_reserved()) / 2**30
     return record
+
+
+def decode_split(engine: FastEngine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """Where the wall time of one more generate call goes: the decode windows' graph replays (CUDA events around
+    each window's steps, GPU time), the prefills (GPU time) and the rest, the host's work between windows while
+    the GPU waits (reading a window, admitting rows, stop strings)."""
+    scheduler = engine.scheduler
+    admit, collect, prefill = scheduler._admit, scheduler._collect, scheduler.prefill
+    windows: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    prefills: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def event() -> torch.cuda.Event:
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record()
+        return mark
+
+    def timed_admit() -> None:
+        admit()
+        windows.append((event(), None))
+
+    def timed_collect(bucket: int, steps: int):
+        windows[-1] = (windows[-1][0], event())
+        return collect(bucket, steps)
+
+    def timed_prefill(cache, seqs) -> None:
+        start = event()
+        prefill(cache, seqs)
+        prefills.append((start, event()))
+
+    scheduler._admit, scheduler._collect, scheduler.prefill = timed_admit, timed_collect, timed_prefill
+    try:
+        steps_before = scheduler.counters.steps
+        _, wall = _timed(lambda: engine.generate(prompts, params))
+        steps = scheduler.counters.steps - steps_before
+    finally:
+        scheduler._admit, scheduler._collect, scheduler.prefill = admit, collect, prefill
+    replay_s = sum(a.elapsed_time(b) for a, b in windows if b is not None) / 1e3
+    prefill_s = sum(a.elapsed_time(b) for a, b in prefills) / 1e3
+    return {"split_wall_s": wall, "split_decode_gpu_s": replay_s, "split_prefill_gpu_s": prefill_s,
+            "split_host_gap_s": wall - replay_s - prefill_s, "split_windows": len(windows),
+            "split_steps": steps, "split_ms_per_step": 1e3 * replay_s / max(steps, 1)}
 
 
 def profile_decode(engine: FastEngine, prompts: list[list[int]], args, new: int = 64) -> str:
@@ -219,6 +261,11 @@ def main() -> None:
                      f"{r['repeat_hbm_fraction']:.0%})"
         print(f"  {r['peer']:<11} {r['tokens_per_s']:>10.0f} tok/s  ({r['tokens']} tokens in {r['seconds']:.2f} s,"
               f" warm-up {r['warmup_s']:.1f} s){ratio}")
+        if "split_wall_s" in r:
+            print(f"              one more call: {r['split_wall_s']:.3f} s = decode graphs {r['split_decode_gpu_s']:.3f} s"
+                  f" ({r['split_steps']} steps, {r['split_ms_per_step']:.3f} ms each) + prefill "
+                  f"{r['split_prefill_gpu_s']:.3f} s + host between windows {r['split_host_gap_s']:.3f} s "
+                  f"({r['split_windows']} windows)")
 
 
 if __name__ == "__main__":

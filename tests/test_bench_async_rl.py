@@ -5,6 +5,7 @@ the sync run of the same variant, and a failed run's record."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 from statistics import NormalDist
@@ -22,14 +23,31 @@ def ar():
 def args(**more) -> argparse.Namespace:
     return argparse.Namespace(**{"response_length": 2048, "prompt_length": 1024, "median_fraction": 0.25,
                                  "at_limit": 0.05, "gpus": 1, "tiny": False, "warmup": 2, "threshold": 3,
-                                 "prompts": 16, "n": 8, **more})
+                                 "prompts": 16, "n": 8, "recipe": "plain", "tool_rate": 0.5,
+                                 "tool_latency_scale": 1.0, **more})
 
 
 def test_the_drawn_lengths_have_the_asked_median_and_share_at_the_limit(ar) -> None:
-    fields = dict(part.split("=") for part in ar.length_env(args()).split(","))
-    assert fields["prompt"] == "1024" and float(fields["median"]) == 512
+    variable, value = ar.length_env(args())
+    fields = dict(part.split("=") for part in value.split(","))
+    assert variable == "ARCHER_SIMULATED_LENGTHS" and fields["prompt"] == "1024" and float(fields["median"]) == 512
     sigma = float(fields["sigma"])  # P(median * exp(sigma Z) >= 2048) = P(Z >= ln 4 / sigma) = 5%
     assert 1 - NormalDist().cdf(math.log(4) / sigma) == pytest.approx(0.05, abs=1e-4)
+    # arpo: the same lengths as scripted turns, a share of whose first turns call the tool
+    variable, value = ar.length_env(args(recipe="arpo", tool_rate=0.4))
+    turns = dict(part.split("=") for part in value.split(","))
+    assert variable == "ARCHER_SIMULATED_TURNS"
+    assert turns == {"median": "512", "sigma": fields["sigma"], "limit": "2048", "tool_rate": "0.4"}
+
+
+def test_the_arpo_recipe_branches_and_calls_the_tools_stand_in(ar) -> None:
+    assert ar.recipe_overrides(args()) == []
+    assert ar.recipe_overrides(args(recipe="arpo", tool_latency_scale=0.5)) == [
+        "+actor_rollout_ref.rollout.tools.tool_instances.python.class_path=agentic_rollout.SandboxLatency",
+        "+actor_rollout_ref.rollout.tools.tool_instances.python.params.scale=0.5",
+        "actor_rollout_ref.rollout.tools.call_limit=3", "actor_rollout_ref.rollout.initial_rollouts=4",
+        "actor_rollout_ref.rollout.beam_size=2", "actor_rollout_ref.rollout.branch_probability=0.5",
+        "actor_rollout_ref.rollout.entropy_weight=0.2"]
 
 
 def test_modes_and_variants_set_the_keys_they_name(ar) -> None:
@@ -73,3 +91,14 @@ def test_the_table_compares_each_run_with_sync_of_its_variant(ar, tmp_path: Path
     log.write_text("archer: error: the fast engine's KV cache does not fit\n  fix: lower it\n")
     failed = ar.collect(tmp_path, "sync", "plain", ["python", "-m", "archer.cli"], 1, args())
     assert not failed["ran"] and failed["error"].startswith("the fast engine's KV cache does not fit")
+
+
+@pytest.mark.slow
+def test_a_tiny_arpo_run_calls_the_tool_and_branches(ar, tmp_path: Path) -> None:
+    """The whole path on the CPU: ``archer train`` with the scripted turns and the tool's stand-in from bench/."""
+    [run] = ar.main(["--tiny", "--steps", "2", "--recipe", "arpo", "--modes", "sync", "--tool-latency-scale", "0.01",
+                     "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "records.json")])
+    assert run["ran"] and run["recipe"] == "arpo"
+    lines = [json.loads(line) for line in (tmp_path / "work" / "sync_plain" / "run" / "metrics.jsonl").open()]
+    assert all(line["tools/python/calls"] > 0 and line["tools/invalid_calls"] == 0 for line in lines)
+    assert sum(line["rollout/branches"] for line in lines) > 0

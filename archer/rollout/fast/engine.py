@@ -25,6 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from archer.errors import ArcherError
 from archer.models.loading import default_dtype
+from archer.rollout import simulated_turns
 from archer.rollout.base import (
     PAUSED,
     ContinuousSession,
@@ -42,6 +43,7 @@ from archer.rollout.fast.pages import KVCache, Sequence, budget_pages
 from archer.rollout.fast.runner import DecodeRunner
 from archer.rollout.fast.sampling import noise_key
 from archer.rollout.fast.scheduler import Job, Scheduler
+from archer.rollout.simulated_turns import ScriptedTurns
 
 _MIB = 1 << 20
 PAGE_SIZE = 32  # tokens per KV-cache page (the engine's default)
@@ -210,8 +212,11 @@ class FastEngine(RolloutEngine):
                              prompt_index=torch.arange(prompts).repeat_interleave(n),
                              finish_reasons=[job.reason for job in jobs])
 
-    def session(self) -> FastSession:
-        return FastSession(self)
+    def session(self) -> ContinuousSession:
+        """A FastSession (scripted when ``ARCHER_SIMULATED_TURNS`` is set: benchmarks, rollout/simulated_turns.py)."""
+        script = simulated_turns.from_environment()
+        session = FastSession(self)
+        return session if script is None else ScriptedTurns(session, script, self.tokenizer)
 
 
 class FastSession(ContinuousSession):
