@@ -78,6 +78,27 @@ def test_build_optimizer_reads_lr_betas_and_weight_decay() -> None:
     group = opt.param_groups[0]
     assert isinstance(opt, torch.optim.AdamW)
     assert group["lr"] == 3e-4 and group["betas"] == (0.8, 0.95) and group["weight_decay"] == 0.1
+    assert not group["fused"]  # parameters on the CPU: torch's default implementation
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_the_fused_optimiser_steps_as_the_default_one() -> None:
+    torch.manual_seed(0)
+    start = [torch.randn(64, 32, device="cuda"), torch.randn(32, device="cuda")]
+    grads = [[torch.randn_like(t) for t in start] for _ in range(3)]
+    results = []
+    for fused in (True, False):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = build_optimizer(params, optim_cfg(lr=1e-2)) if fused else torch.optim.AdamW(
+            params, lr=1e-2, betas=(0.9, 0.999), weight_decay=0.01)
+        assert opt.param_groups[0]["fused"] is (True if fused else None)
+        for step in grads:
+            for p, g in zip(params, step, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        results.append([p.detach() for p in params])
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_build_scheduler_drives_the_learning_rate() -> None:
