@@ -43,7 +43,6 @@ from archer.rollout.fast.pages import KVCache, Sequence, budget_pages
 from archer.rollout.fast.runner import DecodeRunner
 from archer.rollout.fast.sampling import noise_key
 from archer.rollout.fast.scheduler import Job, Scheduler
-from archer.rollout.simulated_turns import ScriptedTurns
 
 _MIB = 1 << 20
 PAGE_SIZE = 32  # tokens per KV-cache page (the engine's default)
@@ -216,7 +215,7 @@ class FastEngine(RolloutEngine):
         """A FastSession (scripted when ``ARCHER_SIMULATED_TURNS`` is set: benchmarks, rollout/simulated_turns.py)."""
         script = simulated_turns.from_environment()
         session = FastSession(self)
-        return session if script is None else ScriptedTurns(session, script, self.tokenizer)
+        return session if script is None else simulated_turns.ScriptedTurns(session, script, self.tokenizer)
 
 
 class FastSession(ContinuousSession):
