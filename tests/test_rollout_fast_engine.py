@@ -385,3 +385,17 @@ def test_finished_rows_return_their_pages_at_once(parts, prompts):
     wide = FastEngine(*parts, max_num_seqs=16, page_size=16, max_model_len=48).generate(prompts, params)
     assert torch.equal(out.responses, wide.responses)
     assert engine.cache.free_pages == engine.cache.pages - 1
+
+
+def test_every_row_starts_in_the_first_window_when_parents_and_forks_pass_the_page_cap(parts) -> None:
+    """The cache holds (max_num_seqs + 1) x blocks pages, but a prompt's parent keeps its pages until its forks
+    start: with n = 1 the first admission fits one row fewer, and the next (after the forks free their parents)
+    starts it in the same window, so 8 rows of 48 tokens take 3 windows of 16 steps, not 4."""
+    model, tokenizer = parts
+    engine = FastEngine(model, tokenizer, max_num_seqs=8, max_model_len=64 + 48, max_num_batched_tokens=1024)
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, model.config.vocab_size - 8, (8, 64), generator=generator).tolist()
+    before = engine.scheduler.counters.steps
+    out = engine.generate(prompts, SamplingParams(n=1, max_new_tokens=48, seed=0))
+    assert int(out.response_mask.sum(1).max()) == 48  # a row ran to the limit: 48 steps at least
+    assert engine.scheduler.counters.steps - before == 48

@@ -175,7 +175,8 @@ class Scheduler:
         entropies and reason filled in); nothing when no job waits or decodes."""
         if not self.busy:
             return []
-        self._admit()
+        while self.waiting and self._admit():  # again: forks that started free their parents' pages for the next
+            pass
         if not self.running:
             job = self.waiting[0]
             raise ArcherError(
@@ -202,7 +203,9 @@ class Scheduler:
         while self.busy:
             self.step()
 
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
+        """Start the waiting jobs that fit in the free slots and pages, in order; whether any started. A prompt's
+        parent holds its pages until its forks start, so a second call may fit jobs the first could not."""
         cache = self.cache
         free = [slot for slot in range(self.capacity) if slot not in self.running]
         pages, chosen, counted = cache.free_pages, [], set()
@@ -215,7 +218,7 @@ class Scheduler:
             pages -= need
             chosen.append(job)
         if not chosen:
-            return
+            return False
         for _ in chosen:
             self.waiting.popleft()
         to_prefill, copies = [], []
@@ -243,6 +246,7 @@ class Scheduler:
         slots = free[: len(chosen)]
         self.runner.place(slots, rows)
         self.running.update(zip(slots, chosen))
+        return True
 
     @staticmethod
     def _capacity(job: Job) -> int:
