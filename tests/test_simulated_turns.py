@@ -42,9 +42,6 @@ class WholeBudget(ContinuousSession):
     def tokens(self, seq: int) -> list[int]:
         return list(self.seqs[seq])
 
-    def decode(self, seqs, params, max_new_tokens):
-        raise AssertionError("not used")
-
     def submit(self, seq: int, params: SamplingParams, max_new_tokens: int, lookback: int = 0) -> None:
         self.submitted[seq] = max_new_tokens
 

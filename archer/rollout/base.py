@@ -198,6 +198,15 @@ class ContinuousSession(EngineSession):
         what it sampled so far (possibly nothing) and finish_reason ``"paused"``. The sequences keep those tokens,
         and a later ``submit`` continues them (a partial rollout, docs/async.md)."""
 
+    def decode(self, seqs: list[int], params: SamplingParams, max_new_tokens: list[int]) -> list[Segment]:
+        """``submit`` each sequence, then ``poll`` until every one has come back."""
+        for seq, budget in zip(seqs, max_new_tokens, strict=True):
+            self.submit(seq, params, budget)
+        ended: dict[int, Segment] = {}
+        while self.busy:
+            ended.update(self.poll())
+        return [ended[seq] for seq in seqs]
+
     def expect(self, rows: int) -> None:
         """Hint: up to ``rows`` sequences may decode at once (an engine sizes its running batch by it)."""
 

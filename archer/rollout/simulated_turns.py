@@ -128,14 +128,6 @@ class ScriptedTurns(ContinuousSession):
             self.plans[seq].held += len(segment.tokens)
         return paused
 
-    def decode(self, seqs: list[int], params: SamplingParams, max_new_tokens: list[int]) -> list[Segment]:
-        for seq, budget in zip(seqs, max_new_tokens, strict=True):
-            self.submit(seq, params, budget)
-        ended: dict[int, Segment] = {}
-        while self.inner.busy:
-            ended.update(self.poll())
-        return [ended[seq] for seq in seqs]
-
     @property
     def busy(self) -> bool:
         return self.inner.busy

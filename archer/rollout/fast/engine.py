@@ -401,10 +401,6 @@ class FastSession(ContinuousSession):
         if self.busy:
             raise ArcherError("decode was called while submitted sequences decode", "poll them first")
         previous, self._params = self._params, None
-        for seq, budget in zip(seqs, max_new_tokens, strict=True):
-            self.submit(seq, params, budget)
-        ended: dict[int, Segment] = {}
-        while self.busy:
-            ended.update(self.poll())
+        segments = super().decode(seqs, params, max_new_tokens)
         self._params = previous
-        return [ended[seq] for seq in seqs]
+        return segments
