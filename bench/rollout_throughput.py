@@ -121,22 +121,24 @@ def decode_split(engine: FastEngine, prompts: list[list[int]], params: SamplingP
     """Where the wall time of one more generate call goes: the decode windows' graph replays (CUDA events around
     each window's steps, GPU time), the prefills (GPU time) and the rest, the host's work between windows while
     the GPU waits (reading a window, admitting rows, stop strings)."""
-    scheduler = engine.scheduler
-    admit, collect, prefill = scheduler._admit, scheduler._collect, scheduler.prefill
+    scheduler, runner = engine.scheduler, engine.scheduler.runner
+    run, collect, prefill = runner.run, scheduler._collect, scheduler.prefill
     windows: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
     prefills: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    window_start: list[torch.cuda.Event] = []  # the event before the open window's first step
 
     def event() -> torch.cuda.Event:
         mark = torch.cuda.Event(enable_timing=True)
         mark.record()
         return mark
 
-    def timed_admit() -> None:
-        admit()
-        windows.append((event(), None))
+    def timed_run(bucket: int, filtered: bool, cache) -> None:
+        if not window_start:
+            window_start.append(event())
+        run(bucket, filtered, cache)
 
     def timed_collect(bucket: int, steps: int):
-        windows[-1] = (windows[-1][0], event())
+        windows.append((window_start.pop(), event()))
         return collect(bucket, steps)
 
     def timed_prefill(cache, seqs) -> None:
@@ -144,14 +146,15 @@ def decode_split(engine: FastEngine, prompts: list[list[int]], params: SamplingP
         prefill(cache, seqs)
         prefills.append((start, event()))
 
-    scheduler._admit, scheduler._collect, scheduler.prefill = timed_admit, timed_collect, timed_prefill
+    runner.run, scheduler._collect, scheduler.prefill = timed_run, timed_collect, timed_prefill
     try:
         steps_before = scheduler.counters.steps
         _, wall = _timed(lambda: engine.generate(prompts, params))
         steps = scheduler.counters.steps - steps_before
     finally:
-        scheduler._admit, scheduler._collect, scheduler.prefill = admit, collect, prefill
-    replay_s = sum(a.elapsed_time(b) for a, b in windows if b is not None) / 1e3
+        del runner.run
+        scheduler._collect, scheduler.prefill = collect, prefill
+    replay_s = sum(a.elapsed_time(b) for a, b in windows) / 1e3
     prefill_s = sum(a.elapsed_time(b) for a, b in prefills) / 1e3
     return {"split_wall_s": wall, "split_decode_gpu_s": replay_s, "split_prefill_gpu_s": prefill_s,
             "split_host_gap_s": wall - replay_s - prefill_s, "split_windows": len(windows),

@@ -19,11 +19,14 @@ from torch import nn
 
 from archer.distributed.context import DistContext, shard_bounds
 from archer.distributed.fsdp import clip_grad_norm, shard_model
+from archer.distributed.shard_buckets import ShardGather, gatherable
 from archer.distributed.sharded_checkpoint import load_sharded, save_sharded
+from archer.distributed.weight_sync import WeightManifest, packed_buckets
 from archer.models.loading import load_causal_lm, load_tokenizer
 from archer.models.lora import (
     LoraSettings,
     add_lora,
+    plain_policy_parameters,
     policy_weight_shapes,
     policy_weights,
     save_merged,
@@ -35,6 +38,7 @@ LENGTHS = (12, 9, 12, 5, 10)  # right-padded to 12: the token count differs per 
 MAX_NORM = 0.5  # below the tiny model's gradient norms: clipping acts
 LR = 1e-2
 LORA = LoraSettings(4, 8.0, "all-linear")
+SYNC_BUCKET_BYTES = 4096  # the weight sync's buckets in the record: several, and the embedding alone in one
 
 
 def batch(step: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,6 +129,7 @@ def record(ctx: DistContext, work: Path) -> dict:
     out["initial"] = weights(model)
     out["initial_bf16"] = {name: tensor.clone() for name, tensor in policy_weights(model, torch.bfloat16)}
     out["shapes"] = policy_weight_shapes(model)
+    out["sync_buckets"] = sync_buckets(model)
     optimizer = adamw(model.parameters())
     out["steps"] = [train_step(model, optimizer, ctx, step) for step in range(3)]
     out["trained"] = weights(model)
@@ -157,6 +162,7 @@ def record(ctx: DistContext, work: Path) -> dict:
     out["lora_initial"] = list(policy_weights(lora))
     out["lora_initial_bf16"] = list(policy_weights(lora, torch.bfloat16))
     out["lora_shapes"] = policy_weight_shapes(lora)
+    out["lora_plain_parameters"] = plain_policy_parameters(lora)
     optimizer = adamw(trainable_parameters(lora))
     out["lora_step"] = train_step(lora, optimizer, ctx, 0)
     out["lora_trained"] = list(policy_weights(lora))
@@ -164,6 +170,22 @@ def record(ctx: DistContext, work: Path) -> dict:
     lora = shard_model(load_model(model_dir, lora=True, dtype=torch.bfloat16), ctx, param_dtype=torch.bfloat16)
     out["bf16_initial"] = list(policy_weights(lora))
     out["bf16_step"] = train_step(lora, adamw(trainable_parameters(lora)), ctx, 0)
+    return out
+
+
+def sync_buckets(model: nn.Module) -> dict:
+    """The weight sync's buckets of a sharded plain model in bfloat16 and float32, made both ways: one gather a
+    bucket (ShardGather, whose buckets only rank 0 gets) and the per-tensor stream packed; copies."""
+    params = plain_policy_parameters(model)
+    assert params is not None and gatherable(params)
+    out: dict = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        manifest = WeightManifest.plan(policy_weight_shapes(model), dtype, SYNC_BUCKET_BYTES)
+        gathered = [None if b is None else b.clone()
+                    for b in ShardGather(params, manifest, torch.device("cpu")).buckets()]
+        packed = [b.clone() for b in packed_buckets(policy_weights(model, dtype), manifest, torch.device("cpu"))]
+        slots = [[(slot.name, slot.shape, slot.offset) for slot in bucket] for bucket in manifest.buckets]
+        out[dtype] = {"slots": slots, "gathered": gathered, "packed": packed}
     return out
 
 

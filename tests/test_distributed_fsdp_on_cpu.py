@@ -111,6 +111,24 @@ def test_the_streams_names_and_whole_shapes_come_without_a_gather(runs):
     assert any(shape[0] > 1 for _, shape in ranks["shapes"])
 
 
+def test_one_gather_a_bucket_gives_the_weight_syncs_buckets_of_the_per_tensor_stream(runs):
+    """separate_async's sender gathers each bucket of shards at once (distributed/shard_buckets.py): rank 0's
+    buckets hold exactly what packing the gathered stream gives, and unpack by the manifest to the initial
+    weights cast; LoRA policies keep the stream (their weights are merged whole)."""
+    ranks = runs["ranks"]
+    for dtype, record in ranks["sync_buckets"].items():
+        buckets = record["slots"]
+        assert len(buckets) > 2 and any(len(b) == 1 for b in buckets)
+        assert len(record["gathered"]) == len(record["packed"]) == len(buckets)
+        for got, want in zip(record["gathered"], record["packed"], strict=True):
+            assert got.dtype == dtype and torch.equal(got, want)
+        for bucket, slots in zip(record["gathered"], buckets, strict=True):
+            for name, shape, offset in slots:
+                weight = bucket[offset: offset + math.prod(shape)].view(shape)
+                assert torch.equal(weight, ranks["initial"][name].to(dtype)), name
+    assert ranks["lora_plain_parameters"] is None
+
+
 def test_the_lora_merged_stream_on_two_ranks_equals_the_unsharded_one(runs):
     ref, ranks = runs["ref"], runs["ranks"]
     assert [name for name, _ in ranks["lora_initial"]] == [name for name, _ in ref["lora_initial"]]

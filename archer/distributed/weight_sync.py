@@ -4,10 +4,12 @@
 A small process group of its own joins trainer rank 0 (its rank 0) and every rollout rank (ranks 1..R), over a
 TCP store that trainer rank 0 hosts: NCCL between GPUs, gloo on CPUs. It lives beside the trainer ranks' own
 process group (FSDP's), which it never touches. The weights travel in flat buckets of
-``checkpoint_engine.update_weights_bucket_megabytes`` in the engine's dtype, in the order of the policy's weight
-stream (``WeightManifest``, taken once at set-up): the sender broadcasts bucket k while it packs bucket k + 1 into
-a second buffer (both allocated for the sync and freed after it: between steps, where the update's activations
-were); each receiver hands the engine views of its one bucket buffer, which the engine copies in place by name
+``checkpoint_engine.update_weights_bucket_megabytes`` in the engine's dtype, laid out as the ``WeightManifest``
+taken once at set-up says (the policy's stream order). Rank 0 makes them either by packing the policy's weight
+stream (``packed_buckets``) or, for a sharded plain policy, with one gather of every trainer rank's shards a bucket
+(distributed/shard_buckets.py); ``WeightSender.send_buckets`` broadcasts bucket k while bucket k + 1 is made in a
+second buffer (buffers allocated for the sync and freed after it: between steps, where the update's activations
+were). Each receiver hands the engine views of its one bucket buffer, which the engine copies in place by name
 (``RolloutEngine.sync_weights``) before the next bucket is received into it (on a GPU, NCCL's stream waits for
 those copies). A tensor larger than a bucket travels in a bucket of its own.
 """
@@ -130,35 +132,59 @@ def _wait(work: dist.Work, group: dist.ProcessGroup, bucket: int) -> None:
         raise _sync_error(group, bucket, error) from None
 
 
+def _checked(stream: Iterator[tuple[str, torch.Tensor]], slot: WeightSlot) -> torch.Tensor:
+    """The stream's next tensor, which must be ``slot``'s (name and whole shape)."""
+    name, tensor = next(stream, (None, None))
+    if name != slot.name or tuple(tensor.shape) != slot.shape:
+        raise ArcherError(f"the policy's weight stream gave {name!r} where the rollout ranks expect "
+                          f"{slot.name!r} {slot.shape}", "restart the run: the policy's parameters "
+                          "changed after the weight sync was set up")
+    return tensor
+
+
+def packed_buckets(weights: Iterable[tuple[str, torch.Tensor]], manifest: WeightManifest, device: torch.device,
+                   *, pack: bool = True) -> Iterator[torch.Tensor | None]:
+    """``weights`` (the policy's stream, in the manifest's order and shapes) packed into its flat buckets, in
+    two buffers taken in turn: a buffer is written again two buckets later, so its consumer must be done with
+    it once it asks for the next bucket but one (``WeightSender.send_buckets`` is). ``pack=False``: the stream
+    is read (a sharded stream's gathers run on every rank) and None stands for each bucket."""
+    stream = iter(weights)
+    buffers = [torch.empty(manifest.largest_bucket(), dtype=manifest.dtype, device=device)
+               for _ in range(min(2, len(manifest.buckets)) if pack else 0)]
+    for index, slots in enumerate(manifest.buckets):
+        buffer = buffers[index % 2] if pack else None
+        for slot in slots:
+            tensor = _checked(stream, slot)
+            if buffer is not None:
+                buffer[slot.offset: slot.offset + slot.numel].copy_(tensor.reshape(-1), non_blocking=True)
+        yield None if buffer is None else buffer[: manifest.bucket_numel(index)]
+    for _ in stream:  # a sharded policy's ranks gather every tensor: the stream is read to its end
+        pass
+
+
 class WeightSender:
-    """Trainer rank 0's side: broadcasts the weight stream, bucket by bucket, double-buffered."""
+    """Trainer rank 0's side: broadcasts the weights bucket by bucket, the next bucket made while the last one
+    is in flight."""
 
     def __init__(self, group: dist.ProcessGroup, manifest: WeightManifest, device: torch.device) -> None:
         self.group, self.manifest, self.device = group, manifest, device
 
     def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Broadcast ``weights`` (the policy's stream, in the manifest's order and shapes)."""
-        stream = iter(weights)
-        numel = self.manifest.largest_bucket()
-        buffers = [torch.empty(numel, dtype=self.manifest.dtype, device=self.device)
-                   for _ in range(min(2, len(self.manifest.buckets)))]
+        self.send_buckets(packed_buckets(weights, self.manifest, self.device))
+
+    def send_buckets(self, buckets: Iterable[torch.Tensor]) -> None:
+        """Broadcast the manifest's flat buckets as ``buckets`` makes them; bucket k's broadcast is waited for
+        before bucket k + 2 is asked for, so a maker may write into bucket k's memory again then."""
         in_flight: dist.Work | None = None
-        for index, slots in enumerate(self.manifest.buckets):
-            buffer = buffers[index % len(buffers)]
-            for slot in slots:
-                name, tensor = next(stream, (None, None))
-                if name != slot.name or tuple(tensor.shape) != slot.shape:
-                    raise ArcherError(f"the policy's weight stream gave {name!r} where the rollout ranks expect "
-                                      f"{slot.name!r} {slot.shape}", "restart the run: the policy's parameters "
-                                      "changed after the weight sync was set up")
-                buffer[slot.offset: slot.offset + slot.numel].copy_(tensor.reshape(-1), non_blocking=True)
+        count = 0
+        for index, bucket in enumerate(buckets):
             if in_flight is not None:
                 _wait(in_flight, self.group, index - 1)
-            in_flight = _broadcast(self.group, buffer[: self.manifest.bucket_numel(index)], index)
+            in_flight = _broadcast(self.group, bucket, index)
+            count = index + 1
         if in_flight is not None:
-            _wait(in_flight, self.group, len(self.manifest.buckets) - 1)
-        for _ in stream:  # a sharded policy's ranks gather every tensor: the stream is read to its end
-            pass
+            _wait(in_flight, self.group, count - 1)
         if self.device.type == "cuda":  # the buffers are reused by the allocator only after the last broadcast
             torch.cuda.current_stream(self.device).synchronize()
 

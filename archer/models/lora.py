@@ -182,6 +182,16 @@ def policy_weight_shapes(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     return [(name, tuple(param.shape)) for name, param, _ in _stream_parameters(unwrap(model))]
 
 
+def plain_policy_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]] | None:
+    """``policy_weights``'s tensors as the model holds them, (name, parameter) in its order, when each is given
+    as it is (no LoRA layer to merge); None for a LoRA policy. FSDP units are resharded first, so a sharded
+    model's parameters are its DTensor shards (what distributed/shard_buckets.py gathers a bucket at a time)."""
+    root = unwrap(model)
+    reshard(root)
+    params = [(name, param) for name, param, layer in _stream_parameters(root)]
+    return None if _lora_layers(root) else params
+
+
 def _stream_parameters(root: nn.Module) -> Iterator[tuple[str, nn.Parameter, LoraLayer | None]]:
     """The parameters behind ``policy_weights``'s stream, in its order: (name, parameter, the LoRA layer whose
     merged weight it gives, else None)."""

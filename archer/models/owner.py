@@ -28,7 +28,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from archer.distributed.context import DistContext
 from archer.distributed.fsdp import load_from_rank0, shard_model
+from archer.distributed.shard_buckets import ShardGather, gatherable
 from archer.distributed.sharded_checkpoint import load_full_state, load_sharded, save_sharded
+from archer.distributed.weight_sync import WeightManifest, packed_buckets
 from archer.errors import ArcherError
 from archer.models.hf_checkpoint import load_policy, save_policy
 from archer.models.liger import apply_liger
@@ -36,6 +38,7 @@ from archer.models.loading import default_dtype, load_causal_lm, load_value_mode
 from archer.models.lora import (
     LoraSettings,
     add_lora,
+    plain_policy_parameters,
     policy_weight_shapes,
     policy_weights,
     save_merged,
@@ -171,6 +174,16 @@ class ModelOwner:
         (``dtype``: cast to it before any gather). Sharded, each is gathered in turn: every rank must read the
         whole stream."""
         return policy_weights(self.model, dtype)
+
+    def weight_buckets(self, manifest: WeightManifest, *, pack: bool) -> Iterator[torch.Tensor | None]:
+        """The policy's weights in ``manifest``'s flat buckets and dtype, for the weight sync (every rank reads
+        it to its end; ``pack``: this rank sends, the others get None for each bucket). Sharded without LoRA,
+        each bucket is one gather of every rank's shards (distributed/shard_buckets.py: the sender is rank 0);
+        otherwise ``weights``'s stream is packed."""
+        params = plain_policy_parameters(self.model)
+        if self.sharded and params is not None and gatherable(params):
+            return ShardGather(params, manifest, self.ctx.device).buckets()
+        return packed_buckets(self.weights(manifest.dtype), manifest, self.ctx.device, pack=pack)
 
     def weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """``weights``'s names and whole shapes in its order, with nothing gathered."""

@@ -136,7 +136,7 @@ class RankWorkers:
             self.actor.start_rollout()
         self.weight_sender: WeightSender | None = None  # separate_async: rank 0's side of the weight sync
         self._weight_store: Any = None
-        self._weight_dtype: torch.dtype | None = None  # the rollout engines' dtype, the weights' on the wire
+        self._weight_manifest: WeightManifest | None = None  # separate_async: the buckets on the wire
 
     def plan_memory(self) -> MemoryPlan:
         """The card's memory plan (workers/memory.py): the actor's policy, training state and engine, and the
@@ -210,7 +210,7 @@ class RankWorkers:
     @collect(rank_zero)
     def join_weight_sync(self, host: str, port: int, size: int, manifest: WeightManifest) -> None:
         """Rank 0 joins the weight-sync group as its rank 0 (the sender); the other ranks have no part in it."""
-        self._weight_dtype = manifest.dtype
+        self._weight_manifest = manifest
         if self.ctx.rank == 0:
             group = join_group(host, port, 0, size, self.ctx.device, float(self.actor.cfg.nccl_timeout),
                                store=self._weight_store)
@@ -219,11 +219,11 @@ class RankWorkers:
     @collect(rank_zero)
     def send_weights(self) -> None:
         """The policy's current weights to every rollout rank (sharded: every rank gathers, rank 0 sends)."""
-        stream = self.actor.owner.weights(self._weight_dtype)  # gathered in the engine's dtype
+        buckets = self.actor.owner.weight_buckets(self._weight_manifest, pack=self.weight_sender is not None)
         if self.weight_sender is not None:
-            self.weight_sender.send(stream)
+            self.weight_sender.send_buckets(buckets)
         else:
-            for _ in stream:  # the gathers rank 0's stream needs
+            for _ in buckets:  # the gathers rank 0's buckets need
                 pass
 
     # -- memory -------------------------------------------------------------------------------------------
