@@ -91,14 +91,15 @@ def test_rope_store(dtype, qk_norm):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(14, 2, 64), (4, 4, 32)])
-def test_decode_attention(dtype, splits, heads, kv_heads, dim):
+@pytest.mark.parametrize("tile_tokens", [16, 32, 64])  # 1, 2 or 4 pages a loop step (a split may end inside one)
+def test_decode_attention(dtype, splits, heads, kv_heads, dim, tile_tokens):
     torch.manual_seed(3)
     page, pages = 16, 12
     k_cache, v_cache = _rand(pages, kv_heads, page, dim, dtype=dtype), _rand(pages, kv_heads, page, dim, dtype=dtype)
     tables = torch.tensor([[3, 7, 1, 0], [5, 0, 0, 0], [2, 4, 6, 8]], dtype=torch.int32, device=DEVICE)
     ctx = torch.tensor([40, 1, 64], device=DEVICE)
     q = _rand(3, heads, dim, dtype=dtype)
-    got = kernels.decode_attention(q, k_cache, v_cache, tables, ctx, dim ** -0.5, splits)
+    got = kernels.decode_attention(q, k_cache, v_cache, tables, ctx, dim ** -0.5, splits, tile_tokens)
     want = ops.paged_attention(q.unsqueeze(2), k_cache, v_cache, tables, (ctx - 1).unsqueeze(1), ctx,
                                dim ** -0.5, max_kv=int(ctx.max())).squeeze(1)
     torch.testing.assert_close(got, want, **_tol(dtype))
@@ -123,3 +124,19 @@ def test_sampling_kernel_matches_torch(vocab):
     assert got[0].tolist() == want[0].tolist()
     torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[2], want[2], atol=1e-4, rtol=1e-4)  # sums in another order
+
+
+def test_sampling_kernel_takes_the_lowest_index_on_ties():
+    """Greedy rows whose maximum repeats in other lanes, blocks and chunks (of 8,192 tokens) take the lowest
+    index, as torch's argmax does; a row of equal logits takes token 0."""
+    vocab = 20000
+    logits = torch.zeros(3, vocab, device=DEVICE)
+    logits[0, [17000, 5000, 2053, 1029, 9000]] = 2.0  # lanes 616, 904, 5, 5, 808 (of 1,024); chunks 2, 0, 0, 0, 1
+    logits[1, [8192 + 3, 8192 * 2 + 1]] = 1.5  # only in later chunks
+    ones = torch.ones(3, device=DEVICE)
+    token, logp, _ = kernels.sample(logits, ones, torch.ones(3, dtype=torch.bool, device=DEVICE),
+                                    torch.zeros(3, dtype=torch.long, device=DEVICE),
+                                    torch.zeros(3, dtype=torch.long, device=DEVICE),
+                                    torch.full((3,), float("-inf"), device=DEVICE))
+    assert token.tolist() == [1029, 8195, 0]
+    assert torch.allclose(logp[2], torch.tensor(-torch.log(torch.tensor(float(vocab))).item(), device=DEVICE))

@@ -150,12 +150,17 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, 
 
 # -- paged decode attention (split over the context, then merged) --------------------------------------
 
+# Cached tokens a program reads per step of its loop (a power of two of whole pages, at least one): 128 was the
+# fastest of 32 / 64 / 128 at 64-512 rows of both benchmark shapes (BENCHMARKS.md, "The decode attention's tiles").
+DECODE_TILE_TOKENS = 128
+
 
 @triton.jit
 def _decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx_ptr, out_ptr, part_ptr,
                              lse_ptr, scale, table_width,
                              H: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-                             D: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                             D: tl.constexpr, PAGE: tl.constexpr, PAGES: tl.constexpr, SPLITS: tl.constexpr,
+                             PRECISION: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     kh = tl.program_id(1)
     split = tl.program_id(2)
@@ -172,19 +177,21 @@ def _decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx_ptr
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
-    offs = tl.arange(0, PAGE)
-    for p in range(first, last):
-        page = tl.load(table_ptr + row * table_width + p).to(tl.int64)
-        tile = ((page * HKV + kh) * PAGE + offs)[:, None] * D + cols[None, :]
-        valid = p * PAGE + offs < ctx
+    offs = tl.arange(0, PAGES * PAGE)  # PAGES pages a tile: more bytes in flight per step of the loop
+    in_page = offs % PAGE
+    for p in range(first, last, PAGES):
+        index = p + offs // PAGE
+        valid = (index < last) & (index * PAGE + in_page < ctx)
+        page = tl.load(table_ptr + row * table_width + index, mask=index < last, other=0).to(tl.int64)
+        tile = ((page * HKV + kh) * PAGE + in_page)[:, None] * D + cols[None, :]
         k = tl.load(k_cache_ptr + tile, mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + tile, mask=valid[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         scores = tl.where(valid[None, :], scores * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
         probs = tl.exp(scores - m_new[:, None])
         total = total * alpha + tl.sum(probs, axis=1)
-        v = tl.load(v_cache_ptr + tile, mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     if SPLITS == 1:
@@ -213,8 +220,13 @@ def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, D: tl.constexpr, SPLITS: tl
     tl.store(out_ptr + head_row * D + cols, out.to(out_ptr.dtype.element_ty))
 
 
+def _pow2_floor(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                     ctx: torch.Tensor, scale: float, splits: int) -> torch.Tensor:
+                     ctx: torch.Tensor, scale: float, splits: int, tile_tokens: int = DECODE_TILE_TOKENS
+                     ) -> torch.Tensor:
     rows, heads, dim = q.shape
     _, kv_heads, page, _ = k_cache.shape
     group = heads // kv_heads
@@ -227,7 +239,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _decode_attention_kernel[(rows, kv_heads, splits)](
         q, k_cache, v_cache, tables, ctx, out, part, lse, scale, tables.shape[1],
         H=heads, HKV=kv_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page,
-        SPLITS=splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+        PAGES=_pow2_floor(max(1, tile_tokens // page)), SPLITS=splits,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
     if splits > 1:
         _merge_splits_kernel[(rows * heads,)](part, lse, out, D=dim, SPLITS=splits)
     return out
@@ -242,6 +255,8 @@ SAMPLE_CHUNK = 8192
 @triton.jit
 def _sample_chunk_kernel(logits_ptr, temp_ptr, greedy_ptr, key_ptr, pos_ptr, thr_ptr, part_ptr, best_ptr,
                          vocab, chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    # Each lane keeps its own sums (scaled to the block-wise running maximum m) and its own best draw, so a block
+    # costs one reduction (its maximum); the lanes are reduced once, at the end of the chunk.
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     temp = tl.load(temp_ptr + row)
@@ -249,11 +264,11 @@ def _sample_chunk_kernel(logits_ptr, temp_ptr, greedy_ptr, key_ptr, pos_ptr, thr
     stream = _row_stream(tl.load(key_ptr + row).to(tl.uint32), tl.load(pos_ptr + row).to(tl.uint32))
     thr = tl.load(thr_ptr + row)
     m = float("-inf")
-    total = 0.0
-    moment = 0.0
-    best = float("-inf")
-    best_i = 0
-    best_x = 0.0
+    total = tl.zeros([BLOCK], tl.float32)
+    moment = tl.zeros([BLOCK], tl.float32)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK], tl.int32)
+    best_x = tl.zeros([BLOCK], tl.float32)
     for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         valid = idx < vocab
@@ -261,26 +276,26 @@ def _sample_chunk_kernel(logits_ptr, temp_ptr, greedy_ptr, key_ptr, pos_ptr, thr
         m_new = tl.maximum(m, tl.max(x, axis=0))
         e = tl.exp(x - m_new)
         alpha = tl.exp(m - m_new)
-        total = total * alpha + tl.sum(e, axis=0)
-        moment = moment * alpha + tl.sum(tl.where(valid, e * x, 0.0), axis=0)
+        total = total * alpha + e
+        moment = moment * alpha + tl.where(valid, e * x, 0.0)
         m = m_new
         gumbel = -tl.log(-tl.log(_uniform(stream, idx.to(tl.uint32))))
         score = tl.where(greedy, x, x + gumbel)
         score = tl.where(valid & (x >= thr), score, float("-inf"))
-        top = tl.max(score, axis=0)
-        top_i = tl.min(tl.where(score == top, idx, 2147483647), axis=0)
-        top_x = tl.sum(tl.where(idx == top_i, x, 0.0), axis=0)
-        take = top > best
-        best_x = tl.where(take, top_x, best_x)
-        best_i = tl.where(take, top_i, best_i)
-        best = tl.where(take, top, best)
+        take = score > best  # a lane keeps its earliest best: the lowest index on ties
+        best_x = tl.where(take, x, best_x)
+        best_i = tl.where(take, idx, best_i)
+        best = tl.where(take, score, best)
+    top = tl.max(best, axis=0)
+    top_i = tl.min(tl.where(best == top, best_i, 2147483647), axis=0)
+    top_x = tl.sum(tl.where((best == top) & (best_i == top_i), best_x, 0.0), axis=0)
     out = (row * chunks + chunk) * 4
     tl.store(part_ptr + out, m)
-    tl.store(part_ptr + out + 1, total)
-    tl.store(part_ptr + out + 2, moment)
-    tl.store(part_ptr + out + 3, best_x)
-    tl.store(best_ptr + (row * chunks + chunk) * 2, best)
-    tl.store(best_ptr + (row * chunks + chunk) * 2 + 1, best_i.to(tl.float32))
+    tl.store(part_ptr + out + 1, tl.sum(total, axis=0))
+    tl.store(part_ptr + out + 2, tl.sum(moment, axis=0))
+    tl.store(part_ptr + out + 3, top_x)
+    tl.store(best_ptr + (row * chunks + chunk) * 2, top)
+    tl.store(best_ptr + (row * chunks + chunk) * 2 + 1, top_i.to(tl.float32))
 
 
 @triton.jit

@@ -48,6 +48,16 @@ class Window:
     finish: list[int]
 
 
+def attention_splits(rows: int, kv_heads: int, sms: int) -> int:
+    """How many programs share one row's context in the decode attention: doubled (up to 16) while the rows' key /
+    value heads leave streaming multiprocessors idle. More splits cost more than they hide (their partial results
+    are merged by a second kernel): BENCHMARKS.md, "The decode attention's tiles"."""
+    splits = 1
+    while splits < 16 and rows * kv_heads * splits < sms:
+        splits *= 2
+    return splits
+
+
 class DecodeRunner:
     """Per-slot decode state, the step over slots [0, bucket) and its graphs."""
 
@@ -77,7 +87,7 @@ class DecodeRunner:
         self.slots = slots
         self.buckets = [b for b in BUCKETS if b < slots] + [slots]
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        self._programs = 2 * sms
+        self._sms = sms
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._graph_cache: KVCache | None = None
         self._pool = None
@@ -87,11 +97,8 @@ class DecodeRunner:
         return next(b for b in self.buckets if b >= rows)
 
     def splits(self, bucket: int) -> int:
-        """How many programs share one row's context in the attention kernel, so the GPU has work enough."""
-        splits, kv_heads = 1, self.model.spec.kv_heads
-        while splits < 16 and bucket * kv_heads * splits < self._programs:
-            splits *= 2
-        return splits
+        """How many programs share one row's context in the attention kernel (``attention_splits``)."""
+        return attention_splits(bucket, self.model.spec.kv_heads, self._sms)
 
     # -- the step (runs eagerly, or is captured) ----------------------------------------------------------
 
