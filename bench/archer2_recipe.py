@@ -1,6 +1,6 @@
 """The Archer2.0 recipe as published (examples/archer2_math_1.5b_entropy_trace.sh: Qwen2.5-1.5B's shape, 64 prompts
-x 8 responses a step, 1024 + 1024 tokens, ASPO with KL, 3 PPO epochs, log_prob_micro_batch_size_per_gpu=1, the
-entropy trace, 2 GPUs) timed step by step: issue 26's goal is <= 15 s a step on two 80 GB GPUs.
+x 8 responses a step, 1024 + 1024 tokens, ASPO with KL, one PPO epoch (the trace run's; its base recipe has 3),
+log_prob_micro_batch_size_per_gpu=1, the entropy trace, 2 GPUs) timed step by step: issue 26's goal is <= 15 s a step on two 80 GB GPUs.
 
 The script runs exactly as a user runs it (``bash examples/archer2_math_1.5b_entropy_trace.sh`` with its variables
 set), on a random model of the shape with Qwen's 151,936-row vocabulary (bench/gpu_step.py) and math-like prompts of
@@ -14,7 +14,10 @@ recipe allows. Checkpoints and validation are off (``trainer.save_freq=-1``, ``t
     python bench/archer2_recipe.py --tiny --steps 2                                     # CPU: the plumbing only
     python bench/archer2_recipe.py --gpus 2 --archer-override actor_rollout_ref.model.use_liger=true   # one key more
 
-The run's own metrics.jsonl gives each step's time and stages (``timing_s/*``); the first step is warm-up. With
+The run's own metrics.jsonl gives each step's time and stages (``timing_s/*``); the first step is warm-up. Each model
+stage's MFU over the steady steps: 6 N D x ppo_epochs (update_actor) or 2 N D (old_log_prob, ref) over the stage's
+seconds on all the GPUs at the bf16 peak (989 TFLOP/s, an H100's or H200's), N the model's parameters, D the step's
+tokens (``perf/total_num_tokens``); gradient checkpointing's second forward is not counted as work. With
 ``--tiny`` the tiny shape runs on the CPU with small batches and lengths appended as overrides (a check that the
 script and the recipe run, not a timing).
 """
@@ -35,14 +38,16 @@ import pyarrow.parquet as pq
 import torch
 from gpu_step import QWEN_VOCAB, build_random_model
 from model_sizes import run
+from omegaconf import OmegaConf
 from scale_out import gpu_name, read_metrics
 from trace_cost import DIGIT_REWARD
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from archer.models.loading import load_tokenizer
 
 RECIPE = Path(__file__).resolve().parent.parent / "examples" / "archer2_math_1.5b_entropy_trace.sh"
 GOAL_STEP_S = 15.0
+BF16_PEAK_FLOPS = 989e12  # dense bf16 of an H100 / H200 SXM
 TINY = ("trainer.device=cpu", "trainer.n_gpus_per_node=1", "data.train_batch_size=4", "data.gen_batch_size=4",
         "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "data.max_prompt_length=64",
@@ -50,6 +55,27 @@ TINY = ("trainer.device=cpu", "trainer.n_gpus_per_node=1", "data.train_batch_siz
         "actor_rollout_ref.rollout.max_num_batched_tokens=96", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=96",
         "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=96",
         "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=96")
+
+
+def stage_mfu(lines: list[dict], params: int, ppo_epochs: int, gpus: int) -> dict[str, float]:
+    """MFU of update_actor, old_log_prob and ref (those the run timed) over ``lines``, the steady steps' metrics:
+    the stage's FLOPs summed over the steps against its seconds on ``gpus`` GPUs at the bf16 peak."""
+    passes = {"update_actor": 6 * ppo_epochs, "old_log_prob": 2, "ref": 2}
+    out = {}
+    for stage, flops_per_param_token in passes.items():
+        seconds = sum(line.get(f"timing_s/{stage}", 0.0) for line in lines)
+        if seconds > 0:
+            flops = sum(flops_per_param_token * params * line["perf/total_num_tokens"] for line in lines)
+            out[stage] = flops / (seconds * gpus * BF16_PEAK_FLOPS)
+    return out
+
+
+def parameter_count(model_dir: Path) -> int:
+    """Parameters of the model folder's architecture (tied weights once), counted on the meta device."""
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
 
 
 def write_prompts(path: Path, tokenizer: PreTrainedTokenizerBase, rows: int, max_tokens: int, seed: int = 0) -> Path:
@@ -120,14 +146,21 @@ def main() -> None:
               "steady_step_s": statistics.median(s["timing_s/step"] for s in steady) if steady else None,
               "stages_s": {k.removeprefix("timing_s/"): statistics.median(s.get(k, 0.0) for s in steady)
                            for k in stages} if steady else {},
-              "response_length_mean": [line.get("response_length/mean") for line in lines]}
+              "response_length_mean": [line.get("response_length/mean") for line in lines],
+              "tokens": [line.get("perf/total_num_tokens") for line in lines]}
+    config = run_dir / "config.yaml"
+    if steady and config.is_file():
+        resolved = OmegaConf.load(config)
+        gpus = int(resolved.trainer.n_gpus_per_node) * int(resolved.trainer.nnodes)
+        record["params"] = parameter_count(model_dir)
+        record["stage_mfu"] = stage_mfu(steady, record["params"], int(resolved.actor_rollout_ref.actor.ppo_epochs), gpus)
     if args.json:
         args.json.write_text(json.dumps(record, indent=1))
     print(json.dumps(record, indent=1))
     if record["steady_step_s"] is not None and not args.tiny:
         verdict = "met" if record["steady_step_s"] <= GOAL_STEP_S else "missed"
         print(f"steady step {record['steady_step_s']:.1f} s on {args.gpus} GPU(s) (goal <= {GOAL_STEP_S:.0f} s on 2: "
-              f"{verdict})")
+              f"{verdict}); stage MFU: " + ", ".join(f"{k} {v:.1%}" for k, v in record.get("stage_mfu", {}).items()))
     if not ok:
         raise SystemExit(f"the recipe's run failed: {error} (log: {log})")
 
