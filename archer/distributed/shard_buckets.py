@@ -90,6 +90,12 @@ class ShardGather:
         for index, (pieces, used) in enumerate(self.layout):
             for piece in pieces:
                 local = next(params).to_local()
+                rows = min(piece.per_rank, max(0, piece.rows - self.rank * piece.per_rank))
+                if local.numel() != rows * piece.row_numel:
+                    raise ArcherError(f"{piece.slot.name}: trainer rank {self.rank} holds {tuple(local.shape)} of "
+                                      f"{piece.slot.shape}, not torch.chunk's {rows} rows",
+                                      "report this with the model's type: its FSDP2 shards are not split as the "
+                                      "weight sync expects")
                 send[piece.offset: piece.offset + local.numel()].copy_(local.reshape(-1))
             gathered = [received[r * used: (r + 1) * used] for r in range(self.world)] if main else None
             dist.gather(send[:used], gathered, group=self.group, group_dst=0)
