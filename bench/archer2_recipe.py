@@ -18,8 +18,9 @@ The run's own metrics.jsonl gives each step's time and stages (``timing_s/*``); 
 stage's MFU over the steady steps: 6 N D x ppo_epochs (update_actor) or 2 N D (old_log_prob, ref) over the stage's
 seconds on all the GPUs at the bf16 peak (989 TFLOP/s, an H100's or H200's), N the model's parameters, D the step's
 tokens (``perf/total_num_tokens``); gradient checkpointing's second forward is not counted as work. With
-``--tiny`` the tiny shape runs on the CPU with small batches and lengths appended as overrides (a check that the
-script and the recipe run, not a timing).
+``--tiny`` the tiny shape runs on the CPU with small batches and lengths appended as overrides and rejection sampling
+off (two responses of a tiny model often agree, and a step whose groups are all dropped trains nothing): a check
+that the script and the recipe run, not a timing.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ from archer.models.loading import load_tokenizer
 RECIPE = Path(__file__).resolve().parent.parent / "examples" / "archer2_math_1.5b_entropy_trace.sh"
 GOAL_STEP_S = 15.0
 BF16_PEAK_FLOPS = 989e12  # dense bf16 of an H100 / H200 SXM
-TINY = ("trainer.device=cpu", "trainer.n_gpus_per_node=1", "data.train_batch_size=4", "data.gen_batch_size=4",
+TINY = ("trainer.device=cpu", "trainer.rejection_sample=False",  # 2 responses of a tiny model often agree: no step
+        "trainer.n_gpus_per_node=1", "data.train_batch_size=4", "data.gen_batch_size=4",
         "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "data.max_prompt_length=64",
         "data.max_response_length=32", "actor_rollout_ref.rollout.max_model_len=96",
