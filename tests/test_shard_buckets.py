@@ -13,6 +13,7 @@ import queue
 
 import pytest
 import torch
+from spawn_support import spawned
 from torch import nn
 
 from archer.distributed.shard_buckets import ShardGather, _pieces, gatherable
@@ -77,24 +78,16 @@ def _rank(rank: int, port: int, offload: bool, results: mp.Queue) -> None:
 def test_rank0_gets_every_bucket_of_uneven_shards_exactly(offload: bool) -> None:
     from fsdp_support import free_port
 
-    context = mp.get_context("spawn")
-    results = context.Queue()
+    results = mp.get_context("spawn").Queue()
     port = free_port()
-    procs = [context.Process(target=_rank, args=(rank, port, offload, results)) for rank in range(WORLD)]
-    for proc in procs:
-        proc.start()
     got = {}
-    try:
-        for _ in range(WORLD):
-            rank, value = results.get(timeout=90)
-            got[rank] = torch.load(io.BytesIO(value)) if isinstance(value, bytes) else value
-    except queue.Empty:
-        pytest.fail(f"no result within 90 s: {got}")
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+    with spawned(*[(_rank, (rank, port, offload, results)) for rank in range(WORLD)]):
+        try:
+            for _ in range(WORLD):
+                rank, value = results.get(timeout=90)
+                got[rank] = torch.load(io.BytesIO(value)) if isinstance(value, bytes) else value
+        except queue.Empty:
+            pytest.fail(f"no result within 90 s: {got}")
     assert all(isinstance(value, dict) for value in got.values()), got
     for dtype, (buckets, want, sizes) in got[0].items():
         assert len(sizes) >= 3 and 1 in sizes, sizes  # split buckets, one tensor alone

@@ -8,6 +8,7 @@ import queue
 
 import pytest
 import torch
+from spawn_support import spawned
 
 from archer.distributed.weight_sync import (
     WeightManifest,
@@ -73,22 +74,15 @@ def _rank(rank: int, ports: mp.Queue, results: mp.Queue) -> None:
 def test_two_processes_get_the_exact_weights_by_name_across_bucket_boundaries() -> None:
     context = mp.get_context("spawn")
     ports, results = context.Queue(), context.Queue()
-    procs = [context.Process(target=_rank, args=(rank, ports, results)) for rank in range(2)]
-    for proc in procs:
-        proc.start()
     got: dict[str, list] = {"received": [], "sender_error": [], "error": []}
-    try:
-        while len(got["received"]) < 2 or not got["sender_error"]:
-            kind, value = results.get(timeout=60)
-            got[kind].append(value)
-            assert not got["error"], got["error"]
-    except queue.Empty:
-        pytest.fail(f"no result within 60 s: {got}")
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+    with spawned(*[(_rank, (rank, ports, results)) for rank in range(2)]):
+        try:
+            while len(got["received"]) < 2 or not got["sender_error"]:
+                kind, value = results.get(timeout=60)
+                got[kind].append(value)
+                assert not got["error"], got["error"]
+        except queue.Empty:
+            pytest.fail(f"no result within 60 s: {got}")
     for received, scale in zip(got["received"], (1.0, -2.0)):
         assert [name for name, _ in received] == [name for name, _ in SHAPES]
         for (name, tensor), (_, want) in zip(received, weights(scale)):
@@ -118,17 +112,8 @@ def _joins_and_leaves(ports: mp.Queue) -> None:
 def test_a_rollout_rank_that_leaves_makes_the_sync_one_clear_error() -> None:
     context = mp.get_context("spawn")
     ports, results = context.Queue(), context.Queue()
-    procs = [context.Process(target=_vanishing_receiver, args=(ports, results)),
-             context.Process(target=_joins_and_leaves, args=(ports,))]
-    for proc in procs:
-        proc.start()
-    try:
+    with spawned((_vanishing_receiver, (ports, results)), (_joins_and_leaves, (ports,))):
         kind, text = results.get(timeout=60)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
     assert kind == "error", text
     problem, fix = text.split("\n")
     assert problem.startswith("the weight sync between trainer rank 0 and the 1 rollout rank(s) failed at bucket ")
