@@ -1,6 +1,7 @@
 """The Archer2.0 recipe as published (examples/archer2_math_1.5b_entropy_trace.sh: Qwen2.5-1.5B's shape, 64 prompts
 x 8 responses a step, 1024 + 1024 tokens, ASPO with KL, one PPO epoch (the trace run's; its base recipe has 3),
-log_prob_micro_batch_size_per_gpu=1, the entropy trace, 2 GPUs) timed step by step: issue 26's goal is <= 15 s a step on two 80 GB GPUs.
+log_prob_micro_batch_size_per_gpu=1, the entropy trace, 2 GPUs) timed step by step: issue 26's goal is <= 15 s a
+step on two 80 GB GPUs.
 
 The script runs exactly as a user runs it (``bash examples/archer2_math_1.5b_entropy_trace.sh`` with its variables
 set), on a random model of the shape with Qwen's 151,936-row vocabulary (bench/gpu_step.py) and math-like prompts of

@@ -115,7 +115,7 @@ class ShardGather:
         width = piece.per_rank * piece.row_numel
         rows = shards[:, piece.offset: piece.offset + width].view(self.world, piece.per_rank, piece.row_numel)
         target = bucket[piece.slot.offset: piece.slot.offset + piece.slot.numel].view(piece.rows, piece.row_numel)
-        full = piece.rows // piece.per_rank  # ranks holding per_rank rows; the next holds the remainder
+        full, remainder = divmod(piece.rows, piece.per_rank)  # ranks holding per_rank rows; the next holds the rest
         target[: full * piece.per_rank].view(full, piece.per_rank, piece.row_numel).copy_(rows[:full])
-        if full < self.world and piece.rows > full * piece.per_rank:
-            target[full * piece.per_rank:].copy_(rows[full, : piece.rows - full * piece.per_rank])
+        if remainder:
+            target[full * piece.per_rank:].copy_(rows[full, :remainder])

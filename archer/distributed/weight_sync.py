@@ -177,14 +177,13 @@ class WeightSender:
         """Broadcast the manifest's flat buckets as ``buckets`` makes them; bucket k's broadcast is waited for
         before bucket k + 2 is asked for, so a maker may write into bucket k's memory again then."""
         in_flight: dist.Work | None = None
-        count = 0
+        index = -1
         for index, bucket in enumerate(buckets):
             if in_flight is not None:
                 _wait(in_flight, self.group, index - 1)
             in_flight = _broadcast(self.group, bucket, index)
-            count = index + 1
         if in_flight is not None:
-            _wait(in_flight, self.group, count - 1)
+            _wait(in_flight, self.group, index)
         if self.device.type == "cuda":  # the buffers are reused by the allocator only after the last broadcast
             torch.cuda.current_stream(self.device).synchronize()
 

@@ -187,9 +187,10 @@ def plain_policy_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]] 
     as it is (no LoRA layer to merge); None for a LoRA policy. FSDP units are resharded first, so a sharded
     model's parameters are its DTensor shards (what distributed/shard_buckets.py gathers a bucket at a time)."""
     root = unwrap(model)
+    if _lora_layers(root):
+        return None
     reshard(root)
-    params = [(name, param) for name, param, layer in _stream_parameters(root)]
-    return None if _lora_layers(root) else params
+    return [(name, param) for name, param, _ in _stream_parameters(root)]
 
 
 def _stream_parameters(root: nn.Module) -> Iterator[tuple[str, nn.Parameter, LoraLayer | None]]:
