@@ -50,7 +50,7 @@ def build_random_model(out: Path, shape: str, vocab_size: int | None = None, *, 
     hidden, layers, heads, kv, inter = SHAPES[shape]
     common = {"vocab_size": vocab_size or len(tokenizer), "hidden_size": hidden, "num_hidden_layers": layers,
               "num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": inter,
-              "max_position_embeddings": 4096, "tie_word_embeddings": shape not in UNTIED,
+              "max_position_embeddings": 32768, "tie_word_embeddings": shape not in UNTIED,  # Qwen2.5-0.5B-3B's
               "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
               "pad_token_id": tokenizer.pad_token_id}
     if shape.startswith("llama"):

@@ -7,7 +7,10 @@
    backward epoch of the decoder layers (``--micro-batches`` x ``--rows`` rows of ``--length`` random tokens, a
    float32 loss on the last hidden state) in three set-ups: (a) float32 weights under autocast, (b) FSDP2 on a
    one-rank mesh with bf16 compute and float32 gradient reduction, (c) bf16 weights (no master copy: the compute's
-   lower bound). ``--liger``: with liger-kernel's RMSNorm / SwiGLU / rotary (``model.use_liger``).
+   lower bound). ``--liger``: with liger-kernel's RMSNorm / SwiGLU / rotary (``model.use_liger``). ``--compile``:
+   each set-up again with every decoder layer compiled by torch.compile (inductor fuses the norms, SwiGLU,
+   rotary and autocast's casts; ``dynamic=True``, as packed micro-batches of varying tokens would need; not with
+   ``--liger``, whose autograd functions torch.compile cannot trace).
 2. **The optimiser step.** torch's AdamW over the shape's parameters in float32 (as the trainer keeps them):
    its default (foreach) implementation against the fused one, which archer uses on GPUs (models/optim.py).
 
@@ -34,7 +37,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 H100_BF16_FLOPS = 989e12
 
 
-def build(shape: str, dtype: torch.dtype, liger: bool) -> Qwen2ForCausalLM:
+def build(shape: str, dtype: torch.dtype, liger: bool, compiled: bool = False) -> Qwen2ForCausalLM:
     hidden, layers, heads, kv, inter = SHAPES[shape]
     config = Qwen2Config(vocab_size=QWEN_VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv, intermediate_size=inter, max_position_embeddings=32768,
@@ -46,6 +49,9 @@ def build(shape: str, dtype: torch.dtype, liger: bool) -> Qwen2ForCausalLM:
     if liger:
         from archer.models.liger import apply_liger
         apply_liger(model, torch.device("cuda"), "--liger")
+    if compiled:
+        for layer in model.model.layers:
+            layer.compile(dynamic=True)
     return model
 
 
@@ -80,19 +86,24 @@ def layer_flops(shape: str, tokens: int) -> float:
 def precision_rows(args: argparse.Namespace, mesh) -> list[dict]:
     rows = []
     tokens = args.rows * args.length * args.micro_batches
-    for setup in ("float32 weights + bf16 autocast", "FSDP2 on one rank, bf16 compute", "bf16 weights"):
+    setups = ("float32 weights + bf16 autocast", "FSDP2 on one rank, bf16 compute", "bf16 weights")
+    for compiled, setup in [(False, s) for s in setups] + ([(True, s) for s in setups] if args.compile else []):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        model = build(args.shape, torch.bfloat16 if setup == "bf16 weights" else torch.float32, args.liger)
-        if setup.startswith("FSDP2"):
+        model = build(args.shape, torch.bfloat16 if setup == "bf16 weights" else torch.float32, args.liger, compiled)
+        if compiled:
+            setup = f"compiled: {setup}"
+        if "FSDP2" in setup:
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             for layer in model.model.layers:
                 fully_shard(layer, mesh=mesh, mp_policy=policy)
             fully_shard(model.model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        start = time.perf_counter()
         seconds = time_epochs(model, args)
         rows.append({"setup": setup, "seconds": seconds, "tokens": tokens,
                      "layer_mfu": layer_flops(args.shape, tokens) / seconds / H100_BF16_FLOPS,
-                     "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
+                     "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                     "wall_with_warm_up": time.perf_counter() - start})
         del model
     return rows
 
@@ -126,8 +137,12 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=3072)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--liger", action="store_true")
+    parser.add_argument("--compile", action="store_true")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.liger and args.compile:
+        parser.error("--compile times torch.compile's fusions of the eager ops; liger's kernels cannot be compiled: "
+                     "run --liger and --compile apart")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group("nccl", rank=0, world_size=1)
@@ -145,8 +160,9 @@ def main() -> None:
     print(f"{record['device']}, {args.shape}, {precision[0]['tokens']} tokens an epoch"
           f"{', liger' if args.liger else ''}")
     for row in precision:
-        print(f"  {row['setup']:<34} {row['seconds']:.3f} s ({base / row['seconds']:.2f}x), decoder-layer MFU "
-              f"{row['layer_mfu']:.1%}, peak {row['peak_gib']:.1f} GiB")
+        print(f"  {row['setup']:<44} {row['seconds']:.3f} s ({base / row['seconds']:.2f}x), decoder-layer MFU "
+              f"{row['layer_mfu']:.1%}, peak {row['peak_gib']:.1f} GiB, "
+              f"{row['wall_with_warm_up']:.0f} s with the warm-up")
     for row in optimizer:
         print(f"  AdamW {row['optimizer']:<8} {1e3 * row['seconds']:.1f} ms a step ({row['hbm_gb_per_s']:.0f} GB/s)")
     if args.json:
