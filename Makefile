@@ -5,6 +5,8 @@
 PY ?= python3
 TORCH = torch==2.13.0
 TORCH_INDEX = https://download.pytorch.org/whl/cpu
+# pytest processes side by side in `make test` (CI's machine has 2 cores)
+TEST_WORKERS ?= 2
 # the environment $(PY) runs in when it is a virtualenv (sys.prefix differs from the base interpreter's), else .venv
 ACTIVE := $(shell $(PY) -c "import sys; print(sys.prefix if sys.prefix != sys.base_prefix else '')" 2>/dev/null)
 VENV := $(if $(ACTIVE),$(ACTIVE),$(CURDIR)/.venv)
@@ -35,4 +37,6 @@ test: torch
 	$(BIN)/python -m pip install -q -e ".[test]"
 	test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 	$(BIN)/python -m ruff check archer tests bench
-	PATH="$(BIN):$$PATH" $(BIN)/python -m pytest -q
+	# two workers (pytest-xdist), then the tests that time wall-clock bounds alone (marked serial)
+	PATH="$(BIN):$$PATH" $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial"
+	PATH="$(BIN):$$PATH" $(BIN)/python -m pytest -q -m serial

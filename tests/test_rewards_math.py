@@ -13,6 +13,8 @@ import pytest
 from archer.rewards import math as math_reward
 from archer.rewards.math import answers_match, compute_math_score, extract_boxed
 
+pytestmark = pytest.mark.serial  # asserts wall-clock bounds: `make test` runs it alone
+
 
 @pytest.mark.parametrize(
     ("text", "expected"),

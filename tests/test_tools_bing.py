@@ -22,6 +22,8 @@ from archer.tools.python_tool import PythonTool
 from archer.tools.registry import ToolRegistry, build_tool
 from archer.tools.search_cache import SearchCacheFile
 
+pytestmark = pytest.mark.serial  # asserts wall-clock bounds: `make test` runs it alone
+
 KEY = "test-key"
 
 

@@ -22,6 +22,8 @@ from archer.tools import (
 from archer.tools.python_tool import PythonTool
 from archer.tools.search import SearchTool
 
+pytestmark = pytest.mark.serial  # asserts wall-clock bounds: `make test` runs it alone
+
 
 class Sleepy(Tool):
     def __init__(self, name: str = "sleepy", *, trigger_tag: str = "sleep", seconds: float = 0.3) -> None:

@@ -33,6 +33,8 @@ from archer.tools import (
 from archer.tools.python_tool import PythonTool, strip_code_fence
 from archer.tools.search import SearchTool
 
+pytestmark = pytest.mark.serial  # asserts wall-clock bounds: `make test` runs it alone
+
 PRELUDE_MARK = sandbox_launch.PRELUDE.splitlines()[0]
 OWNER_MARK = sandbox_launch.CALL_MARK  # the last argument of the sandboxes this test process starts
 # a host folder outside /tmp (the sandbox's scratch tmpfs covers /tmp, and CI may clone the repo there)

@@ -20,6 +20,8 @@ from archer.tools.bm25_index import BM25Index, Passage, build_index
 from archer.tools.search import SearchTool, cut_pages, format_pages
 from archer.tools.search_cache import MAX_QUERY_CHARS, SearchCacheFile
 
+pytestmark = pytest.mark.serial  # asserts wall-clock bounds: `make test` runs it alone
+
 ARPO_CACHE = Path(__file__).resolve().parents[2] / "shared" / "data" / "arpo" / "search_cache.json"
 needs_arpo_cache = pytest.mark.skipif(not ARPO_CACHE.is_file(), reason="shared ARPO data not present")
 
