@@ -19,7 +19,6 @@ from archer.models.tiny import build_tiny_model
 torch.set_num_threads(1)
 
 
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if hasattr(config, "workerinput"):  # an xdist worker: every worker sorts its identical collection alike
         items.sort(key=lambda item: item.get_closest_marker("slow") is None)
