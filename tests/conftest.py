@@ -1,7 +1,6 @@
 """Shared fixtures: a micro corpus and a micro Qwen2 model folder built once per test session (``parts``: that
 model and its tokenizer loaded once per test module), and the small arithmetic task with a micro model trained
-on its texts (for tests that train a few RL steps). In pytest-xdist's workers (``make test``) the ``slow`` tests run
-first, so that the longest ones (the quickstarts, minutes each) do not end the run on one worker alone."""
+on its texts (for tests that train a few RL steps)."""
 
 from __future__ import annotations
 
@@ -17,11 +16,6 @@ from archer.models.tiny import build_tiny_model
 
 # Test models are tiny: one thread is fastest, and on shared cores OpenMP barriers cost milliseconds per op.
 torch.set_num_threads(1)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if hasattr(config, "workerinput"):  # an xdist worker: every worker sorts its identical collection alike
-        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 MICRO_MODEL_SIZES = {
