@@ -21,6 +21,8 @@ beside it), with the micro-batching of each variant:
   checkpointing at the largest budget the free memory holds (``activation_bytes``); ``--profile`` prints
   torch.profiler's table of the packed token-budget epoch;
 - with ``--liger``: all of the above with ``actor_rollout_ref.model.use_liger=true`` (archer/models/liger.py);
+- with ``--compile`` (a probe of what archer does not do yet): all of the above with every decoder layer of the
+  actor's policy compiled by torch.compile (``dynamic=True``) after archer builds it;
 - decode: archer's fast engine on the grpo workload's 128 rows (16 prompts shared by 8 samples each), its second
   call (the first one captures the CUDA graphs; its time is reported too).
 
@@ -295,6 +297,9 @@ def run_shape(shape: str, workloads: list[str], args: argparse.Namespace, device
             work = replace(work, prompts=max(1, work.prompts // args.scale), prompt=work.prompt // args.scale,
                            response=work.response // args.scale, micro_rows=max(1, work.micro_rows // args.scale))
         actor = build_actor(model_dir, work, args.liger, device, tokenizer)
+        if args.compile:
+            for layer in actor.model.model.layers:
+                layer.compile(dynamic=True)
         params = sum(p.numel() for p in actor.model.parameters())
         batch = make_batch(work, actor.model.config.vocab_size)
         common = {"shape": shape, "workload": name, "rows": work.rows, "params": params,
@@ -364,14 +369,17 @@ def main() -> None:
                         help="the policy with actor_rollout_ref.model.use_liger=true (liger-kernel's fused RMSNorm, "
                              "SwiGLU and rotary kernels; they patch transformers for the whole process, so a run "
                              "measures one kind of kernels: run it again without the flag for the eager ops)")
+    parser.add_argument("--compile", action="store_true", help="the policy's decoder layers compiled (a probe)")
     parser.add_argument("--json", type=Path, help="write the records here")
     args = parser.parse_args()
+    if args.liger and args.compile:
+        parser.error("torch.compile cannot trace liger's kernels: run --liger and --compile apart")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     console = Console(stderr=True)
     common = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "date": datetime.date.today().isoformat(), "torch": torch.__version__,
               "transformers": transformers.__version__, "command": " ".join(["python", *sys.argv]),
-              "kernels": "liger" if args.liger else "eager"}
+              "kernels": "liger" if args.liger else "compiled" if args.compile else "eager"}
     records = []
     for shape in args.shapes:
         records += [{**common, **r} for r in run_shape(shape, args.workloads, args, device, console)]
