@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import sys
@@ -87,20 +88,18 @@ def precision_rows(args: argparse.Namespace, mesh) -> list[dict]:
     rows = []
     tokens = args.rows * args.length * args.micro_batches
     setups = ("float32 weights + bf16 autocast", "FSDP2 on one rank, bf16 compute", "bf16 weights")
-    for compiled, setup in [(False, s) for s in setups] + ([(True, s) for s in setups] if args.compile else []):
+    for compiled, setup in itertools.product((False, True) if args.compile else (False,), setups):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         model = build(args.shape, torch.bfloat16 if setup == "bf16 weights" else torch.float32, args.liger, compiled)
-        if compiled:
-            setup = f"compiled: {setup}"
-        if "FSDP2" in setup:
+        if setup.startswith("FSDP2"):
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             for layer in model.model.layers:
                 fully_shard(layer, mesh=mesh, mp_policy=policy)
             fully_shard(model.model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
         start = time.perf_counter()
         seconds = time_epochs(model, args)
-        rows.append({"setup": setup, "seconds": seconds, "tokens": tokens,
+        rows.append({"setup": f"compiled: {setup}" if compiled else setup, "seconds": seconds, "tokens": tokens,
                      "layer_mfu": layer_flops(args.shape, tokens) / seconds / H100_BF16_FLOPS,
                      "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
                      "wall_with_warm_up": time.perf_counter() - start})

@@ -17,7 +17,6 @@ from archer.models.tiny import build_tiny_model
 # Test models are tiny: one thread is fastest, and on shared cores OpenMP barriers cost milliseconds per op.
 torch.set_num_threads(1)
 
-
 MICRO_MODEL_SIZES = {
     "vocab_size": 320,
     "hidden_size": 32,
