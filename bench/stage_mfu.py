@@ -20,9 +20,9 @@ beside it), with the micro-batching of each variant:
   packed micro-batches of R rows, packed to a budget of R x the longest row, and packed without gradient
   checkpointing at the largest budget the free memory holds (``activation_bytes``); ``--profile`` prints
   torch.profiler's table of the packed token-budget epoch;
-- with ``--liger``: all of the above with ``actor_rollout_ref.model.use_liger=true`` (archer/models/liger.py);
-- with ``--compile`` (a probe of what archer does not do yet): all of the above with every decoder layer of the
-  actor's policy compiled by torch.compile (``dynamic=True``) after archer builds it;
+- ``--kernels``: ``compiled`` (archer's default on a GPU: ``actor.use_torch_compile=true``, the decoder layers
+  compiled, archer/models/compiled_layers.py), ``eager`` (``use_torch_compile=false``: transformers' eager ops) or
+  ``liger`` (``model.use_liger=true``, archer/models/liger.py);
 - decode: archer's fast engine on the grpo workload's 128 rows (16 prompts shared by 8 samples each), its second
   call (the first one captures the CUDA graphs; its time is reported too).
 
@@ -266,15 +266,16 @@ def decode_row(model: torch.nn.Module, tokenizer, device: torch.device, scale: i
     return record
 
 
-def build_actor(model_dir: Path, work: Workload, liger: bool, device: torch.device, tokenizer=None) -> ActorWorker:
-    """archer's actor for ``work`` on ``device`` (``rollout.name=hf``: no engine beside it; ``liger``:
-    model.use_liger), its no-grad budget from the card's memory plan on a GPU, as archer train makes it."""
+def build_actor(model_dir: Path, work: Workload, kernels: str, device: torch.device, tokenizer=None) -> ActorWorker:
+    """archer's actor for ``work`` on ``device`` (``rollout.name=hf``: no engine beside it; ``kernels``: compiled,
+    eager or liger), its no-grad budget from the card's memory plan on a GPU, as archer train makes it."""
     cfg = load_config("ppo_trainer", [
         f"actor_rollout_ref.model.path={model_dir}", "data.train_files=unused", "actor_rollout_ref.rollout.name=hf",
         f"actor_rollout_ref.rollout.n={work.n}", f"actor_rollout_ref.actor.ppo_mini_batch_size={work.mini_prompts}",
         f"data.max_prompt_length={work.prompt}", f"data.max_response_length={work.response}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={work.micro_rows}",
-        f"actor_rollout_ref.model.use_liger={liger}", *work.overrides])
+        f"actor_rollout_ref.model.use_liger={kernels == 'liger'}",
+        f"actor_rollout_ref.actor.use_torch_compile={kernels == 'compiled'}", *work.overrides])
     actor = ActorWorker(cfg.actor_rollout_ref, device=device, total_steps=100,
                         tokenizer=tokenizer if tokenizer is not None else load_tokenizer(model_dir))
     if device.type == "cuda":
@@ -296,10 +297,7 @@ def run_shape(shape: str, workloads: list[str], args: argparse.Namespace, device
         if args.scale > 1:  # a smoke run: fewer, shorter rows
             work = replace(work, prompts=max(1, work.prompts // args.scale), prompt=work.prompt // args.scale,
                            response=work.response // args.scale, micro_rows=max(1, work.micro_rows // args.scale))
-        actor = build_actor(model_dir, work, args.liger, device, tokenizer)
-        if args.compile:
-            for layer in actor.model.model.layers:
-                layer.compile(dynamic=True)
+        actor = build_actor(model_dir, work, args.kernels, device, tokenizer)
         params = sum(p.numel() for p in actor.model.parameters())
         batch = make_batch(work, actor.model.config.vocab_size)
         common = {"shape": shape, "workload": name, "rows": work.rows, "params": params,
@@ -365,21 +363,19 @@ def main() -> None:
     parser.add_argument("--scale", type=int, default=1, help="divide rows and lengths by this (a smoke run)")
     parser.add_argument("--no-decode", dest="decode", action="store_false", help="skip the decode stage")
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's table of a packed update")
-    parser.add_argument("--liger", action="store_true",
-                        help="the policy with actor_rollout_ref.model.use_liger=true (liger-kernel's fused RMSNorm, "
+    parser.add_argument("--kernels", choices=("compiled", "eager", "liger"), default="compiled",
+                        help="compiled: archer's default on a GPU (actor.use_torch_compile=true); eager: "
+                             "use_torch_compile=false; liger: model.use_liger=true (liger-kernel's fused RMSNorm, "
                              "SwiGLU and rotary kernels; they patch transformers for the whole process, so a run "
-                             "measures one kind of kernels: run it again without the flag for the eager ops)")
-    parser.add_argument("--compile", action="store_true", help="the policy's decoder layers compiled (a probe)")
+                             "measures one kind of kernels)")
     parser.add_argument("--json", type=Path, help="write the records here")
     args = parser.parse_args()
-    if args.liger and args.compile:
-        parser.error("torch.compile cannot trace liger's kernels: run --liger and --compile apart")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     console = Console(stderr=True)
     common = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "date": datetime.date.today().isoformat(), "torch": torch.__version__,
               "transformers": transformers.__version__, "command": " ".join(["python", *sys.argv]),
-              "kernels": "liger" if args.liger else "compiled" if args.compile else "eager"}
+              "kernels": args.kernels}
     records = []
     for shape in args.shapes:
         records += [{**common, **r} for r in run_shape(shape, args.workloads, args, device, console)]

@@ -8,9 +8,9 @@
    float32 loss on the last hidden state) in three set-ups: (a) float32 weights under autocast, (b) FSDP2 on a
    one-rank mesh with bf16 compute and float32 gradient reduction, (c) bf16 weights (no master copy: the compute's
    lower bound). ``--liger``: with liger-kernel's RMSNorm / SwiGLU / rotary (``model.use_liger``). ``--compile``:
-   each set-up again with every decoder layer compiled by torch.compile (inductor fuses the norms, SwiGLU,
-   rotary and autocast's casts; ``dynamic=True``, as packed micro-batches of varying tokens would need; not with
-   ``--liger``, whose autograd functions torch.compile cannot trace).
+   each set-up again with every decoder layer compiled as archer compiles them (archer/models/compiled_layers.py:
+   inductor fuses the norms, SwiGLU, rotary and autocast's casts; dynamic shapes); not with ``--liger``, whose
+   autograd functions torch.compile cannot trace.
 2. **The optimiser step.** torch's AdamW over the shape's parameters in float32 (as the trainer keeps them):
    its default (foreach) implementation against the fused one, which archer uses on GPUs (models/optim.py).
 
@@ -51,8 +51,8 @@ def build(shape: str, dtype: torch.dtype, liger: bool, compiled: bool = False) -
         from archer.models.liger import apply_liger
         apply_liger(model, torch.device("cuda"), "--liger")
     if compiled:
-        for layer in model.model.layers:
-            layer.compile(dynamic=True)
+        from archer.models.compiled_layers import compile_decoder_layers
+        compile_decoder_layers(model)
     return model
 
 

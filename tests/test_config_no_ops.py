@@ -54,7 +54,7 @@ def test_the_table_lists_every_marked_key_once():
     assert {entry.key for entry in schema if not entry.sharded_only} == marked_keys()
     cfg = load_config("ppo_trainer", REQUIRED)
     assert all(OmegaConf.select(cfg, entry.key) == entry.default for entry in NO_OPS if entry.sharded_only)
-    assert len(schema) == 75 and sum(entry.sharded_only for entry in NO_OPS) == 9
+    assert len(schema) == 74 and sum(entry.sharded_only for entry in NO_OPS) == 9
     assert all(OmegaConf.select(cfg, entry.key, default="absent") == "absent"
                for entry in NO_OPS if not entry.in_schema and not entry.key.endswith(".*"))  # verl's keys archer lacks
 
@@ -69,7 +69,7 @@ def test_a_value_that_would_change_behaviour_warns_once_naming_the_key(caplog):
     # speed-only keys and the values archer acts as (use_fire_sampling=false: plain sampling) are silent
     cfg = load_config("ppo_trainer", [*REQUIRED, "data.dataloader_num_workers=4",
                                       "actor_rollout_ref.rollout.use_fire_sampling=false",
-                                      "actor_rollout_ref.actor.use_torch_compile=false",
+                                      "actor_rollout_ref.model.use_fused_kernels=true",
                                       "actor_rollout_ref.actor.checkpoint.load_contents=[model]",
                                       "critic.rollout_n=3"])
     with caplog.at_level(logging.WARNING, logger="archer.config"):

@@ -9,6 +9,7 @@ tolerance; with projection they agree under the same Rademacher matrices.
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from archer.algorithms.aggregation import agg_totals
 from archer.algorithms.policy_loss import compute_policy_loss
 from archer.batch import Batch
 from archer.errors import ArcherError
+from archer.models.compiled_layers import compile_decoder_layers
 from archer.models.loading import load_tokenizer
 from archer.models.logprobs import response_logprobs
 from archer.trace.format import TraceReader
@@ -38,6 +40,7 @@ from archer.trace.influence_capture import (
     sign_products,
 )
 from archer.trace.influence_score import Scopes, ScoreOptions, module_scores, solve_damped
+from archer.workers import actor as actor_module
 from archer.workers.actor import ActorWorker
 
 MLP = "[mlp.gate_proj,mlp.up_proj,mlp.down_proj]"
@@ -447,6 +450,23 @@ def test_checkpointing_and_skip_step_capture_the_same_scores(tiny_model_dir: Pat
     after = skipped[1].model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before), "skip_optimizer_step leaves the weights"
     assert not all(torch.equal(before[k], v) for k, v in plain[1].model.state_dict().items())
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU kernels need a C++ compiler")
+def test_compiled_layers_capture_the_same_scores(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    # actor.use_torch_compile's GPU path forced on the CPU: the hooked update runs the layers eagerly, so every
+    # hook fires (models/compiled_layers.py); its scores are the eager actor's
+    factor = "trainer.influence_trace.projection_dim_factor=8"
+    plain = run_capture(tiny_model_dir, tmp_path / "a", factor)
+    torch._dynamo.reset()
+    monkeypatch.setattr(actor_module, "maybe_compile_layers",
+                        lambda model, *_args, **_kwargs: compile_decoder_layers(model) > 0)
+    compiled = run_capture(tiny_model_dir, tmp_path / "b", factor)
+    assert compiled[1].compiled
+    want = plain[4].score(plain[5], plain[6])
+    np.testing.assert_allclose(compiled[4].score(compiled[5], compiled[6]), want, rtol=1e-4,
+                               atol=1e-6 * np.abs(want).max())
+    assert np.abs(want).max() > 0
 
 
 @pytest.mark.parametrize("output_function", ["training_loss", "log_prob"])

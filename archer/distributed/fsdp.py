@@ -52,10 +52,11 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The modules ``shard_model`` shards one by one: those whose class is named in the transformers model's
-    ``_no_split_modules`` (the decoder layers), in module order; an ArcherError when there are none."""
+    ``_no_split_modules`` (the decoder layers; once sharded, FSDP2's subclasses of them), in module order; an
+    ArcherError when there are none."""
     root = unwrap(model)
     names = set(getattr(root, "_no_split_modules", None) or ())
-    layers = [module for module in root.modules() if type(module).__name__ in names]
+    layers = [module for module in root.modules() if any(cls.__name__ in names for cls in type(module).__mro__)]
     if not layers:
         raise ArcherError(f"{type(root).__name__} declares no decoder-layer classes (_no_split_modules="
                           f"{sorted(names)!r} matches no module), so FSDP2 cannot shard it layer by layer",

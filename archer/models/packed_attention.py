@@ -80,10 +80,12 @@ def _flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
     return attend(query, key, value, cu_seq_lens, cu_seq_lens, max_length, max_length, **options)
 
 
-def _per_sequence_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int],
+@torch.compiler.disable  # a compiled layer calls it as it is: tracing the loop would recompile per row count
+def _per_sequence_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_lens: torch.Tensor,
                        scaling: float | None) -> torch.Tensor:
-    """[1, H, T, D] causal SDPA of each sequence of [1, H(kv), T, D] tensors on its own (``bounds``: the
+    """[1, H, T, D] causal SDPA of each sequence of [1, H(kv), T, D] tensors on its own (``cu_seq_lens``: the
     sequences' offsets), concatenated."""
+    bounds = cu_seq_lens.tolist()
     grouped = key.shape[1] != query.shape[1]
     outputs = [F.scaled_dot_product_attention(query[:, :, start:stop], key[:, :, start:stop],
                                               value[:, :, start:stop], is_causal=True, scale=scaling,
@@ -108,10 +110,11 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         dtype = torch.get_autocast_dtype(device)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     if uses_flash_varlen(query, scaling):
+        # max_length_q as given (an int): int() would fix a compiled layer's graph to one value (a recompile each)
         out = _flash_varlen(*(t[0].transpose(0, 1).contiguous() for t in (query, key, value)), cu_seq_lens,
-                            int(kwargs["max_length_q"]), scaling)
+                            kwargs["max_length_q"], scaling)
         return out.unsqueeze(0), None
-    out = _per_sequence_sdpa(query, key, value, cu_seq_lens.tolist(), scaling)
+    out = _per_sequence_sdpa(query, key, value, cu_seq_lens, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 

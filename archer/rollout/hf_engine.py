@@ -25,6 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from archer.errors import ArcherError
+from archer.models.compiled_layers import eager_layers
 from archer.rollout.base import (
     EngineSession,
     RolloutEngine,
@@ -123,7 +124,7 @@ class HFGenerateEngine(RolloutEngine):
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), eager_layers():  # a compiled policy's layers would recompile per cache length
                 chunks = [
                     self._decode(rows[i : i + self.max_batch_size], params, keys[i : i + self.max_batch_size],
                                  budgets[i : i + self.max_batch_size])

@@ -41,6 +41,7 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from archer.errors import ArcherError
+from archer.models.compiled_layers import eager_layers
 
 
 @dataclass(frozen=True)
@@ -237,11 +238,13 @@ class InfluenceCapture:
 
     @contextmanager
     def capturing(self) -> Iterator[InfluenceCapture]:
-        """Hooks installed for the duration of the block."""
+        """Hooks installed for the duration of the block, in which compiled decoder layers run eagerly (every
+        hooked layer's call must reach its hook; models/compiled_layers.py)."""
         for name, module in self.modules.items():
             self._handles.append(module.register_forward_hook(self._forward_hook(name)))
         try:
-            yield self
+            with eager_layers():
+                yield self
         finally:
             for handle in self._handles:
                 handle.remove()
