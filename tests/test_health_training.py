@@ -117,7 +117,7 @@ def test_a_reward_paying_for_length_is_flagged_by_step_10_at_the_longest_wrong_r
     reward = tmp_path / "length_reward.py"
     reward.write_text(LENGTH_REWARD)
     run = tmp_path / "length"
-    train(run, model, files, "trainer.total_training_steps=10", "actor_rollout_ref.actor.optim.lr=5e-4",
+    train(run, model, files, "trainer.total_training_steps=10", "actor_rollout_ref.actor.optim.lr=1e-3",
           f"custom_reward_function.path={reward}")
     flags = [f for f in flags_of(run) if f["check"] == "length_hacking"]
     assert flags and flags[0]["step"] <= 10, flags_of(run)

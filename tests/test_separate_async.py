@@ -90,7 +90,10 @@ def test_more_ranks_a_critic_and_lora_train_what_colocate_async_trains(
         assert "critic/vf_loss" in got[2]
     for step in got:
         same = {k: v for k, v in got[step].items() if not k.startswith(OWN_KEYS)}
-        assert_close_metrics(same, {k: v for k, v in want[step].items() if not k.startswith(OWN_KEYS)}, step)
+        # abs 1e-6: the policy loss, a mean of terms of both signs near 2e-3, sums in another order over two
+        # sharded ranks (off by 1.9e-7 on an AVX2 machine, 2026-11-28)
+        assert_close_metrics(same, {k: v for k, v in want[step].items() if not k.startswith(OWN_KEYS)}, step,
+                             abs_=1e-6)
     assert [got[s]["training/off_policy/trajectory_staleness/mean"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
 
 
