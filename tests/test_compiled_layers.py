@@ -12,14 +12,13 @@ import shutil
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from workers_support import ppo_config, unequal_batch, update
+from workers_support import compile_layers_as_on_a_gpu, ppo_config, unequal_batch, update
 
 from archer.models import compiled_layers
 from archer.models.compiled_layers import compile_decoder_layers, eager_layers, maybe_compile_layers
 from archer.models.loading import load_causal_lm
 from archer.models.logprobs import layout_logprobs
 from archer.models.sequence_layout import SequenceLayout
-from archer.workers import actor as actor_module
 from archer.workers.actor import ActorWorker
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU kernels need a C++ compiler")
@@ -128,8 +127,7 @@ def test_the_reference_follows_the_actors_key_as_in_verl(tiny_model_dir):
 
 def compiled_actor(monkeypatch, model_dir, *overrides: str) -> ActorWorker:
     """An actor whose layers are compiled as the key compiles them on a GPU."""
-    monkeypatch.setattr(actor_module, "maybe_compile_layers",
-                        lambda model, *_args, **_kwargs: compile_decoder_layers(model) > 0)
+    compile_layers_as_on_a_gpu(monkeypatch)
     actor = ActorWorker(ppo_config(model_dir, *overrides).actor_rollout_ref, device=CPU, total_steps=10)
     monkeypatch.undo()
     assert actor.compiled

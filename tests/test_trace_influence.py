@@ -16,13 +16,12 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import DictConfig
-from workers_support import ppo_config
+from workers_support import compile_layers_as_on_a_gpu, ppo_config
 
 from archer.algorithms.aggregation import agg_totals
 from archer.algorithms.policy_loss import compute_policy_loss
 from archer.batch import Batch
 from archer.errors import ArcherError
-from archer.models.compiled_layers import compile_decoder_layers
 from archer.models.loading import load_tokenizer
 from archer.models.logprobs import response_logprobs
 from archer.trace.format import TraceReader
@@ -40,7 +39,6 @@ from archer.trace.influence_capture import (
     sign_products,
 )
 from archer.trace.influence_score import Scopes, ScoreOptions, module_scores, solve_damped
-from archer.workers import actor as actor_module
 from archer.workers.actor import ActorWorker
 
 MLP = "[mlp.gate_proj,mlp.up_proj,mlp.down_proj]"
@@ -459,8 +457,7 @@ def test_compiled_layers_capture_the_same_scores(tiny_model_dir: Path, tmp_path:
     factor = "trainer.influence_trace.projection_dim_factor=8"
     plain = run_capture(tiny_model_dir, tmp_path / "a", factor)
     torch._dynamo.reset()
-    monkeypatch.setattr(actor_module, "maybe_compile_layers",
-                        lambda model, *_args, **_kwargs: compile_decoder_layers(model) > 0)
+    compile_layers_as_on_a_gpu(monkeypatch)
     compiled = run_capture(tiny_model_dir, tmp_path / "b", factor)
     assert compiled[1].compiled
     want = plain[4].score(plain[5], plain[6])

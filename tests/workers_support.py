@@ -10,6 +10,8 @@ from omegaconf import DictConfig
 
 from archer.batch import Batch
 from archer.config.loader import load_config
+from archer.models.compiled_layers import compile_decoder_layers
+from archer.workers import actor as actor_module
 
 PAD = 0
 # Three rows: left-padded prompts of width 4, right-padded responses of width 3.
@@ -74,3 +76,10 @@ def float64_logprobs(model: torch.nn.Module, batch: Batch, temperature: float) -
 def update(actor, batch: Batch) -> dict[str, float]:
     """The metrics of one ``update_actor`` call."""
     return actor.update_actor(batch).metrics
+
+
+def compile_layers_as_on_a_gpu(monkeypatch) -> None:
+    """ActorWorkers built from now on compile their decoder layers as actor.use_torch_compile does on a GPU, here
+    on the CPU (inductor's CPU kernels: a C++ compiler)."""
+    monkeypatch.setattr(actor_module, "maybe_compile_layers",
+                        lambda model, *_args, **_kwargs: compile_decoder_layers(model) > 0)

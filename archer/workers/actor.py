@@ -38,8 +38,8 @@ from archer.algorithms.metric_sums import MetricSums
 from archer.algorithms.rollout_correction import RolloutCorrection
 from archer.batch import Batch
 from archer.distributed.context import DistContext, shard_bounds
-from archer.models import compiled_layers, liger
-from archer.models.compiled_layers import maybe_compile_layers
+from archer.models import liger
+from archer.models.compiled_layers import ACTOR_KEY, maybe_compile_layers
 from archer.models.forward import MODEL_INPUTS, compute_log_probs
 from archer.models.loading import autocast_for, load_tokenizer, parse_dtype
 from archer.models.logprobs import layout_logprobs
@@ -97,7 +97,7 @@ class ActorWorker(OwnsModel):
         self.ctx = ctx if ctx is not None else DistContext.single(device)
         self.owner = self._load_policy(total_steps)
         self.compiled = maybe_compile_layers(self.model, device, enabled=bool(self.actor_cfg.use_torch_compile),
-                                             liger=bool(cfg.model.use_liger), key=compiled_layers.ACTOR_KEY,
+                                             liger=bool(cfg.model.use_liger), key=ACTOR_KEY,
                                              announce=self.ctx.rank == 0)
         self.temperature = float(cfg.rollout.temperature)
         self.chunk_size = self.actor_cfg.logprob_chunk_size

@@ -9,8 +9,8 @@ from omegaconf import DictConfig
 
 from archer.batch import Batch
 from archer.distributed.context import DistContext
-from archer.models import compiled_layers, liger
-from archer.models.compiled_layers import maybe_compile_layers
+from archer.models import liger
+from archer.models.compiled_layers import REF_KEY, maybe_compile_layers
 from archer.models.forward import compute_log_probs
 from archer.models.lora import base_policy
 from archer.models.micro_batches import LOG_PROB, no_grad_micro_batching
@@ -44,7 +44,7 @@ class ReferenceWorker:
                 self.owner.shard(self.ctx, cfg.ref.fsdp_config, cpu_offload=bool(cfg.ref.fsdp_config.param_offload))
             self.model = self.owner.model
             maybe_compile_layers(self.model, device, enabled=bool(cfg.ref.use_torch_compile),
-                                 liger=bool(cfg.model.use_liger), key=compiled_layers.REF_KEY, announce=False)
+                                 liger=bool(cfg.model.use_liger), key=REF_KEY, announce=False)
         self.temperature = float(cfg.rollout.temperature)
         self.plan_micro_batches(None, announce=False)
 
