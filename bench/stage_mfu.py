@@ -17,8 +17,9 @@ beside it), with the micro-batching of each variant:
   padded pass; archer2: one sequence a pass, timed on 32 rows and scaled), and archer's default now: packed to
   the memory plan's token budget (workers/memory.py);
 - update (one PPO epoch over the rows: forwards, backwards, optimiser steps): padded micro-batches of R rows,
-  packed micro-batches of R rows, packed to a budget of R x the longest row, and packed without gradient
-  checkpointing at the largest budget the free memory holds (``activation_bytes``); ``--profile`` prints
+  packed micro-batches of R rows, packed to a budget of R x the longest row (every layer checkpointed, and only the
+  fewest layers whose activations 0.6 of the free memory holds: ``gradient_checkpointing_layers=auto``'s rule), and
+  packed without gradient checkpointing at the largest budget that memory holds (``activation_bytes``); ``--profile`` prints
   torch.profiler's table of the packed token-budget epoch;
 - ``--kernels``: ``compiled`` (archer's default on a GPU: ``actor.use_torch_compile=true``, the decoder layers
   compiled, archer/models/compiled_layers.py), ``eager`` (``use_torch_compile=false``: transformers' eager ops) or
@@ -57,16 +58,17 @@ from rollout_throughput import decode_hbm_bound, hbm_bandwidth
 
 from archer.batch import Batch
 from archer.config.loader import load_config
+from archer.models.checkpointed_layers import checkpoint_first_layers
 from archer.models.loading import load_tokenizer, set_gradient_checkpointing
 from archer.models.micro_batches import MicroBatching
 from archer.rollout.base import SamplingParams
 from archer.rollout.fast import FastEngine
 from archer.rollout.fast.model import model_spec
+from archer.units import GIB
 from archer.workers.actor import ActorWorker
 from archer.workers.memory import activation_bytes, card_figures, plan_actor_memory
 
 PEAK_FLOPS = 989e12  # dense bf16 of an H100 SXM (and of an H200)
-GIB = 1 << 30
 ARCHER2_LOSS = (  # examples/archer2_math_1.5b.sh: what shapes the update's compute
     "actor_rollout_ref.actor.policy_loss.loss_mode=aspo", "actor_rollout_ref.actor.use_kl_loss=true",
     "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
@@ -188,6 +190,13 @@ def no_grad_rows(actor: ActorWorker, work: Workload, batch: Batch, device: torch
     return records, batch
 
 
+def free_memory(device: torch.device) -> int:
+    """Bytes this process may still take on the GPU: the card's free memory, or less under --card-gib."""
+    free, total = torch.cuda.mem_get_info(device)
+    allowed = torch.cuda.get_per_process_memory_fraction(device) * total - torch.cuda.memory_reserved(device)
+    return int(min(free, allowed))
+
+
 def update_rows(actor: ActorWorker, work: Workload, batch: Batch, device: torch.device, params: int,
                 console: Console, profile: bool) -> list[dict[str, Any]]:
     """One PPO epoch over the rows with each micro-batching, and packed without checkpointing where memory allows;
@@ -195,23 +204,30 @@ def update_rows(actor: ActorWorker, work: Workload, batch: Batch, device: torch.
     real = int(batch["attention_mask"].sum())
     longest = int(batch["attention_mask"].sum(1).max())
     budget = work.micro_rows * longest
-    variants = [(f"padded, {work.micro_rows} rows", MicroBatching(work.micro_rows, None, packed=False), True),
-                (f"packed, {work.micro_rows} rows", MicroBatching(work.micro_rows, None, packed=True), True),
-                (f"packed, budget {budget}", MicroBatching(None, budget, packed=True), True)]
     config = actor.model.config
+    layers = config.num_hidden_layers
+    variants = [(f"padded, {work.micro_rows} rows", MicroBatching(work.micro_rows, None, packed=False), layers),
+                (f"packed, {work.micro_rows} rows", MicroBatching(work.micro_rows, None, packed=True), layers),
+                (f"packed, budget {budget}", MicroBatching(None, budget, packed=True), layers)]
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        free = torch.cuda.mem_get_info(device)[0]
-        shape = {"hidden": config.hidden_size, "intermediate": config.intermediate_size,
-                 "layers": config.num_hidden_layers, "checkpointing": False}
-        fixed = activation_bytes(**shape, tokens=0)  # the log-prob kernel's logit chunks
-        fits = int((0.6 * free - fixed) // (activation_bytes(**shape, tokens=1) - fixed))
+        room = 0.6 * free_memory(device)
+        shape = {"hidden": config.hidden_size, "intermediate": config.intermediate_size, "layers": layers}
+        fewest = next((k for k in range(layers + 1)
+                       if activation_bytes(**shape, tokens=budget, checkpointed_layers=k) <= room), layers)
+        if fewest < layers:  # gradient_checkpointing_layers=auto's choice at this budget, this room
+            variants.append((f"packed, budget {budget}, {fewest} of {layers} layers checkpointed",
+                             MicroBatching(None, budget, packed=True), fewest))
+        fixed = activation_bytes(**shape, tokens=0, checkpointed_layers=0)  # the log-prob kernel's logit chunks
+        fits = int((room - fixed) // (activation_bytes(**shape, tokens=1, checkpointed_layers=0) - fixed))
         if fits >= longest:
-            variants.append((f"packed, budget {fits}, no checkpointing", MicroBatching(None, fits, packed=True), False))
+            variants.append((f"packed, budget {fits}, no checkpointing", MicroBatching(None, fits, packed=True), 0))
     records = []
-    for name, micro, checkpointing in variants:
+    for name, micro, checkpointed in variants:
         actor.update_micro = micro
-        set_gradient_checkpointing(actor.model, checkpointing)
+        set_gradient_checkpointing(actor.model, checkpointed > 0)
+        if checkpointed:
+            checkpoint_first_layers(actor.model, checkpointed)
         actor.update_actor(batch.index(slice(0, 2 * work.micro_rows)))  # warm-up, as for the no-grad passes
         out, seconds, peak = measure(device, lambda: actor.update_actor(batch))
         record = {"stage": "update", "variant": name, "micro": repr(micro), "seconds": seconds,
@@ -368,9 +384,13 @@ def main() -> None:
                              "use_torch_compile=false; liger: model.use_liger=true (liger-kernel's fused RMSNorm, "
                              "SwiGLU and rotary kernels; they patch transformers for the whole process, so a run "
                              "measures one kind of kernels)")
+    parser.add_argument("--card-gib", type=float, help="a GPU: let this process use only this much memory (80: an "
+                        "H100's on a larger card; torch's per-process memory fraction), as the variants' room")
     parser.add_argument("--json", type=Path, help="write the records here")
     args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if args.card_gib and device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(args.card_gib * GIB / torch.cuda.mem_get_info(device)[1], device)
     console = Console(stderr=True)
     common = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "date": datetime.date.today().isoformat(), "torch": torch.__version__,

@@ -133,8 +133,11 @@ def test_activation_estimate_by_hand():
     full = tokens * (24 * (34 * 896 + 10 * 4864) + 8 * 896) + 2 * (256 << 20)
     ckpt = tokens * (24 * 4 * 896 + 34 * 896 + 10 * 4864 + 8 * 896) + 2 * (256 << 20)
     kwargs = {"hidden": 896, "intermediate": 4864, "layers": 24, "tokens": tokens}
-    assert activation_bytes(**kwargs, checkpointing=False) == full
-    assert activation_bytes(**kwargs, checkpointing=True) == ckpt
+    assert activation_bytes(**kwargs, checkpointed_layers=0) == full
+    assert activation_bytes(**kwargs, checkpointed_layers=24) == ckpt
+    # 10 layers checkpointed: their inputs and one of them recomputed at a time, 14 layers' saved tensors
+    part = tokens * (10 * 4 * 896 + 14 * (34 * 896 + 10 * 4864) + (34 * 896 + 10 * 4864) + 8 * 896) + 2 * (256 << 20)
+    assert activation_bytes(**kwargs, checkpointed_layers=10) == part
 
 
 def test_micro_batch_tokens_follow_the_micro_batch_keys(tiny_model_dir):
@@ -148,6 +151,9 @@ def test_micro_batch_tokens_follow_the_micro_batch_keys(tiny_model_dir):
     assert micro_batch_tokens(dynamic, 20000) == 20000  # a longer row goes alone
 
 
+ALL_LAYERS = "actor_rollout_ref.model.gradient_checkpointing_layers=all"  # verl's: every layer recomputed
+
+
 def plan(tiny_model_dir, shape: str, *overrides: str) -> MemoryPlan:
     cfg = ppo_config(tiny_model_dir, *WORKLOAD, *overrides).actor_rollout_ref
     return plan_actor_memory(cfg, meta_model(shape), total=H100, fast_engine=True)
@@ -157,7 +163,7 @@ def test_the_15b_shape_fits_at_defaults_and_its_oom_is_caught_before_the_first_s
     """Issue 14, failure 2: the 1.5B shape ran out of memory in the update's forward (77.9 GiB allocated) with
     gradient checkpointing off and gpu_memory_utilization=0.8. At the defaults (checkpointing on, as verl) the
     plan fits; settings that cannot fit are refused before any step with the figures and the knob."""
-    default = plan(tiny_model_dir, "qwen2.5-1.5b")
+    default = plan(tiny_model_dir, "qwen2.5-1.5b", ALL_LAYERS)
     default.check()
     params = sum(p.numel() for p in meta_model("qwen2.5-1.5b").parameters())
     assert (default.policy, default.gradients, default.optimizer) == (4 * params, 4 * params, 8 * params)
@@ -183,6 +189,47 @@ def test_the_15b_shape_fits_at_defaults_and_its_oom_is_caught_before_the_first_s
         failing.check()
     assert "policy 5.8, gradients 5.8, optimizer states 11.5, activations 9" in err.value.problem
     assert err.value.fix.startswith("try actor_rollout_ref.model.enable_gradient_checkpointing=true")
+
+
+def test_auto_checkpoints_the_fewest_layers_whose_update_fits_with_a_margin(tiny_model_dir):
+    """gradient_checkpointing_layers=auto (the default): the plan keeps the activations of as many layers as fit
+    with the estimate taken 1 / 0.85 larger; more room (a sharded training state, no engine) leaves fewer layers
+    checkpointed; a number is taken as given, and a plan that cannot fit with every layer checkpointed stays so."""
+    every = plan(tiny_model_dir, "qwen2.5-1.5b", ALL_LAYERS)
+    auto = plan(tiny_model_dir, "qwen2.5-1.5b")
+    # 1.5B, 32 rows of 768 tokens on an H100: held beside the activations 24.0 GiB (policy, gradients, Adam, context)
+    held = every.policy + every.gradients + every.optimizer + CONTEXT_BYTES
+    shape = {"hidden": 1536, "intermediate": 8960, "layers": 28, "tokens": 32 * 768}
+
+    def fewest(held: int, tokens: int = 32 * 768) -> int:
+        return min(k for k in range(29)
+                   if activation_bytes(**shape | {"tokens": tokens}, checkpointed_layers=k) <= (H100 - held) * 0.85)
+
+    assert auto.checkpointed_layers == fewest(held) == 16  # of 28: 12 layers keep their activations
+    assert auto.activations == activation_bytes(**shape, checkpointed_layers=16)
+    assert activation_bytes(**shape, checkpointed_layers=15) > (H100 - held) * 0.85
+    assert every.checkpointed_layers == 28 and every.activations < auto.activations
+    auto.check()
+    # a trainer rank of separate_async (no engine) over 2 shards: room for every layer's activations
+    cfg = ppo_config(tiny_model_dir, *WORKLOAD).actor_rollout_ref
+    trainer = plan_actor_memory(cfg, meta_model("qwen2.5-1.5b"), total=H100, fast_engine=False, shards=2)
+    assert trainer.checkpointed_layers == fewest(-(-every.policy // 2) * 4 + CONTEXT_BYTES) == 13
+    eight = plan_actor_memory(cfg, meta_model("qwen2.5-1.5b"), total=H100, fast_engine=False, shards=8)
+    assert eight.checkpointed_layers < trainer.checkpointed_layers
+    # the Archer2.0 recipe keeps the engine's 0.7 of each card (free_cache_engine=false): little room is left
+    recipe = ppo_config(tiny_model_dir, *WORKLOAD, "actor_rollout_ref.rollout.free_cache_engine=false",
+                        "actor_rollout_ref.rollout.gpu_memory_utilization=0.7", "data.max_prompt_length=1024",
+                        "data.max_response_length=1024", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8")
+    kept = plan_actor_memory(recipe.actor_rollout_ref, meta_model("qwen2.5-1.5b"), total=H100, fast_engine=True,
+                             shards=2)
+    beside = kept.policy + kept.gradients + kept.optimizer + kept.engine + CONTEXT_BYTES
+    assert kept.checkpointed_layers == fewest(beside, tokens=8 * 2048) == 27  # one layer keeps its activations
+    given = plan(tiny_model_dir, "qwen2.5-1.5b", "actor_rollout_ref.model.gradient_checkpointing_layers=20")
+    assert given.checkpointed_layers == 20 and given.activations == activation_bytes(**shape, checkpointed_layers=20)
+    off = plan(tiny_model_dir, "qwen2.5-1.5b", "actor_rollout_ref.model.enable_gradient_checkpointing=false")
+    assert off.checkpointed_layers == 0
+    too_big = plan(tiny_model_dir, "qwen2.5-7b")  # 7B in full fine-tuning: nothing fits, every layer stays
+    assert too_big.checkpointed_layers == 28
 
 
 def test_the_05b_shape_fits_at_defaults_and_without_checkpointing(tiny_model_dir):
@@ -342,7 +389,7 @@ def test_sharded_ranks_hold_their_share_of_the_training_state_and_a_whole_engine
     weights and the activations stay whole; the models beside it are taken as they sit on the card (the critic's
     1/8, test_models_beside_the_actor_count_their_share_of_the_card). The 7B shape in full fine-tuning does not
     fit one card but fits 8."""
-    cfg = ppo_config(tiny_model_dir, *WORKLOAD).actor_rollout_ref
+    cfg = ppo_config(tiny_model_dir, *WORKLOAD, ALL_LAYERS).actor_rollout_ref
     model = meta_model("qwen2.5-1.5b")
     one = plan_actor_memory(cfg, model, total=H100, fast_engine=True, others={"critic": 16 * 10**9})
     eight = plan_actor_memory(cfg, model, total=H100, fast_engine=True, others={"critic": 2 * 10**9}, shards=8)

@@ -67,7 +67,8 @@ CONTINUABLE: dict[str, tuple[str, ...]] = {
         # whole mini-batch; only choices made per micro-batch move, README "Micro-batches")
         "trainer.device", "trainer.nnodes", "trainer.n_gpus_per_node", "actor_rollout_ref.nccl_timeout",
         "trainer.balance_batch", "actor_rollout_ref.model.use_liger",  # which rank takes a row; fused kernels
-        "actor_rollout_ref.model.enable_gradient_checkpointing", "actor_rollout_ref.model.use_remove_padding",
+        "actor_rollout_ref.model.enable_gradient_checkpointing", "actor_rollout_ref.model.gradient_checkpointing_layers",
+        "actor_rollout_ref.model.use_remove_padding",
         "actor_rollout_ref.actor.ppo_micro_batch_size", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
         "actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
         "actor_rollout_ref.actor.logprob_chunk_size", "actor_rollout_ref.actor.fsdp_config.param_offload",

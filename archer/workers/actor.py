@@ -38,7 +38,10 @@ from archer.algorithms.metric_sums import MetricSums
 from archer.algorithms.rollout_correction import RolloutCorrection
 from archer.batch import Batch
 from archer.distributed.context import DistContext, shard_bounds
+from archer.distributed.fsdp import decoder_layers
 from archer.models import liger
+from archer.models.checkpointed_layers import KEY as CHECKPOINT_KEY
+from archer.models.checkpointed_layers import checkpoint_first_layers, requested_checkpointed_layers
 from archer.models.compiled_layers import ACTOR_KEY, maybe_compile_layers
 from archer.models.forward import MODEL_INPUTS, compute_log_probs
 from archer.models.loading import autocast_for, load_tokenizer, parse_dtype
@@ -63,7 +66,7 @@ from archer.workers.actor_objective import ActorObjective
 from archer.workers.async_rollout import AsyncRollout, StalenessBound
 from archer.workers.async_tool_rollout import WholeBatchRollout, async_rollout_for
 from archer.workers.data_parallel import RankTokens, rank_passes, reduce_metric_sums
-from archer.workers.memory import MemoryPlan, planned_no_grad_tokens, release_cached_blocks
+from archer.workers.memory import MemoryPlan, gib, planned_no_grad_tokens, release_cached_blocks
 from archer.workers.mini_batches import StepAverages, mini_batches
 from archer.workers.reference import ReferenceWorker
 from archer.workers.results import ROLLOUT_STATS, UpdateResult
@@ -149,6 +152,20 @@ class ActorWorker(OwnsModel):
             self.cfg.rollout, "actor_rollout_ref.rollout", LOG_PROB,
             remove_padding=bool(self.cfg.model.use_remove_padding), can_pack=self.can_pack,
             planned_tokens=planned_no_grad_tokens(memory_plan, self.model), announce=announce)
+
+    def plan_checkpointing(self, memory_plan: MemoryPlan | None, *, announce: bool) -> None:
+        """Checkpoint the decoder layers model.gradient_checkpointing_layers names: with ``auto`` the memory plan's
+        count (every layer without a plan, on a CPU); ``announce``: this process speaks for the run."""
+        if not self.cfg.model.enable_gradient_checkpointing:
+            return
+        layers = len(decoder_layers(self.model))
+        requested = requested_checkpointed_layers(self.cfg.model, layers)
+        count = requested if requested is not None else (memory_plan.checkpointed_layers if memory_plan else layers)
+        checkpoint_first_layers(self.model, count)
+        if announce and requested is None and count < layers:
+            log.info("gradient checkpointing on %d of %d decoder layers: the memory plan leaves room for the other "
+                     "layers' activations (%s GiB at the update's largest micro-batch, estimated); %s=all recomputes "
+                     "every layer", count, layers, gib(memory_plan.activations), CHECKPOINT_KEY)
 
     def start_rollout(self) -> None:
         """Build the rollout engine (with the policy's weights) and the rollout worker around it."""

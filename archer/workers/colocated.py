@@ -129,6 +129,7 @@ class RankWorkers:
                                     total_steps=total_steps, balance_ranks=bool(cfg.trainer.balance_batch))
                        if use_critic else None)
         self.memory_plan = self.plan_memory() if self.ctx.device.type == "cuda" else None
+        self.actor.plan_checkpointing(self.memory_plan, announce=self.ctx.rank == 0)
         for worker in (self.actor, self.ref, self.critic, self.reward_model):
             if worker is not None:  # the no-grad passes' token budgets come from the plan (None on a CPU)
                 worker.plan_micro_batches(self.memory_plan, announce=self.ctx.rank == 0)

@@ -20,18 +20,23 @@ KV cache and workspace). Everything else the process keeps on the card must fit 
   parent process whose caching allocator kept the blocks of a model it drew there), which the engine cannot take
   either.
 
+The update's activations depend on how many decoder layers are checkpointed (models/checkpointed_layers.py): with
+``model.gradient_checkpointing_layers=auto`` the plan checkpoints the fewest layers whose update still fits the card
+with a margin (``fewest_checkpointed_layers``), which the actor then applies.
+
 ``MemoryPlan.check`` raises one ArcherError with every figure in GiB and the knobs that help. The activation
 figure is an estimate (docs/memory.md gives the rule and how it was checked against the GPU).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from omegaconf import DictConfig
 
 from archer.errors import ArcherError
+from archer.models.checkpointed_layers import requested_checkpointed_layers
 from archer.models.logprobs import LOGITS_BYTES_PER_CHUNK
 from archer.models.owner import model_bytes
 from archer.units import GIB
@@ -49,6 +54,9 @@ CHECKPOINTED_HIDDEN_BYTES = 4
 NO_GRAD_HIDDEN_BYTES = 24
 NO_GRAD_INTERMEDIATE_BYTES = 8
 NO_GRAD_ROOM_SHARE = 0.8  # of the room a no-grad stage leaves, what its micro-batches may take
+# gradient_checkpointing_layers=auto keeps a layer's activations only while the update's estimate, taken 1 / this
+# larger, still fits the card (the estimate is already an upper bound: docs/memory.md)
+UPDATE_ROOM_SHARE = 0.85
 NO_GRAD_MAX_TOKENS = 65536  # beyond this a pass is no faster, only riskier
 
 
@@ -56,12 +64,15 @@ def gib(value: float) -> str:
     return f"{value / GIB:.1f}"
 
 
-def activation_bytes(*, hidden: int, intermediate: int, layers: int, tokens: int, checkpointing: bool) -> int:
-    """The update's activations for one micro-batch of ``tokens`` tokens (see the constants above): every layer's
-    saved tensors, or with checkpointing every layer's input plus one layer recomputed in the backward; plus
-    the final hidden states, their gradient and two logit chunks of the log-prob kernel."""
+def activation_bytes(*, hidden: int, intermediate: int, layers: int, tokens: int, checkpointed_layers: int) -> int:
+    """The update's activations for one micro-batch of ``tokens`` tokens (see the constants above): the saved
+    tensors of every layer that is not checkpointed, the input of each of the ``checkpointed_layers`` plus one of
+    them recomputed in the backward at a time; plus the final hidden states, their gradient and two logit chunks
+    of the log-prob kernel."""
     full_layer = PER_LAYER_HIDDEN_BYTES * hidden + PER_LAYER_INTERMEDIATE_BYTES * intermediate
-    per_token = (layers * CHECKPOINTED_HIDDEN_BYTES * hidden + full_layer) if checkpointing else layers * full_layer
+    recomputed = full_layer if checkpointed_layers else 0
+    per_token = (checkpointed_layers * CHECKPOINTED_HIDDEN_BYTES * hidden + (layers - checkpointed_layers) * full_layer
+                 + recomputed)
     return tokens * (per_token + 8 * hidden) + 2 * LOGITS_BYTES_PER_CHUNK
 
 
@@ -112,6 +123,7 @@ class MemoryPlan:
     elsewhere: int = 0  # held on the card by other processes when the plan was made (held_elsewhere)
     model_shape: tuple[int, int] = (0, 0)  # the policy's (hidden, intermediate): no-grad activations per token
     longest: int = 0  # the longest sequence (max_model_len): no no-grad budget is below it
+    checkpointed_layers: int = 0  # of the policy's decoder layers, those the update recomputes (activations counts so)
 
     @property
     def kv_cache(self) -> int:
@@ -255,9 +267,11 @@ def plan_actor_memory(cfg: DictConfig, model: torch.nn.Module, *, total: int, fa
     config = model.config
     rollout = cfg.rollout
     max_length = int(rollout.max_model_len or int(rollout.prompt_length) + int(rollout.response_length))
-    activations = activation_bytes(hidden=int(config.hidden_size), intermediate=int(config.intermediate_size),
-                                   layers=int(config.num_hidden_layers), tokens=micro_batch_tokens(cfg, max_length),
-                                   checkpointing=bool(cfg.model.enable_gradient_checkpointing))
+    layers = int(config.num_hidden_layers)
+    shape = {"hidden": int(config.hidden_size), "intermediate": int(config.intermediate_size), "layers": layers,
+             "tokens": micro_batch_tokens(cfg, max_length)}
+    requested = requested_checkpointed_layers(cfg.model, layers)
+    checkpointed = layers if requested is None else requested
     utilization = float(rollout.gpu_memory_utilization)
     share = weights = workspace = 0
     kv_limit = None
@@ -269,14 +283,28 @@ def plan_actor_memory(cfg: DictConfig, model: torch.nn.Module, *, total: int, fa
         pages = (int(rollout.max_num_seqs) + 1) * -(-max_length // PAGE_SIZE) + 1  # FastEngine.reclaim_memory's cap
         kv_limit = pages * page_bytes(spec, PAGE_SIZE, dtype)
     offload = cfg.actor.fsdp_config
-    return MemoryPlan(total=total, policy=policy, gradients=4 * trainable, optimizer=8 * trainable,
-                      activations=activations, engine_share=share, engine_weights=weights, engine_workspace=workspace,
-                      others=dict(others or {}),
+    plan = MemoryPlan(total=total, policy=policy, gradients=4 * trainable, optimizer=8 * trainable,
+                      activations=activation_bytes(**shape, checkpointed_layers=checkpointed), engine_share=share,
+                      engine_weights=weights, engine_workspace=workspace, others=dict(others or {}),
                       kv_limit=kv_limit, utilization=utilization,
                       param_offload=bool(offload.param_offload),
                       optimizer_offload=bool(offload.optimizer_offload),
                       free_cache_engine=bool(rollout.free_cache_engine), elsewhere=elsewhere,
-                      model_shape=(int(config.hidden_size), int(config.intermediate_size)), longest=max_length)
+                      model_shape=(shape["hidden"], shape["intermediate"]), longest=max_length,
+                      checkpointed_layers=checkpointed)
+    return plan if requested is not None else fewest_checkpointed_layers(plan, shape)
+
+
+def fewest_checkpointed_layers(plan: MemoryPlan, shape: dict[str, int]) -> MemoryPlan:
+    """gradient_checkpointing_layers=auto: ``plan`` with the fewest checkpointed layers (of a model of ``shape``,
+    activation_bytes' keywords) whose update fits the card with the activations taken 1 / UPDATE_ROOM_SHARE larger;
+    every layer when no fewer fit so (then ``check`` says whether even that fits)."""
+    for count in range(shape["layers"] + 1):
+        activations = activation_bytes(**shape, checkpointed_layers=count)
+        with_margin = replace(plan, activations=int(activations / UPDATE_ROOM_SHARE))
+        if sum(with_margin.update().values()) <= plan.total:
+            return replace(plan, activations=activations, checkpointed_layers=count)
+    return plan
 
 
 def release_cached_blocks(device: torch.device) -> None:

@@ -1,0 +1,109 @@
+"""actor_rollout_ref.model.gradient_checkpointing_layers (archer/models/checkpointed_layers.py): the key's values,
+which layers recompute their forward in the backward, and an actor whose update checkpoints some layers against
+one that checkpoints all or none (the memory plan's choice is tested in test_workers_memory.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from workers_support import ppo_config, unequal_batch, update
+
+from archer.distributed.fsdp import decoder_layers
+from archer.errors import ArcherError
+from archer.models.checkpointed_layers import checkpoint_first_layers, requested_checkpointed_layers
+from archer.models.loading import load_causal_lm
+from archer.workers.actor import ActorWorker
+
+CPU = torch.device("cpu")
+
+
+def model_cfg(**keys):
+    return OmegaConf.create({"enable_gradient_checkpointing": True, **keys})
+
+
+def test_the_key_values():
+    assert requested_checkpointed_layers(model_cfg(), 28) is None  # absent: auto
+    assert requested_checkpointed_layers(model_cfg(gradient_checkpointing_layers="auto"), 28) is None
+    assert requested_checkpointed_layers(model_cfg(gradient_checkpointing_layers="all"), 28) == 28
+    assert requested_checkpointed_layers(model_cfg(gradient_checkpointing_layers=0), 28) == 0
+    assert requested_checkpointed_layers(model_cfg(gradient_checkpointing_layers=28), 28) == 28
+    off = {"enable_gradient_checkpointing": False}
+    assert requested_checkpointed_layers(model_cfg(**off, gradient_checkpointing_layers="auto"), 28) == 0
+    assert requested_checkpointed_layers(model_cfg(**off, gradient_checkpointing_layers="all"), 28) == 0
+    assert requested_checkpointed_layers(model_cfg(**off, gradient_checkpointing_layers=0), 28) == 0
+    with pytest.raises(ArcherError, match="enable_gradient_checkpointing=false turns checkpointing off"):
+        requested_checkpointed_layers(model_cfg(**off, gradient_checkpointing_layers=4), 28)
+    for bad in (29, -1, "some", 2.5, True):
+        with pytest.raises(ArcherError, match="is not auto, all or a number of decoder layers from 0 to 28") as err:
+            requested_checkpointed_layers(model_cfg(gradient_checkpointing_layers=bad), 28)
+        assert "gradient_checkpointing_layers=auto" in err.value.fix
+
+
+def mlp_calls(model: torch.nn.Module) -> list[int]:
+    """Counters of each decoder layer's MLP calls (a checkpointed layer's recompute calls its MLP again; a pre-hook,
+    since the recompute stops once it has the last tensor the backward needs, inside the MLP)."""
+    calls = [0] * len(decoder_layers(model))
+    for index, layer in enumerate(decoder_layers(model)):
+        layer.mlp.register_forward_pre_hook(lambda *_args, i=index: calls.__setitem__(i, calls[i] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("count", [0, 1, 2])
+def test_only_the_first_count_layers_run_their_forward_again_in_the_backward(tiny_model_dir, count):
+    model = load_causal_lm(tiny_model_dir, device="cpu", gradient_checkpointing=True)
+    model.train()
+    assert checkpoint_first_layers(model, count) == 2
+    assert [layer.gradient_checkpointing for layer in decoder_layers(model)] == [i < count for i in range(2)]
+    calls = mlp_calls(model)
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    logits = model(input_ids=ids).logits
+    assert calls == [1, 1]
+    logits.float().pow(2).mean().backward()
+    assert calls == [2 if i < count else 1 for i in range(2)]
+
+
+def actor(tiny_model_dir, layers: str) -> ActorWorker:
+    overrides = ("actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.optim.weight_decay=0.0",
+                 "actor_rollout_ref.actor.entropy_coeff=0.01", "actor_rollout_ref.actor.ppo_mini_batch_size=6",
+                 "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+                 f"actor_rollout_ref.model.gradient_checkpointing_layers={layers}")
+    worker = ActorWorker(ppo_config(tiny_model_dir, *overrides).actor_rollout_ref, device=CPU, total_steps=10)
+    worker.plan_checkpointing(None, announce=True)  # as the rank's workers do, here without a plan (a CPU)
+    return worker
+
+
+def test_an_actor_checkpointing_some_layers_updates_exactly_as_with_all_or_none(tiny_model_dir):
+    workers = {layers: actor(tiny_model_dir, layers) for layers in ("all", "0", "1", "auto")}
+    flags = {layers: [layer.gradient_checkpointing for layer in decoder_layers(w.model)] for layers, w in workers.items()}
+    assert flags == {"all": [True, True], "0": [False, False], "1": [True, False], "auto": [True, True]}
+    batch = unequal_batch(workers["all"].model.config.vocab_size)
+    old = workers["all"].compute_log_prob(batch)["old_log_probs"]
+    batch["old_log_probs"] = old + 0.3 * torch.randn(6, 5, generator=torch.Generator().manual_seed(1))
+    batch["advantages"] = torch.randn(6, 1, generator=torch.Generator().manual_seed(2)) * batch["response_mask"]
+    metrics = {layers: update(w, batch) for layers, w in workers.items()}
+    assert metrics["all"]["actor/grad_norm"] > 0 and metrics["all"]["actor/pg_clipfrac"] > 0
+    for layers in ("0", "1", "auto"):
+        assert metrics[layers] == metrics["all"], layers  # a recomputed forward is the same forward, bit for bit
+        for a, b in zip(workers[layers].model.parameters(), workers["all"].model.parameters(), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_the_plans_count_is_applied_and_announced(tiny_model_dir, caplog):
+    class Plan:  # the memory plan's two figures the actor reads
+        checkpointed_layers = 1
+        activations = 3 << 30
+
+    worker = actor(tiny_model_dir, "auto")
+    with caplog.at_level(logging.INFO, logger="archer.actor"):
+        worker.plan_checkpointing(Plan(), announce=True)
+    assert [layer.gradient_checkpointing for layer in decoder_layers(worker.model)] == [True, False]
+    (message,) = [r.getMessage() for r in caplog.records if "gradient checkpointing" in r.getMessage()]
+    assert message.startswith("gradient checkpointing on 1 of 2 decoder layers") and "3.0 GiB" in message
+    assert "actor_rollout_ref.model.gradient_checkpointing_layers=all recomputes every layer" in message
+    off = ActorWorker(ppo_config(tiny_model_dir, "actor_rollout_ref.model.enable_gradient_checkpointing=false")
+                      .actor_rollout_ref, device=CPU, total_steps=10)
+    off.plan_checkpointing(Plan(), announce=True)  # checkpointing off: the plan's count does not turn it on
+    assert not any(layer.gradient_checkpointing for layer in decoder_layers(off.model))
