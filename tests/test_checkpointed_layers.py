@@ -5,6 +5,7 @@ one that checkpoints all or none (the memory plan's choice is tested in test_wor
 from __future__ import annotations
 
 import logging
+import shutil
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from workers_support import ppo_config, unequal_batch, update
 from archer.distributed.fsdp import decoder_layers
 from archer.errors import ArcherError
 from archer.models.checkpointed_layers import checkpoint_first_layers, requested_checkpointed_layers
+from archer.models.compiled_layers import compile_decoder_layers
 from archer.models.loading import load_causal_lm
 from archer.workers.actor import ActorWorker
 
@@ -107,3 +109,42 @@ def test_the_plans_count_is_applied_and_announced(tiny_model_dir, caplog):
                       .actor_rollout_ref, device=CPU, total_steps=10)
     off.plan_checkpointing(Plan(), announce=True)  # checkpointing off: the plan's count does not turn it on
     assert not any(layer.gradient_checkpointing for layer in decoder_layers(off.model))
+
+
+def saved_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
+    """Bytes the forward saves for the backward outside checkpointed regions (a checkpointed layer saves only its
+    input there), then the backward runs."""
+    saved = [0]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(input_ids=ids).logits.float().pow(2).mean()
+    loss.backward()
+    return saved[0]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU kernels need a C++ compiler")
+def test_compiled_layers_checkpoint_per_layer_as_the_eager_ones(tiny_model_dir):
+    """On a GPU the layers are compiled (actor.use_torch_compile): the per-layer flag is read inside the compiled
+    forward, so each checkpointed layer saves less for the backward (0, 1 and 2 layers checkpointed save less and
+    less, compiled as eager), with the eager layers' gradients."""
+    torch._dynamo.reset()
+    ids = torch.randint(3, 300, (3, 11), generator=torch.Generator().manual_seed(0))
+    for compiled in (False, True):
+        saved, grads = [], []
+        for count in (0, 1, 2):
+            model = load_causal_lm(tiny_model_dir, device="cpu", gradient_checkpointing=True)
+            model.train()
+            if compiled:
+                compile_decoder_layers(model)
+            checkpoint_first_layers(model, count)
+            saved.append(saved_bytes(model, ids))
+            grads.append([p.grad.clone() for p in model.parameters()])
+        assert saved[0] > saved[1] > saved[2], (compiled, saved)
+        for other in grads[1:]:
+            for a, b in zip(other, grads[0], strict=True):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    torch._dynamo.reset()

@@ -12,7 +12,8 @@ What to know:
   (tests/test_compiled_layers.py);
 - one compiled graph serves every layer and every micro-batch size (``dynamic=True``, a layer's ``forward``
   compiled, not its ``__call__``, so FSDP2's hooks stay eager around it); the first update and log-prob passes
-  pay the compile, one graph per kind of pass (train / eval, packed / padded, each model's dtype): about 80 s of
+  pay the compile, one graph per kind of pass (train / eval, packed / padded, each model's dtype, checkpointed or
+  not when ``model.gradient_checkpointing_layers`` checkpoints only some layers): about 80 s of
   the Archer2.0 recipe's first step at 1.5B, so short runs may rather set the key to false;
 - with ``model.use_liger=true`` the layers keep liger's kernels, uncompiled (torch.compile cannot trace liger's
   autograd functions; one warning);
