@@ -109,6 +109,9 @@ def test_the_plans_count_is_applied_and_announced(tiny_model_dir, caplog):
                       .actor_rollout_ref, device=CPU, total_steps=10)
     off.plan_checkpointing(Plan(), announce=True)  # checkpointing off: the plan's count does not turn it on
     assert not any(layer.gradient_checkpointing for layer in decoder_layers(off.model))
+    off.cfg.model.gradient_checkpointing_layers = "some"  # refused even where checkpointing is off
+    with pytest.raises(ArcherError, match="'some' is not auto, all or a number of decoder layers from 0 to 2"):
+        off.plan_checkpointing(None, announce=True)
 
 
 def saved_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:

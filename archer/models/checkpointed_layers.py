@@ -13,15 +13,11 @@ recomputes exactly its forward): only the update's memory and time change. Witho
 
 from __future__ import annotations
 
-import logging
-
 from omegaconf import DictConfig
 from torch import nn
 
 from archer.distributed.fsdp import decoder_layers
 from archer.errors import ArcherError
-
-log = logging.getLogger("archer.models")
 
 KEY = "actor_rollout_ref.model.gradient_checkpointing_layers"
 

@@ -156,10 +156,10 @@ class ActorWorker(OwnsModel):
     def plan_checkpointing(self, memory_plan: MemoryPlan | None, *, announce: bool) -> None:
         """Checkpoint the decoder layers model.gradient_checkpointing_layers names: with ``auto`` the memory plan's
         count (every layer without a plan, on a CPU); ``announce``: this process speaks for the run."""
+        layers = len(decoder_layers(self.model))
+        requested = requested_checkpointed_layers(self.cfg.model, layers)  # a bad value is refused either way
         if not self.cfg.model.enable_gradient_checkpointing:
             return
-        layers = len(decoder_layers(self.model))
-        requested = requested_checkpointed_layers(self.cfg.model, layers)
         count = requested if requested is not None else (memory_plan.checkpointed_layers if memory_plan else layers)
         checkpoint_first_layers(self.model, count)
         if announce and requested is None and count < layers:

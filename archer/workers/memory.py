@@ -216,7 +216,8 @@ class MemoryPlan:
                 options.append((self.policy, f"{prefix}actor.fsdp_config.param_offload=true"))
         else:
             if stage == "the policy update":
-                options.append((self.activations, f"{prefix}model.enable_gradient_checkpointing=true and a smaller "
+                options.append((self.activations, f"{prefix}model.enable_gradient_checkpointing=true (with "
+                                                  f"{prefix}model.gradient_checkpointing_layers auto or all) and a smaller "
                                                   f"{prefix}actor.ppo_micro_batch_size_per_gpu (or use_dynamic_bsz "
                                                   "with a smaller ppo_max_token_len_per_gpu)"))
             if not self.free_cache_engine and self.engine_share:
