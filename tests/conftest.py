@@ -17,23 +17,6 @@ from archer.models.tiny import build_tiny_model
 # Test models are tiny: one thread is fastest, and on shared cores OpenMP barriers cost milliseconds per op.
 torch.set_num_threads(1)
 
-# The longest tests (minutes each on CI's 2 cores: the quickstarts' gains need their steps). ``make test`` runs two
-# pytest-xdist workers with worksteal, which hands each worker one contiguous half of the collection and runs it in
-# order: these go to the front of the halves, so each starts at once on its own worker instead of possibly last,
-# alone, while the other worker idles.
-LONGEST = ("tests/test_quickstart.py::test_quickstart_learns",
-           "tests/test_quickstart.py::test_tool_quickstart_learns_to_call_the_tool")
-
-
-@pytest.hookimpl(trylast=True)  # after -m's deselection: the positions are those of the tests that run
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Spread the LONGEST tests evenly over the collection, the first at its start (see LONGEST)."""
-    longest = [item for name in LONGEST for item in items if item.nodeid.endswith(name)]
-    rest = [item for item in items if item not in longest]
-    for index, item in enumerate(longest):  # positions in the final list, so that each starts a worker's half
-        rest.insert(index * len(items) // len(longest), item)
-    items[:] = rest
-
 MICRO_MODEL_SIZES = {
     "vocab_size": 320,
     "hidden_size": 32,
