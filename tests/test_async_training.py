@@ -194,13 +194,14 @@ TOOL_LOOP_FIGURES = ("tools/", "rollout/")  # the tool loop's statistics: a turn
 
 def test_with_tools_each_turn_generates_whole_batches_and_the_step_trains_the_oldest(task: dict[str, Path],
                                                                                      tmp_path: Path) -> None:
-    """Tool trajectories are never paused: the first turn generates loader batches 1 and 2 whole (the warm-up),
+    """partial_rollout=false: tool trajectories are never paused: the first turn generates loader batches 1 and 2
+    whole (the warm-up),
     step 1 trains batch 1 as the synchronous loop does (the same seeds and weights), and every later step trains
     the batch generated one turn earlier, one version old."""
     reward = f"custom_reward_function.path={task['reward']}"
     want = train_here(task, tmp_path / "sync", 1, *TOOLS, reward)
     run_dir = tmp_path / "colocated"
-    got = train_here(task, run_dir, 3, *ASYNC, *TOOLS, reward)
+    got = train_here(task, run_dir, 3, *ASYNC, *TOOLS, reward, "trainer.v1.partial_rollout=false")
     assert "tools/invalid_calls" in got[1] and "rollout/turns_mean" in got[1]
     skipped = (*TOOL_LOOP_FIGURES, "async/", "training/off_policy/evicted_samples")
     assert_close_metrics({k: v for k, v in got[1].items() if not k.startswith(skipped)},
@@ -209,3 +210,26 @@ def test_with_tools_each_turn_generates_whole_batches_and_the_step_trains_the_ol
     assert [got[s]["training/off_policy/trajectory_staleness/mean"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
     assert [got[s]["async/in_flight_groups"] for s in (1, 2, 3)] == [4.0] * 3  # the next batch, complete
     assert all(got[s]["async/paused_requests"] == 0 for s in got)
+
+
+def test_with_tools_paused_trajectories_resume_under_the_next_policy(task: dict[str, Path], tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """partial_rollout=true (the default) with tools and ARPO's branching on the fast engine, turns scripted to
+    long-tailed lengths with calls (rollout/simulated_turns.py): each turn stops once a batch's worth of groups is
+    complete, the trajectories still decoding or waiting for the tool resume in the next turn, and trained
+    responses span two policy versions, within the bound."""
+    monkeypatch.setenv("ARCHER_SIMULATED_TURNS", "median=24,sigma=0.8,limit=96,tool_rate=0.7")
+    run_dir = tmp_path / "run"
+    got = train_here(task, run_dir, 4, "trainer.v1.trainer_mode=colocate_async",
+                     "trainer.v1.sampler.max_off_policy_threshold=2", *TOOLS,
+                     "actor_rollout_ref.rollout.name=fast", "data.max_response_length=96",
+                     "actor_rollout_ref.rollout.initial_rollouts=1", "actor_rollout_ref.rollout.beam_size=2",
+                     "actor_rollout_ref.rollout.branch_probability=1.0", f"custom_reward_function.path={task['reward']}")
+    assert sum(got[s]["async/paused_requests"] for s in got) > 0
+    assert sum(got[s]["async/resumed_requests"] for s in got) > 0
+    assert sum(got[s]["tools/python/calls"] for s in got) > 0 and sum(got[s]["rollout/branches"] for s in got) > 0
+    spanning = [s for s in got if got[s]["training/off_policy/trajectory_spans/max"] == 2.0]
+    assert spanning, "no trained response spans two policy versions"
+    assert all(got[s]["training/off_policy/trajectory_staleness_worst/max"] <= 2.0 for s in got)
+    arrays = TraceReader(run_dir / "entropy_trace").load_step(spanning[0])  # the trace records both versions
+    assert np.any(arrays["first_policy_version"] < arrays["policy_version"])

@@ -111,14 +111,14 @@ def test_dynamic_sampling_asks_the_rollout_ranks_again_for_the_groups_it_filtere
 
 def test_with_tools_the_rollout_rank_generates_each_batch_whole_one_step_ahead(
         task: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
-    """The tool loop runs on the rollout rank; step 1 samples the loader's first batch with the seeds and weights
+    """partial_rollout=false: the tool loop runs on the rollout rank; step 1 samples the loader's first batch with the seeds and weights
     the synchronous loop uses (the same metrics), later steps train the batch generated while the step before
     trained, one version old."""
     tests_dir = str(Path(__file__).resolve().parent)  # the ranks import the test tool from here
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
     reward = f"custom_reward_function.path={task['reward']}"
     want = train_here(task, tmp_path / "sync", 1, *TOOLS, reward)
-    got = train_here(task, tmp_path / "separate", 3, *SEPARATE, *TOOLS, reward)
+    got = train_here(task, tmp_path / "separate", 3, *SEPARATE, *TOOLS, reward, "trainer.v1.partial_rollout=false")
     assert "tools/invalid_calls" in got[1] and "rollout/turns_mean" in got[1]  # the tool loop's statistics
     async_keys = (*OWN_KEYS, "async/", "training/off_policy/evicted_samples",  # what sync does not log
                   "rollout/longest_trajectory_share", "rollout/tool_wait_s")  # and wall-clock shares

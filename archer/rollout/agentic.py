@@ -48,14 +48,21 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from archer.rollout.base import ContinuousSession, RolloutEngine, RoundSession, SamplingParams, Segment
+from archer.rollout.base import (
+    ContinuousSession,
+    DecodeCounters,
+    RolloutEngine,
+    RoundSession,
+    SamplingParams,
+    Segment,
+)
 from archer.rollout.branching import BranchSettings, global_samples, segment_entropy
 from archer.rollout.call_formats import CallFormat, ParsedCall
 from archer.rollout.prompt_rounds import Launcher, Point, PromptGroup, Trajectory, Turn, stream_seed
@@ -97,6 +104,8 @@ class AgenticOutput:
     branch_parent: list[int]
     branch_position: list[int]
     stats: RolloutStats
+    first_versions: list[int]  # the policy version of each row's first sampled token (its branch's parent's)
+    last_versions: list[int]  # and of its last
 
 
 class AgenticRollout:
@@ -132,65 +141,100 @@ class AgenticRollout:
             raise ValueError(f"allowed_tools has {len(allowed_tools)} entries for {len(prompts)} prompts")
         if params.seed is None:
             raise ValueError("the agentic loop needs a sampling seed")
+        run = self.open(params, branching)
+        start = time.monotonic()
+        run.admit(prompts, allowed_tools or [None] * len(prompts), params.seed,
+                  range(params.first_prompt, params.first_prompt + len(prompts)))
+        try:
+            run.run()
+        except BaseException:
+            run.abandon()
+            raise
+        return run.output(list(run.prompts), time.monotonic() - start)
+
+    def open(self, params: SamplingParams, branching: BranchSettings | None = None) -> AgenticRun:
+        """A run with no prompts yet (``generate``'s, or the asynchronous modes' pool of trajectories that outlive
+        a weight sync: workers/async_tool_rollout.py), sampling with ``params`` (its seed and first prompt unused:
+        each admission brings its own)."""
         settings = branching or BranchSettings(n=params.n, initial_rollouts=params.n)
         if settings.n != params.n:
             raise ValueError(f"branching for n={settings.n} but sampling for n={params.n}")
         stops = tuple(dict.fromkeys((*params.stop, *self.format.stop_strings)))
-        return _Run(self, prompts, replace(params, n=1, stop=stops), settings, allowed_tools).execute()
+        return AgenticRun(self, replace(params, n=1, stop=stops), settings)
 
 
 def _continuous(session) -> ContinuousSession:
     return session if isinstance(session, ContinuousSession) else RoundSession(session)
 
 
-class _Run(Launcher):
-    """The state of one ``generate`` call: its sessions (AEPO's probes in their own), each prompt's groups, the
-    trajectories decoding or waiting for tools, and the stats."""
+class AgenticRun(Launcher):
+    """The trajectories of admitted prompts: the sessions (AEPO's probes in their own), each prompt's groups (keyed
+    by the prompt's number in the run), the trajectories decoding or waiting for tools, and the stats.
 
-    def __init__(self, loop: AgenticRollout, prompts: list[list[int]], params: SamplingParams,
-                 settings: BranchSettings, allowed_tools: Sequence[Collection[str] | None] | None) -> None:
-        self.loop, self.prompts, self.params, self.settings = loop, prompts, params, settings
-        self.allowed = list(allowed_tools) if allowed_tools is not None else [None] * len(prompts)
+    ``generate`` admits its prompts and runs them all to the end. The asynchronous modes keep one run across
+    weight syncs: ``run`` until enough groups are complete, ``pause`` (a decoding trajectory keeps what it sampled
+    of its turn, ``partials``; a tool call keeps running), hand out the complete groups (``output`` and
+    ``remove``), let the weights change, ``resume`` (the engine prefills the sequences again with the new weights)
+    and admit more. Each trajectory records the policy ``version`` of its first sampled token and of its last."""
+
+    def __init__(self, loop: AgenticRollout, params: SamplingParams, settings: BranchSettings) -> None:
+        self.loop, self.params, self.settings = loop, params, settings
+        self.prompts: dict[int, list[int]] = {}  # a prompt's number in the run -> its token ids
+        self.allowed: dict[int, Collection[str] | None] = {}
+        self.seeds: dict[int, int] = {}  # the sampling seed of the prompt's batch
+        self.global_index: dict[int, int] = {}  # its index in that batch (seeds follow it)
+        self.version = 0  # the policy version the engine holds
+        self.numbered = 0  # prompts admitted so far
         self.budget = loop.settings.response_length
         self.probe_session = _continuous(loop.engine.session()) if settings.dynamic_rollouts else None
         self.session = _continuous(loop.engine.session())
         self.sessions = [s for s in (self.probe_session, self.session) if s is not None]
         self.speculate = all(s.continuous for s in self.sessions)
-        self.groups: list[PromptGroup | None] = [None] * len(prompts)
-        self.probes: list[PromptGroup] = []
+        self.groups: dict[int, PromptGroup] = {}  # AEPO: a prompt's group starts when its probe ends
+        self.probes: dict[int, PromptGroup] = {}
+        self.partials: dict[Trajectory, Segment] = {}  # paused decodes: what they sampled of their turn
         self.session_of: dict[PromptGroup, ContinuousSession] = {}
         self.by_seq: dict[tuple[int, int], Trajectory] = {}  # (session, sequence) -> its trajectory
         self.group_of: dict[Trajectory, PromptGroup] = {}
         self.tool_calls: dict[Trajectory, tuple[list[ParsedCall], list[str | None], PendingCalls]] = {}
 
     # -- the loop ------------------------------------------------------------------------------------------------
-    def execute(self) -> AgenticOutput:
-        start = time.monotonic()
-        first = self.params.first_prompt
-        self.session.expect(len(self.prompts) * self.settings.n)
-        for prompt in range(len(self.prompts)):
+    def admit(self, prompts: Sequence[list[int]], allowed: Sequence[Collection[str] | None], seed: int,
+              global_index: Sequence[int]) -> list[int]:
+        """Start ``prompts`` (of one batch sampled with ``seed``, at ``global_index`` in it); their numbers."""
+        numbers = []
+        for ids, tools, index in zip(prompts, allowed, global_index, strict=True):
+            prompt, self.numbered = self.numbered, self.numbered + 1
+            self.prompts[prompt], self.allowed[prompt] = ids, tools
+            self.seeds[prompt], self.global_index[prompt] = int(seed), int(index)
+            numbers.append(prompt)
             if self.probe_session is not None:
-                probe = PromptGroup(self, prompt, first + prompt, BranchSettings(n=1, initial_rollouts=1), 1,
-                                    stream_seed(self.params.seed, _PROBE), self._stats())
+                probe = PromptGroup(self, prompt, int(index), BranchSettings(n=1, initial_rollouts=1), 1,
+                                    stream_seed(int(seed), _PROBE), self._stats())
                 self._start(probe, self.probe_session)
-                self.probes.append(probe)
+                self.probes[prompt] = probe
             else:
                 self._start_prompt(prompt, self.settings.initial_rollouts, dep=0.0)
-        if self.probe_session is not None:
-            self.probe_session.expect(len(self.prompts))
-        try:
-            self._run()
-        except BaseException:
-            self._abandon()
-            raise
-        return self._output(time.monotonic() - start)
+        self.expect()
+        return numbers
 
-    def _run(self) -> None:
+    def expect(self) -> None:
+        """Tell the sessions how many rows the run's prompts may decode at once (an engine sizes its batch)."""
+        self.session.expect(len(self.prompts) * self.settings.n)
+        if self.probe_session is not None:
+            self.probe_session.expect(len(self.probes))
+
+    @property
+    def all_done(self) -> bool:
+        return len(self.groups) == len(self.prompts) and all(g.done for g in self.groups.values())
+
+    def run(self, enough: Callable[[], bool] | None = None) -> None:
+        """Decode and answer tools until every prompt's group is done, or ``enough()`` holds."""
         changed = True  # a segment ended or a tool answered since the rounds were last advanced
         while True:
             if changed:  # otherwise the rounds have nothing new to decide (advance reaches a fixed point)
                 self._advance()
-            if all(g is not None and g.done for g in self.groups):
+            if self.all_done or (enough is not None and enough()):
                 break
             ended = self._poll()
             answered = False
@@ -203,20 +247,66 @@ class _Run(Launcher):
                 raise RuntimeError("the agentic loop has nothing to decode and no tool to wait for")
             changed = ended or answered
 
-    def _abandon(self) -> None:
-        """After a failure: release every sequence the call holds (their decodes stop) and cancel its tool calls."""
-        for t in list(self.by_seq.values()):
-            self._release(t)
-        for group in [*self.probes, *(g for g in self.groups if g is not None)]:
-            session = self.session_of[group]
-            for t in group.trajectories + list(group.candidates.values()):
-                for turn in t.log:
-                    self.drop_point(group, turn)
-            if group.root is not None:
-                session.release(group.root)
-                group.root = None
-        for _, _, pending in self.tool_calls.values():
-            pending.outcomes()  # gives up the calls still queued
+    def abandon(self) -> None:
+        """After a failure: release every sequence the run holds (their decodes stop) and cancel its tool calls."""
+        self.remove(list(self.prompts))
+
+    def remove(self, prompts: Collection[int]) -> None:
+        """Forget ``prompts``: release their sequences (a decode stops) and give up their tool calls."""
+        for prompt in prompts:
+            for group in (self.probes.pop(prompt, None), self.groups.pop(prompt, None)):
+                if group is not None:
+                    self._drop_group(group)
+            for table in (self.prompts, self.allowed, self.seeds, self.global_index):
+                table.pop(prompt, None)
+
+    def _drop_group(self, group: PromptGroup) -> None:
+        session = self.session_of[group]
+        for t in group.trajectories + list(group.candidates.values()):
+            if (id(session), t.seq) in self.by_seq:
+                self._release(t)
+            if t in self.tool_calls:
+                self.tool_calls.pop(t)[2].outcomes()  # gives up the calls still queued
+            for turn in t.log:
+                self.drop_point(group, turn)
+            self.group_of.pop(t, None)
+        if group.root is not None:
+            session.release(group.root)
+            group.root = None
+        del self.session_of[group]
+
+    def pause(self) -> int:
+        """Stop every decode; each keeps what it sampled of its turn (``partials``) until ``resume``. How many."""
+        paused = 0
+        for session in self.sessions:
+            for seq, segment in session.pause():
+                t = self.by_seq[(id(session), seq)]
+                t.decoding = False
+                self._sampled(t, segment)
+                earlier = self.partials.get(t)
+                self.partials[t] = segment if earlier is None else _joined(earlier, segment)
+                paused += 1
+        return paused
+
+    def resume(self) -> int:
+        """Submit the paused decodes again (the engine prefills what changed since, after new weights all of it);
+        each continues its turn, looking back into what it sampled of it for stop strings. How many."""
+        for t in self.partials:
+            self._submit(t)
+        return len(self.partials)
+
+    def started(self, prompt: int) -> int | None:
+        """The oldest policy version that sampled a token of ``prompt``'s responses (None before the first)."""
+        group = self.groups.get(prompt)
+        versions = [t.first_version for t in group.trajectories if t.first_version is not None] if group else []
+        return min(versions) if versions else None
+
+    def _sampled(self, t: Trajectory, segment: Segment) -> None:
+        """Tokens of ``t`` just came back from the engine: sampled by the policy it holds."""
+        if segment.tokens:
+            if t.first_version is None:
+                t.first_version = self.version
+            t.last_version = self.version
 
     def _stats(self) -> RolloutStats:
         return RolloutStats(tools=tuple(self.loop.registry.tools))
@@ -226,15 +316,15 @@ class _Run(Launcher):
         group.start()
 
     def _start_prompt(self, prompt: int, initial: int, dep: float) -> None:
-        group = PromptGroup(self, prompt, self.params.first_prompt + prompt, self.settings, initial,
-                            self.params.seed, self._stats(), dep=dep, speculate=self.speculate)
+        group = PromptGroup(self, prompt, self.global_index[prompt], self.settings, initial,
+                            self.seeds[prompt], self._stats(), dep=dep, speculate=self.speculate)
         self.groups[prompt] = group
         self._start(group, self.session)
 
     def _advance(self) -> None:
         """Decide what each prompt's rounds allow (AEPO: a prompt's samples start when its probe ends)."""
-        for probe in self.probes:
-            if self.groups[probe.prompt] is None:
+        for probe in list(self.probes.values()):
+            if probe.prompt not in self.groups:
                 probe.advance()
                 if probe.done:
                     (t,) = probe.trajectories
@@ -242,8 +332,8 @@ class _Run(Launcher):
                     h_tool = float(np.mean(t.tool_entropies)) if t.tool_entropies else h_root
                     m = global_samples(self.settings.n, h_root, h_tool, self.settings.dynamic_rollout_beta)
                     self._start_prompt(probe.prompt, m, dep=t.finished_at)
-        for group in self.groups:
-            if group is not None and not (group.done and not group.candidates):
+        for group in list(self.groups.values()):
+            if not (group.done and not group.candidates):
                 group.advance()
                 if group.done and group.root is not None:
                     self.session_of[group].release(group.root)
@@ -262,6 +352,9 @@ class _Run(Launcher):
             for seq, segment in segments:
                 t = self.by_seq[(id(session), seq)]
                 t.decoding = False
+                self._sampled(t, segment)
+                if t in self.partials:  # the rest of a turn that a pause interrupted
+                    segment = _joined(self.partials.pop(t), segment)
                 # a trajectory's own time: in a running batch, until it left; in a round, its share of the steps
                 seconds = now - t.submitted if session.continuous else (now - began) * len(segment.tokens) / longest
                 if t.confirmed:
@@ -282,7 +375,9 @@ class _Run(Launcher):
         return answered
 
     def _submit(self, t: Trajectory) -> None:
-        self.session_of[self.group_of[t]].submit(t.seq, self.params, self.budget - len(t.tokens))
+        partial = len(self.partials[t].tokens) if t in self.partials else 0
+        self.session_of[self.group_of[t]].submit(t.seq, self.params, self.budget - len(t.tokens) - partial,
+                                                 lookback=partial)
         t.decoding, t.submitted = True, time.monotonic()
 
     # -- the launcher (prompt_rounds.py) ----------------------------------------------------------------------
@@ -305,7 +400,8 @@ class _Run(Launcher):
                            depth=parent.depth + 1, tokens=parent.tokens[:point.length],
                            learned=parent.learned[:point.length], log_probs=parent.log_probs[:point.length],
                            entropies=parent.entropies[:point.length], calls=point.calls, turns=point.turns,
-                           h_init=parent.h_init)
+                           h_init=parent.h_init, first_version=parent.first_version,
+                           last_version=parent.last_version)
         self.by_seq[(id(session), seq)] = t
         self.group_of[t] = group
         self._submit(t)
@@ -349,6 +445,7 @@ class _Run(Launcher):
         del self.by_seq[(id(session), t.seq)]
         session.release(t.seq)
         t.decoding = False
+        self.partials.pop(t, None)
 
     def _finish(self, t: Trajectory, reason: str) -> None:
         t.finish = reason
@@ -432,8 +529,12 @@ class _Run(Launcher):
         return tokens
 
     # -- output ------------------------------------------------------------------------------------------------
-    def _output(self, seconds: float) -> AgenticOutput:
-        rows = [t for group in self.groups for t in group.trajectories]
+    def output(self, prompts: Sequence[int], seconds: float, since: Sequence[DecodeCounters] = ()) -> AgenticOutput:
+        """The responses of ``prompts`` (done), prompt-major; the stats of their groups, with the sessions'
+        decoding (since their counters were ``since``) and ``seconds`` of generation."""
+        groups = [self.groups[p] for p in prompts]
+        probes = [self.probes[p] for p in prompts if p in self.probes]
+        rows = [t for group in groups for t in group.trajectories]
         lengths = np.array([len(t.tokens) for t in rows], dtype=np.int64)
         # each row's positions, left-aligned: one vectorised fill per field (a host pass while the GPU waits)
         present = np.arange(int(lengths.max(initial=0)))[None, :] < lengths[:, None]
@@ -445,15 +546,17 @@ class _Run(Launcher):
             return torch.from_numpy(out)
 
         learned = tensor([t.learned for t in rows], 0, np.int64)
-        stats = RolloutStats.merge([group.stats for group in self.groups])  # in prompt order
-        for probe in self.probes:
+        stats = RolloutStats.merge([group.stats for group in groups])  # in prompt order
+        for probe in probes:
             stats.add_calls(probe.stats)  # the probes' tool calls are the step's work; their responses are not
-        stats.initial_rollouts = [group.initial for group in self.groups]
+        stats.initial_rollouts = [group.initial for group in groups]
         stats.calls_per_response = [t.calls for t in rows]
         stats.limit_reached = [t.limit_reached for t in rows]
         stats.turns = [t.turns for t in rows]
         stats.depths = [t.depth for t in rows]
         counters = [s.counters() for s in self.sessions]
+        for now, before in zip(counters, since):
+            now.steps, now.tokens = now.steps - before.steps, now.tokens - before.tokens
         stats.decode_steps = sum(c.steps for c in counters)
         stats.decode_tokens = sum(c.tokens for c in counters)
         stats.decode_slot_steps = sum(c.steps * c.peak for c in counters)
@@ -467,4 +570,12 @@ class _Run(Launcher):
             entropies=tensor([t.entropies for t in rows], 0.0, np.float32),
             finish_reasons=[t.finish for t in rows], num_tool_calls=[t.calls for t in rows],
             num_turns=[t.turns for t in rows], branch_parent=[t.parent for t in rows],
-            branch_position=[t.branch_position for t in rows], stats=stats)
+            branch_position=[t.branch_position for t in rows], stats=stats,
+            first_versions=[self.version if t.first_version is None else t.first_version for t in rows],
+            last_versions=[self.version if t.last_version is None else t.last_version for t in rows])
+
+
+def _joined(first: Segment, rest: Segment) -> Segment:
+    """One turn's segment from its part before a pause and its part after (which says why it ended)."""
+    return Segment(first.tokens + rest.tokens, torch.cat([first.log_probs, rest.log_probs]),
+                   torch.cat([first.entropies, rest.entropies]), rest.finish_reason)

@@ -102,6 +102,8 @@ class Trajectory:
     work: float = 0.0  # its own seconds: decoding and waiting for its tools
     first_work: float | None = None  # its own seconds when its first segment ended
     tool_wait: float = 0.0
+    first_version: int | None = None  # the policy version of its first sampled token (a branch: its parent's)
+    last_version: int | None = None  # and of its last
 
     @property
     def confirmed(self) -> bool:

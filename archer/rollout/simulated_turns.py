@@ -9,7 +9,8 @@ log-normal (median M tokens, shape S, clipped to 16..L) from its sequence's seed
 with probability R, each later turn with R2 (at most C calls), after 16 tokens to half of what is left; the call's
 text (``<python>print(N)</python>``, N drawn) is appended to the turn as the model's tokens (log-prob 0, the turn's
 mean entropy), so the loop runs the tool and the engine prefills the call with the answer. Every other token is
-the model's own sample. A fork (ARPO's branch) draws its own length past what its parent holds. Unset (the
+the model's own sample. A fork (ARPO's branch) draws its own length past what its parent holds; a turn paused
+by the asynchronous modes continues as planned when submitted again. Unset (the
 default), nothing changes.
 """
 
@@ -57,7 +58,8 @@ class _Plan:
     def __init__(self, rng: random.Random, total: int, held: int = 0, calls: int = 0) -> None:
         self.rng, self.total, self.held, self.calls = rng, total, held, calls
         self.call: list[int] | None = None  # the call text the turn under way ends with
-        self.cap = 0
+        self.cap = 0  # the tokens the turn under way samples (less what it sampled before a pause)
+        self.paused = False  # the turn under way was paused: its next submit continues it
 
 
 class ScriptedTurns(ContinuousSession):
@@ -93,6 +95,10 @@ class ScriptedTurns(ContinuousSession):
 
     def submit(self, seq: int, params: SamplingParams, max_new_tokens: int, lookback: int = 0) -> None:
         plan, script = self.plans[seq], self.script
+        if plan.paused:  # the rest of the turn, as planned
+            plan.paused = False
+            self.inner.submit(seq, params, min(plan.cap, max_new_tokens), lookback)
+            return
         left = max(1, plan.total - plan.held)
         rate = script.tool_rate if plan.calls == 0 else script.later_rate
         plan.call = None
@@ -125,7 +131,10 @@ class ScriptedTurns(ContinuousSession):
     def pause(self) -> list[tuple[int, Segment]]:
         paused = self.inner.pause()
         for seq, segment in paused:
-            self.plans[seq].held += len(segment.tokens)
+            plan = self.plans[seq]
+            plan.held += len(segment.tokens)
+            plan.cap = max(1, plan.cap - len(segment.tokens))
+            plan.paused = True
         return paused
 
     @property

@@ -63,8 +63,8 @@ from archer.trace.influence_capture import (
     select_modules,
 )
 from archer.workers.actor_objective import ActorObjective
-from archer.workers.async_rollout import AsyncRollout, StalenessBound
-from archer.workers.async_tool_rollout import WholeBatchRollout, async_rollout_for
+from archer.workers.async_rollout import StalenessBound
+from archer.workers.async_tool_rollout import RankRollout, async_rollout_for
 from archer.workers.data_parallel import RankTokens, rank_passes, reduce_metric_sums
 from archer.workers.memory import MemoryPlan, gib, planned_no_grad_tokens, release_cached_blocks
 from archer.workers.mini_batches import StepAverages, mini_batches
@@ -122,7 +122,7 @@ class ActorWorker(OwnsModel):
         self.fast_engine = uses_fast_engine(cfg.rollout, self.model, device)
         self.rollout: RolloutWorker | None = None
         self._engine_is_stale = False  # the weights changed since the engine last took them
-        self.async_rollout: AsyncRollout | WholeBatchRollout | None = None  # colocate_async's pool (produce_groups)
+        self.async_rollout: RankRollout | None = None  # colocate_async's pool (produce_groups)
         # the influence trace's settings, hooked modules and their projections (setup_influence)
         self.influence: tuple[CaptureSettings, dict[str, torch.nn.Linear], dict[str, ModuleProjection]] | None = None
         if start_rollout:
@@ -217,7 +217,7 @@ class ActorWorker(OwnsModel):
         complete groups of ``admissions`` sampled up to policy ``version`` (for the step that trains version
         ``version + lag``), padded to the widest prompt and response of every rank."""
         if self.async_rollout is None:
-            self.async_rollout = async_rollout_for(self.rollout, self.pad_token_id)
+            self.async_rollout = async_rollout_for(self.rollout, self.pad_token_id, partial=bound.partial_rollout)
         with self._generating():
             out = self.async_rollout.take(admissions, quota, version, bound, rank=self.ctx.rank,
                                           world=self.ctx.world_size, rotation=rotation, lag=lag)

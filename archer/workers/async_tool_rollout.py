@@ -1,20 +1,30 @@
-"""The asynchronous modes with multi-turn tool rollouts (docs/async.md): a rank's admitted prompt batches are
-generated whole through the tool loop, and a call hands back the oldest complete groups.
+"""The asynchronous modes with multi-turn tool rollouts (docs/async.md), two ways.
 
-A tool trajectory is never paused across a weight sync (its tool answers would straddle two policies): each call
-generates every batch admitted to it to the end, under the weights the engine holds, with the seeds the synchronous
-loop gives those rows, and keeps the complete groups, oldest first; the call hands back ``quota`` of them and keeps
-the rest for later calls (``drop`` evicts those past the staleness bound first). At num_warmup_batches=1 this is
-verl's one-step-off: the batch a step trains was generated, whole, while the step before was being trained (or,
-colocated, in the turn before it).
+``PartialToolRollout`` (trainer.v1.partial_rollout=true, the default): a rank keeps one run of the tool loop
+(rollout/agentic.py) across weight syncs. A call admits its prompts, runs every trajectory in flight until its quota
+of groups is complete, and pauses the rest: a decoding trajectory keeps the tokens it sampled of its turn (and their
+behaviour log-probs), a tool call keeps running, and the next call continues them under the new weights (the
+engine prefills them again). Each response records the policy versions of its first and last sampled token. The
+longest trajectories of a batch then no longer hold up the step; they finish in a later call.
+
+``WholeBatchRollout`` (partial_rollout=false): every batch admitted to a call is generated to the end under the
+weights the engine holds, with the seeds the synchronous loop gives those rows, so every response is sampled by one
+policy version; the call hands back ``quota`` complete groups, oldest first, and keeps the rest for later calls. At
+num_warmup_batches=1 this is verl's one-step-off.
+
+Either way a trajectory samples with the seed the synchronous loop gives its row, and ``drop`` evicts the groups past
+the staleness bound before a call.
 """
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from archer.batch import Batch
-from archer.rollout.request_pool import FIRST_POLICY_VERSION, stamp_policy_version
+from archer.rollout.agentic_config import branch_settings
+from archer.rollout.request_pool import FIRST_POLICY_VERSION, POLICY_VERSION, stamp_policy_version
 from archer.rollout.rollout_stats import RolloutStats
 from archer.workers.async_rollout import (
     ASYNC_STATS,
@@ -25,7 +35,7 @@ from archer.workers.async_rollout import (
     rank_rows,
 )
 from archer.workers.results import ROLLOUT_STATS
-from archer.workers.rollout import FIRST_PROMPT, RolloutWorker, concat_sequences
+from archer.workers.rollout import FIRST_PROMPT, RolloutWorker, concat_sequences, sampling_params, tool_rows
 
 
 class WholeBatchRollout:
@@ -76,9 +86,89 @@ class WholeBatchRollout:
         return old
 
 
-def async_rollout_for(worker: RolloutWorker, pad_token_id: int) -> AsyncRollout | WholeBatchRollout:
+class PartialToolRollout:
+    """The trajectories of one rank with tools, kept across weight syncs."""
+
+    def __init__(self, worker: RolloutWorker, pad_token_id: int) -> None:
+        self.worker = worker
+        self.pad_token_id = pad_token_id
+        params = sampling_params(worker.cfg, validate=False, seed=0)  # each admission brings its batch's seed
+        self.n = params.n
+        self.run = worker.agentic.open(params, branch_settings(worker.cfg, params, validate=False))
+        self.rows: dict[int, Batch] = {}  # a prompt's number in the run -> its row
+
+    def take(self, admissions: list[Batch], quota: int, version: int, bound: StalenessBound, *, rank: int,
+             world: int, rotation: int = 0, lag: int = 0) -> Batch:
+        """Admit this rank's rows of each prompt batch of ``admissions``, run every trajectory with policy
+        ``version`` until this rank's share of ``quota`` more groups is complete, pause the rest, and hand back
+        that share, the oldest first (as ``AsyncRollout.take``)."""
+        for prompts in admissions:
+            if len(mine := rank_rows(prompts, rank, world)):
+                self._admit(prompts.index(mine))
+        run, threshold, trained = self.run, bound.max_off_policy_threshold, version + lag
+        started = {prompt: run.started(prompt) for prompt in run.prompts}
+        evicted: list[str] = []
+        must_finish: frozenset[int] = frozenset()
+        if bound.strategy == "drop":
+            old = [p for p, s in started.items() if s is not None and trained - s > threshold]
+            evicted = [str(self.rows.pop(p)["uid"][0]) for p in old]
+            run.remove(old)
+        else:  # wait: what would pass the bound at the next step finishes now
+            must_finish = frozenset(p for p, s in started.items() if s is not None and trained + 1 - s > threshold)
+        share = rank_quota(quota, rank, world, rotation)
+        complete_before = sum(g.done for g in run.groups.values())
+
+        def enough() -> bool:
+            completed = sum(g.done for g in run.groups.values()) - complete_before
+            return completed >= share and all(p in run.groups and run.groups[p].done for p in must_finish)
+
+        start, since = time.monotonic(), [s.counters() for s in run.sessions]
+        run.version = version
+        with self.worker.engine_turn(release_weights=True):
+            resumed = run.resume()
+            try:
+                run.run(enough)
+            finally:
+                paused = run.pause()
+        prefilled = sum(s.counters().prefilled - b.prefilled for s, b in zip(run.sessions, since, strict=True))
+        done = [p for p, g in sorted(run.groups.items()) if g.done]  # numbered in admission order: oldest first
+        forced = [p for p in done if p in must_finish]
+        chosen = sorted(forced + [p for p in done if p not in must_finish][: max(0, share - len(forced))])
+        batch = self._layout(chosen, time.monotonic() - start, since)
+        run.remove(chosen)
+        batch.info[ASYNC_STATS] = {"evicted": evicted, "paused": paused, "resumed": resumed,
+                                   "in_flight": len(run.prompts), "prefilled": prefilled}
+        return batch
+
+    def _admit(self, share: Batch) -> None:
+        """Start ``share``'s prompts, each with the seed the synchronous loop gives its row."""
+        ids = [row[m.bool()].tolist() for row, m in zip(share["input_ids"], share["attention_mask"], strict=True)]
+        allowed = list(share["tools"]) if "tools" in share else [None] * len(share)  # the data's per-row tools
+        numbers = self.run.admit(ids, allowed, int(share.info["seed"]), [int(i) for i in share[SAMPLE_INDEX]])
+        for i, prompt in enumerate(numbers):
+            self.rows[prompt] = share.index(slice(i, i + 1))
+
+    def _layout(self, prompts: list[int], seconds: float, since: list) -> Batch:
+        """The rows of ``prompts``' complete groups, each response tagged with the versions that sampled it."""
+        if not prompts:
+            return Batch({})
+        out = self.run.output(prompts, seconds, since)
+        n = self.n
+        parts = [tool_rows(self.rows.pop(p), out, n, slice(i * n, (i + 1) * n)) for i, p in enumerate(prompts)]
+        batch = concat_sequences(parts, self.pad_token_id)
+        batch[FIRST_POLICY_VERSION] = np.asarray(out.first_versions, dtype=np.int64)
+        batch[POLICY_VERSION] = np.asarray(out.last_versions, dtype=np.int64)
+        batch.info[ROLLOUT_STATS] = out.stats
+        return batch
+
+
+RankRollout = AsyncRollout | WholeBatchRollout | PartialToolRollout
+
+
+def async_rollout_for(worker: RolloutWorker, pad_token_id: int, *, partial: bool) -> RankRollout:
     """A rank's side of the asynchronous modes: the pool of paused and resumed requests, or with tools configured
-    whole batches through the tool loop."""
-    if worker.agentic is not None:
-        return WholeBatchRollout(worker, pad_token_id)
-    return AsyncRollout(worker, pad_token_id)
+    the tool loop's trajectories kept across weight syncs (``partial``: trainer.v1.partial_rollout) or whole
+    batches."""
+    if worker.agentic is None:
+        return AsyncRollout(worker, pad_token_id)
+    return (PartialToolRollout if partial else WholeBatchRollout)(worker, pad_token_id)

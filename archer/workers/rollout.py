@@ -21,7 +21,8 @@ included (``response_attention`` gives its response part).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from transformers import PreTrainedTokenizerBase
 
 from archer.batch import Batch, response_attention
 from archer.models.loading import autocast_for
+from archer.rollout.agentic import AgenticOutput
 from archer.rollout.agentic_config import branch_settings, build_agentic_rollout, uses_tools
 from archer.rollout.base import RolloutEngine, SamplingParams
 from archer.rollout.request_pool import PoolRun, RolloutPool
@@ -99,24 +101,27 @@ class RolloutWorker:
         validate = bool(prompts.info.get("validate", False))
         params = sampling_params(self.cfg, validate=validate, seed=int(prompts.info["seed"]),
                                  first_prompt=int(prompts.info.get(FIRST_PROMPT, 0)))
+        with self.engine_turn(release_weights=release_weights):
+            return self.generate_sequences(prompts, params, validate=validate)
+
+    @contextmanager
+    def engine_turn(self, *, release_weights: bool) -> Iterator[None]:
+        """The engine's memory reclaimed before and, with rollout.free_cache_engine, released after (with
+        ``release_weights``, its weight copy too: the caller syncs the weights before the next turn)."""
         self.engine.reclaim_memory()
         try:
-            return self.generate_sequences(prompts, params, validate=validate)
+            with autocast_for(self.device):
+                yield
         finally:
             if self.cfg.free_cache_engine:
                 self.engine.release_memory(weights=release_weights)
 
     def run_pool(self, pool: RolloutPool, params: SamplingParams, version: int, quota: int, *,
                  must_finish: frozenset, partial: bool) -> PoolRun:
-        """``pool.run`` on this worker's engine (the asynchronous modes), its memory reclaimed before and, with
-        rollout.free_cache_engine, released after with its weight copy (the caller syncs before the next call)."""
-        self.engine.reclaim_memory()
-        try:
-            with autocast_for(self.device):
-                return pool.run(self.engine, params, version, quota, must_finish=must_finish, partial=partial)
-        finally:
-            if self.cfg.free_cache_engine:
-                self.engine.release_memory(weights=True)
+        """``pool.run`` on this worker's engine (the asynchronous modes) in an engine turn that releases the
+        weight copy (the caller syncs before the next call)."""
+        with self.engine_turn(release_weights=True):
+            return pool.run(self.engine, params, version, quota, must_finish=must_finish, partial=partial)
 
     def generate_sequences(self, prompts: Batch, params: SamplingParams, *, validate: bool = False) -> Batch:
         ids, mask = prompts["input_ids"], prompts["attention_mask"]
@@ -137,18 +142,25 @@ class RolloutWorker:
         with autocast_for(self.device):
             out = self.agentic.generate(prompt_lists, params, branch_settings(self.cfg, params, validate=validate),
                                         allowed_tools=allowed)
-        batch = layout_sequences(prompts, out.responses, out.response_mask, params.n,
-                                 present=out.response_mask + out.tool_mask)
-        batch["tool_mask"] = out.tool_mask
-        batch["rollout_log_probs"] = out.log_probs
-        batch["rollout_entropies"] = out.entropies
-        batch["finish_reason"] = out.finish_reasons
-        batch["num_tool_calls"] = out.num_tool_calls
-        batch["num_turns"] = out.num_turns
-        batch["branch_parent"] = out.branch_parent
-        batch["branch_position"] = out.branch_position
+        batch = tool_rows(prompts, out, params.n)
         batch.info[ROLLOUT_STATS] = out.stats
         return batch
+
+
+def tool_rows(prompts: Batch, out: AgenticOutput, n: int, rows: slice = slice(None)) -> Batch:
+    """``prompts`` (one row each) with their ``n`` responses each from ``rows`` of the tool loop's output, in
+    verl's layout, with the tool loop's fields."""
+    mask, tool_mask = out.response_mask[rows], out.tool_mask[rows]
+    batch = layout_sequences(prompts, out.responses[rows], mask, n, present=mask + tool_mask)
+    batch["tool_mask"] = tool_mask
+    batch["rollout_log_probs"] = out.log_probs[rows]
+    batch["rollout_entropies"] = out.entropies[rows]
+    batch["finish_reason"] = out.finish_reasons[rows]
+    batch["num_tool_calls"] = out.num_tool_calls[rows]
+    batch["num_turns"] = out.num_turns[rows]
+    batch["branch_parent"] = out.branch_parent[rows]
+    batch["branch_position"] = out.branch_position[rows]
+    return batch
 
 
 def concat_sequences(batches: list[Batch], pad_token_id: int) -> Batch:

@@ -25,7 +25,7 @@ from archer.distributed.weight_sync import WeightManifest, WeightReceiver, join_
 from archer.models.loading import load_causal_lm, load_tokenizer, pick_device
 from archer.rollout.factory import build_engine, uses_fast_engine
 from archer.workers.async_rollout import ASYNC_STATS, GENERATION_S, StalenessBound, merge_async_stats
-from archer.workers.async_tool_rollout import async_rollout_for
+from archer.workers.async_tool_rollout import RankRollout, async_rollout_for
 from archer.workers.dispatch import collect
 from archer.workers.results import concat_generations
 from archer.workers.rollout import FIRST_PROMPT, RolloutWorker, concat_sequences
@@ -93,7 +93,7 @@ class RolloutRank:
         self.rollout = RolloutWorker(engine, rollout_cfg, device=self.device, tokenizer=self.tokenizer,
                                      chat_template=ref_cfg.model.custom_chat_template,
                                      template_kwargs=chat_template_kwargs)
-        self.pool = async_rollout_for(self.rollout, int(self.tokenizer.pad_token_id))
+        self.pool: RankRollout | None = None  # made at the first call, which brings trainer.v1.partial_rollout
         self.receiver: WeightReceiver | None = None
 
     def _tagged(self, batch: Batch) -> Batch:
@@ -106,6 +106,8 @@ class RolloutRank:
         """This rank's share of ``quota`` complete groups of ``admissions`` (``AsyncRollout.take``), sampled up to
         policy ``version`` for the step that updates ``version + lag``."""
         start = time.perf_counter()
+        if self.pool is None:
+            self.pool = async_rollout_for(self.rollout, int(self.tokenizer.pad_token_id), partial=bound.partial_rollout)
         out = self.pool.take(admissions, quota, version, bound, rank=self.rank, world=self.world,
                              rotation=rotation, lag=lag)
         out.info[ASYNC_STATS][GENERATION_S] = time.perf_counter() - start
