@@ -7,6 +7,7 @@ in seconds)."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -33,13 +34,17 @@ from archer.trainer.quickstart import (
     run_quickstart,
 )
 
+# The suite runs in two pytest-xdist workers on two cores: a quickstart at torch's default of one thread a core beside
+# the other worker's tests took 554 s where one thread took 223 s (the same machine, one core kept busy).
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_quickstart_learns(tmp_path: Path) -> None:
     out = tmp_path / "qs"
     proc = subprocess.run([sys.executable, "-m", "archer.cli", "quickstart", "--out", str(out)],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=900, env=ONE_THREAD)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     for key in ("val_acc_before_rl", "val_acc_after_rl", "steps", "wall_time_s", "model_path", "train_files",
@@ -75,7 +80,7 @@ def test_quickstart_learns(tmp_path: Path) -> None:
     again = tmp_path / "async"
     proc = subprocess.run([sys.executable, "-m", "archer.cli", *words, "trainer.total_training_steps=20",
                            "trainer.v1.trainer_mode=colocate_async", f"trainer.default_local_dir={again}"],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=ONE_THREAD)
     assert proc.returncode == 0, proc.stderr[-3000:]
     async_summary = json.loads((again / "summary.json").read_text())
     key = "val-core/archer/arithmetic/acc/mean@1"
@@ -89,7 +94,7 @@ def test_quickstart_learns(tmp_path: Path) -> None:
 def test_tool_quickstart_learns_to_call_the_tool(tmp_path: Path) -> None:
     out = tmp_path / "qs"
     proc = subprocess.run([sys.executable, "-m", "archer.cli", "quickstart", "task=tool_arithmetic", "--out", str(out)],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=900, env=ONE_THREAD)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["task"] == "tool_arithmetic" and summary["steps"] == 20

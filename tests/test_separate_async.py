@@ -130,6 +130,27 @@ def test_with_tools_the_rollout_rank_generates_each_batch_whole_one_step_ahead(
         assert trained_prompts(tmp_path / "separate", step) != trained_prompts(tmp_path / "separate", step - 1)
 
 
+def test_with_tools_the_rollout_rank_keeps_its_trajectories_across_the_syncs(
+        task: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """partial_rollout=true (the default) with tools and ARPO's branching on the rollout rank's fast engine, turns
+    scripted to long-tailed lengths with calls: each call stops once a batch's worth of groups is complete, the rest
+    go on after the next broadcast, and trained responses span two versions within the bound."""
+    tests_dir = str(Path(__file__).resolve().parent)  # the ranks import the test tool from here
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("ARCHER_SIMULATED_TURNS", "median=24,sigma=0.8,limit=96,tool_rate=0.7")
+    separate = [s.replace("max_off_policy_threshold=1", "max_off_policy_threshold=3")  # a batch ahead: something
+                .replace("num_warmup_batches=0", "num_warmup_batches=1") for s in SEPARATE]  # is left to pause
+    got = train_here(task, tmp_path / "separate", 4, *separate, *TOOLS, "actor_rollout_ref.rollout.name=fast",
+                     "data.max_response_length=96", "actor_rollout_ref.rollout.initial_rollouts=1",
+                     "actor_rollout_ref.rollout.beam_size=2", "actor_rollout_ref.rollout.branch_probability=1.0",
+                     f"custom_reward_function.path={task['reward']}")
+    assert sum(got[s]["async/paused_requests"] for s in got) > 0
+    assert sum(got[s]["async/resumed_requests"] for s in got) > 0
+    assert sum(got[s]["tools/python/calls"] for s in got) > 0
+    assert any(got[s]["training/off_policy/trajectory_spans/max"] >= 2.0 for s in got)
+    assert all(got[s]["training/off_policy/trajectory_staleness_worst/max"] <= 3.0 for s in got)
+    assert all(got[s]["train/num_kept_groups"] == 4.0 for s in got)
+
 def test_what_separate_async_needs_is_checked_before_anything_starts(task: dict[str, Path],  # noqa: F811
                                                                     tmp_path: Path) -> None:
     def check(*extra: str) -> None:
