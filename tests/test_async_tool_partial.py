@@ -97,10 +97,33 @@ def test_paused_tool_trajectories_continue_to_the_responses_of_one_unpaused_call
     assert (first <= last).all() and (last < len(paused)).all()
     assert (last > first).any()  # some response was sampled by several versions: it outlived a pause
     run.remove(numbers)
-    assert not run.prompts and not run.groups and not run.session_of
+    assert not run.prompts and not run.groups and not run.session_of and not run.group_of and not run.by_seq
 
 
-def test_a_call_hands_back_its_quota_oldest_first_with_each_responses_versions(model_dir, scripted) -> None:
+def test_a_group_removed_while_a_branch_point_waits_for_its_prefill_is_released(model_dir, scripted) -> None:
+    """A tool answer forks a branch point, which waits for the next poll to share its parent's pages; a run stopped
+    right then, its engine's memory released, then evicted (drop), releases the parent before the fork."""
+    actor = make_actor(model_dir, *ARPO)
+    worker = actor.rollout
+    params = sampling_params(worker.cfg, validate=False, seed=0)
+    run = worker.agentic.open(params, branch_settings(worker.cfg, params, validate=False))
+    prompts = admission(model_dir, 3, seed=5)
+    ids = [row[m.bool()].tolist() for row, m in zip(prompts["input_ids"], prompts["attention_mask"], strict=True)]
+    numbers = run.admit(ids, [None] * 3, 5, range(3))
+
+    def a_fork_waits() -> bool:  # a fork of a trajectory's own sequence (not of a prompt's root)
+        own = {s.inner._seqs[seq] for s in run.sessions for (session, seq) in run.by_seq if session == id(s)}
+        return any(origin in own for s in run.sessions for origin, _ in s.inner._origins.values())
+
+    with actor._generating(), worker.engine_turn(release_weights=True):
+        run.run(a_fork_waits)
+        run.pause()
+    assert a_fork_waits() and worker.engine.cache is None
+    run.remove(numbers)
+    assert not run.by_seq and all(not s.inner._seqs and not s.inner._origins for s in run.sessions)
+
+
+def test_a_call_hands_back_its_quota_with_each_responses_versions(model_dir, scripted) -> None:
     actor = make_actor(model_dir, *ARPO)
     pool = async_rollout_for(actor.rollout, actor.pad_token_id, partial=True)
     assert isinstance(pool, PartialToolRollout)
@@ -117,7 +140,7 @@ def test_a_call_hands_back_its_quota_oldest_first_with_each_responses_versions(m
             break
     assert [len(b) for b in got] == [4, 4, 4]  # one group a call
     assert [c["in_flight"] for c in calls] == [2, 1, 0]
-    assert [b["uid"][0] for b in got] == sorted(b["uid"][0] for b in got)  # the oldest complete group first
+    assert sorted(b["uid"][0] for b in got) == ["u0", "u1", "u2"]  # each group once, whichever completes first
     assert all(c["resumed"] == p["paused"] for p, c in zip(calls, calls[1:]))
 
 

@@ -225,6 +225,12 @@ class AgenticRun(Launcher):
             self.probe_session.expect(len(self.probes))
 
     @property
+    def counted(self) -> list[ContinuousSession]:
+        """The sessions whose counters sum to the run's decoding: continuous sessions decode in their engine's one
+        running batch and each counts all of it, so one of them."""
+        return [self.session] if self.speculate else self.sessions
+
+    @property
     def all_done(self) -> bool:
         return len(self.groups) == len(self.prompts) and all(g.done for g in self.groups.values())
 
@@ -279,9 +285,12 @@ class AgenticRun(Launcher):
         """Stop every decode; each keeps what it sampled of its turn (``partials``) until ``resume``. How many."""
         paused = 0
         for session in self.sessions:
+            now = time.monotonic()
             for seq, segment in session.pause():
                 t = self.by_seq[(id(session), seq)]
                 t.decoding = False
+                if session.continuous:  # its own seconds so far in the turn (a resubmit starts the clock again)
+                    t.work += now - t.submitted
                 self._sampled(t, segment)
                 earlier = self.partials.get(t)
                 self.partials[t] = segment if earlier is None else _joined(earlier, segment)
@@ -291,6 +300,7 @@ class AgenticRun(Launcher):
     def resume(self) -> int:
         """Submit the paused decodes again (the engine prefills what changed since, after new weights all of it);
         each continues its turn, looking back into what it sampled of it for stop strings. How many."""
+        self.expect()  # the engine sizes its running batch anew after releasing its memory
         for t in self.partials:
             self._submit(t)
         return len(self.partials)
@@ -332,7 +342,8 @@ class AgenticRun(Launcher):
                     h_tool = float(np.mean(t.tool_entropies)) if t.tool_entropies else h_root
                     m = global_samples(self.settings.n, h_root, h_tool, self.settings.dynamic_rollout_beta)
                     self._start_prompt(probe.prompt, m, dep=t.finished_at)
-        for group in list(self.groups.values()):
+        for prompt in sorted(self.groups):  # in prompt order (AEPO starts groups as their probes end)
+            group = self.groups[prompt]
             if not (group.done and not group.candidates):
                 group.advance()
                 if group.done and group.root is not None:
@@ -409,6 +420,7 @@ class AgenticRun(Launcher):
 
     def cancel(self, t: Trajectory) -> None:
         self._release(t)
+        del self.group_of[t]  # nothing refers to it any more (a kept run would hold its group for good)
 
     def drop_point(self, group: PromptGroup, turn: Turn) -> None:
         if turn.point is not None:
@@ -554,7 +566,7 @@ class AgenticRun(Launcher):
         stats.limit_reached = [t.limit_reached for t in rows]
         stats.turns = [t.turns for t in rows]
         stats.depths = [t.depth for t in rows]
-        counters = [s.counters() for s in self.sessions]
+        counters = [s.counters() for s in self.counted]
         for now, before in zip(counters, since):
             now.steps, now.tokens = now.steps - before.steps, now.tokens - before.tokens
         stats.decode_steps = sum(c.steps for c in counters)

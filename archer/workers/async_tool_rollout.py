@@ -122,7 +122,7 @@ class PartialToolRollout:
             completed = sum(g.done for g in run.groups.values()) - complete_before
             return completed >= share and all(p in run.groups and run.groups[p].done for p in must_finish)
 
-        start, since = time.monotonic(), [s.counters() for s in run.sessions]
+        start, since = time.monotonic(), [s.counters() for s in run.counted]
         run.version = version
         with self.worker.engine_turn(release_weights=True):
             resumed = run.resume()
@@ -130,7 +130,7 @@ class PartialToolRollout:
                 run.run(enough)
             finally:
                 paused = run.pause()
-        prefilled = sum(s.counters().prefilled - b.prefilled for s, b in zip(run.sessions, since, strict=True))
+        prefilled = sum(s.counters().prefilled - b.prefilled for s, b in zip(run.counted, since, strict=True))
         done = [p for p, g in sorted(run.groups.items()) if g.done]  # numbered in admission order: oldest first
         forced = [p for p in done if p in must_finish]
         chosen = sorted(forced + [p for p in done if p not in must_finish][: max(0, share - len(forced))])

@@ -280,7 +280,10 @@ class FastSession(ContinuousSession):
     def release(self, seq: int) -> None:
         sequence = self._get(seq)
         if any(origin is sequence for origin, _ in self._origins.values()):
-            self._share_prefixes()  # its waiting forks take its pages first
+            if self.engine.cache is None:  # no pages to share (memory released): its forks prefill themselves
+                self._origins = {c: o for c, o in self._origins.items() if o[0] is not sequence}
+            else:
+                self._share_prefixes()  # its waiting forks take its pages first
         for job in [j for j in self._in_flight if j.seq is sequence]:
             self._in_flight.discard(job)
             if job in self._queued:
