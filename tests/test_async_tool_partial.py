@@ -171,3 +171,15 @@ def test_partial_rollout_off_keeps_whole_batches() -> None:
         agentic = object()
 
     assert isinstance(async_rollout_for(Worker(), 0, partial=False), WholeBatchRollout)
+
+
+def test_whole_batches_release_the_engines_weight_copy_after_the_turn(model_dir, scripted) -> None:
+    """partial_rollout=false in colocate_async: the update that follows a turn must not find the engine's weight
+    copy still on the card (the memory plan counts it released under free_cache_engine, the default)."""
+    actor = make_actor(model_dir, *ARPO)
+    pool = async_rollout_for(actor.rollout, actor.pad_token_id, partial=False)
+    for version in range(2):  # the second turn syncs the weights again first
+        with actor._generating():
+            out = pool.take([admission(model_dir, 2, seed=version)] if version == 0 else [], 1, version, FAR,
+                            rank=0, world=1)
+        assert len(out) == 4 and actor.rollout.engine.model.released

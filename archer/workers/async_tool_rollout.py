@@ -35,7 +35,7 @@ from archer.workers.async_rollout import (
     rank_rows,
 )
 from archer.workers.results import ROLLOUT_STATS
-from archer.workers.rollout import FIRST_PROMPT, RolloutWorker, concat_sequences, sampling_params, tool_rows
+from archer.workers.rollout import RolloutWorker, concat_sequences, sampling_params, tool_rows
 
 
 class WholeBatchRollout:
@@ -51,8 +51,9 @@ class WholeBatchRollout:
         """Generate this rank's rows of each prompt batch of ``admissions`` under policy ``version``, then hand
         back its share of ``quota`` complete groups, the oldest first (as ``AsyncRollout.take``; the bound counts
         from version ``version + lag``, the one the step trains)."""
-        stats = [self._generate(prompts.index(mine), version)
-                 for prompts in admissions if len(mine := rank_rows(prompts, rank, world))]
+        shares = [prompts.index(mine) for prompts in admissions if len(mine := rank_rows(prompts, rank, world))]
+        with self.worker.engine_turn(release_weights=True):  # one turn: the weight copy goes after the last
+            stats = [self._generate(share, version) for share in shares]
         evicted = self._evict(version + lag, bound)
         parts = [self.done.pop(uid) for uid in list(self.done)[: rank_quota(quota, rank, world, rotation)]]
         batch = concat_sequences(parts, self.pad_token_id) if parts else Batch({})
@@ -65,8 +66,9 @@ class WholeBatchRollout:
     def _generate(self, share: Batch, version: int) -> RolloutStats | None:
         """``share``'s responses through the tool loop, each row sampled with the seed of its index in its loader
         batch; its groups go to ``done``. Returns the tool loop's statistics of the call."""
-        share.info[FIRST_PROMPT] = int(share[SAMPLE_INDEX][0])
-        out = self.worker.generate_for(share)
+        params = sampling_params(self.worker.cfg, validate=False, seed=int(share.info["seed"]),
+                                 first_prompt=int(share[SAMPLE_INDEX][0]))
+        out = self.worker.generate_sequences(share, params)
         stats = out.info.pop(ROLLOUT_STATS, None)
         stamp_policy_version(out, version)
         uids = np.asarray(out["uid"])
