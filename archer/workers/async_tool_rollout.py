@@ -35,7 +35,13 @@ from archer.workers.async_rollout import (
     rank_rows,
 )
 from archer.workers.results import ROLLOUT_STATS
-from archer.workers.rollout import RolloutWorker, concat_sequences, sampling_params, tool_rows
+from archer.workers.rollout import (
+    RolloutWorker,
+    concat_sequences,
+    prompt_token_lists,
+    sampling_params,
+    tool_rows,
+)
 
 
 class WholeBatchRollout:
@@ -144,7 +150,7 @@ class PartialToolRollout:
 
     def _admit(self, share: Batch) -> None:
         """Start ``share``'s prompts, each with the seed the synchronous loop gives its row."""
-        ids = [row[m.bool()].tolist() for row, m in zip(share["input_ids"], share["attention_mask"], strict=True)]
+        ids = prompt_token_lists(share)
         allowed = list(share["tools"]) if "tools" in share else [None] * len(share)  # the data's per-row tools
         numbers = self.run.admit(ids, allowed, int(share.info["seed"]), [int(i) for i in share[SAMPLE_INDEX]])
         for i, prompt in enumerate(numbers):

@@ -54,6 +54,11 @@ def sampling_params(rollout: DictConfig, *, validate: bool, seed: int, first_pro
         do_sample=bool(src.do_sample) and temperature > 0, seed=seed, first_prompt=first_prompt)
 
 
+def prompt_token_lists(prompts: Batch) -> list[list[int]]:
+    """Each prompt row's token ids, without its padding."""
+    return [row[m.bool()].tolist() for row, m in zip(prompts["input_ids"], prompts["attention_mask"], strict=True)]
+
+
 def layout_sequences(prompts: Batch, responses: torch.Tensor, response_mask: torch.Tensor, n: int,
                      present: torch.Tensor | None = None) -> Batch:
     """verl's tensor layout for prompt (left-padded) + response (right-padded) sequences. ``present`` is the
@@ -124,8 +129,7 @@ class RolloutWorker:
             return pool.run(self.engine, params, version, quota, must_finish=must_finish, partial=partial)
 
     def generate_sequences(self, prompts: Batch, params: SamplingParams, *, validate: bool = False) -> Batch:
-        ids, mask = prompts["input_ids"], prompts["attention_mask"]
-        prompt_lists = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+        prompt_lists = prompt_token_lists(prompts)
         if self.agentic is not None:
             return self._generate_with_tools(prompts, prompt_lists, params, validate)
         with autocast_for(self.device):
