@@ -110,17 +110,17 @@ def test_a_calling_turn_ends_with_the_call_as_the_models_tokens(parts) -> None:
 def test_fast_engine_sessions_are_scripted_only_when_the_variable_is_set(parts, monkeypatch) -> None:
     engine = FastEngine(*parts, max_num_seqs=2, page_size=16)
     monkeypatch.delenv(simulated_turns.ENV, raising=False)
-    simulated_turns.from_environment.cache_clear()
+    simulated_turns._parsed.cache_clear()
     assert type(engine.session()) is FastSession
     monkeypatch.setenv(simulated_turns.ENV, "median=64,sigma=0.5,limit=128,tool_rate=0.5")
-    simulated_turns.from_environment.cache_clear()
+    simulated_turns._parsed.cache_clear()
     try:
         session = engine.session()
         assert isinstance(session, ScriptedTurns) and isinstance(session.inner, FastSession)
         assert session.script == TurnScript(64.0, 0.5, 128, 0.5, 0.3, 3)
     finally:
         monkeypatch.delenv(simulated_turns.ENV)
-        simulated_turns.from_environment.cache_clear()
+        simulated_turns._parsed.cache_clear()
 
 
 @pytest.mark.parametrize(("value", "message"), [
@@ -132,11 +132,11 @@ def test_fast_engine_sessions_are_scripted_only_when_the_variable_is_set(parts, 
 ])
 def test_a_malformed_script_is_refused_naming_the_variable(value: str, message: str, monkeypatch) -> None:
     monkeypatch.setenv(simulated_turns.ENV, value)
-    simulated_turns.from_environment.cache_clear()
+    simulated_turns._parsed.cache_clear()
     try:
         with pytest.raises(ArcherError, match=message) as error:
             simulated_turns.from_environment()
         assert simulated_turns.ENV in str(error.value)
     finally:
         monkeypatch.delenv(simulated_turns.ENV)
-        simulated_turns.from_environment.cache_clear()
+        simulated_turns._parsed.cache_clear()

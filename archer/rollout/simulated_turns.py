@@ -148,12 +148,14 @@ class ScriptedTurns(ContinuousSession):
         return self.inner.counters()
 
 
-@functools.cache
 def from_environment() -> TurnScript | None:
-    """The script ``ARCHER_SIMULATED_TURNS`` asks for (None when it is unset)."""
+    """The script ``ARCHER_SIMULATED_TURNS`` asks for now (None when it is unset)."""
     text = os.environ.get(ENV, "").strip()
-    if not text:
-        return None
+    return _parsed(text) if text else None
+
+
+@functools.cache
+def _parsed(text: str) -> TurnScript:
     fix = ("set it as median=M,sigma=S,limit=L,tool_rate=R[,later_rate=R2][,calls=C] (e.g. "
            "median=512,sigma=0.84,limit=2048,tool_rate=0.5), or unset it")
     try:
