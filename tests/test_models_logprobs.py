@@ -226,8 +226,9 @@ def test_peak_memory_is_two_chunks_of_logits_whatever_the_token_count(cpu_peak_b
     assert peaks[1] - peaks[0] <= 768 * hidden_size * 4 * 4  # a few [tokens, hidden] and [tokens] vectors
 
 
-def test_auto_chunk_size_keeps_the_float32_logits_of_a_chunk_within_256_mib():
-    assert auto_chunk_size(152064) == 441  # 256 MiB / (4 bytes x 152064)
+def test_auto_chunk_size_keeps_the_logits_of_a_chunk_within_256_mib():
+    assert auto_chunk_size(152064) == 441  # 256 MiB / (4 bytes x 152064): the torch path's float32 logits
+    assert auto_chunk_size(152064, logit_bytes=2) == 882  # the fused kernels' bf16 logits
     assert auto_chunk_size(2**28) == 1
     hidden, head, labels = _problem(seed=6)
     torch.testing.assert_close(logprobs_from_hidden(hidden, head, labels)[0],

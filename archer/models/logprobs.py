@@ -11,7 +11,8 @@ so a chunk never holds more than two float32 [chunk x vocab] buffers at once, in
 GPU (Triton installed) the softmax statistics and the logit gradients come from the fused kernels of
 models/logprob_kernels.py instead, which read a chunk's logits once and hold nothing in float32 beside them; the
 LM head's gradient is then summed over the chunks by float32-accumulating matrix products (``_add_product``).
-By default a chunk's float32 logits take at most ``LOGITS_BYTES_PER_CHUNK`` (``chunk_size=None``). Under
+By default a chunk's logits take at most ``LOGITS_BYTES_PER_CHUNK`` (``chunk_size=None``): counted in float32 on the
+torch path, in the matrix products' dtype where the fused kernels read them as they are (twice the tokens in bf16). Under
 autocast the matrix products run in the autocast dtype, as ``F.linear`` would, and the softmax in float32.
 The same per-row formula (``token_logprob_and_entropy``) serves the rollout engine, so generation-time and
 training-time numbers agree.
@@ -40,9 +41,9 @@ except ImportError:
 LOGITS_BYTES_PER_CHUNK = 256 * 2**20  # float32 logits of one chunk when chunk_size is None
 
 
-def auto_chunk_size(vocab_size: int) -> int:
-    """Tokens per chunk whose float32 logits take at most LOGITS_BYTES_PER_CHUNK (at least one token)."""
-    return max(1, LOGITS_BYTES_PER_CHUNK // (4 * vocab_size))
+def auto_chunk_size(vocab_size: int, logit_bytes: int = 4) -> int:
+    """Tokens per chunk whose logits, ``logit_bytes`` each, take at most LOGITS_BYTES_PER_CHUNK (at least one)."""
+    return max(1, LOGITS_BYTES_PER_CHUNK // (logit_bytes * vocab_size))
 
 
 def _log_softmax_stats(
@@ -235,7 +236,9 @@ def logprobs_from_hidden(
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     weight, bias = _head_params(lm_head)
-    chunk = chunk_size or auto_chunk_size(weight.shape[0])
+    # the torch path's softmax holds float32 [chunk x vocab] buffers; the fused kernels only the logits themselves
+    logit_bytes = _matmul_dtype(hidden).itemsize if _fused(hidden) else 4
+    chunk = chunk_size or auto_chunk_size(weight.shape[0], logit_bytes)
     logp, entropy = _ChunkedLogProbs.apply(hidden, weight, bias, labels, float(temperature), chunk,
                                            compute_entropy)
     return logp, (entropy if compute_entropy else None)
