@@ -10,7 +10,9 @@ log-prob pass and of the update, and the decode's share of the HBM bound, for ra
   long-tailed lengths: 16 prompts of log-normal length (median 150 tokens) x 8 responses of exponential length
   (mean 400 tokens), both cut at 1024.
 
-Each variant runs once on 16 rows (or two micro-batches) before it is timed. Every stage runs archer's own worker code, an ActorWorker on the GPU (``rollout.name=hf``: no engine holds memory
+Each variant runs once on 16 rows (or two micro-batches) before it is timed ``--repeats`` times (3 by default: the
+median is reported, with the fastest and slowest beside it; one run of the recipe's log-prob pass moved by 15%
+between calls, 2026-11-29). Every stage runs archer's own worker code, an ActorWorker on the GPU (``rollout.name=hf``: no engine holds memory
 beside it), with the micro-batching of each variant:
 
 - old_log_prob (no grad): the workload's own micro-batches as archer ran them before (grpo: the whole batch in one
@@ -43,6 +45,7 @@ import argparse
 import datetime
 import json
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -144,6 +147,17 @@ def measure(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float, fl
     return result, seconds, peak
 
 
+def measure_repeated(device: torch.device, fn: Callable[[], Any], repeats: int
+                     ) -> tuple[Any, float, dict[str, Any], float | None]:
+    """``fn()`` run ``repeats`` times: the last result, the median seconds, the spread ({"min_s", "max_s",
+    "runs"}) and the highest peak GPU memory in GiB."""
+    runs = [measure(device, fn) for _ in range(repeats)]
+    seconds = [s for _, s, _ in runs]
+    peaks = [p for _, _, p in runs if p is not None]
+    spread = {"min_s": min(seconds), "max_s": max(seconds), "runs": len(seconds)}
+    return runs[-1][0], statistics.median(seconds), spread, max(peaks) if peaks else None
+
+
 def tokens_computed(micro: MicroBatching, attention_mask: torch.Tensor) -> int:
     """The positions the forwards of ``micro``'s micro-batches compute: padded, rows x the longest row (padded rows
     are left-aligned and cut to it, models/sequence_layout.py); packed, the real tokens."""
@@ -156,7 +170,7 @@ def mfu(flops_per_token: float, tokens: int, seconds: float, device: torch.devic
 
 
 def no_grad_rows(actor: ActorWorker, work: Workload, batch: Batch, device: torch.device, params: int,
-                 console: Console) -> tuple[list[dict[str, Any]], Batch]:
+                 console: Console, repeats: int) -> tuple[list[dict[str, Any]], Batch]:
     """The old log-prob pass: the workload's padded micro-batches and archer's default; returns the records and the
     batch with old log-probs (and, for a KL loss, reference log-probs) for the update."""
     real = int(batch["attention_mask"].sum())
@@ -170,10 +184,11 @@ def no_grad_rows(actor: ActorWorker, work: Workload, batch: Batch, device: torch
         actor.log_prob_micro = micro
         actor.compute_log_prob(batch.index(slice(0, 16)))  # warm-up: this layout's kernels, the allocator's blocks
         part = batch.index(slice(0, 32)) if micro.rows == 1 else batch  # one row a pass: timed on 32 rows
-        out, seconds, peak = measure(device, lambda part=part: actor.compute_log_prob(part))
+        out, seconds, spread, peak = measure_repeated(device, lambda part=part: actor.compute_log_prob(part), repeats)
         scale = len(batch) / len(part)
         logps[name] = out["old_log_probs"]
         record = {"stage": "old_log_prob", "variant": name, "micro": repr(micro), "seconds": seconds * scale,
+                  "min_s": spread["min_s"] * scale, "max_s": spread["max_s"] * scale, "runs": spread["runs"],
                   "scaled_from_rows": len(part) if scale != 1 else None,
                   "tokens_computed": tokens_computed(micro, batch["attention_mask"]), "real_tokens": real,
                   "mfu": mfu(2 * params, real, seconds * scale, device), "peak_gib": peak}
@@ -198,7 +213,7 @@ def free_memory(device: torch.device) -> int:
 
 
 def update_rows(actor: ActorWorker, work: Workload, batch: Batch, device: torch.device, params: int,
-                console: Console, profile: bool) -> list[dict[str, Any]]:
+                console: Console, profile: bool, repeats: int) -> list[dict[str, Any]]:
     """One PPO epoch over the rows with each micro-batching, and packed without checkpointing where memory allows;
     ``profile``: then torch.profiler's table of the packed token-budget epoch."""
     real = int(batch["attention_mask"].sum())
@@ -229,8 +244,8 @@ def update_rows(actor: ActorWorker, work: Workload, batch: Batch, device: torch.
         if checkpointed:
             checkpoint_first_layers(actor.model, checkpointed)
         actor.update_actor(batch.index(slice(0, 2 * work.micro_rows)))  # warm-up, as for the no-grad passes
-        out, seconds, peak = measure(device, lambda: actor.update_actor(batch))
-        record = {"stage": "update", "variant": name, "micro": repr(micro), "seconds": seconds,
+        out, seconds, spread, peak = measure_repeated(device, lambda: actor.update_actor(batch), repeats)
+        record = {"stage": "update", "variant": name, "micro": repr(micro), "seconds": seconds, **spread,
                   "micro_batches": len(micro.split(batch["attention_mask"])),
                   "tokens_computed": tokens_computed(micro, batch["attention_mask"]), "real_tokens": real,
                   "mfu": mfu(6 * params, real, seconds, device), "peak_gib": peak,
@@ -320,8 +335,8 @@ def run_shape(shape: str, workloads: list[str], args: argparse.Namespace, device
                   "planned_no_grad_tokens": actor.log_prob_micro.max_tokens}
         console.log(f"{shape} / {name}: {work.rows} rows, {int(batch['attention_mask'].sum())} real tokens of "
                     f"{batch['attention_mask'].numel()} padded, no-grad budget {actor.log_prob_micro.max_tokens}")
-        log_prob_records, batch = no_grad_rows(actor, work, batch, device, params, console)
-        updates = update_rows(actor, work, batch, device, params, console, args.profile)
+        log_prob_records, batch = no_grad_rows(actor, work, batch, device, params, console, args.repeats)
+        updates = update_rows(actor, work, batch, device, params, console, args.profile, args.repeats)
         records += [{**common, **r} for r in log_prob_records + updates]
         if name == workloads[-1] and args.decode:
             records.append({**common, "workload": "grpo", **decode_row(actor.model, tokenizer, device, args.scale,
@@ -333,8 +348,8 @@ def run_shape(shape: str, workloads: list[str], args: argparse.Namespace, device
 
 
 def table(records: list[dict[str, Any]]) -> str:
-    lines = ["| shape | workload | stage | variant | tokens computed / real | s | MFU or HBM fraction | peak GiB | "
-             "max dlogp |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | workload | stage | variant | tokens computed / real | s (median; min-max) | MFU or HBM fraction | "
+             "peak GiB | max dlogp |", "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         share = r.get("mfu") if r["stage"] != "decode" else r.get("hbm_fraction")
         share_text = "-" if share is None else f"{share:.1%}" + (" HBM" if r["stage"] == "decode" else "")
@@ -343,8 +358,9 @@ def table(records: list[dict[str, Any]]) -> str:
         peak = "-" if r.get("peak_gib") is None else f"{r['peak_gib']:.1f}"
         diff = f"{r['max_logp_diff']:.1e}" if "max_logp_diff" in r else ""
         scaled = f" (scaled from {r['scaled_from_rows']} rows)" if r.get("scaled_from_rows") else ""
+        spread = f" ({r['min_s']:.3f}-{r['max_s']:.3f})" if r.get("runs", 1) > 1 else ""
         lines.append(f"| {r['shape']} | {r['workload']} | {r['stage']} | {r['variant']}{scaled} | {tokens} | "
-                     f"{r['seconds']:.3f} | {share_text} | {peak} | {diff} |")
+                     f"{r['seconds']:.3f}{spread} | {share_text} | {peak} | {diff} |")
     return "\n".join(lines)
 
 
@@ -377,6 +393,7 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=["grpo", "archer2"])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/stage_mfu"))
     parser.add_argument("--scale", type=int, default=1, help="divide rows and lengths by this (a smoke run)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each variant (the median reported)")
     parser.add_argument("--no-decode", dest="decode", action="store_false", help="skip the decode stage")
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's table of a packed update")
     parser.add_argument("--kernels", choices=("compiled", "eager", "liger"), default="compiled",

@@ -75,3 +75,15 @@ def test_tokens_computed_and_goal_lines(stage_mfu):
     assert lines[0].startswith("s w: old_log_prob 1.00 s = 0.25 of the fastest update epoch (packed, budget 9, 4.00 s")
     assert "best update 16.0%" in lines[1] and "40000 tok/s, 47.5% of the HBM bound" in lines[2]
     assert "| s | w | decode | fast | 10 (40000 tok/s) | 1.000 | 47.5% HBM |" in stage_mfu.table(records)
+
+
+def test_repeated_runs_give_their_median_and_spread_and_the_table_shows_them(stage_mfu, monkeypatch):
+    clock = iter([0.0, 3.0, 10.0, 11.0, 20.0, 22.0])  # runs of 3, 1 and 2 seconds
+    monkeypatch.setattr(stage_mfu, "synced", lambda device: next(clock))
+    calls = []
+    result, median, spread, peak = stage_mfu.measure_repeated(torch.device("cpu"), lambda: calls.append(1) or len(calls),
+                                                              3)
+    assert (result, median, spread, peak) == (3, 2.0, {"min_s": 1.0, "max_s": 3.0, "runs": 3}, None)
+    record = {"shape": "s", "workload": "w", "stage": "update", "variant": "v", "seconds": median, "mfu": 0.4,
+              "tokens_computed": 9, "real_tokens": 9, **spread}
+    assert "| s | w | update | v | 9 / 9 | 2.000 (1.000-3.000) | 40.0% |" in stage_mfu.table([record])
