@@ -22,7 +22,8 @@ beside it), with the micro-batching of each variant:
   packed micro-batches of R rows, packed to a budget of R x the longest row (every layer checkpointed, and only the
   fewest layers whose activations 0.6 of the free memory holds: ``gradient_checkpointing_layers=auto``'s rule), and
   packed without gradient checkpointing at the largest budget that memory holds (``activation_bytes``); ``--profile`` prints
-  torch.profiler's table of the packed token-budget epoch;
+  torch.profiler's tables (kernel time against wall time) of the default log-prob pass and of the packed epoch of the
+  workload's rows a micro-batch;
 - ``--kernels``: ``compiled`` (archer's default on a GPU: ``actor.use_torch_compile=true``, the decoder layers
   compiled, archer/models/compiled_layers.py), ``eager`` (``use_torch_compile=false``: transformers' eager ops) or
   ``liger`` (``model.use_liger=true``, archer/models/liger.py);
@@ -170,9 +171,10 @@ def mfu(flops_per_token: float, tokens: int, seconds: float, device: torch.devic
 
 
 def no_grad_rows(actor: ActorWorker, work: Workload, batch: Batch, device: torch.device, params: int,
-                 console: Console, repeats: int) -> tuple[list[dict[str, Any]], Batch]:
+                 console: Console, repeats: int, profile: bool) -> tuple[list[dict[str, Any]], Batch]:
     """The old log-prob pass: the workload's padded micro-batches and archer's default; returns the records and the
-    batch with old log-probs (and, for a KL loss, reference log-probs) for the update."""
+    batch with old log-probs (and, for a KL loss, reference log-probs) for the update. ``profile``: then
+    torch.profiler's tables of archer's default."""
     real = int(batch["attention_mask"].sum())
     before = MicroBatching(work.log_prob_rows, None, packed=work.remove_padding)  # what archer ran before
     default = actor.log_prob_micro
@@ -199,6 +201,9 @@ def no_grad_rows(actor: ActorWorker, work: Workload, batch: Batch, device: torch
         records.append(record)
         console.log(record)
     actor.log_prob_micro = default
+    if profile:
+        profile_stage("the old log-prob pass, packed to the planned budget", lambda: actor.compute_log_prob(batch),
+                      device)
     batch = batch.index(slice(0, len(batch)))
     batch["old_log_probs"] = logps[variants[-1][0]]
     batch["ref_log_prob"] = batch["old_log_probs"] - 0.01 * batch["response_mask"]
@@ -215,7 +220,7 @@ def free_memory(device: torch.device) -> int:
 def update_rows(actor: ActorWorker, work: Workload, batch: Batch, device: torch.device, params: int,
                 console: Console, profile: bool, repeats: int) -> list[dict[str, Any]]:
     """One PPO epoch over the rows with each micro-batching, and packed without checkpointing where memory allows;
-    ``profile``: then torch.profiler's table of the packed token-budget epoch."""
+    ``profile``: then torch.profiler's tables of the packed epoch of the workload's rows a micro-batch."""
     real = int(batch["attention_mask"].sum())
     longest = int(batch["attention_mask"].sum(1).max())
     budget = work.micro_rows * longest
@@ -252,25 +257,28 @@ def update_rows(actor: ActorWorker, work: Workload, batch: Batch, device: torch.
                   "grad_norm": out.metrics.get("actor/grad_norm")}
         records.append(record)
         console.log(record)
-    if profile:
-        profile_update(actor, batch, variants[2][1], device)
+    if profile:  # the workload's own rows a micro-batch, every layer checkpointed
+        actor.update_micro = variants[1][1]
+        set_gradient_checkpointing(actor.model, True)
+        profile_stage(f"one update epoch, {variants[1][0]}", lambda: actor.update_actor(batch), device)
     set_gradient_checkpointing(actor.model, True)
     return records
 
 
-def profile_update(actor: ActorWorker, batch: Batch, micro: MicroBatching, device: torch.device) -> None:
-    """torch.profiler's table of one update epoch with ``micro`` (checkpointing on): where the time goes."""
-    actor.update_micro = micro
-    set_gradient_checkpointing(actor.model, True)
+def profile_stage(label: str, fn: Callable[[], Any], device: torch.device) -> None:
+    """torch.profiler's table of one run of ``fn``: the kernels' time against the wall time, and where it goes."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
-        actor.update_actor(batch)
-        synced(device)
+        start = synced(device)
+        fn()
+        seconds = synced(device) - start
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    print(f"profile of one update epoch, {micro}:\n{prof.key_averages().table(sort_by=sort, row_limit=30)}",
-          flush=True)
+    print(f"profile of {label}: {seconds:.3f} s wall, {sum(e.device_time for e in kernels) / 1e6:.3f} s in "
+          f"{len(kernels)} kernels\n{prof.key_averages().table(sort_by=sort, row_limit=30)}\n"
+          f"{prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=15)}", flush=True)
 
 
 def decode_row(model: torch.nn.Module, tokenizer, device: torch.device, scale: int, console: Console
@@ -335,7 +343,7 @@ def run_shape(shape: str, workloads: list[str], args: argparse.Namespace, device
                   "planned_no_grad_tokens": actor.log_prob_micro.max_tokens}
         console.log(f"{shape} / {name}: {work.rows} rows, {int(batch['attention_mask'].sum())} real tokens of "
                     f"{batch['attention_mask'].numel()} padded, no-grad budget {actor.log_prob_micro.max_tokens}")
-        log_prob_records, batch = no_grad_rows(actor, work, batch, device, params, console, args.repeats)
+        log_prob_records, batch = no_grad_rows(actor, work, batch, device, params, console, args.repeats, args.profile)
         updates = update_rows(actor, work, batch, device, params, console, args.profile, args.repeats)
         records += [{**common, **r} for r in log_prob_records + updates]
         if name == workloads[-1] and args.decode:
@@ -395,7 +403,8 @@ def main() -> None:
     parser.add_argument("--scale", type=int, default=1, help="divide rows and lengths by this (a smoke run)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each variant (the median reported)")
     parser.add_argument("--no-decode", dest="decode", action="store_false", help="skip the decode stage")
-    parser.add_argument("--profile", action="store_true", help="print torch.profiler's table of a packed update")
+    parser.add_argument("--profile", action="store_true", help="print torch.profiler's tables of the default log-prob "
+                        "pass and of the packed update of the workload's rows a micro-batch")
     parser.add_argument("--kernels", choices=("compiled", "eager", "liger"), default="compiled",
                         help="compiled: archer's default on a GPU (actor.use_torch_compile=true); eager: "
                              "use_torch_compile=false; liger: model.use_liger=true (liger-kernel's fused RMSNorm, "
