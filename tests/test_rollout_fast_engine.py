@@ -399,3 +399,39 @@ def test_every_row_starts_in_the_first_window_when_parents_and_forks_pass_the_pa
     out = engine.generate(prompts, SamplingParams(n=1, max_new_tokens=48, seed=0))
     assert int(out.response_mask.sum(1).max()) == 48  # a row ran to the limit: 48 steps at least
     assert engine.scheduler.counters.steps - before == 48
+
+
+def test_after_new_weights_forks_share_their_prompt_and_branch_point_again(parts, prompts):
+    """A root, two samples forked from it and a branch forked from one sample mid-way, each decoded, then the cache
+    dropped (weights synced): decoding again prefills the prompt once for all three and the branch's shared part
+    once (from its parent, which decodes in the same poll), and every sequence continues exactly as a copy
+    prefilled alone would."""
+    engine = FastEngine(*parts, max_num_seqs=8, page_size=16)
+    params = SamplingParams(temperature=1.0, max_new_tokens=16)
+    session = engine.session()
+    prompt = (prompts[0] + prompts[2]) * 3  # a few pages
+    root = session.add(prompt, seed=0)
+    a, b = session.fork(root, seed=1), session.fork(root, seed=2)
+    session.decode([a, b], params, [6, 6])
+    branch = session.fork(a, seed=3)  # shares the prompt and a's first turn
+    session.decode([a, branch], params, [5, 5])
+    session.release(b)  # b's lineage goes; the others keep theirs
+    b = session.fork(root, seed=4)
+    engine.sync_weights(policy_weights(parts[0]))  # the same weights: keys and values dropped, recomputed alike
+    copies = {seq: session.add(session.tokens(seq), seed=seed) for seq, seed in ((a, 1), (b, 4), (branch, 3))}
+    before = engine.scheduler.counters.prefilled
+    shared = session.decode([a, b, branch], params, [4, 4, 4])
+    prefilled = engine.scheduler.counters.prefilled - before
+    length = {seq: len(session.tokens(seq)) - len(segment.tokens)
+              for seq, segment in zip((a, b, branch), shared, strict=True)}
+    branch_point = length[a] - 5  # a had its second turn after the branch was forked
+    # the prompt once (root, not decoding), a's first turn once (a decodes now), the branch's own turn, b nothing
+    assert prefilled == (len(prompt) - 1) + (length[a] - len(prompt)) + (length[branch] - branch_point)
+    assert [len(session.tokens(s)) for s in (a, branch)] == [length[a] + 4, length[branch] + 4]
+    alone = session.decode(list(copies.values()), params, [4, 4, 4])
+    for one, two in zip(shared, alone, strict=True):
+        assert one.tokens == two.tokens
+        torch.testing.assert_close(one.log_probs, two.log_probs, atol=1e-5, rtol=0)
+    for seq in (root, a, b, branch, *copies.values()):
+        session.release(seq)
+    assert engine.cache.free_pages == engine.cache.pages - 1

@@ -12,7 +12,10 @@ the engine's one running batch and polls for the turns that ended, so a trajecto
 no decode slot (its pages stay cached), and resumed turns, branches and refills join the batch as they come.
 A fork shares its parent's pages; a fork of a sequence whose last tokens are not cached yet (a prompt, a turn
 just extended with a tool answer) waits for the next poll, which prefills those tokens once, batched, for
-the parent and all its forks.
+the parent and all its forks. When the cache is dropped (new weights, memory freed for the update), a fork
+that decodes again shares its prefix with its nearest ancestor that costs no extra prefill (one cached that
+far, one decoding in the same poll, or a prompt's root), so a prompt kept across weight syncs is prefilled
+once again, not once per sample and branch.
 """
 
 from __future__ import annotations
@@ -227,6 +230,8 @@ class FastSession(ContinuousSession):
         self.engine = engine
         self._seqs: dict[int, Sequence] = {}
         self._origins: dict[Sequence, tuple[Sequence, int]] = {}  # a fork waiting for its parent's prefill
+        # every fork: the sequence it was forked from and how many leading tokens they shared then
+        self._lineage: dict[Sequence, tuple[Sequence, int]] = {}
         self._queued: list[Job] = []
         self._in_flight: set[Job] = set()  # submitted and not yet returned by poll
         self._ended: list[tuple[int, Segment]] = []
@@ -275,6 +280,7 @@ class FastSession(ContinuousSession):
         else:
             child = Sequence(list(parent.tokens), key)
             self._origins[child] = (parent, len(parent.tokens))
+        self._lineage[child] = (parent, len(parent.tokens))
         return self._register(child)
 
     def release(self, seq: int) -> None:
@@ -293,6 +299,13 @@ class FastSession(ContinuousSession):
         self._ended = [(sid, segment) for sid, segment in self._ended if sid != seq]
         del self._seqs[seq]
         self._origins.pop(sequence, None)
+        inherited = self._lineage.pop(sequence, None)  # its forks now descend from its own source
+        for child, (parent, shared) in list(self._lineage.items()):
+            if parent is sequence:
+                if inherited is None:
+                    del self._lineage[child]
+                else:
+                    self._lineage[child] = (inherited[0], min(shared, inherited[1]))
         self.engine.live.discard(sequence)
         if self.engine.cache is not None:
             self.engine.cache.release(sequence)
@@ -347,6 +360,7 @@ class FastSession(ContinuousSession):
         engine, scheduler = self.engine, self.engine.scheduler
         engine.reclaim_memory()
         with torch.no_grad():
+            self._restore_shares()
             self._share_prefixes()
             if self._queued:
                 if not scheduler.busy:
@@ -371,24 +385,60 @@ class FastSession(ContinuousSession):
         self._ended.append((sid, Segment(job.tokens, torch.tensor(job.log_probs, dtype=torch.float32),
                                          torch.tensor(job.entropies, dtype=torch.float32), job.reason)))
 
+    def _restore_shares(self) -> None:
+        """A queued fork with nothing cached (the cache was dropped) waits, as a new fork does, for the pages of its
+        nearest ancestor whose prefill costs nothing beyond what they share (``_source``); only where that shares
+        a page or more, and while the sources to prefill take at most half the free pages (the rest prefill alone
+        when the scheduler admits them)."""
+        cache = self.engine.cache
+        queued = {job.seq for job in self._queued}
+        decoding = {job.seq for job in self._in_flight} - queued
+        room, planned = cache.free_pages // 2, set()
+        for seq in (job.seq for job in self._queued):  # in submission order: the same sharing on every run
+            if seq.pages or seq in self._origins or seq not in self._lineage:
+                continue
+            source, shared = self._source(seq, queued, decoding)
+            if source is None or shared - 1 < cache.page_size:
+                continue
+            if source.cached < shared - 1 and source not in planned:
+                need = cache.pages_needed(source, len(source.tokens) - 1)
+                if need > room:
+                    continue
+                room -= need
+                planned.add(source)
+            self._origins[seq] = (source, shared)
+
+    def _source(self, seq: Sequence, queued: set[Sequence], decoding: set[Sequence]) -> tuple[Sequence | None, int]:
+        """The ancestor of ``seq`` to share from and the leading tokens they have in common: the nearest one that is
+        not decoding and is cached that far, decodes in this poll (prefilled anyway) or has not grown since (a
+        prompt's root); (None, 0) when there is none."""
+        parent, shared = self._lineage[seq]
+        while parent in decoding or not (parent.cached >= shared - 1 or parent in queued
+                                         or len(parent.tokens) == shared):
+            if parent not in self._lineage:
+                return None, 0
+            parent, upto = self._lineage[parent]
+            shared = min(shared, upto)
+        return parent, shared
+
     def _share_prefixes(self) -> None:
-        """Give every waiting fork its parent's pages, prefilling the parents' uncached tokens first (once, in one
-        batch); a fork whose parent was released prefills itself when it decodes."""
-        if not self._origins:
-            return
+        """Give every waiting fork its source's pages, prefilling the sources' uncached tokens first (once, in one
+        batch a round; a source that waits for its own source goes a round later); a fork whose source was
+        released prefills itself when it decodes."""
         engine = self.engine
         cache = engine.cache
-        waiting = [(child, origin, shared) for child, (origin, shared) in self._origins.items()
-                   if origin in engine.live]
-        self._origins = {}
-        parents = list({origin: None for _, origin, shared in waiting if origin.cached < shared - 1})
-        copies = []
-        for parent in parents:
-            copies += cache.make_writable(parent, len(parent.tokens) - 1)
-        cache.copy_pages(copies)
-        engine.scheduler.prefill(cache, parents)
-        for child, origin, shared in waiting:
-            cache.share(origin, child, shared - 1)
+        while self._origins:
+            waiting = {child: entry for child, entry in self._origins.items() if entry[0] in engine.live}
+            now = [(child, origin, shared) for child, (origin, shared) in waiting.items() if origin not in waiting]
+            self._origins = {child: entry for child, entry in waiting.items() if entry[0] in waiting}
+            parents = list({origin: None for _, origin, shared in now if origin.cached < shared - 1})
+            copies = []
+            for parent in parents:
+                copies += cache.make_writable(parent, len(parent.tokens) - 1)
+            cache.copy_pages(copies)
+            engine.scheduler.prefill(cache, parents)
+            for child, origin, shared in now:
+                cache.share(origin, child, shared - 1)
 
     def counters(self) -> DecodeCounters:
         now = self.engine.scheduler.counters
