@@ -6,16 +6,24 @@ update metrics and weights. inductor's CPU kernels need a C++ compiler."""
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import shutil
 
 import pytest
 import torch
+from torch import nn
 from torch._dynamo.utils import counters
+from torch.utils.checkpoint import checkpoint
 from workers_support import compile_layers_as_on_a_gpu, ppo_config, unequal_batch, update
 
 from archer.models import compiled_layers
-from archer.models.compiled_layers import compile_decoder_layers, eager_layers, maybe_compile_layers
+from archer.models.compiled_layers import (
+    checkpointing_forward,
+    compile_decoder_layers,
+    eager_layers,
+    maybe_compile_layers,
+)
 from archer.models.loading import load_causal_lm
 from archer.models.logprobs import layout_logprobs
 from archer.models.sequence_layout import SequenceLayout
@@ -168,3 +176,68 @@ def test_an_actor_with_compiled_layers_computes_what_the_eager_one_does(tiny_mod
         torch.testing.assert_close(a, b, atol=2e-6, rtol=0, msg=name)
         moved = max(moved, float((b - start).abs().max()))
     assert moved > 1e-4  # the update moved the weights (by about the learning rate), so the match says something
+
+
+class NewStyleLayer(nn.Module):
+    """A layer as transformers >= 5.23 makes one: its own forward does the checkpointing (none here), torch's
+    __call__."""
+
+    gradient_checkpointing = False
+    counts = True  # its forwards (a side effect that torch.compile would not trace into a checkpoint)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.forwards = 0
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        if self.counts:
+            self.forwards += 1
+        return torch.tanh(self.proj(x)) * scale
+
+
+class OldStyleLayer(NewStyleLayer):
+    """A layer as transformers < 5.23 makes one: its __call__ checkpoints torch's __call__ (around the forward)."""
+
+    def __call__(self, *args, **kwargs):
+        if self.gradient_checkpointing and self.training:
+            return self._gradient_checkpointing_func(functools.partial(super().__call__, **kwargs), *args)
+        return super().__call__(*args, **kwargs)
+
+
+def test_checkpointing_moves_into_the_forward_of_a_layer_that_checkpoints_its_call():
+    assert checkpointing_forward(NewStyleLayer) is NewStyleLayer
+    own = checkpointing_forward(OldStyleLayer)
+    assert own.__call__ is nn.Module.__call__ and own.__name__ == "OldStyleLayer" and issubclass(own, OldStyleLayer)
+    torch.manual_seed(0)
+    plain, layer = NewStyleLayer(), OldStyleLayer()
+    layer.load_state_dict(plain.state_dict())
+    layer.__class__ = own
+    seen = []
+
+    def recorded(fn, *args):  # what the layer hands its checkpoint function: its own (raw) forward
+        seen.append(fn.func)
+        return checkpoint(fn, *args, use_reentrant=False)
+
+    layer.gradient_checkpointing, layer._gradient_checkpointing_func = True, recorded
+    x = torch.randn(3, 4)
+    for module in (plain, layer):
+        (module(x, scale=2.0) ** 2).sum().backward()
+    assert seen == [NewStyleLayer.forward] and layer.forwards == 2 and plain.forwards == 1  # recomputed once
+    for a, b in zip(layer.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, atol=0, rtol=0)
+    with torch.no_grad():  # no backward to replay: no checkpoint
+        layer(x)
+    layer.eval()
+    layer(x)
+    assert len(seen) == 1 and layer.forwards == 4
+    # compiled, the checkpoint is traced into the graph (no graph break) and gives the same gradients
+    layer.train()
+    layer.zero_grad()
+    layer.counts = False
+    layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+    layer.forward = torch.compile(own.forward.__get__(layer), backend="aot_eager")
+    (layer(x, scale=2.0) ** 2).sum().backward()
+    assert not counters["graph_break"]
+    for a, b in zip(layer.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=0)

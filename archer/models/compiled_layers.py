@@ -11,7 +11,9 @@ What to know:
   layers' results agree with the eager ones to float rounding (fused elementwise ops), not bit for bit
   (tests/test_compiled_layers.py);
 - one compiled graph serves every layer and every micro-batch size (``dynamic=True``, a layer's ``forward``
-  compiled, not its ``__call__``, so FSDP2's hooks stay eager around it); the first update and log-prob passes
+  compiled, not its ``__call__``, so FSDP2's hooks stay eager around it); a checkpointed layer's recompute is part
+  of its compiled backward (transformers >= 5.23 checkpoints a layer's ``forward``; with an older release archer
+  gives the layer a subclass that does the same, ``checkpointing_forward``); the first update and log-prob passes
   pay the compile, one graph per kind of pass (train / eval, packed / padded, each model's dtype, checkpointed or
   not when ``model.gradient_checkpointing_layers`` checkpoints only some layers): about 80 s of
   the Archer2.0 recipe's first step at 1.5B, so short runs may rather set the key to false;
@@ -24,6 +26,7 @@ What to know:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import types
 from collections.abc import Callable, Iterator
@@ -49,18 +52,41 @@ def _inductor_options() -> dict[str, Any]:
     return {"triton.mix_order_reduction": False} if hasattr(inductor_config.triton, "mix_order_reduction") else {}
 
 
+def checkpointing_forward(cls: type[nn.Module]) -> type[nn.Module]:
+    """A decoder-layer class whose ``forward`` does the layer's gradient checkpointing: ``cls`` itself where
+    transformers checkpoints ``forward`` (>= 5.23), else a subclass of the same name that checkpoints its forward and
+    calls it as torch does (older releases checkpoint ``__call__``). Compiled, the recompute is then part of the
+    layer's compiled backward instead of a second call of its compiled forward, with its own guards and launches
+    (the Archer2.0 recipe's update at 8-row micro-batches took 2.98 s a PPO epoch the old way, 2.14 s this way:
+    BENCHMARKS.md, "Checkpointed layers compiled whole")."""
+    if cls.__call__ is nn.Module.__call__:
+        return cls
+    forward = cls.forward
+
+    def forward_with_checkpointing(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            return self._gradient_checkpointing_func(functools.partial(forward, self, **kwargs), *args)
+        return forward(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__call__": nn.Module.__call__, "forward": forward_with_checkpointing,
+                                       "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+
+
 def compile_decoder_layers(model: nn.Module) -> int:
-    """Compile the forward of each of ``model``'s decoder layers in place (shapes dynamic); returns how many.
-    Each layer gets its class's compiled forward bound to it (so a deep copy of the model runs its own layers)."""
+    """Compile the forward of each of ``model``'s decoder layers in place (shapes dynamic; checkpointing inside it,
+    ``checkpointing_forward``); returns how many. Each layer gets its class's compiled forward bound to it (so a deep
+    copy of the model runs its own layers)."""
     layers = decoder_layers(model)
     # the kinds of pass (train / eval, packed / padded, each model's dtype) each take a graph of the shared code
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    compiled: dict[type, Callable[..., Any]] = {}
+    compiled: dict[type, tuple[type[nn.Module], Callable[..., Any]]] = {}
     for layer in layers:
         cls = type(layer)
         if cls not in compiled:
-            compiled[cls] = torch.compile(cls.forward, dynamic=True, options=_inductor_options())
-        layer.forward = types.MethodType(compiled[cls], layer)
+            own = checkpointing_forward(cls)
+            compiled[cls] = own, torch.compile(own.forward, dynamic=True, options=_inductor_options())
+        layer.__class__, forward = compiled[cls]
+        layer.forward = types.MethodType(forward, layer)
     return len(layers)
 
 
