@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 from torch._dynamo.utils import counters
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 from workers_support import compile_layers_as_on_a_gpu, ppo_config, unequal_batch, update
 
@@ -241,3 +242,12 @@ def test_checkpointing_moves_into_the_forward_of_a_layer_that_checkpoints_its_ca
     assert not counters["graph_break"]
     for a, b in zip(layer.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=0)
+
+
+def test_a_sharded_layers_class_still_finds_the_models_own_class():
+    """FSDP2 makes FSDP<Layer>(FSDPModule, Layer) and finds Layer at a fixed place of the MRO (its __new__); the
+    checkpointing subclass of a sharded layer moves that place one further."""
+    sharded = type("FSDPOldStyleLayer", (FSDPModule, OldStyleLayer), {})
+    own = checkpointing_forward(sharded)
+    assert own.__mro__[own._orig_cls_mro_index] is OldStyleLayer
+    assert sharded.__mro__[sharded._orig_cls_mro_index] is OldStyleLayer  # FSDP2's own class is left as it is

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._inductor import config as inductor_config
+from torch.distributed.fsdp import FSDPModule
 
 from archer.distributed.fsdp import decoder_layers
 
@@ -68,8 +69,11 @@ def checkpointing_forward(cls: type[nn.Module]) -> type[nn.Module]:
             return self._gradient_checkpointing_func(functools.partial(forward, self, **kwargs), *args)
         return forward(self, *args, **kwargs)
 
-    return type(cls.__name__, (cls,), {"__call__": nn.Module.__call__, "forward": forward_with_checkpointing,
-                                       "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    namespace = {"__call__": nn.Module.__call__, "forward": forward_with_checkpointing, "__module__": cls.__module__,
+                 "__qualname__": cls.__qualname__}
+    if issubclass(cls, FSDPModule):  # FSDP2's class finds the model's own one by its place in the MRO: one further
+        namespace["_orig_cls_mro_index"] = cls._orig_cls_mro_index + 1
+    return type(cls.__name__, (cls,), namespace)
 
 
 def compile_decoder_layers(model: nn.Module) -> int:
