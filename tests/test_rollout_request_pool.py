@@ -14,7 +14,7 @@ from archer.rollout.base import PAUSED, SamplingParams
 from archer.rollout.fast import FastEngine, simulated_lengths
 from archer.rollout.fast.sampling import noise_key
 from archer.rollout.hf_engine import HFGenerateEngine
-from archer.rollout.request_pool import Request, RolloutPool
+from archer.rollout.request_pool import Request, RolloutPool, hand_out
 
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=40)
 STOPPING = SamplingParams(temperature=1.0, max_new_tokens=40, stop=("e",))  # responses of many lengths
@@ -115,7 +115,7 @@ def test_forced_groups_finish_and_go_first_and_partial_off_restarts(parts, promp
     assert [g.key for g in run.groups] == [2]  # the quota is 0: only the forced one, with what else finished
     waiting = [r for g in pool.groups.values() for r in g.requests if not r.done]
     assert run.paused == len(waiting) > 0
-    assert pool.older_than(1, 0) == [pool.groups[k] for k in sorted(pool.groups)] and pool.older_than(0, 0) == []
+    assert [g.age(1) for g in pool.oldest_first()] == [1, 1] and [g.age(0) for g in pool.oldest_first()] == [0, 0]
     started = [r for r in waiting if r.tokens]
     run = pool.run(engine, STOPPING, version=1, quota=0, must_finish=frozenset({0}), partial=False)
     assert [g.key for g in run.groups] == [0] and run.resumed == len(started)
@@ -133,7 +133,7 @@ def test_round_sessions_finish_every_request_in_one_run(parts, prompts):
     run = pool.run(HFGenerateEngine(*parts), PARAMS, version=2, quota=2)
     assert [g.key for g in run.groups] == [0, 1] and run.paused == 0
     assert sorted(pool.groups) == [2, 3] and all(g.complete for g in pool.groups.values())
-    assert pool.older_than(4, 1) == [pool.groups[2], pool.groups[3]] and pool.older_than(3, 1) == []
+    assert [(g.key, g.age(4)) for g in pool.oldest_first()] == [(2, 2), (3, 2)]
 
 
 def test_simulated_lengths_end_responses_at_their_draws_across_a_pause(parts, monkeypatch):
@@ -191,3 +191,9 @@ def test_a_stop_string_that_straddles_a_pause_is_found(parts, prompts):
         return part.tokens + rest[seq].tokens
 
     assert resumed(4) == unpaused.tokens and resumed(0) != unpaused.tokens
+
+
+def test_a_call_hands_back_what_must_finish_then_the_oldest_up_to_its_quota():
+    assert hand_out([4, 7, 9, 12], frozenset({9}), 2) == [9, 4]
+    assert hand_out([4, 7, 9, 12], frozenset({9, 12, 3}), 1) == [9, 12]  # more must finish than the quota
+    assert hand_out([4, 7], frozenset(), 5) == [4, 7] and hand_out([4, 7], frozenset(), 0) == []

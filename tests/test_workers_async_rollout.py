@@ -90,3 +90,11 @@ def test_a_batch_admitted_again_in_part_splits_over_the_ranks_as_it_first_did() 
     again = Batch({}, {SAMPLE_INDEX: np.array([1, 2, 3])}, {BATCH_ROWS: 4})
     assert [again[SAMPLE_INDEX][rank_rows(again, r, 2)].tolist() for r in (0, 1)] == [[1], [2, 3]]
     assert rank_rows(again, 0, 1).tolist() == [0, 1, 2]
+
+
+def test_the_bound_evicts_with_drop_and_names_what_must_finish_with_wait():
+    started = {"a": 0, "b": 1, "c": None, "d": 2}  # oldest first; c has sampled nothing yet
+    assert StalenessBound(1, "drop", True).past(started, 2) == (["a"], frozenset())  # 2 - 0 > 1
+    assert StalenessBound(1, "wait", True).past(started, 2) == ([], frozenset({"a", "b"}))  # 3 - 1 > 1 next step
+    assert StalenessBound(0, "drop", True).past(started, 2) == (["a", "b"], frozenset())
+    assert StalenessBound(5, "drop", True).past(started, 2) == ([], frozenset())

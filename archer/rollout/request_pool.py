@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
@@ -32,6 +33,8 @@ from archer.rollout.base import (
 
 POLICY_VERSION = "policy_version"  # batch row: the newest policy version that wrote a token of the response
 FIRST_POLICY_VERSION = "first_policy_version"  # batch row: the oldest (the version of its first token)
+
+K = TypeVar("K", bound=Hashable)  # a group's key: a prompt's uid in the pool, its number in a tool run
 
 
 def stamp_policy_version(batch: Batch, version: int) -> None:
@@ -135,9 +138,8 @@ class RolloutPool:
         self.groups[key] = PoolGroup(key, list(prompt), [Request(seed) for seed in seeds], self._order)
         self._order += 1
 
-    def older_than(self, version: int, threshold: int) -> list[PoolGroup]:
-        """Groups whose age at ``version`` exceeds ``threshold``, oldest first."""
-        return sorted((g for g in self.groups.values() if g.age(version) > threshold), key=lambda g: g.order)
+    def oldest_first(self) -> list[PoolGroup]:
+        return sorted(self.groups.values(), key=lambda g: g.order)
 
     def evict(self, keys: list[Hashable]) -> None:
         for key in keys:
@@ -158,7 +160,7 @@ class RolloutPool:
         roots: list[int] = []
         resumed = 0
         try:
-            for group in sorted(self.groups.values(), key=lambda g: g.order):
+            for group in self.oldest_first():
                 waiting = [r for r in group.requests if not r.done]
                 if not waiting:
                     continue
@@ -195,9 +197,14 @@ class RolloutPool:
         return PoolRun(self._hand_out(quota, must_finish), len(paused), resumed, counters)
 
     def _hand_out(self, quota: int, must_finish: frozenset) -> list[PoolGroup]:
-        complete = sorted((g for g in self.groups.values() if g.complete), key=lambda g: g.order)
-        forced = [g for g in complete if g.key in must_finish]
-        others = [g for g in complete if g.key not in must_finish]
-        chosen = forced + others[: max(0, quota - len(forced))]
-        self.evict([g.key for g in chosen])
+        keys = hand_out([g.key for g in self.oldest_first() if g.complete], must_finish, quota)
+        chosen = [self.groups[key] for key in keys]
+        self.evict(keys)
         return sorted(chosen, key=lambda g: g.order)
+
+
+def hand_out(complete: list[K], must_finish: frozenset, quota: int) -> list[K]:
+    """Which complete groups (their keys, oldest first) a call hands back: those that must finish, then the oldest
+    others, ``quota`` in all (more when more must finish)."""
+    forced = [key for key in complete if key in must_finish]
+    return forced + [key for key in complete if key not in must_finish][: max(0, quota - len(forced))]

@@ -9,6 +9,7 @@ pass it at the next step), and pauses the rest for the next call, which resumes 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +18,7 @@ from archer.batch import Batch
 from archer.distributed.context import shard_bounds
 from archer.rollout.base import padded_samples
 from archer.rollout.prompt_rounds import stream_seed
-from archer.rollout.request_pool import FIRST_POLICY_VERSION, POLICY_VERSION, PoolGroup, RolloutPool
+from archer.rollout.request_pool import FIRST_POLICY_VERSION, POLICY_VERSION, K, PoolGroup, RolloutPool
 from archer.workers.rollout import RolloutWorker, concat_sequences, layout_sequences, sampling_params
 
 ASYNC_STATS = "async_rollout"  # info key: what the call did (evicted uids, paused and resumed requests, counts)
@@ -61,6 +62,18 @@ class StalenessBound:
     strategy: str
     partial_rollout: bool
 
+    def past(self, started: Mapping[K, int | None], trained: int) -> tuple[list[K], frozenset[K]]:
+        """For the step that trains version ``trained``, of groups (keys, oldest first) whose sampling began at the
+        ``started`` versions (None: not yet): with ``drop`` the ones already past the bound, to evict now; with
+        ``wait`` the ones the next step would find past it, which must finish now."""
+        def older(key: K, version: int) -> bool:
+            begun = started[key]
+            return begun is not None and version - begun > self.max_off_policy_threshold
+
+        if self.strategy == "drop":
+            return [key for key in started if older(key, trained)], frozenset()
+        return [], frozenset(key for key in started if older(key, trained + 1))
+
 
 class AsyncRollout:
     """The pool of one rank, over the rollout worker's engine and sampling keys."""
@@ -99,16 +112,10 @@ class AsyncRollout:
         """This rank's complete groups sampled up to policy ``version`` (the engine's weights), for the step that
         updates version ``version + lag`` (colocated: 0; separate_async: the trainer is one update ahead of the
         rollout ranks): the staleness bound counts from that version."""
-        evicted: list[str] = []
-        must_finish: frozenset = frozenset()
-        threshold, trained = bound.max_off_policy_threshold, version + lag
-        if bound.strategy == "drop":
-            evicted = [g.key for g in self.pool.older_than(trained, threshold)]
-            self.pool.evict(evicted)
-            for uid in evicted:
-                del self.rows[uid]
-        else:  # wait: what would pass the bound at the next step finishes now
-            must_finish = frozenset(g.key for g in self.pool.older_than(trained + 1, threshold))
+        evicted, must_finish = bound.past({g.key: g.started for g in self.pool.oldest_first()}, version + lag)
+        self.pool.evict(evicted)
+        for uid in evicted:
+            del self.rows[uid]
         params = sampling_params(self.worker.cfg, validate=False, seed=0)  # the requests carry their own seeds
         run = self.worker.run_pool(self.pool, params, version, quota, must_finish=must_finish,
                                    partial=bound.partial_rollout)

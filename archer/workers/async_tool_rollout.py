@@ -24,7 +24,7 @@ import numpy as np
 
 from archer.batch import Batch
 from archer.rollout.agentic_config import branch_settings
-from archer.rollout.request_pool import FIRST_POLICY_VERSION, POLICY_VERSION, stamp_policy_version
+from archer.rollout.request_pool import FIRST_POLICY_VERSION, POLICY_VERSION, hand_out, stamp_policy_version
 from archer.rollout.rollout_stats import RolloutStats
 from archer.workers.async_rollout import (
     ASYNC_STATS,
@@ -113,16 +113,10 @@ class PartialToolRollout:
         for prompts in admissions:
             if len(mine := rank_rows(prompts, rank, world)):
                 self._admit(prompts.index(mine))
-        run, threshold, trained = self.run, bound.max_off_policy_threshold, version + lag
-        started = {prompt: run.started(prompt) for prompt in run.prompts}
-        evicted: list[str] = []
-        must_finish: frozenset[int] = frozenset()
-        if bound.strategy == "drop":
-            old = [p for p, s in started.items() if s is not None and trained - s > threshold]
-            evicted = [str(self.rows.pop(p)["uid"][0]) for p in old]
-            run.remove(old)
-        else:  # wait: what would pass the bound at the next step finishes now
-            must_finish = frozenset(p for p, s in started.items() if s is not None and trained + 1 - s > threshold)
+        run = self.run
+        old, must_finish = bound.past({prompt: run.started(prompt) for prompt in sorted(run.prompts)}, version + lag)
+        evicted = [str(self.rows.pop(p)["uid"][0]) for p in old]
+        run.remove(old)
         share = rank_quota(quota, rank, world, rotation)
         complete_before = sum(g.done for g in run.groups.values())
 
@@ -140,8 +134,7 @@ class PartialToolRollout:
                 paused = run.pause()
         prefilled = sum(s.counters().prefilled - b.prefilled for s, b in zip(run.counted, since, strict=True))
         done = [p for p, g in sorted(run.groups.items()) if g.done]  # numbered in admission order: oldest first
-        forced = [p for p in done if p in must_finish]
-        chosen = sorted(forced + [p for p in done if p not in must_finish][: max(0, share - len(forced))])
+        chosen = sorted(hand_out(done, must_finish, share))
         batch = self._layout(chosen, time.monotonic() - start, since)
         run.remove(chosen)
         batch.info[ASYNC_STATS] = {"evicted": evicted, "paused": paused, "resumed": resumed,
