@@ -23,7 +23,7 @@ from archer.errors import ArcherError
 from archer.models.loading import load_causal_lm
 from archer.models.logprobs import response_logprobs
 from archer.models.lora import policy_weights
-from archer.rollout.base import SamplingParams
+from archer.rollout.base import RoundSession, SamplingParams
 from archer.rollout.fast import FastEngine
 from archer.rollout.hf_engine import HFGenerateEngine
 
@@ -435,3 +435,25 @@ def test_after_new_weights_forks_share_their_prompt_and_branch_point_again(parts
     for seq in (root, a, b, branch, *copies.values()):
         session.release(seq)
     assert engine.cache.free_pages == engine.cache.pages - 1
+
+
+def test_restart_peak_counts_the_largest_batch_from_then_on(engine, parts, prompts):
+    params = SamplingParams(do_sample=False, max_new_tokens=4)
+    fast = engine.session()
+    rounds = RoundSession(HFGenerateEngine(*parts).session())
+    def turn(session, seqs):  # submit and poll, as the tool loop runs them
+        for seq in seqs:
+            session.submit(seq, params, 4)
+        while session.busy:
+            session.poll()
+
+    for session in (fast, rounds):
+        seqs = [session.add(p, seed=i) for i, p in enumerate(prompts[:3])]
+        turn(session, seqs)
+        assert session.counters().peak == 3
+        session.restart_peak()
+        assert session.counters().peak == 0
+        turn(session, seqs[:1])
+        assert session.counters().peak == 1 and session.counters().tokens == 16  # the totals keep counting
+        for seq in seqs:
+            session.release(seq)

@@ -198,6 +198,9 @@ class ContinuousSession(EngineSession):
         what it sampled so far (possibly nothing) and finish_reason ``"paused"``. The sequences keep those tokens,
         and a later ``submit`` continues them (a partial rollout, docs/async.md)."""
 
+    def restart_peak(self) -> None:
+        """Count ``counters().peak`` from now on: a run kept across calls reports each call's own largest batch."""
+
     def decode(self, seqs: list[int], params: SamplingParams, max_new_tokens: list[int]) -> list[Segment]:
         """``submit`` each sequence, then ``poll`` until every one has come back."""
         for seq, budget in zip(seqs, max_new_tokens, strict=True):
@@ -274,6 +277,9 @@ class RoundSession(ContinuousSession):
 
     def counters(self) -> DecodeCounters:
         return replace(self._counters)
+
+    def restart_peak(self) -> None:
+        self._counters.peak = 0
 
 
 @torch.no_grad()

@@ -147,6 +147,9 @@ class ScriptedTurns(ContinuousSession):
     def counters(self) -> DecodeCounters:
         return self.inner.counters()
 
+    def restart_peak(self) -> None:
+        self.inner.restart_peak()
+
 
 def from_environment() -> TurnScript | None:
     """The script ``ARCHER_SIMULATED_TURNS`` asks for now (None when it is unset)."""

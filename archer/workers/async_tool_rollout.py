@@ -125,6 +125,8 @@ class PartialToolRollout:
             return completed >= share and all(p in run.groups and run.groups[p].done for p in must_finish)
 
         start, since = time.monotonic(), [s.counters() for s in run.counted]
+        for session in run.counted:  # this call's decode occupancy counts this call's largest batch
+            session.restart_peak()
         run.version = version
         with self.worker.engine_turn(release_weights=True):
             resumed = run.resume()

@@ -440,6 +440,9 @@ class FastSession(ContinuousSession):
             for child, origin, shared in now:
                 cache.share(origin, child, shared - 1)
 
+    def restart_peak(self) -> None:
+        self._peak = 0
+
     def counters(self) -> DecodeCounters:
         now = self.engine.scheduler.counters
         return DecodeCounters(now.steps - self._start.steps, now.tokens - self._start.tokens, self._peak,
