@@ -197,8 +197,11 @@ class NewStyleLayer(nn.Module):
         return torch.tanh(self.proj(x)) * scale
 
 
-class OldStyleLayer(NewStyleLayer):
-    """A layer as transformers < 5.23 makes one: its __call__ checkpoints torch's __call__ (around the forward)."""
+class OldCheckpointingLayer(nn.Module):
+    """transformers < 5.23's GradientCheckpointingLayer: its __call__ checkpoints torch's __call__ (around the
+    forward)."""
+
+    gradient_checkpointing = False
 
     def __call__(self, *args, **kwargs):
         if self.gradient_checkpointing and self.training:
@@ -206,8 +209,25 @@ class OldStyleLayer(NewStyleLayer):
         return super().__call__(*args, **kwargs)
 
 
-def test_checkpointing_moves_into_the_forward_of_a_layer_that_checkpoints_its_call():
+class OldStyleLayer(OldCheckpointingLayer, NewStyleLayer):
+    """A decoder layer of a transformers release before 5.23."""
+
+
+class OwnCallLayer(NewStyleLayer):
+    """A layer with a __call__ of its own (remote code): left as it is."""
+
+    def __call__(self, *args, **kwargs):
+        return super().__call__(*args, **kwargs) + 1
+
+
+@pytest.fixture()
+def old_transformers(monkeypatch):
+    monkeypatch.setattr(compiled_layers, "GradientCheckpointingLayer", OldCheckpointingLayer)
+
+
+def test_checkpointing_moves_into_the_forward_of_a_layer_that_checkpoints_its_call(old_transformers):
     assert checkpointing_forward(NewStyleLayer) is NewStyleLayer
+    assert checkpointing_forward(OwnCallLayer) is OwnCallLayer
     own = checkpointing_forward(OldStyleLayer)
     assert own.__call__ is nn.Module.__call__ and own.__name__ == "OldStyleLayer" and issubclass(own, OldStyleLayer)
     torch.manual_seed(0)
@@ -244,7 +264,7 @@ def test_checkpointing_moves_into_the_forward_of_a_layer_that_checkpoints_its_ca
         torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=0)
 
 
-def test_a_sharded_layers_class_still_finds_the_models_own_class():
+def test_a_sharded_layers_class_still_finds_the_models_own_class(old_transformers):
     """FSDP2 makes FSDP<Layer>(FSDPModule, Layer) and finds Layer at a fixed place of the MRO (its __new__); the
     checkpointing subclass of a sharded layer moves that place one further."""
     sharded = type("FSDPOldStyleLayer", (FSDPModule, OldStyleLayer), {})

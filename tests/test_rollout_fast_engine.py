@@ -457,3 +457,35 @@ def test_restart_peak_counts_the_largest_batch_from_then_on(engine, parts, promp
         assert session.counters().peak == 1 and session.counters().tokens == 16  # the totals keep counting
         for seq in seqs:
             session.release(seq)
+
+
+def test_after_new_weights_a_branch_of_an_idle_branch_point_shares_past_it(parts, prompts):
+    """ARPO keeps a branch point (a fork that never decodes) and forks branches from it: after the cache is dropped a
+    branch shares from the point's parent, which decodes in the same poll, not from the point (whose prefill would
+    start at its first token)."""
+    engine = FastEngine(*parts, max_num_seqs=8, page_size=16)
+    params = SamplingParams(temperature=1.0, max_new_tokens=16)
+    session = engine.session()
+    prompt = (prompts[0] + prompts[2]) * 3
+    root = session.add(prompt, seed=0)
+    a = session.fork(root, seed=1)
+    session.decode([a], params, [6])
+    session.extend(a, parts[1]("<answer>42</answer>")["input_ids"])  # a tool answer
+    point = session.fork(a, seed=0)
+    branch = session.fork(point, seed=2)
+    session.decode([a, branch], params, [5, 5])
+    engine.sync_weights(policy_weights(parts[0]))
+    before = engine.scheduler.counters.prefilled
+    shared = session.decode([a, branch], params, [3, 3])
+    prefilled = engine.scheduler.counters.prefilled - before
+    a_len, branch_len = (len(session.tokens(s)) - 3 for s in (a, branch))
+    point_len = len(session.tokens(point))
+    # the prompt (root), a's own tokens after it, the branch's own after the point: each once
+    assert prefilled == (len(prompt) - 1) + (a_len - len(prompt)) + (branch_len - point_len)
+    copies = [session.add(session.tokens(s)[:-3], seed=seed) for s, seed in ((a, 1), (branch, 2))]
+    for one, two in zip(shared, session.decode(copies, params, [3, 3]), strict=True):
+        assert one.tokens == two.tokens
+        torch.testing.assert_close(one.log_probs, two.log_probs, atol=1e-5, rtol=0)
+    for seq in (root, a, point, branch, *copies):
+        session.release(seq)
+    assert engine.cache.free_pages == engine.cache.pages - 1

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch._inductor import config as inductor_config
 from torch.distributed.fsdp import FSDPModule
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from archer.distributed.fsdp import decoder_layers
 
@@ -55,13 +56,13 @@ def _inductor_options() -> dict[str, Any]:
 
 def checkpointing_forward(cls: type[nn.Module]) -> type[nn.Module]:
     """A decoder-layer class whose ``forward`` does the layer's gradient checkpointing: ``cls`` itself where
-    transformers checkpoints ``forward`` (>= 5.23), else a subclass of the same name that checkpoints its forward and
-    calls it as torch does (older releases checkpoint ``__call__``). Compiled, the recompute is then part of the
+    transformers checkpoints ``forward`` (>= 5.23), else a subclass of the same name that checkpoints its forward
+    and calls it as torch does (older releases checkpoint in ``GradientCheckpointingLayer.__call__``). Compiled, the recompute is then part of the
     layer's compiled backward instead of a second call of its compiled forward, with its own guards and launches
     (the Archer2.0 recipe's update at 8-row micro-batches took 2.98 s a PPO epoch the old way, 2.14 s this way:
     BENCHMARKS.md, "Checkpointed layers compiled whole")."""
-    if cls.__call__ is nn.Module.__call__:
-        return cls
+    if cls.__call__ is nn.Module.__call__ or cls.__call__ is not GradientCheckpointingLayer.__call__:
+        return cls  # transformers >= 5.23, or a layer's own __call__ (remote code), which stays as it is
     forward = cls.forward
 
     def forward_with_checkpointing(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -72,7 +73,7 @@ def checkpointing_forward(cls: type[nn.Module]) -> type[nn.Module]:
     namespace = {"__call__": nn.Module.__call__, "forward": forward_with_checkpointing, "__module__": cls.__module__,
                  "__qualname__": cls.__qualname__}
     if issubclass(cls, FSDPModule):  # FSDP2's class finds the model's own one by its place in the MRO: one further
-        namespace["_orig_cls_mro_index"] = cls._orig_cls_mro_index + 1
+        namespace["_orig_cls_mro_index"] = getattr(cls, "_orig_cls_mro_index", 2) + 1
     return type(cls.__name__, (cls,), namespace)
 
 

@@ -230,8 +230,10 @@ class FastSession(ContinuousSession):
         self.engine = engine
         self._seqs: dict[int, Sequence] = {}
         self._origins: dict[Sequence, tuple[Sequence, int]] = {}  # a fork waiting for its parent's prefill
-        # every fork: the sequence it was forked from and how many leading tokens they shared then
+        # every fork: the sequence it was forked from and how many leading tokens they shared then; and each
+        # sequence's forks (so that a release re-points only its own)
         self._lineage: dict[Sequence, tuple[Sequence, int]] = {}
+        self._forks: dict[Sequence, list[Sequence]] = {}
         self._queued: list[Job] = []
         self._in_flight: set[Job] = set()  # submitted and not yet returned by poll
         self._ended: list[tuple[int, Segment]] = []
@@ -280,8 +282,12 @@ class FastSession(ContinuousSession):
         else:
             child = Sequence(list(parent.tokens), key)
             self._origins[child] = (parent, len(parent.tokens))
-        self._lineage[child] = (parent, len(parent.tokens))
+        self._descends(child, parent, len(parent.tokens))
         return self._register(child)
+
+    def _descends(self, child: Sequence, parent: Sequence, shared: int) -> None:
+        self._lineage[child] = (parent, shared)
+        self._forks.setdefault(parent, []).append(child)
 
     def release(self, seq: int) -> None:
         sequence = self._get(seq)
@@ -300,12 +306,12 @@ class FastSession(ContinuousSession):
         del self._seqs[seq]
         self._origins.pop(sequence, None)
         inherited = self._lineage.pop(sequence, None)  # its forks now descend from its own source
-        for child, (parent, shared) in list(self._lineage.items()):
-            if parent is sequence:
-                if inherited is None:
-                    del self._lineage[child]
-                else:
-                    self._lineage[child] = (inherited[0], min(shared, inherited[1]))
+        if inherited is not None:
+            self._forks[inherited[0]].remove(sequence)
+        for child in self._forks.pop(sequence, []):
+            shared = self._lineage.pop(child)[1]
+            if inherited is not None:
+                self._descends(child, inherited[0], min(shared, inherited[1]))
         self.engine.live.discard(sequence)
         if self.engine.cache is not None:
             self.engine.cache.release(sequence)
@@ -410,11 +416,12 @@ class FastSession(ContinuousSession):
 
     def _source(self, seq: Sequence, queued: set[Sequence], decoding: set[Sequence]) -> tuple[Sequence | None, int]:
         """The ancestor of ``seq`` to share from and the leading tokens they have in common: the nearest one that is
-        not decoding and is cached that far, decodes in this poll (prefilled anyway) or has not grown since (a
-        prompt's root); (None, 0) when there is none."""
+        not decoding and is cached that far, decodes in this poll (prefilled anyway) or is a root that has not grown
+        since (a prompt's; a fork that never decodes, such as ARPO's branch point, would be prefilled from its
+        first token, so the search goes past it); (None, 0) when there is none."""
         parent, shared = self._lineage[seq]
         while parent in decoding or not (parent.cached >= shared - 1 or parent in queued
-                                         or len(parent.tokens) == shared):
+                                         or (len(parent.tokens) == shared and parent not in self._lineage)):
             if parent not in self._lineage:
                 return None, 0
             parent, upto = self._lineage[parent]

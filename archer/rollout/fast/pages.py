@@ -136,6 +136,9 @@ class KVCache:
     def make_writable(self, seq: Sequence, capacity: int) -> list[tuple[int, int]]:
         """Give ``seq`` private pages for positions cached .. capacity - 1; returns the (source, copy) pages
         whose content ``copy_pages`` must duplicate (a shared, partly filled page)."""
+        if self.pages_needed(seq, capacity) > self.free_pages:  # before a page is taken: nothing half done
+            raise ArcherError(f"the fast engine's KV cache ({self.pages} pages of {self.page_size} tokens) is full",
+                              "raise actor_rollout_ref.rollout.gpu_memory_utilization, or release session sequences")
         copies = []
         for index in range(seq.cached // self.page_size, len(seq.pages)):
             page = seq.pages[index]
@@ -145,9 +148,6 @@ class KVCache:
                     copies.append((page, fresh))
                 self._drop([page])
                 seq.pages[index] = fresh
-        if self.blocks(capacity) - len(seq.pages) > self.free_pages:
-            raise ArcherError(f"the fast engine's KV cache ({self.pages} pages of {self.page_size} tokens) is full",
-                              "raise actor_rollout_ref.rollout.gpu_memory_utilization, or release session sequences")
         while len(seq.pages) < self.blocks(capacity):
             seq.pages.append(self._take())
         return copies
