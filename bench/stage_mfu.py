@@ -12,8 +12,8 @@ log-prob pass and of the update, and the decode's share of the HBM bound, for ra
 
 Each variant runs once on 16 rows (or two micro-batches) before it is timed ``--repeats`` times (3 by default: the
 median is reported, with the fastest and slowest beside it; one run of the recipe's log-prob pass moved by 15%
-between calls, 2026-11-29). Every stage runs archer's own worker code, an ActorWorker on the GPU (``rollout.name=hf``: no engine holds memory
-beside it), with the micro-batching of each variant:
+between calls, 2026-11-29). Every stage runs archer's own worker code, an ActorWorker on the GPU
+(``rollout.name=hf``: no engine holds memory beside it), with the micro-batching of each variant:
 
 - old_log_prob (no grad): the workload's own micro-batches as archer ran them before (grpo: the whole batch in one
   padded pass; archer2: one sequence a pass, timed on 32 rows and scaled), and archer's default now: packed to
@@ -21,9 +21,9 @@ beside it), with the micro-batching of each variant:
 - update (one PPO epoch over the rows: forwards, backwards, optimiser steps): padded micro-batches of R rows,
   packed micro-batches of R rows, packed to a budget of R x the longest row (every layer checkpointed, and only the
   fewest layers whose activations 0.6 of the free memory holds: ``gradient_checkpointing_layers=auto``'s rule), and
-  packed without gradient checkpointing at the largest budget that memory holds (``activation_bytes``); ``--profile`` prints
-  torch.profiler's tables (kernel time against wall time) of the default log-prob pass and of the packed epoch of the
-  workload's rows a micro-batch;
+  packed without gradient checkpointing at the largest budget that memory holds (``activation_bytes``);
+  ``--profile`` prints torch.profiler's tables (kernel time against wall time) of the default log-prob pass and of
+  the packed epoch of the workload's rows a micro-batch;
 - ``--kernels``: ``compiled`` (archer's default on a GPU: ``actor.use_torch_compile=true``, the decoder layers
   compiled, archer/models/compiled_layers.py), ``eager`` (``use_torch_compile=false``: transformers' eager ops) or
   ``liger`` (``model.use_liger=true``, archer/models/liger.py);
@@ -205,9 +205,15 @@ def no_grad_rows(actor: ActorWorker, work: Workload, batch: Batch, device: torch
         profile_stage("the old log-prob pass, packed to the planned budget", lambda: actor.compute_log_prob(batch),
                       device)
     batch = batch.index(slice(0, len(batch)))
-    batch["old_log_probs"] = logps[variants[-1][0]]
-    batch["ref_log_prob"] = batch["old_log_probs"] - 0.01 * batch["response_mask"]
+    set_update_inputs(batch, logps[variants[-1][0]])
     return records, batch
+
+
+def set_update_inputs(batch: Batch, old_log_probs: torch.Tensor) -> None:
+    """What the update reads beside the rows: the old log-probs, and reference log-probs 0.01 below them on the
+    response tokens (so that a KL loss has a term to compute)."""
+    batch["old_log_probs"] = old_log_probs
+    batch["ref_log_prob"] = old_log_probs - 0.01 * batch["response_mask"]
 
 
 def free_memory(device: torch.device) -> int:
@@ -356,8 +362,8 @@ def run_shape(shape: str, workloads: list[str], args: argparse.Namespace, device
 
 
 def table(records: list[dict[str, Any]]) -> str:
-    lines = ["| shape | workload | stage | variant | tokens computed / real | s (median; min-max) | MFU or HBM fraction | "
-             "peak GiB | max dlogp |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | workload | stage | variant | tokens computed / real | s (median; min-max) | "
+             "MFU or HBM fraction | peak GiB | max dlogp |", "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         share = r.get("mfu") if r["stage"] != "decode" else r.get("hbm_fraction")
         share_text = "-" if share is None else f"{share:.1%}" + (" HBM" if r["stage"] == "decode" else "")

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import transformers
 from gpu_step import QWEN_VOCAB, build_random_model
-from stage_mfu import PEAK_FLOPS, WORKLOADS, build_actor, make_batch, measure_repeated
+from stage_mfu import PEAK_FLOPS, WORKLOADS, build_actor, make_batch, measure_repeated, set_update_inputs
 
 from archer.models.loading import load_tokenizer, set_gradient_checkpointing
 from archer.models.micro_batches import MicroBatching
@@ -43,8 +43,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
                                    dtype=torch.bfloat16, device=device.type)
     actor = build_actor(model_dir, work, args.kernels, device, load_tokenizer(model_dir))
     batch = make_batch(work, actor.model.config.vocab_size)
-    old = actor.compute_log_prob(batch)["old_log_probs"]
-    batch["old_log_probs"], batch["ref_log_prob"] = old, old - 0.01 * batch["response_mask"]
+    set_update_inputs(batch, actor.compute_log_prob(batch)["old_log_probs"])
     actor.update_micro = MicroBatching(args.rows, None, packed=not args.padded)
     set_gradient_checkpointing(actor.model, args.checkpointing)
     actor.update_actor(batch)  # the warm-up epoch

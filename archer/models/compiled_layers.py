@@ -57,10 +57,10 @@ def _inductor_options() -> dict[str, Any]:
 def checkpointing_forward(cls: type[nn.Module]) -> type[nn.Module]:
     """A decoder-layer class whose ``forward`` does the layer's gradient checkpointing: ``cls`` itself where
     transformers checkpoints ``forward`` (>= 5.23), else a subclass of the same name that checkpoints its forward
-    and calls it as torch does (older releases checkpoint in ``GradientCheckpointingLayer.__call__``). Compiled, the recompute is then part of the
-    layer's compiled backward instead of a second call of its compiled forward, with its own guards and launches
-    (the Archer2.0 recipe's update at 8-row micro-batches took 2.98 s a PPO epoch the old way, 2.14 s this way:
-    BENCHMARKS.md, "Checkpointed layers compiled whole")."""
+    and calls it as torch does (older releases checkpoint in ``GradientCheckpointingLayer.__call__``). Compiled,
+    the recompute is then part of the layer's compiled backward instead of a second call of its compiled forward,
+    with its own guards and launches (the Archer2.0 recipe's update at 8-row micro-batches, transformers 5.17:
+    2.98 s a PPO epoch the old way, 2.17 s this way; BENCHMARKS.md, "Checkpointed layers compiled whole")."""
     if cls.__call__ is nn.Module.__call__ or cls.__call__ is not GradientCheckpointingLayer.__call__:
         return cls  # transformers >= 5.23, or a layer's own __call__ (remote code), which stays as it is
     forward = cls.forward

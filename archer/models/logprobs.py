@@ -11,9 +11,9 @@ so a chunk never holds more than two float32 [chunk x vocab] buffers at once, in
 GPU (Triton installed) the softmax statistics and the logit gradients come from the fused kernels of
 models/logprob_kernels.py instead, which read a chunk's logits once and hold nothing in float32 beside them; the
 LM head's gradient is then summed over the chunks by float32-accumulating matrix products (``_add_product``).
-By default a chunk's logits take at most ``LOGITS_BYTES_PER_CHUNK`` (``chunk_size=None``): counted in float32 on the
-torch path, in the matrix products' dtype where the fused kernels read them as they are (twice the tokens in bf16). Under
-autocast the matrix products run in the autocast dtype, as ``F.linear`` would, and the softmax in float32.
+By default a chunk's logits take at most ``LOGITS_BYTES_PER_CHUNK`` (``chunk_size=None``): counted in float32 on
+the torch path, in the matrix products' dtype where the fused kernels read them as they are (twice the tokens in
+bf16). Under autocast the matrix products run in the autocast dtype, as ``F.linear`` would, and the softmax in float32.
 The same per-row formula (``token_logprob_and_entropy``) serves the rollout engine, so generation-time and
 training-time numbers agree.
 """
@@ -38,7 +38,7 @@ try:  # the fused head kernels run on CUDA tensors where Triton is installed (a 
 except ImportError:
     logprob_kernels = None
 
-LOGITS_BYTES_PER_CHUNK = 256 * 2**20  # float32 logits of one chunk when chunk_size is None
+LOGITS_BYTES_PER_CHUNK = 256 * 2**20  # the logits of one chunk when chunk_size is None (auto_chunk_size)
 
 
 def auto_chunk_size(vocab_size: int, logit_bytes: int = 4) -> int:
