@@ -139,8 +139,9 @@ def _environment(home: str) -> dict[str, str]:
 
 
 def _stdin_header(interp: Interpreter, limits: SandboxLimits, uid: int | None, seccomp: bytes | None) -> bytes:
-    """The prelude's configuration: the first line of its stdin (the snippet follows)."""
-    return json.dumps({
+    """The prelude's configuration: the first line of its stdin (the snippet follows), a Python literal (``repr``
+    escapes every newline), which the prelude reads without importing json."""
+    return repr({
         "path": list(interp.path),
         "cpu_s": limits.cpu_s,
         "memory_bytes": limits.memory_mb << 20,
