@@ -113,7 +113,8 @@ def test_an_exception_shows_output_then_the_snippets_own_traceback(tool: PythonT
 
 
 def test_a_chained_exception_shows_both_parts_with_the_snippets_frames_only() -> None:
-    result = PythonTool(**{**LIMITS, "max_output_chars": 1000}).execute("def f():\n    {}['k']\ntry:\n    f()\nexcept KeyError as e:\n    raise ValueError('v') from e")
+    snippet = "def f():\n    {}['k']\ntry:\n    f()\nexcept KeyError as e:\n    raise ValueError('v') from e"
+    result = PythonTool(**{**LIMITS, "max_output_chars": 1000}).execute(snippet)
     assert not result.ok
     assert result.text == (
         "Traceback (most recent call last):\n  File \"<snippet>\", line 4, in <module>\n"

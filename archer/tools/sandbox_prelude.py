@@ -1,11 +1,11 @@
 """The first code a sandboxed Python process runs (passed as ``python -I -S -c <this file's text> <mark>``).
 
-Its stdin holds one line of JSON (the configuration: sys.path, limits, uid, seccomp filter), then the snippet; the
-command line holds nothing of the trainer's (its pid, its paths), since every process of the call may read it.
-It imports nothing from archer (the sandbox may not see archer's files) and only the standard library's built-in
-modules (``_ast``, ``os``, ``resource``, ``sys``): json, ast and traceback would pull in ``re``, ``enum`` and
-``tokenize``, two-thirds of an interpreter's start on every call (about 20 ms of 31, 2026-11-29); the
-configuration is a Python literal, and an error is printed by the interpreter's own hook. In
+Its stdin holds one line, a Python literal (the configuration: sys.path, limits, uid, seccomp filter), then the
+snippet; the command line holds nothing of the trainer's (its pid, its paths), since every process of the call may
+read it. It imports nothing from archer (the sandbox may not see archer's files) and only the standard library's
+built-in modules (``_ast``, ``os``, ``resource``, ``sys``): json, ast and traceback would pull in ``re``, ``enum``
+and ``tokenize``, two-thirds of an interpreter's start on every call (about 20 ms of 31, 2026-11-29), so the
+configuration is read through ``_ast`` and an error is printed by the interpreter's own hook. In
 order: read the configuration and the snippet from stdin, put the interpreter's own ``sys.path`` back (``-S``
 skipped ``site`` and its ``.pth`` hooks), apply the resource limits (no POSIX message queues either), leave root
 for the given unprivileged uid (when there is one), load the given seccomp filter (the rlimits level: under
