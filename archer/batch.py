@@ -26,6 +26,17 @@ def _as_object_array(values: Sequence[Any] | np.ndarray) -> np.ndarray:
     return out
 
 
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``tensor`` on ``device``. A CPU tensor bound for a GPU goes through pinned memory without the host waiting:
+    a copy from ordinary memory makes the host wait for all the work queued on the GPU before it, which leaves the
+    GPU idle between micro-batches while the host queues the next one (docs/architecture.md, "The host never
+    waits inside a pass")."""
+    device = torch.device(device)
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def _same_rows(a: np.ndarray, b: np.ndarray) -> bool:
     return a is b or (len(a) == len(b) and all(x is y or np.array_equal(x, y) for x, y in zip(a, b)))
 
@@ -162,7 +173,8 @@ class Batch:
         return Batch(tensors, rows, dict(self.info))
 
     def to(self, device: torch.device | str) -> Batch:
-        return Batch({k: v.to(device) for k, v in self.tensors.items()}, dict(self.rows), dict(self.info))
+        """The batch with its tensors on ``device`` (``to_device``: no wait for the GPU)."""
+        return Batch({k: to_device(v, device) for k, v in self.tensors.items()}, dict(self.rows), dict(self.info))
 
     def pop(self, keys: Sequence[str]) -> Batch:
         """Remove the named fields and return them as a batch."""

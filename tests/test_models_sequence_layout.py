@@ -12,7 +12,13 @@ from archer.models import packed_attention as packed_attention_module
 from archer.models.forward import MODEL_INPUTS
 from archer.models.loading import load_causal_lm, load_value_model, value_forward
 from archer.models.logprobs import layout_logprobs
-from archer.models.packed_attention import PACKED_ATTENTION, packed_attention, supports_packing
+from archer.models.packed_attention import (
+    PACKED_ATTENTION,
+    all_ones_mask,
+    archer_mask,
+    packed_attention,
+    supports_packing,
+)
 from archer.models.sequence_layout import PackedRows, SequenceLayout
 
 
@@ -52,6 +58,55 @@ def test_packed_layout_by_hand():
     assert aligned.response_tokens().tolist() == [21, 22, 23, 24, 25, 26]
     assert aligned.response_states(torch.arange(21).view(3, 7)).tolist() == [1, 2, 10, 11, 12, 16]
     assert aligned.scatter(torch.arange(6.0)).tolist() == [[0, 1, 0], [2, 3, 4], [5, 0, 0]]
+
+
+def test_a_layout_gathers_and_scatters_by_positions_computed_when_it_is_made():
+    batch = hand_batch()
+    layout = SequenceLayout.build(*(batch[k] for k in MODEL_INPUTS), 3, packed=True)
+    # the outputs that score the six response tokens, the tokens themselves, and their places in the 3 x 3 rows
+    assert layout.response_positions.tolist() == [1, 2, 7, 8, 9, 13]
+    assert layout.token_positions.tolist() == [2, 3, 8, 9, 10, 14]
+    assert layout.scatter_positions.tolist() == [0, 1, 3, 4, 5, 6]
+    aligned = SequenceLayout.build(*(batch[k] for k in MODEL_INPUTS), 3, packed=False)
+    assert aligned.response_positions.tolist() == [1, 2, 10, 11, 12, 16]
+    assert aligned.attention_mask is None  # its rows need none; model_inputs makes the all-ones one
+    for made in (layout, aligned):
+        moved = made.to("cpu")
+        assert moved.packed == made.packed
+        for name in ("input_ids", "first_predictor", "response_mask", "response_positions", "token_positions",
+                     "scatter_positions"):
+            assert torch.equal(getattr(moved, name), getattr(made, name)), name
+        for name, value in made.model_inputs().items():
+            assert value == moved.model_inputs()[name] if isinstance(value, int) else torch.equal(
+                moved.model_inputs()[name], value), name
+    # gradients flow back through the gather and the scatter to the scored positions only
+    states = torch.zeros(1, 15, 2, requires_grad=True)
+    layout.scatter(layout.response_states(states)[:, 0]).sum().backward()
+    assert states.grad[0, :, 0].nonzero().squeeze(1).tolist() == [1, 2, 7, 8, 9, 13]
+    assert float(states.grad[0, :, 1].abs().sum()) == 0.0
+
+
+def test_archers_mask_function_answers_an_all_ones_mask_without_reading_it_and_is_sdpas_otherwise(monkeypatch):
+    from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
+
+    ones = all_ones_mask(torch.zeros(2, 6, dtype=torch.long))
+    assert ones.dtype == torch.bool and bool(ones.all())
+    causal = {"batch_size": 2, "q_length": 6, "kv_length": 6, "attention_mask": ones}
+    assert sdpa_mask(**causal) is None  # causal: SDPA's is_causal, no mask (after reading the mask)
+    with monkeypatch.context() as patched:  # archer's answers the same without SDPA's function
+        patched.setattr(packed_attention_module, "sdpa_mask", lambda **_: pytest.fail("read the mask"))
+        assert archer_mask(**causal) is None
+    # a sliding window, or keys the queries do not line up with, need a mask: SDPA's own answer, unchanged
+    window = {**causal, "mask_function": sliding_window_causal_mask_function(2), "local_size": 2}
+    torch.testing.assert_close(archer_mask(**window), sdpa_mask(**window))
+    assert archer_mask(**window) is not None and not bool(archer_mask(**window).all())
+    longer = {**causal, "kv_length": 8, "attention_mask": all_ones_mask(torch.zeros(2, 8))}
+    torch.testing.assert_close(archer_mask(**longer), sdpa_mask(**longer))
+    # an ordinary mask with a padded row is read as before
+    padded = torch.ones(2, 6, dtype=torch.bool)
+    padded[1, :2] = False
+    torch.testing.assert_close(archer_mask(**{**causal, "attention_mask": padded}),
+                               sdpa_mask(**{**causal, "attention_mask": padded}))
 
 
 def test_a_row_that_is_not_one_run_of_tokens_is_refused():

@@ -4,10 +4,14 @@ the workers' no-grad token budget from the memory plan. Skipped without a GPU; r
 
 from __future__ import annotations
 
+import math
+import warnings
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
-from workers_support import ppo_config, unequal_batch
+from workers_support import ppo_config, unequal_batch, update
 
 from archer.models import packed_attention as packed_attention_module
 from archer.models.forward import MODEL_INPUTS
@@ -101,3 +105,37 @@ def test_the_actor_packs_its_no_grad_pass_to_the_memory_plans_budget(tiny_model_
     got, want = actor.compute_log_prob(batch), kept.compute_log_prob(batch)
     for key in ("old_log_probs", "entropies"):
         torch.testing.assert_close(got[key], want[key], atol=3e-2, rtol=0)
+
+
+def test_the_update_waits_for_the_gpu_once_a_mini_batch_not_once_a_micro_batch(tiny_model_dir):
+    """Reading a value back from the GPU (a boolean index, a copy from pageable memory, a tensor made a Python
+    number) makes the host wait for all the work queued before it, and the GPU then idles while the host queues
+    what follows: the update's packed micro-batches do none of it (ASPO with its split KL and the entropy term,
+    whose per-micro-batch class means and shares used to be read back), so six micro-batches wait as often as two
+    (the gradient norm and the metrics, once a mini-batch)."""
+    overrides = ("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.actor.ppo_mini_batch_size=6",
+                 "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.use_torch_compile=false",
+                 "actor_rollout_ref.actor.policy_loss.loss_mode=aspo", "actor_rollout_ref.actor.use_kl_loss=true",
+                 "actor_rollout_ref.actor.high_entropy_kl_loss_scale_coef=0.5",
+                 "actor_rollout_ref.actor.entropy_coeff=0.001")
+    waits = {}
+    for rows in (1, 3):
+        actor = ActorWorker(ppo_config(tiny_model_dir, *overrides,
+                                       f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={rows}")
+                            .actor_rollout_ref, device=CUDA, total_steps=10)
+        batch = unequal_batch(actor.model.config.vocab_size)
+        batch["old_log_probs"] = actor.compute_log_prob(batch)["old_log_probs"]
+        batch["ref_log_prob"] = batch["old_log_probs"] - 0.1 * batch["response_mask"]
+        batch["advantages"] = torch.randn(6, 1, generator=torch.Generator().manual_seed(2)) * batch["response_mask"]
+        update(actor, batch)  # the libraries' first calls
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                metrics = update(actor, batch)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert math.isfinite(metrics["actor/kl_loss"]) and metrics["actor/grad_norm"] > 0
+        waits[rows] = [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    assert 0 < len(waits[1]) == len(waits[3]) <= 4, waits

@@ -11,7 +11,7 @@ micro-batches. A bare number or tensor is refused: a new metric cannot be averag
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -152,6 +152,31 @@ def _weighted(metric: Metric, weight: float) -> Metric:
     return metric
 
 
+def _extreme(a: Number, b: Number, *, larger: bool) -> Number:
+    """The larger (or smaller) of two values, a tensor's kept on its device (reading it would make the host wait
+    for the GPU in the middle of a mini-batch)."""
+    if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
+        return max(a, b) if larger else min(a, b)
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.maximum(a, b.to(a.device)) if larger else torch.minimum(a, b.to(a.device))
+    tensor, number = (a, b) if isinstance(a, torch.Tensor) else (b, a)
+    return tensor.clamp(min=number) if larger else tensor.clamp(max=number)
+
+
+def _as_floats(values: list[Number]) -> list[float]:
+    """``values`` as floats, the tensors among them read back from their devices in one transfer a device."""
+    out = [v if not isinstance(v, torch.Tensor) else None for v in values]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(i)
+    for places in by_device.values():
+        read = torch.stack([values[i].detach().double().reshape(()) for i in places]).tolist()
+        for i, value in zip(places, read, strict=True):
+            out[i] = value
+    return [float(v) for v in out]
+
+
 def _combined(kept: Metric, metric: Metric) -> Metric:
     """Two micro-batches' values of one metric as one."""
     if isinstance(metric, Mean):
@@ -159,9 +184,9 @@ def _combined(kept: Metric, metric: Metric) -> Metric:
     if isinstance(metric, Total):
         return Total(kept.total + metric.total)
     if isinstance(metric, Max):
-        return Max(max(float(kept.largest), float(metric.largest)))
+        return Max(_extreme(kept.largest, metric.largest, larger=True))
     if isinstance(metric, Min):
-        return Min(min(float(kept.smallest), float(metric.smallest)))
+        return Min(_extreme(kept.smallest, metric.smallest, larger=False))
     return Moments(kept.total + metric.total, kept.total_sq + metric.total_sq, kept.count + metric.count,
                    metric.statistic)
 
@@ -189,6 +214,7 @@ class MetricSums:
         """Replace every metric by its value over the ranks of a data-parallel update: totals and counts summed in
         one call of ``sum_over_ranks`` on a float64 vector, extremes in one call of ``max_over_ranks`` (a Min as
         the maximum of its negation); every rank holds the same names, so the order is by name."""
+        self._read_back()
         names = sorted(self._sums)
         sums, extremes = [], []
         for name in names:
@@ -216,4 +242,13 @@ class MetricSums:
 
     def result(self) -> dict[str, float]:
         """Each metric of the mini-batch as a float."""
+        self._read_back()
         return {name: metric.value for name, metric in self._sums.items()}
+
+    def _read_back(self) -> None:
+        """Every metric's sums as floats, the tensors among them read in one transfer a device."""
+        places = [(name, f.name) for name, metric in self._sums.items() for f in fields(metric)
+                  if f.name != "statistic"]
+        values = _as_floats([getattr(self._sums[name], attribute) for name, attribute in places])
+        for (name, attribute), value in zip(places, values, strict=True):
+            self._sums[name] = replace(self._sums[name], **{attribute: value})

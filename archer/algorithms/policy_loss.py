@@ -282,7 +282,7 @@ def _dual_clip_losses(
 
 def _split_bounds(high_entropy_mask: torch.Tensor, low: float, high: float, like: torch.Tensor) -> torch.Tensor:
     """Per-token clip bound in the dtype of `like`: `high` on high-entropy tokens, `low` elsewhere."""
-    return torch.where(high_entropy_mask, like.new_tensor(high), like.new_tensor(low))
+    return like.new_full(high_entropy_mask.shape, low).masked_fill_(high_entropy_mask, high)
 
 
 @register_policy_loss("archer", settings=("clip_ratio_c",), inputs=("high_entropy_mask",),

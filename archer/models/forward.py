@@ -23,17 +23,20 @@ def compute_log_probs(model: torch.nn.Module, batch: Batch, *, temperature: floa
     outside them left 0."""
     data = batch.select([*MODEL_INPUTS, "responses"])
     shape = data["responses"].shape
-    logp = torch.zeros(shape)
-    ent = torch.zeros(shape) if compute_entropy else None
+    done: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
     was_training = model.training
     model.eval()
     with torch.no_grad(), autocast_for(device):
         for rows in micro.split(data["attention_mask"]) if parts is None else parts:
-            layout = micro.layout(data.index(rows).to(device))
+            layout = micro.layout(data.index(rows)).to(device)  # made on the host: the GPU is never waited for
             mb_logp, mb_ent = layout_logprobs(model, layout, temperature=temperature, chunk_size=chunk_size,
                                               compute_entropy=compute_entropy)
-            logp[rows] = mb_logp.float().cpu()
-            if ent is not None:
-                ent[rows] = mb_ent.float().cpu()
+            done.append((rows, mb_logp.float(), None if mb_ent is None else mb_ent.float()))
     model.train(was_training)
+    logp = torch.zeros(shape)
+    ent = torch.zeros(shape) if compute_entropy else None
+    for rows, mb_logp, mb_ent in done:  # read back once the passes are queued
+        logp[rows] = mb_logp.cpu()
+        if ent is not None:
+            ent[rows] = mb_ent.cpu()
     return logp, ent

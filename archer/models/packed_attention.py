@@ -13,7 +13,10 @@ through the model to the attention function of every layer. archer registers its
   generation with a KV cache) is transformers' own SDPA, unchanged.
 
 A packed row comes with an all-ones attention mask, so transformers makes no mask of its own: with no mask it
-would read the sequences off the position ids and build a [T x T] block-diagonal mask. FlexAttention's document
+would read the sequences off the position ids and build a [T x T] block-diagonal mask. archer makes that mask (and
+a left-aligned padded micro-batch's, whose rows need none) with ``all_ones_mask``, which its mask function
+(``archer_mask``) recognises without reading it: SDPA's own mask function would read it back from the GPU to see
+that it is all ones, making the host wait for the GPU at every forward. FlexAttention's document
 masks were the other candidate; they need a compiled kernel per shape and a block mask per micro-batch, where
 varlen attention needs neither.
 """
@@ -30,12 +33,33 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 log = logging.getLogger("archer.models")
 
 PACKED_ATTENTION = "archer_packed"
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_ALL_ONES = "_archer_all_ones"  # the attribute all_ones_mask sets on its masks
+
+
+def all_ones_mask(like: torch.Tensor) -> torch.Tensor:
+    """A boolean mask of ones of ``like``'s shape that ``archer_mask`` knows to be all ones without reading it."""
+    mask = torch.ones_like(like, dtype=torch.bool)
+    setattr(mask, _ALL_ONES, True)
+    return mask
+
+
+def archer_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """transformers' mask function for ``PACKED_ATTENTION``: SDPA's, except that a causal forward without a cache
+    whose attention mask came from ``all_ones_mask`` gets no mask (causal attention, as SDPA's would conclude after
+    reading the mask back from the GPU)."""
+    mask = kwargs.get("attention_mask")
+    if (not args and getattr(mask, _ALL_ONES, False) and kwargs.get("allow_is_causal_skip", True)
+            and kwargs.get("mask_function", causal_mask_function) is causal_mask_function
+            and kwargs.get("local_size") is None and not kwargs.get("q_offset", 0) and not kwargs.get("kv_offset", 0)
+            and kwargs.get("q_length") == kwargs.get("kv_length")):
+        return None
+    return sdpa_mask(*args, **kwargs)
 
 
 def _torch_varlen() -> tuple[Callable[..., torch.Tensor], set[str]] | None:
@@ -119,7 +143,7 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)
-AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)
+AttentionMaskInterface.register(PACKED_ATTENTION, archer_mask)
 
 
 def use_packed_attention(model: nn.Module) -> None:

@@ -19,13 +19,21 @@ The output at flat position c (row-major over the input's rows x columns) scores
 token k of row i is scored at ``first_predictor[i] + k``: ``predictor_index`` gives these positions,
 ``response_states`` picks the model's outputs there and ``scatter`` puts per-token values back into [B, R] (0
 where the response has no token).
+
+A layout is built where the rows are, normally on the CPU, and moved to the GPU whole (``to``): building it reads
+lengths and masks back as Python values, and its gathers and scatters use the integer positions it computed
+(``response_positions``, ``token_positions``, ``scatter_positions``), never a boolean mask, whose indexing makes
+the host wait for the GPU (docs/architecture.md, "The host never waits inside a pass").
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
+
+from archer.batch import to_device
+from archer.models.packed_attention import all_ones_mask
 
 
 def first_columns(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -87,7 +95,7 @@ class PackedRows:
     def model_inputs(self) -> dict[str, torch.Tensor | int]:
         """Keyword arguments of the model's forward: an all-ones mask (so transformers makes no mask of its own)
         and the sequences' bounds, which keep attention inside each (models/packed_attention.py)."""
-        return {"input_ids": self.input_ids, "attention_mask": torch.ones_like(self.input_ids),
+        return {"input_ids": self.input_ids, "attention_mask": all_ones_mask(self.input_ids),
                 "position_ids": self.position_ids, "cu_seq_lens_q": self.cu_seq_lens,
                 "cu_seq_lens_k": self.cu_seq_lens, "max_length_q": self.max_length, "max_length_k": self.max_length}
 
@@ -98,7 +106,9 @@ class SequenceLayout:
 
     input_ids [B, W] (padded: W the longest row when aligned) or [1, T] (packed); first_predictor [B]: the flat
     position of the output that scores each row's first response token; response_mask [B, R]: where the response
-    has a token; padded: the rows' attention_mask (all ones when aligned) and position_ids; packed: the PackedRows.
+    has a token; padded: the rows' attention_mask (None when aligned: every row starts in column 0 and needs no
+    mask) and position_ids; packed: the PackedRows. The gather and scatter positions of the N response tokens
+    (flat, in row order) are computed from these when the layout is made.
     """
 
     input_ids: torch.Tensor
@@ -107,6 +117,17 @@ class SequenceLayout:
     attention_mask: torch.Tensor | None = None
     position_ids: torch.Tensor | None = None
     packing: PackedRows | None = None
+    response_positions: torch.Tensor = field(default=None)  # type: ignore[assignment]  # [N] outputs that score them
+    token_positions: torch.Tensor = field(default=None)  # type: ignore[assignment]  # [N] the tokens in input_ids
+    scatter_positions: torch.Tensor = field(default=None)  # type: ignore[assignment]  # [N] their places in [B, R]
+
+    def __post_init__(self) -> None:
+        if self.response_positions is None:
+            last = self.input_ids.numel() - 1
+            predictors = self.predictor_index()[self.response_mask]
+            object.__setattr__(self, "response_positions", predictors)
+            object.__setattr__(self, "token_positions", (predictors + 1).clamp(max=last))
+            object.__setattr__(self, "scatter_positions", self.response_mask.reshape(-1).nonzero().squeeze(1))
 
     @classmethod
     def build(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -126,13 +147,24 @@ class SequenceLayout:
                            position_ids)
             ids, positions, first_column = moved
             first = row_start * ids.shape[1] + prompt_width - first_column - 1
-            return cls(ids, first, response_mask, torch.ones_like(ids), positions)
+            return cls(ids, first, response_mask, None, positions)
         first_column = first_columns(attention_mask)
         if bool((first_column >= prompt_width).any()):
             raise ValueError("a packed layout needs every row to start with a prompt token")
         rows_packed = PackedRows.of(input_ids, attention_mask, position_ids)
         first = rows_packed.cu_seq_lens[:-1].long() + prompt_width - first_column - 1
         return cls(rows_packed.input_ids, first, response_mask, packing=rows_packed)
+
+    def to(self, device: torch.device | str) -> SequenceLayout:
+        """The layout with its tensors on ``device`` (``archer.batch.to_device``: the host does not wait)."""
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, torch.Tensor):
+                moved[name] = to_device(value, device)
+        if self.packing is not None:  # its tokens are the layout's input_ids
+            moved["packing"] = PackedRows(moved["input_ids"], to_device(self.packing.position_ids, device),
+                                          to_device(self.packing.cu_seq_lens, device), self.packing.max_length)
+        return SequenceLayout(**moved)
 
     @property
     def packed(self) -> bool:
@@ -142,7 +174,8 @@ class SequenceLayout:
         """Keyword arguments of the model's (or backbone's) forward."""
         if self.packing is not None:
             return self.packing.model_inputs()
-        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "position_ids": self.position_ids}
+        mask = all_ones_mask(self.input_ids) if self.attention_mask is None else self.attention_mask
+        return {"input_ids": self.input_ids, "attention_mask": mask, "position_ids": self.position_ids}
 
     def predictor_index(self) -> torch.Tensor:
         """[B, R] flat position of the output that scores each response token (clamped into the input; check
@@ -153,16 +186,13 @@ class SequenceLayout:
     def response_states(self, states: torch.Tensor) -> torch.Tensor:
         """The outputs [N, ...] (``states`` [rows, columns, ...] of the input's shape) that score the N response
         tokens, in row order."""
-        flat = states.reshape(-1, *states.shape[2:])
-        return flat[self.predictor_index()[self.response_mask]]
+        return states.reshape(-1, *states.shape[2:]).index_select(0, self.response_positions)
 
     def response_tokens(self) -> torch.Tensor:
         """The N response tokens [N], in the order of ``response_states``."""
-        index = (self.predictor_index() + 1).clamp(max=self.input_ids.numel() - 1)
-        return self.input_ids.reshape(-1)[index[self.response_mask]]
+        return self.input_ids.reshape(-1).index_select(0, self.token_positions)
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """Per-token values [N] back into [B, R], 0 where the response has no token."""
-        out = torch.zeros(self.response_mask.shape, dtype=values.dtype, device=values.device)
-        out[self.response_mask] = values
-        return out
+        flat = torch.zeros(self.response_mask.numel(), dtype=values.dtype, device=values.device)
+        return flat.index_copy(0, self.scatter_positions, values).view(self.response_mask.shape)

@@ -330,11 +330,12 @@ class ActorWorker(OwnsModel):
         sums = MetricSums()
         for index, rows in enumerate(passes.parts):
             weight = 0.0 if passes.padding(index) else 1.0  # a padding pass only keeps FSDP's collectives in step
-            mb = mini_batch.index(rows).to(self.device)
-            layout = self.update_micro.layout(mb)
+            rows_here = mini_batch.index(rows)
+            host_layout = self.update_micro.layout(rows_here)  # made on the host, moved whole (no waits)
+            mb, layout = rows_here.to(self.device), host_layout.to(self.device)
             mask = mb["response_mask"].float()
-            tracing = (influence.micro_batch(mb["row_id"].tolist(), layout.first_predictor.tolist(),
-                                             tuple(layout.input_ids.shape))
+            tracing = (influence.micro_batch(rows_here["row_id"].tolist(), host_layout.first_predictor.tolist(),
+                                             tuple(host_layout.input_ids.shape))
                        if influence is not None and weight else nullcontext())  # padding passes trace nothing
             with tracing:
                 with autocast_for(self.device):
@@ -373,10 +374,11 @@ class ActorWorker(OwnsModel):
         self.model.train()
         with influence.hooks():
             for part in self.update_micro.split(data["attention_mask"]):
-                mb = data.index(part).to(self.device)
-                layout = self.update_micro.layout(mb)
-                with influence.micro_batch(mb["row_id"].tolist(), layout.first_predictor.tolist(),
-                                           tuple(layout.input_ids.shape)):
+                rows_here = data.index(part)
+                host_layout = self.update_micro.layout(rows_here)
+                mb, layout = rows_here.to(self.device), host_layout.to(self.device)
+                with influence.micro_batch(rows_here["row_id"].tolist(), host_layout.first_predictor.tolist(),
+                                           tuple(host_layout.input_ids.shape)):
                     with autocast_for(self.device):
                         logp, _ = layout_logprobs(self.model, layout, temperature=self.temperature,
                                                   chunk_size=self.chunk_size, compute_entropy=False)

@@ -189,7 +189,7 @@ class ActorObjective:
         """
         kl = kl_penalty(log_prob, ref_log_prob, self.kl_loss_type)
         valid = mask.bool()
-        share = float(valid.sum()) / agg_kwargs["num_tokens"]
+        share = (valid.sum().double() / agg_kwargs["num_tokens"]).float()  # a tensor: the host does not wait
         low_mean = masked_mean(kl, valid & ~high)
         high_mean = masked_mean(kl, valid & high)
         return share * (low_mean + self.high_entropy_kl_loss_scale_coef * high_mean)

@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from archer.algorithms.aggregation import mini_batch_totals
 from archer.algorithms.metric_sums import MetricSums, masked_mean_metric, total_metric
 from archer.algorithms.value_loss import compute_value_loss
-from archer.batch import Batch
+from archer.batch import Batch, to_device
 from archer.distributed.context import DistContext
 from archer.models.forward import MODEL_INPUTS
 from archer.models.loading import autocast_for, parse_dtype, value_forward
@@ -68,8 +68,8 @@ class CriticWorker(OwnsModel):
 
     def _values(self, mb: Batch, micro: MicroBatching) -> torch.Tensor:
         """Value of each response position: the head's output at the token that precedes it."""
+        layout = micro.layout(mb).to(self.device)  # made on the host: no wait for the GPU
         mb = mb.to(self.device)
-        layout = micro.layout(mb)
         with autocast_for(self.device):
             v = value_forward(self.model, **layout.model_inputs())
         return layout.scatter(layout.response_states(v).float()) * mb["response_mask"].float()
@@ -80,8 +80,9 @@ class CriticWorker(OwnsModel):
         passes = rank_passes(data["attention_mask"], self.forward_micro, self.ctx)
         self.model.eval()
         with torch.no_grad():
-            for rows in passes.parts:
-                values[rows] = self._values(data.index(rows), self.forward_micro).cpu()
+            done = [(rows, self._values(data.index(rows), self.forward_micro)) for rows in passes.parts]
+            for rows, part in done:  # read back once the passes are queued
+                values[rows] = part.cpu()
         self.model.train()
         return Batch({"values": values[passes.rows]})
 
@@ -101,9 +102,9 @@ class CriticWorker(OwnsModel):
                 weight = 0.0 if passes.padding(index) else 1.0  # a padding pass keeps FSDP's collectives in step
                 mb = mini_batch.index(rows)
                 vpreds = self._values(mb, self.update_micro)
-                mask = mb["response_mask"].to(self.device).float()
+                mask = to_device(mb["response_mask"], self.device).float()
                 loss, clipfrac = compute_value_loss(
-                    vpreds, mb["values"].to(self.device), mb["returns"].to(self.device), mask,
+                    vpreds, to_device(mb["values"], self.device), to_device(mb["returns"], self.device), mask,
                     cliprange_value=float(c.cliprange_value), loss_agg_mode=c.loss_agg_mode, agg_kwargs=agg_kwargs)
                 (loss * weight).backward()
                 mini_sums.add({"critic/vf_loss": total_metric(loss), "critic/vf_clipfrac": clipfrac,
