@@ -109,6 +109,21 @@ def test_archers_mask_function_answers_an_all_ones_mask_without_reading_it_and_i
                                sdpa_mask(**{**causal, "attention_mask": padded}))
 
 
+def test_rows_of_several_examples_pack_into_one_sequence_of_examples_with_their_bounds():
+    # row 0: examples of 3 and 2 tokens, then padding; row 1: one of 4 tokens, then padding (positions restart)
+    ids = torch.tensor([[11, 12, 13, 21, 22, PAD], [31, 32, 33, 34, PAD, PAD]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]])
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]])
+    rows = PackedRows.of_examples(ids, mask, positions)
+    assert rows.input_ids.tolist() == [[11, 12, 13, 21, 22, 31, 32, 33, 34]]
+    assert rows.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    assert rows.cu_seq_lens.tolist() == [0, 3, 5, 9] and rows.cu_seq_lens.dtype == torch.int32
+    assert rows.max_length == 4
+    # a row that starts inside an example (positions not from 0) still begins a sequence of its own
+    cut = PackedRows.of_examples(ids, mask, torch.tensor([[5, 6, 7, 0, 1, 0], [0, 1, 2, 3, 0, 1]]))
+    assert cut.cu_seq_lens.tolist() == [0, 3, 5, 9]
+
+
 def test_a_row_that_is_not_one_run_of_tokens_is_refused():
     batch = hand_batch()
     holed = batch["attention_mask"].clone()

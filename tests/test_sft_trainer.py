@@ -18,6 +18,7 @@ from archer.batch import Batch
 from archer.config.loader import CONFIG_DIR, load_config
 from archer.data.sft_dataset import SFTDataset, pack_sft
 from archer.errors import ArcherError
+from archer.models import packed_attention as packed_attention_module
 from archer.models.loading import load_causal_lm, load_tokenizer
 from archer.models.optim import LRSchedule, build_scheduler
 from archer.trainer import sft
@@ -310,7 +311,7 @@ def test_a_misspelt_data_format_suggests_the_nearest(capsys: pytest.CaptureFixtu
     assert "fix: did you mean 'sharegpt'? use one of ['auto', 'prompt_response', 'alpaca', 'sharegpt']" in err
 
 
-def test_packed_rows_give_the_unpacked_loss_and_gradient(tok, model) -> None:
+def test_packed_rows_give_the_unpacked_loss_and_gradient(tok, model, monkeypatch) -> None:
     rows = [_row(2, 3), {"prompt": "Say hi.", "response": "hi"}, _row(17, 25), _row(4, 1),
             {"prompt": "What is 9 + 9?", "response": "18"}]
     ds = SFTDataset.from_rows(rows, tok, max_length=64)
@@ -318,7 +319,12 @@ def test_packed_rows_give_the_unpacked_loss_and_gradient(tok, model) -> None:
     packed = pack_sft(items, ds.pad_token_id, capacity=64)
     assert len(packed) < len(items)  # several examples share a row
     loss, grads = _grads(model, ds.collate(items), micro=len(items))
+    examples = []  # archer's attention of packed examples (on the CPU, one SDPA call an example and layer)
+    per_example = packed_attention_module._per_sequence_sdpa
+    monkeypatch.setattr(packed_attention_module, "_per_sequence_sdpa",
+                        lambda q, k, v, cu, scaling: examples.append(len(cu) - 1) or per_example(q, k, v, cu, scaling))
     packed_loss, packed_grads = _grads(model, packed, micro=1)
+    assert sum(examples) == len(items) * model.config.num_hidden_layers  # no [T x T] mask: each example alone
     assert packed_loss == pytest.approx(loss, rel=1e-5)
     for name, grad in grads.items():
         torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-6)

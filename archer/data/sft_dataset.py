@@ -336,8 +336,9 @@ def pack_sft(items: Sequence[dict[str, torch.Tensor]], pad_token_id: int, capaci
     """Several examples per row (``data.packing``): the items, longest first, each into the first row with room
     for it (rows of at most ``capacity`` tokens), right-padded to the longest row. ``position_ids`` restart at 0
     with every example (and on the padding), which is how the model keeps each example's attention to itself:
-    run without an attention mask, transformers reads the restarts as sequence boundaries (a block-diagonal
-    causal mask with SDPA or eager attention, varlen kernels with flash attention). ``info["packed"]`` says so;
+    the loss's pass reads the restarts as the examples' bounds and runs them through archer's attention
+    (models/logprobs.py, ``examples_hidden``; a model that does not run it gets no attention mask, and
+    transformers builds a block-diagonal one from the restarts). ``info["packed"]`` says so;
     ``info["token_slots_unpacked"]`` is what the items would cost unpacked, ``unpacked_micro_batch_size`` rows a
     forward pass (``token_slots``)."""
     lengths = [len(it["input_ids"]) for it in items]

@@ -92,6 +92,26 @@ class PackedRows:
         offsets[1:] = lengths.cumsum(0)
         return cls(input_ids[present].unsqueeze(0), position_ids[present].unsqueeze(0), offsets, int(lengths.max()))
 
+    @classmethod
+    def of_examples(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+                    ) -> PackedRows:
+        """The tokens of rows that each hold several examples one after another (SFT's ``data.packing``): an
+        example begins where its position id is 0 (or a row begins); ``attention_mask`` 0 marks the padding."""
+        present = attention_mask.bool()
+        positions = position_ids[present]
+        starts = (positions == 0)
+        starts[(present.cumsum(1) == 1)[present]] = True  # each row's first token begins an example
+        end = torch.tensor([len(positions)], device=positions.device)
+        offsets = torch.cat([starts.nonzero().squeeze(1), end]).to(torch.int32)
+        longest = int((offsets[1:] - offsets[:-1]).max()) if len(positions) else 0
+        return cls(input_ids[present].unsqueeze(0), positions.unsqueeze(0), offsets, longest)
+
+    def to(self, device: torch.device | str, input_ids: torch.Tensor | None = None) -> PackedRows:
+        """The rows on ``device`` (``archer.batch.to_device``: the host does not wait); ``input_ids``: the tokens
+        already moved."""
+        return PackedRows(to_device(self.input_ids, device) if input_ids is None else input_ids,
+                          to_device(self.position_ids, device), to_device(self.cu_seq_lens, device), self.max_length)
+
     def model_inputs(self) -> dict[str, torch.Tensor | int]:
         """Keyword arguments of the model's forward: an all-ones mask (so transformers makes no mask of its own)
         and the sequences' bounds, which keep attention inside each (models/packed_attention.py)."""
@@ -162,8 +182,7 @@ class SequenceLayout:
             if isinstance(value, torch.Tensor):
                 moved[name] = to_device(value, device)
         if self.packing is not None:  # its tokens are the layout's input_ids
-            moved["packing"] = PackedRows(moved["input_ids"], to_device(self.packing.position_ids, device),
-                                          to_device(self.packing.cu_seq_lens, device), self.packing.max_length)
+            moved["packing"] = self.packing.to(device, moved["input_ids"])
         return SequenceLayout(**moved)
 
     @property

@@ -41,7 +41,7 @@ import torch
 from omegaconf import DictConfig
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from archer.batch import Batch, response_attention
+from archer.batch import Batch, response_attention, to_device
 from archer.data.rl_dataset import TRUNCATION_MODES, truncate_ids
 from archer.errors import ArcherError
 from archer.models.loading import (
@@ -247,21 +247,26 @@ class RewardModelWorker:
         lengths = torch.tensor([len(ids) for ids in sequences], dtype=torch.long)
         width = int(lengths.max()) if len(sequences) else 0
         present = torch.arange(width)[None, :] < lengths[:, None]
-        scores = torch.zeros(len(sequences), dtype=torch.float32)
+        done = []
         for rows in self.micro.split(present.long()):
             longest = int(lengths[rows].max())
             ids = torch.full((len(rows), longest), self.pad_token_id, dtype=torch.long)
             for r, row in enumerate(rows.tolist()):
                 ids[r, :lengths[row]] = torch.tensor(sequences[row], dtype=torch.long)
-            ids, mask = ids.to(self.device), present[rows, :longest].long().to(self.device)
-            if self.micro.packed:
-                packing = PackedRows.of(ids, mask, torch.arange(longest, device=self.device).expand_as(ids))
+            mask = present[rows, :longest].long()
+            if self.micro.packed:  # laid out on the host and moved whole: the host never waits for the GPU
+                packing = PackedRows.of(ids, mask, torch.arange(longest).expand_as(ids)).to(self.device)
                 hidden = self.backbone(**packing.model_inputs(), use_cache=False).last_hidden_state[0]
-                picked = hidden[packing.cu_seq_lens[1:].long() - 1]
+                last = packing.cu_seq_lens[1:].long() - 1
             else:
-                hidden = self.backbone(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-                picked = hidden[torch.arange(len(rows)), lengths[rows] - 1]
-            scores[rows] = self.head(picked).squeeze(-1).float().cpu()
+                hidden = self.backbone(input_ids=to_device(ids, self.device),
+                                       attention_mask=to_device(mask, self.device), use_cache=False).last_hidden_state
+                last = to_device(torch.arange(len(rows)) * longest + lengths[rows] - 1, self.device)
+            picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, last)
+            done.append((rows, self.head(picked).squeeze(-1).float()))
+        scores = torch.zeros(len(sequences), dtype=torch.float32)
+        for rows, part in done:  # read back once the passes are queued
+            scores[rows] = part.cpu()
         return scores
 
     def compute_rm_score(self, batch: Batch) -> Batch:
