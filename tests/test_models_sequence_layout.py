@@ -18,6 +18,7 @@ from archer.models.packed_attention import (
     archer_mask,
     packed_attention,
     supports_packing,
+    windowed_layers,
 )
 from archer.models.sequence_layout import PackedRows, SequenceLayout
 
@@ -122,6 +123,34 @@ def test_rows_of_several_examples_pack_into_one_sequence_of_examples_with_their_
     # a row that starts inside an example (positions not from 0) still begins a sequence of its own
     cut = PackedRows.of_examples(ids, mask, torch.tensor([[5, 6, 7, 0, 1, 0], [0, 1, 2, 3, 0, 1]]))
     assert cut.cu_seq_lens.tolist() == [0, 3, 5, 9]
+
+
+def test_a_model_with_sliding_window_layers_keeps_sdpa_and_its_packed_sft_rows_their_window(tmp_path, caplog):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from archer.data.sft_dataset import collate_sft, pack_sft
+    from archer.models.logprobs import masked_logprobs
+
+    common = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "num_key_value_heads": 1}
+    windowed = Qwen2Config(**common, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    assert windowed_layers(windowed) and not windowed_layers(Qwen2Config(**common))
+    assert not windowed_layers(Qwen2Config(**common, sliding_window=4))  # Qwen2.5's configs: window off
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(windowed).save_pretrained(tmp_path / "windowed")
+    model = load_causal_lm(tmp_path / "windowed", device="cpu", dtype=torch.float32)
+    assert not supports_packing(model) and "sliding-window attention layers" in caplog.text
+    gen = torch.Generator().manual_seed(1)
+    items = [{"input_ids": torch.randint(3, 64, (n,), generator=gen), "loss_mask": (torch.arange(n) >= 2).long()}
+             for n in (12, 6, 5)]  # longer than the window
+    packed = pack_sft(items, 0, capacity=32)
+    with torch.no_grad():
+        got = masked_logprobs(model, *(packed[k] for k in ("input_ids", "attention_mask", "position_ids",
+                                                            "loss_mask")), packed=True)
+        rows = collate_sft(items, 0)
+        want = masked_logprobs(model, *(rows[k] for k in ("input_ids", "attention_mask", "position_ids",
+                                                           "loss_mask")))
+    torch.testing.assert_close(got.sort().values, want.sort().values, atol=1e-5, rtol=0)
 
 
 def test_a_row_that_is_not_one_run_of_tokens_is_refused():

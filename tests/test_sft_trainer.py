@@ -4,6 +4,7 @@ run whose metrics, summary, config and HF model folder are checked field by fiel
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -16,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from archer import cli
 from archer.batch import Batch
 from archer.config.loader import CONFIG_DIR, load_config
-from archer.data.sft_dataset import SFTDataset, pack_sft
+from archer.data.sft_dataset import SFTDataset, collate_sft, pack_sft
 from archer.errors import ArcherError
 from archer.models import packed_attention as packed_attention_module
 from archer.models.loading import load_causal_lm, load_tokenizer
@@ -333,6 +334,26 @@ def test_packed_rows_give_the_unpacked_loss_and_gradient(tok, model, monkeypatch
         leaky = response_logprobs(model, Batch(dict(packed.tensors)))
         kept_apart = response_logprobs(model, packed)
     assert (leaky - kept_apart).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("attention", ["archer", "sdpa"])
+def test_packed_examples_that_start_with_a_learned_token_give_the_unpacked_loss(model, attention) -> None:
+    # left truncation can cut an example so that it starts inside a response: its first token has loss_mask 1 but
+    # nothing before it in the example to be predicted from (unpacked, it is column 0 of its row)
+    gen = torch.Generator().manual_seed(4)
+    items = [{"input_ids": torch.randint(3, 300, (n,), generator=gen), "loss_mask": torch.tensor(mask)}
+             for n, mask in ((7, [0, 0, 0, 1, 1, 1, 1]), (5, [1, 1, 1, 1, 1]), (4, [1, 1, 0, 1]))]
+    packed = pack_sft(items, 0, capacity=16)
+    assert len(packed) == 1
+    if attention == "sdpa":  # a model that does not run archer's attention: transformers' mask from the restarts
+        model = copy.deepcopy(model)
+        model.set_attn_implementation("sdpa")
+    loss, grads = _grads(model, collate_sft(items, 0), micro=3)
+    packed_loss, packed_grads = _grads(model, packed, micro=1)
+    assert sft_backward(model, packed, 1)[1] == sft_backward(model, collate_sft(items, 0), 3)[1] == 4 + 4 + 2
+    assert packed_loss == pytest.approx(loss, rel=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-6)
 
 
 def test_run_sft_with_packing_matches_the_unpacked_run_and_reports_the_tokens_saved(tmp_path: Path,

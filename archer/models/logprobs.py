@@ -297,6 +297,8 @@ def masked_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     hidden = backbone_hidden(model, input_ids=input_ids, attention_mask=None if packed else attention_mask[:, :length],
                              position_ids=position_ids[:, :length])
     targets = loss_mask[:, 1:].bool()
+    if packed:  # an example's first token is not predicted from the example before it
+        targets &= position_ids[:, 1:length] != 0
     return hidden[:, :-1][targets], input_ids[:, 1:][targets]
 
 

@@ -146,10 +146,24 @@ AttentionInterface.register(PACKED_ATTENTION, packed_attention)
 AttentionMaskInterface.register(PACKED_ATTENTION, archer_mask)
 
 
+def windowed_layers(config: Any) -> bool:
+    """Whether a model config has layers that attend to a window (sliding or chunked) rather than to every earlier
+    token: their masks are not plain causal, which packed attention does not apply."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return any(kind != "full_attention" for kind in layer_types)
+    return bool(getattr(config, "sliding_window", None)) and bool(getattr(config, "use_sliding_window", True))
+
+
 def use_packed_attention(model: nn.Module) -> None:
     """Make ``model`` (a transformers model) run ``packed_attention``; one whose architecture takes no attention
-    implementation keeps its own and runs padded rows only (``supports_packing``), with a warning."""
+    implementation, or that has windowed layers (``windowed_layers``), keeps its own and runs padded rows only
+    (``supports_packing``), with a warning."""
     if supports_packing(model):
+        return
+    if windowed_layers(getattr(model, "config", None)):
+        log.warning("%s has sliding-window attention layers, which archer's packed attention does not apply: its "
+                    "passes run padded, never packed", type(model).__name__)
         return
     try:
         model.set_attn_implementation(PACKED_ATTENTION)

@@ -245,7 +245,10 @@ def _model_inputs(batch: Batch) -> tuple[torch.Tensor, ...]:
 def sft_backward(model: PreTrainedModel, batch: Batch, micro_batch_size: int) -> tuple[float, int]:
     """Accumulate into ``.grad`` the gradient of the batch's mean response-token NLL, one micro-batch at a
     time, each normalised by the whole batch's token count. Returns (loss, number of response tokens)."""
-    num_tokens = int(batch["loss_mask"][:, 1:].sum())
+    learned = batch["loss_mask"][:, 1:].bool()
+    if batch.info.get("packed"):  # an example's first token is never predicted (masked_hidden)
+        learned &= batch["position_ids"][:, 1:] != 0
+    num_tokens = int(learned.sum())
     total = 0.0
     for micro in batch.split(micro_batch_size):
         loss = -response_logprobs(model, micro).sum() / max(num_tokens, 1)
