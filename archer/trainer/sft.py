@@ -249,12 +249,12 @@ def sft_backward(model: PreTrainedModel, batch: Batch, micro_batch_size: int) ->
     if batch.info.get("packed"):  # an example's first token is never predicted (masked_hidden)
         learned &= batch["position_ids"][:, 1:] != 0
     num_tokens = int(learned.sum())
-    total = 0.0
+    losses = []
     for micro in batch.split(micro_batch_size):
         loss = -response_logprobs(model, micro).sum() / max(num_tokens, 1)
         loss.backward()
-        total += loss.item()
-    return total, num_tokens
+        losses.append(loss.detach())
+    return sum(torch.stack(losses).double().tolist()), num_tokens  # read back once, summed as before
 
 
 def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, scheduler: LambdaLR, batch: Batch, *,
