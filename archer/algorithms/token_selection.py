@@ -38,12 +38,13 @@ def top_entropy_tokens(entropy: torch.Tensor, mask: torch.Tensor, ratio: float) 
         raise ArcherError(f"entropy_top_ratio must lie in (0, 1], got {ratio}",
                           "set actor_rollout_ref.actor.entropy_top_ratio, e.g. 0.2, or null to train on every token")
     valid = mask.bool()
-    k = top_entropy_count(int(valid.sum()), ratio)
-    selected = torch.zeros_like(valid)
-    if k:
-        scores = torch.where(valid, entropy.detach().float(), torch.full_like(entropy, -math.inf, dtype=torch.float32))
-        selected.view(-1)[scores.view(-1).topk(k).indices] = True
-    return selected
+    # top_entropy_count's ceil(ratio * N) on the tensor's device (the same float64 arithmetic): reading N back would
+    # make the host wait for the GPU in the middle of the update (docs/architecture.md)
+    k = torch.ceil(valid.sum().double() * ratio - 1e-9).clamp(min=0)
+    scores = torch.where(valid, entropy.detach().float(), torch.full_like(entropy, -math.inf, dtype=torch.float32))
+    order = scores.reshape(-1).argsort(descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return (rank.view(valid.shape) < k) & valid
 
 
 def advantage_logp_covariance(advantages: torch.Tensor, log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -109,6 +109,21 @@ def test_top_entropy_tokens_over_the_whole_tensor(ratio, expected):
     assert rows(selected) == expected
 
 
+@pytest.mark.parametrize(("num_valid", "ratio"), [(25, 0.28), (7, 0.2), (40, 0.5), (1, 0.01), (33, 1.0)])
+def test_top_entropy_tokens_select_exactly_the_count_the_normaliser_uses_even_with_ties(num_valid, ratio):
+    # selected on the tensor's device without reading N back: as many as top_entropy_count (the loss's normaliser,
+    # counted on the host), the largest entropies, ties broken by position; 0.28 * 25 = 7.000000000000001 -> 7
+    gen = torch.Generator().manual_seed(num_valid)
+    entropy = torch.randint(0, 4, (5, 9), generator=gen).float()  # many ties
+    mask = torch.zeros(5, 9, dtype=torch.long)
+    mask.view(-1)[torch.randperm(45, generator=gen)[:num_valid]] = 1
+    selected = top_entropy_tokens(entropy, mask, ratio)
+    k = top_entropy_count(num_valid, ratio)
+    assert int(selected.sum()) == k and not (selected & ~mask.bool()).any()
+    if k < num_valid:  # nothing left out has a larger entropy than anything selected
+        assert float(entropy[selected].min()) >= float(entropy[mask.bool() & ~selected].max())
+
+
 def test_top_entropy_tokens_of_an_empty_mask_select_nothing():
     assert not top_entropy_tokens(TOP_ENTROPY, torch.zeros(2, 4), 0.2).any()
 
