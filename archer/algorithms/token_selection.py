@@ -38,13 +38,19 @@ def top_entropy_tokens(entropy: torch.Tensor, mask: torch.Tensor, ratio: float) 
         raise ArcherError(f"entropy_top_ratio must lie in (0, 1], got {ratio}",
                           "set actor_rollout_ref.actor.entropy_top_ratio, e.g. 0.2, or null to train on every token")
     valid = mask.bool()
-    # top_entropy_count's ceil(ratio * N) on the tensor's device (the same float64 arithmetic): reading N back would
-    # make the host wait for the GPU in the middle of the update (docs/architecture.md)
+    # top_entropy_count's ceil(ratio * N) on the tensor's device (the same float64 arithmetic)
     k = torch.ceil(valid.sum().double() * ratio - 1e-9).clamp(min=0)
     scores = torch.where(valid, entropy.detach().float(), torch.full_like(entropy, -math.inf, dtype=torch.float32))
+    return _largest(scores, k) & valid
+
+
+def _largest(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Where the ``k`` (a 0-d tensor) largest ``scores`` are, ties broken by position. Ranked on the scores' device:
+    a count read back as a number (``topk``'s k) would make the host wait for the GPU in the middle of the update
+    (docs/architecture.md, "The host never waits inside a pass")."""
     order = scores.reshape(-1).argsort(descending=True, stable=True)
     rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return (rank.view(valid.shape) < k) & valid
+    return rank.view(scores.shape) < k
 
 
 def advantage_logp_covariance(advantages: torch.Tensor, log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -58,11 +64,15 @@ def advantage_logp_covariance(advantages: torch.Tensor, log_prob: torch.Tensor, 
     return torch.where(valid, (a - a_mean) * (lp - lp_mean), -math.inf)
 
 
-def covariance_count(num_valid: int, ratio: float) -> int:
-    """max(1, int(ratio * N)) tokens, the Clip-Cov / KL-Cov budget (0 when N is 0)."""
+def _check_covariance_ratio(ratio: float) -> None:
     if not 0.0 < ratio <= 1.0:
         raise ArcherError(f"a covariance token ratio must lie in (0, 1], got {ratio}",
                           "set actor_rollout_ref.actor.policy_loss.clip_cov_ratio / kl_cov_ratio, e.g. 0.0002")
+
+
+def covariance_count(num_valid: int, ratio: float) -> int:
+    """max(1, int(ratio * N)) tokens, the Clip-Cov / KL-Cov budget (0 when N is 0)."""
+    _check_covariance_ratio(ratio)
     return max(1, int(ratio * num_valid)) if num_valid > 0 else 0
 
 
@@ -80,9 +90,8 @@ def clip_cov_tokens(cov: torch.Tensor, eligible: torch.Tensor, ratio: float, low
 
 def kl_cov_tokens(cov: torch.Tensor, ratio: float) -> torch.Tensor:
     """KL-Cov: the max(1, int(ratio*N)) valid tokens of largest covariance (N = tokens with finite cov)."""
-    num_valid = int(torch.isfinite(cov).sum())
-    selected = torch.zeros(cov.shape, dtype=torch.bool, device=cov.device)
-    k = covariance_count(num_valid, ratio)
-    if k:
-        selected.view(-1)[cov.view(-1).topk(k).indices] = True
-    return selected
+    _check_covariance_ratio(ratio)
+    finite = torch.isfinite(cov)
+    count = finite.sum().double()
+    k = torch.where(count > 0, torch.floor(count * ratio).clamp(min=1), 0.0)  # covariance_count on the device
+    return _largest(cov.detach(), k) & finite

@@ -124,6 +124,19 @@ def test_top_entropy_tokens_select_exactly_the_count_the_normaliser_uses_even_wi
         assert float(entropy[selected].min()) >= float(entropy[mask.bool() & ~selected].max())
 
 
+@pytest.mark.parametrize(("num_valid", "ratio"), [(25, 0.28), (40, 0.05), (3, 0.1), (33, 1.0)])
+def test_kl_cov_tokens_select_exactly_the_covariance_count_even_with_ties(num_valid, ratio):
+    gen = torch.Generator().manual_seed(num_valid)
+    cov = torch.full((5, 9), -INF, dtype=torch.float64)
+    cov.view(-1)[torch.randperm(45, generator=gen)[:num_valid]] = torch.randint(-2, 3, (num_valid,),
+                                                                                 generator=gen).double()
+    selected = kl_cov_tokens(cov, ratio)
+    finite = torch.isfinite(cov)
+    assert int(selected.sum()) == covariance_count(num_valid, ratio) and not (selected & ~finite).any()
+    if int(selected.sum()) < num_valid:
+        assert float(cov[selected].min()) >= float(cov[finite & ~selected].max())
+
+
 def test_top_entropy_tokens_of_an_empty_mask_select_nothing():
     assert not top_entropy_tokens(TOP_ENTROPY, torch.zeros(2, 4), 0.2).any()
 
