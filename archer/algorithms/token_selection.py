@@ -94,4 +94,4 @@ def kl_cov_tokens(cov: torch.Tensor, ratio: float) -> torch.Tensor:
     finite = torch.isfinite(cov)
     count = finite.sum().double()
     k = torch.where(count > 0, torch.floor(count * ratio).clamp(min=1), 0.0)  # covariance_count on the device
-    return _largest(cov.detach(), k) & finite
+    return _largest(cov, k) & finite

@@ -293,13 +293,21 @@ def masked_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     if packed and supports_packing(model):
         return examples_hidden(model, input_ids, attention_mask, position_ids, loss_mask)
     length = int(attention_mask.sum(dim=1).max())
-    input_ids, loss_mask = input_ids[:, :length], loss_mask[:, :length]
+    input_ids, loss_mask, position_ids = input_ids[:, :length], loss_mask[:, :length], position_ids[:, :length]
     hidden = backbone_hidden(model, input_ids=input_ids, attention_mask=None if packed else attention_mask[:, :length],
-                             position_ids=position_ids[:, :length])
-    targets = loss_mask[:, 1:].bool()
-    if packed:  # an example's first token is not predicted from the example before it
-        targets &= position_ids[:, 1:length] != 0
+                             position_ids=position_ids)
+    targets = predicted_targets(loss_mask, position_ids, packed=packed)
     return hidden[:, :-1][targets], input_ids[:, 1:][targets]
+
+
+def predicted_targets(loss_mask: torch.Tensor, position_ids: torch.Tensor, *, packed: bool) -> torch.Tensor:
+    """[B, W - 1]: whether the output at column c scores the token at c + 1, a token with ``loss_mask`` 1; in
+    ``packed`` rows never an example's first token (position 0), which nothing of its own example precedes. What
+    the SFT loss is normalised by, and what ``masked_hidden`` and ``examples_hidden`` score."""
+    targets = loss_mask[:, 1:].bool()
+    if packed:
+        targets &= position_ids[:, 1:] != 0
+    return targets
 
 
 def examples_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -45,7 +45,7 @@ from archer.models.loading import (
     load_tokenizer,
     pick_device,
 )
-from archer.models.logprobs import logprobs_from_hidden, masked_hidden, masked_logprobs
+from archer.models.logprobs import logprobs_from_hidden, masked_hidden, masked_logprobs, predicted_targets
 from archer.models.lora import LoraSettings
 from archer.models.optim import SFT_SCHEDULERS, LRSchedule, clip_and_step
 from archer.models.owner import ModelOwner
@@ -245,10 +245,8 @@ def _model_inputs(batch: Batch) -> tuple[torch.Tensor, ...]:
 def sft_backward(model: PreTrainedModel, batch: Batch, micro_batch_size: int) -> tuple[float, int]:
     """Accumulate into ``.grad`` the gradient of the batch's mean response-token NLL, one micro-batch at a
     time, each normalised by the whole batch's token count. Returns (loss, number of response tokens)."""
-    learned = batch["loss_mask"][:, 1:].bool()
-    if batch.info.get("packed"):  # an example's first token is never predicted (masked_hidden)
-        learned &= batch["position_ids"][:, 1:] != 0
-    num_tokens = int(learned.sum())
+    num_tokens = int(predicted_targets(batch["loss_mask"], batch["position_ids"],
+                                       packed=bool(batch.info.get("packed"))).sum())
     losses = []
     for micro in batch.split(micro_batch_size):
         loss = -response_logprobs(model, micro).sum() / max(num_tokens, 1)

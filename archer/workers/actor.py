@@ -51,6 +51,7 @@ from archer.models.micro_batches import ACTOR_UPDATE, LOG_PROB, MicroBatching, n
 from archer.models.optim import LRSchedule
 from archer.models.owner import ModelOwner, OwnsModel
 from archer.models.packed_attention import supports_packing
+from archer.models.sequence_layout import SequenceLayout
 from archer.rollout.factory import build_engine, uses_fast_engine
 from archer.trace.influence_capture import (
     CaptureSettings,
@@ -330,12 +331,9 @@ class ActorWorker(OwnsModel):
         sums = MetricSums()
         for index, rows in enumerate(passes.parts):
             weight = 0.0 if passes.padding(index) else 1.0  # a padding pass only keeps FSDP's collectives in step
-            rows_here = mini_batch.index(rows)
-            host_layout = self.update_micro.layout(rows_here)  # made on the host, moved whole (no waits)
-            mb, layout = rows_here.to(self.device), host_layout.to(self.device)
+            mb, layout, traced = self._placed(mini_batch.index(rows))
             mask = mb["response_mask"].float()
-            tracing = (influence.micro_batch(rows_here["row_id"].tolist(), host_layout.first_predictor.tolist(),
-                                             tuple(host_layout.input_ids.shape))
+            tracing = (influence.micro_batch(*traced)
                        if influence is not None and weight else nullcontext())  # padding passes trace nothing
             with tracing:
                 with autocast_for(self.device):
@@ -358,6 +356,13 @@ class ActorWorker(OwnsModel):
         out["actor/skipped_steps"] = 0.0 if stepped else 1.0
         return out
 
+    def _placed(self, rows: Batch) -> tuple[Batch, SequenceLayout, tuple[list[int], list[int], tuple[int, ...]]]:
+        """A micro-batch's rows (with ``row_id``) and layout on the device, the layout made on the host and moved
+        whole (no waits for the GPU), and what ``TokenCapture.micro_batch`` takes of them, read on the host."""
+        layout = self.update_micro.layout(rows)
+        traced = (rows["row_id"].tolist(), layout.first_predictor.tolist(), tuple(layout.input_ids.shape))
+        return rows.to(self.device), layout.to(self.device), traced
+
     def _influence_backward(self, batch: Batch, influence: TokenCapture, output_function: str) -> None:
         """The extra forward+backward of the traced rows that log_prob / advantage_log_prob need.
 
@@ -374,11 +379,8 @@ class ActorWorker(OwnsModel):
         self.model.train()
         with influence.hooks():
             for part in self.update_micro.split(data["attention_mask"]):
-                rows_here = data.index(part)
-                host_layout = self.update_micro.layout(rows_here)
-                mb, layout = rows_here.to(self.device), host_layout.to(self.device)
-                with influence.micro_batch(rows_here["row_id"].tolist(), host_layout.first_predictor.tolist(),
-                                           tuple(host_layout.input_ids.shape)):
+                mb, layout, traced = self._placed(data.index(part))
+                with influence.micro_batch(*traced):
                     with autocast_for(self.device):
                         logp, _ = layout_logprobs(self.model, layout, temperature=self.temperature,
                                                   chunk_size=self.chunk_size, compute_entropy=False)
