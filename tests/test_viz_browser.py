@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import socket
+import time
 from pathlib import Path
 
 import health_support
@@ -22,6 +23,7 @@ import pytest
 import trace_support
 
 from archer.trace.format import TraceWriter
+from archer.viz import app as app_module
 from archer.viz import queries, render
 from archer.viz.app import launch
 
@@ -114,6 +116,7 @@ def wait_for_response(page, step: int, row: int) -> None:
 
 
 def open_response(page, step: int, row: int) -> None:
+    page.get_by_role("tab", name="Responses").click()  # where an earlier test may have left another tab open
     pick_step(page, step)
     page.wait_for_function("(s) => document.querySelector('#archer-meta')?.innerText.startsWith(`step ${s} |`)",
                            arg=step)
@@ -310,6 +313,25 @@ def test_a_step_written_while_the_app_runs_appears(page, trace, tokenizer) -> No
     open_response(page, 5, 0)
     length = int(arrays_of(tokenizer, 5)["response_mask"][0].sum())
     assert page.locator("#archer-heatmap-entropy .archer-tok").count() == length
+
+
+def test_a_tab_opened_while_another_is_still_opening_is_drawn(browser, trace, monkeypatch) -> None:
+    # A slow server: each tab's opening takes a second, the second tab is clicked before the first has answered
+    # (an event already pending ignores a second trigger of itself: one event for all tabs dropped this click).
+    opened = app_module._opened
+
+    def slowly(label: str):
+        def run() -> str:
+            time.sleep(1.0)
+            return opened(label)()
+        return run
+
+    monkeypatch.setattr(app_module, "_opened", slowly)
+    for page in open_page(browser, trace):
+        page.get_by_role("tab", name="Top-K tokens").click()
+        page.get_by_role("tab", name="Prompt group").click()
+        page.wait_for_function("() => document.querySelectorAll('#archer-group .archer-panel').length === 3")
+        assert page.get_by_role("tab", name="Prompt group").get_attribute("aria-selected") == "true"
 
 
 def test_the_page_loads_nothing_from_outside_the_app(page) -> None:

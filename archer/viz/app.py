@@ -32,6 +32,7 @@ POLL_SECONDS = 5.0
 VIEW_ROWS_SHOWN = 500  # rows of the response view drawn in the table (all go to the CSV)
 RESPONSES_TAB, GROUP_TAB, COMPARE_TAB, TREE_TAB = "Responses", "Prompt group", "Compare steps", "Branch tree"
 HEALTH_TAB = "Health"
+TAB_VIEWS = {GROUP_TAB: "group", COMPARE_TAB: "compare", TREE_TAB: "tree", HEALTH_TAB: "health"}  # drawn on opening
 # A click on a response of the branch tree sends its row (render.branch_tree_svg marks it with data-row).
 TREE_CLICK_JS = ("element.addEventListener('click', (event) => { const node = event.target.closest('[data-row]'); "
                  "if (node) trigger('click', {row: Number(node.dataset.row)}); });")
@@ -93,8 +94,10 @@ def _select_row(column: int) -> Callable[[gr.SelectData], int]:
     return pick
 
 
-def _tab_label(event: gr.SelectData) -> str:
-    return str(event.value)
+def _opened(label: str) -> Callable[[], str]:
+    """What a tab's select event stores as the open tab (its own label: Gradio may hand a re-sent event the
+    first click's data)."""
+    return lambda: label
 
 
 def guarded(outputs: list[Any], fn: Callable[..., dict[Any, Any] | None], error: gr.Markdown,
@@ -127,6 +130,12 @@ def theme() -> gr.themes.Base:
 
 class Controls:
     """The app's components, set by the layout functions below (names as the views and wiring use them)."""
+
+
+def _tab(c: Controls, label: str) -> gr.Tab:
+    """A tab, kept in ``c.tab_of`` for its select event."""
+    c.tab_of[label] = gr.Tab(label, id=label)
+    return c.tab_of[label]
 
 
 def _layout_step(c: Controls, explorer: Explorer, steps: list[int]) -> None:
@@ -174,23 +183,23 @@ def _layout_responses(c: Controls, influence: bool) -> None:
 
 def _layout_groups(c: Controls, steps: list[int]) -> None:
     """The tabs of several responses: top-K tokens, the prompt group, two steps compared, the branch tree."""
-    with gr.Tab("Top-K tokens"):
+    with _tab(c, "Top-K tokens"):
         c.k = gr.Slider(1, 500, value=20, step=1, label="K", elem_id="archer-k")
         with gr.Row():
             c.top_high = gr.Dataframe(label="highest entropy", interactive=False, elem_id="archer-top-high")
             c.top_low = gr.Dataframe(label="lowest entropy", interactive=False, elem_id="archer-top-low")
-    with gr.Tab(GROUP_TAB):
+    with _tab(c, GROUP_TAB):
         c.group_tokens = gr.Slider(16, 4096, value=256, step=16, label="tokens shown per response")
         c.group_prompt = gr.Textbox(label="prompt of the selected response", lines=2, max_lines=8)
         c.group_map = gr.HTML(elem_id="archer-group")
-    with gr.Tab(COMPARE_TAB):
+    with _tab(c, COMPARE_TAB):
         with gr.Row():
             c.other = gr.Dropdown(choices=steps, value=steps[0] if steps else None, elem_id="archer-other",
                                   label="compare the selected response's prompt with step")
             c.compare_tokens = gr.Slider(16, 4096, value=256, step=16, label="tokens shown per response")
         c.compare_table = gr.Dataframe(interactive=False, elem_id="archer-compare-table", elem_classes=["archer-table"])
         c.compare_map = gr.HTML(elem_id="archer-compare")
-    with gr.Tab(TREE_TAB):
+    with _tab(c, TREE_TAB):
         c.tree_uid = gr.Dropdown(label="prompt (uid)", elem_id="archer-tree-uid")
         c.tree_map = gr.HTML(elem_id="archer-tree", js_on_load=TREE_CLICK_JS)
         c.tree_table = gr.Dataframe(label="the prompt's responses in tree order (select a row to open it)",
@@ -199,12 +208,12 @@ def _layout_groups(c: Controls, steps: list[int]) -> None:
 
 def _layout_run(c: Controls) -> None:
     """The tabs over the whole run: its curves, a step's histogram, the health flags."""
-    with gr.Tab("Curves"):
+    with _tab(c, "Curves"):
         c.curves = gr.Plot(format="png", elem_id="archer-curves")
-    with gr.Tab("Histogram"):
+    with _tab(c, "Histogram"):
         c.bins = gr.Slider(5, 200, value=50, step=1, label="bins")
         c.histogram = gr.Plot(format="png", elem_id="archer-histogram")
-    with gr.Tab(HEALTH_TAB, id=HEALTH_TAB):
+    with _tab(c, HEALTH_TAB):
         c.health_note = gr.Markdown(elem_id="archer-health-note")
         c.health_plot = gr.Plot(format="png", elem_id="archer-health-timeline")
         c.health_flags = gr.Dataframe(label="flags (select one to open its first pointer)", interactive=False,
@@ -220,10 +229,11 @@ def _layout_run(c: Controls) -> None:
 
 def _layout(explorer: Explorer, poll_seconds: float) -> Controls:
     c = Controls()
+    c.tab_of = {}
     steps = explorer.steps()
     _layout_step(c, explorer, steps)
     with gr.Tabs() as c.tabs:
-        with gr.Tab(RESPONSES_TAB, id=RESPONSES_TAB):
+        with _tab(c, RESPONSES_TAB):
             _layout_responses(c, explorer.has_influence)
         _layout_groups(c, steps)
         _layout_run(c)
@@ -403,8 +413,9 @@ def _wire_views(app: gr.Blocks, c: Controls, v: Views, stages: dict[str, Stage])
     _chain(c.step.change, after_step)
     _chain(c.row.change, [stages[name] for name in ("response", "group", "compare", "tree")],
            trigger_mode="always_last")
-    _chain(c.tabs.select, [(_tab_label, [], [c.open_tab]),
-                           *(stages[name] for name in ("group", "compare", "tree", "health"))])
+    for label, tab in c.tab_of.items():  # each tab its own event: one opened while another draws is not dropped
+        view = TAB_VIEWS.get(label)
+        _chain(tab.select, [(_opened(label), [], [c.open_tab]), *([stages[view]] if view else [])])
     gr.on([c.low.submit, c.low.blur, c.high.submit, c.high.blur, c.search.change, c.padding.change, c.sort.change,
            c.scale.change], *stages["response"], trigger_mode="always_last")
     c.k.release(*stages["top"])
@@ -415,10 +426,11 @@ def _wire_views(app: gr.Blocks, c: Controls, v: Views, stages: dict[str, Stage])
 
 def _wire_selections(c: Controls, v: Views, health: Stage) -> None:
     """What a click opens (a table's row, a tree's node, a flag or its pointer) and the refresh of the steps."""
-    c.overview.select(_select_row(0), None, c.row)  # the overview's first column is the row
-    c.top_high.select(_select_row(1), None, c.row)  # top-K tables: rank, row, ...
-    c.top_low.select(_select_row(1), None, c.row)
-    c.tree_table.select(_select_row(0), None, c.row)  # the tree table's first column is the row
+    # every click on a row counts (a click while the last is pending is not dropped; the row drawn is the last's)
+    c.overview.select(_select_row(0), None, c.row, trigger_mode="multiple")  # the overview's first column is the row
+    c.top_high.select(_select_row(1), None, c.row, trigger_mode="multiple")  # top-K tables: rank, row, ...
+    c.top_low.select(_select_row(1), None, c.row, trigger_mode="multiple")
+    c.tree_table.select(_select_row(0), None, c.row, trigger_mode="multiple")  # its first column is the row
     c.tree_uid.input(guarded([c.row, c.error], v.pick_prompt, c.error, (c.row,)), [c.step, c.tree_uid],
                      [c.row, c.error])
     c.tree_map.click(v.open_node, None, [c.row, c.tabs, c.open_tab])
