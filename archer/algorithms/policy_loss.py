@@ -389,7 +389,7 @@ def clip_cov_policy_loss(
     enable_entropy_balanced_clipping: bool,
 ) -> tuple[torch.Tensor, dict[str, Metric]]:
     """Clip-Cov: PPO clip, and the gradient of a few random tokens with lb < cov(A, logp) < ub is cut off
-    (drawn with torch's global generator, which the trainer seeds). With the entropy-balanced clip the clipped
+    (drawn with torch's default generator of their device, which the trainer seeds). With the entropy-balanced clip the clipped
     tokens keep a gradient; the candidates are still the tokens the PPO clip did not clip."""
     log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ppo_losses, clip_active = clipped_token_losses(

@@ -64,34 +64,26 @@ def advantage_logp_covariance(advantages: torch.Tensor, log_prob: torch.Tensor, 
     return torch.where(valid, (a - a_mean) * (lp - lp_mean), -math.inf)
 
 
-def _check_covariance_ratio(ratio: float) -> None:
-    if not 0.0 < ratio <= 1.0:
-        raise ArcherError(f"a covariance token ratio must lie in (0, 1], got {ratio}",
-                          "set actor_rollout_ref.actor.policy_loss.clip_cov_ratio / kl_cov_ratio, e.g. 0.0002")
-
-
-def covariance_count(num_valid: int, ratio: float) -> int:
-    """max(1, int(ratio * N)) tokens, the Clip-Cov / KL-Cov budget (0 when N is 0)."""
-    _check_covariance_ratio(ratio)
-    return max(1, int(ratio * num_valid)) if num_valid > 0 else 0
-
-
 def clip_cov_tokens(cov: torch.Tensor, eligible: torch.Tensor, ratio: float, lower: float, upper: float,
                     generator: torch.Generator | None = None) -> torch.Tensor:
-    """Clip-Cov: max(1, int(ratio*N)) tokens drawn at random among eligible ones with lower < cov < upper."""
-    candidates = (eligible.bool() & (cov > lower) & (cov < upper)).view(-1).nonzero().squeeze(-1)
-    k = min(covariance_count(int(torch.isfinite(cov).sum()), ratio), len(candidates))
-    selected = torch.zeros(cov.shape, dtype=torch.bool, device=cov.device)
-    if k:
-        order = torch.randperm(len(candidates), generator=generator, device="cpu")[:k].to(cov.device)
-        selected.view(-1)[candidates[order]] = True
-    return selected
+    """Clip-Cov: max(1, int(ratio*N)) tokens (N = tokens with finite cov) drawn uniformly at random among the
+    eligible ones with lower < cov < upper, all of them when there are fewer. The draw ranks a random key per token
+    on cov's device, with ``generator`` (on that device) or torch's default one there, which the trainer seeds."""
+    candidates = eligible.bool() & (cov > lower) & (cov < upper)
+    keys = torch.rand(cov.shape, generator=generator, device=cov.device)
+    return _largest(torch.where(candidates, keys, -math.inf), _covariance_budget(cov, ratio)) & candidates
 
 
 def kl_cov_tokens(cov: torch.Tensor, ratio: float) -> torch.Tensor:
     """KL-Cov: the max(1, int(ratio*N)) valid tokens of largest covariance (N = tokens with finite cov)."""
-    _check_covariance_ratio(ratio)
-    finite = torch.isfinite(cov)
-    count = finite.sum().double()
-    k = torch.where(count > 0, torch.floor(count * ratio).clamp(min=1), 0.0)  # covariance_count on the device
-    return _largest(cov, k) & finite
+    return _largest(cov, _covariance_budget(cov, ratio)) & torch.isfinite(cov)
+
+
+def _covariance_budget(cov: torch.Tensor, ratio: float) -> torch.Tensor:
+    """max(1, int(ratio * N)) for the N tokens with finite cov (0 when N is 0), the Clip-Cov / KL-Cov budget, as a
+    0-d tensor on cov's device."""
+    if not 0.0 < ratio <= 1.0:
+        raise ArcherError(f"a covariance token ratio must lie in (0, 1], got {ratio}",
+                          "set actor_rollout_ref.actor.policy_loss.clip_cov_ratio / kl_cov_ratio, e.g. 0.0002")
+    count = torch.isfinite(cov).sum().double()
+    return torch.where(count > 0, torch.floor(count * ratio).clamp(min=1), 0.0)

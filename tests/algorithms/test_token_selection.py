@@ -8,7 +8,6 @@ import torch
 from archer.algorithms.token_selection import (
     advantage_logp_covariance,
     clip_cov_tokens,
-    covariance_count,
     high_entropy_tokens,
     kl_cov_tokens,
     top_entropy_count,
@@ -132,7 +131,7 @@ def test_kl_cov_tokens_select_exactly_the_covariance_count_even_with_ties(num_va
                                                                                  generator=gen).double()
     selected = kl_cov_tokens(cov, ratio)
     finite = torch.isfinite(cov)
-    assert int(selected.sum()) == covariance_count(num_valid, ratio) and not (selected & ~finite).any()
+    assert int(selected.sum()) == max(1, int(ratio * num_valid)) and not (selected & ~finite).any()
     if int(selected.sum()) < num_valid:
         assert float(cov[selected].min()) >= float(cov[finite & ~selected].max())
 
@@ -165,8 +164,11 @@ def test_covariance_is_detached():
 
 
 @pytest.mark.parametrize(("num_valid", "ratio", "count"), [(5, 0.45, 2), (5, 0.01, 1), (1000, 0.002, 2), (0, 0.5, 0)])
-def test_covariance_count_is_max_one_int_ratio_times_n(num_valid, ratio, count):
-    assert covariance_count(num_valid, ratio) == count
+def test_both_covariance_selections_take_max_one_int_ratio_times_n_tokens(num_valid, ratio, count):
+    cov = torch.full((1, 1000), -INF)
+    cov[0, :num_valid] = torch.linspace(1.5, 2.5, num_valid)  # all inside Clip-Cov's window (1, 5)
+    assert int(kl_cov_tokens(cov, ratio).sum()) == count
+    assert int(clip_cov_tokens(cov, torch.ones_like(cov, dtype=torch.bool), ratio, 1.0, 5.0).sum()) == count
 
 
 # five valid tokens (one padded); covariances distinct
@@ -220,6 +222,18 @@ def test_clip_cov_draws_exactly_max_one_int_ratio_n_at_random_reproducibly():
         assert not selected[3, 3:].any()
     assert torch.equal(draw(3), draws[3])  # the same seed draws the same tokens
     assert any(not torch.equal(draws[0], other) for other in draws[1:])  # different seeds draw differently
+
+
+def test_clip_cov_draws_every_candidate_equally_often():
+    # 4 of 12 candidates a draw: over 3,000 draws each is cut about 1,000 times (binomial sd ~26); the other
+    # tokens never are
+    cov = torch.tensor([[2.0] * 6 + [0.5, 7.0], [3.0] * 6 + [-INF, -INF]])
+    generator = torch.Generator().manual_seed(0)
+    counts = sum(clip_cov_tokens(cov, torch.ones_like(cov, dtype=torch.bool), 0.3, 1.0, 5.0, generator).long()
+                 for _ in range(3000))  # int(0.3 * 14) = 4
+    candidates = (cov > 1.0) & (cov < 5.0)
+    assert int(counts.sum()) == 4 * 3000 and not counts[~candidates].any()
+    assert counts[candidates].min() > 900 and counts[candidates].max() < 1100
 
 
 def test_clip_cov_without_candidates_selects_nothing():
