@@ -2,7 +2,7 @@
 
 A packed SFT row holds several examples one after another, their position ids restarting at 0 with each. archer
 now runs such rows as one sequence of examples with their bounds through its own attention (one varlen flash call a
-layer on a GPU: each example attends to itself, O(sum of squared lengths); models/logprobs.py, ``examples_hidden``).
+layer on a GPU: each example attends to itself, O(sum of squared lengths); models/sequence_layout.py, ``ScoredRows``).
 Before, the rows went to the model without a mask and transformers built a [T x T] block-diagonal mask from the
 restarts, which SDPA runs with a masked kernel over every pair of positions. This bench times one ``sft_backward``
 (forward and backward of the mean response-token NLL) of the same packed batch both ways, in one process, on a
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
                                    dtype=torch.bfloat16 if device.type == "cuda" else None, device=device.type)
     model = load_causal_lm(model_dir, device=device, gradient_checkpointing=True).train()
     items = examples(args.examples, args.max_length, model.config.vocab_size - 8, args.seed)
-    batch = pack_sft(items, 0, args.micro * args.max_length, unpacked_micro_batch_size=args.micro).to(device)
+    batch = pack_sft(items, 0, args.micro * args.max_length, unpacked_micro_batch_size=args.micro)  # kept on the host
     tokens = int(batch["attention_mask"].sum())
     params = sum(p.numel() for p in model.parameters())
     record: dict[str, Any] = {

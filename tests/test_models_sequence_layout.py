@@ -20,7 +20,7 @@ from archer.models.packed_attention import (
     supports_packing,
     windowed_layers,
 )
-from archer.models.sequence_layout import PackedRows, SequenceLayout
+from archer.models.sequence_layout import PackedRows, ScoredRows, SequenceLayout
 
 
 def test_packed_layout_by_hand():
@@ -123,6 +123,39 @@ def test_rows_of_several_examples_pack_into_one_sequence_of_examples_with_their_
     # a row that starts inside an example (positions not from 0) still begins a sequence of its own
     cut = PackedRows.of_examples(ids, mask, torch.tensor([[5, 6, 7, 0, 1, 0], [0, 1, 2, 3, 0, 1]]))
     assert cut.cu_seq_lens.tolist() == [0, 3, 5, 9]
+
+
+def test_scored_rows_by_hand():
+    from archer.data.sft_dataset import collate_sft, pack_sft
+
+    items = [{"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(learn)}
+             for ids, learn in (([11, 12, 13, 14], [0, 0, 1, 1]), ([21, 22], [0, 1]), ([31, 32, 33], [0, 1, 0]))]
+    padded = collate_sft(items, pad_token_id=0)
+    padded.tensors["input_ids"] = torch.cat([padded["input_ids"], torch.zeros(3, 2, dtype=torch.long)], dim=1)
+    for name in ("attention_mask", "position_ids", "loss_mask"):  # two columns of padding beyond the longest row
+        padded.tensors[name] = torch.cat([padded[name], torch.zeros(3, 2, dtype=torch.long)], dim=1)
+    inputs = [padded[k] for k in ("input_ids", "attention_mask", "position_ids", "loss_mask")]
+    rows = ScoredRows.build(*inputs, packed=False)
+    # right-padded rows from column 0, cut to 4 columns: no mask (all ones), positions counting on over the padding
+    assert rows.aligned and rows.input_ids.tolist() == [[11, 12, 13, 14], [21, 22, 0, 0], [31, 32, 33, 0]]
+    assert rows.position_ids.tolist() == [[0, 1, 2, 3]] * 3
+    assert rows.model_inputs()["attention_mask"].all()
+    # output c of the flat 3 x 4 input scores token c + 1: 13 and 14 (outputs 1, 2), 22 (4), 32 (8)
+    assert rows.predictors.tolist() == [1, 2, 4, 8] and rows.targets.tolist() == [13, 14, 22, 32]
+    assert rows.scored_states(torch.arange(12).view(3, 4)).tolist() == [1, 2, 4, 8]
+    left = [t.clone() for t in inputs]
+    left[1][1] = torch.tensor([0, 1, 1, 0, 0, 0])  # a row whose tokens do not start in column 0 keeps its mask
+    kept = ScoredRows.build(*left, packed=False)
+    assert not kept.aligned and kept.model_inputs()["attention_mask"].tolist()[1] == [0, 1, 1, 0]
+    packed = pack_sft(items, 0, capacity=16)  # one row: 11 12 13 14 | 31 32 33 | 21 22
+    inputs = [packed[k] for k in ("input_ids", "attention_mask", "position_ids", "loss_mask")]
+    rows = ScoredRows.build(*inputs, packed=True)
+    assert rows.packing.cu_seq_lens.tolist() == [0, 4, 7, 9]
+    # an example's first token is never scored (the output before it belongs to another example)
+    assert rows.predictors.tolist() == [1, 2, 4, 7] and rows.targets.tolist() == [13, 14, 32, 22]
+    plain = ScoredRows.build(*inputs, packed=True, examples=False)  # a model that does not run archer's attention
+    assert plain.packing is None and plain.model_inputs()["attention_mask"] is None
+    assert plain.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1]] and plain.predictors.tolist() == [1, 2, 4, 7]
 
 
 def test_a_model_with_sliding_window_layers_keeps_sdpa_and_its_packed_sft_rows_their_window(tmp_path, caplog):

@@ -337,7 +337,7 @@ def pack_sft(items: Sequence[dict[str, torch.Tensor]], pad_token_id: int, capaci
     for it (rows of at most ``capacity`` tokens), right-padded to the longest row. ``position_ids`` restart at 0
     with every example (and on the padding), which is how the model keeps each example's attention to itself:
     the loss's pass reads the restarts as the examples' bounds and runs them through archer's attention
-    (models/logprobs.py, ``examples_hidden``; a model that does not run it gets no attention mask, and
+    (models/sequence_layout.py, ``ScoredRows``; a model that does not run it gets no attention mask, and
     transformers builds a block-diagonal one from the restarts). ``info["packed"]`` says so;
     ``info["token_slots_unpacked"]`` is what the items would cost unpacked, ``unpacked_micro_batch_size`` rows a
     forward pass (``token_slots``)."""

@@ -29,11 +29,10 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.distributed.fsdp import FSDPModule
 
-from archer.batch import to_device
 from archer.errors import ArcherError
 from archer.models.loading import autocast_for
 from archer.models.packed_attention import supports_packing
-from archer.models.sequence_layout import PackedRows, SequenceLayout
+from archer.models.sequence_layout import ScoredRows, SequenceLayout
 
 try:  # the fused head kernels run on CUDA tensors where Triton is installed (a CUDA build of torch)
     from archer.models import logprob_kernels
@@ -286,47 +285,19 @@ def masked_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
                   position_ids: torch.Tensor, loss_mask: torch.Tensor, *, packed: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The backbone's hidden states [N, H] at the positions that predict the N tokens with ``loss_mask`` 1, and
-    those tokens [N]. Padding columns beyond the longest row are cut off first. ``packed`` rows (several
-    examples a row, told apart by restarts of ``position_ids``) run as one sequence of examples through archer's
-    attention, each example attending to itself (``examples_hidden``), or, with a model that does not run it,
-    without an attention mask (transformers then builds a [T x T] mask from the restarts)."""
-    if packed and supports_packing(model):
-        return examples_hidden(model, input_ids, attention_mask, position_ids, loss_mask)
-    length = int(attention_mask.sum(dim=1).max())
-    input_ids, loss_mask, position_ids = input_ids[:, :length], loss_mask[:, :length], position_ids[:, :length]
-    hidden = backbone_hidden(model, input_ids=input_ids, attention_mask=None if packed else attention_mask[:, :length],
-                             position_ids=position_ids)
-    targets = predicted_targets(loss_mask, position_ids, packed=packed)
-    return hidden[:, :-1][targets], input_ids[:, 1:][targets]
+    those tokens [N], on the model's device. The rows are laid out where they are (best on the host: rows on a GPU
+    are read back once) by ``ScoredRows``: cut to the longest, ``packed`` rows (several examples a row, told apart
+    by restarts of ``position_ids``) as one sequence of examples through archer's attention, each example
+    attending to itself (torch's varlen flash kernel on a GPU, O(sum of squared lengths)), or, with a model that
+    does not run it, without an attention mask."""
+    rows = ScoredRows.build(input_ids, attention_mask, position_ids, loss_mask, packed=packed,
+                            examples=supports_packing(model)).to(model_device(model))
+    return rows.scored_states(backbone_hidden(model, **rows.model_inputs())), rows.targets
 
 
-def predicted_targets(loss_mask: torch.Tensor, position_ids: torch.Tensor, *, packed: bool) -> torch.Tensor:
-    """[B, W - 1]: whether the output at column c scores the token at c + 1, a token with ``loss_mask`` 1; in
-    ``packed`` rows never an example's first token (position 0), which nothing of its own example precedes. What
-    the SFT loss is normalised by, and what ``masked_hidden`` and ``examples_hidden`` score."""
-    targets = loss_mask[:, 1:].bool()
-    if packed:
-        targets &= position_ids[:, 1:] != 0
-    return targets
-
-
-def examples_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    position_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``masked_hidden`` of rows that each hold several examples (position ids restart at 0 with each): the
-    examples of all rows concatenated into one sequence with their bounds (``PackedRows.of_examples``), so that
-    attention stays inside each example at O(sum of squared lengths), torch's varlen flash kernel on a GPU
-    (models/packed_attention.py). An output predicts the next token of its own example only. The bounds are
-    worked out on the host: one read back of the rows a pass."""
-    device = input_ids.device
-    ids, present, positions, learn = (t.cpu() for t in (input_ids, attention_mask.bool(), position_ids, loss_mask))
-    packing = PackedRows.of_examples(ids, present, positions)
-    begins = torch.zeros(packing.input_ids.shape[1], dtype=torch.bool)
-    begins[packing.cu_seq_lens[:-1].long()] = True
-    predictors = (learn[present][1:].bool() & ~begins[1:]).nonzero().squeeze(1)  # output c scores token c + 1
-    packing = packing.to(device)
-    hidden = backbone_hidden(model, **packing.model_inputs())[0]
-    return (hidden.index_select(0, to_device(predictors, device)),
-            packing.input_ids[0].index_select(0, to_device(predictors + 1, device)))
+def model_device(model: nn.Module) -> torch.device:
+    """The device of ``model``'s parameters."""
+    return next(model.parameters()).device
 
 
 def masked_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -334,7 +305,7 @@ def masked_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
                     chunk_size: int | None = None) -> torch.Tensor:
     """Log-probs (float32, [N]) of the N tokens with ``loss_mask`` 1, each given the tokens before it (the SFT
     loss's terms); the LM head sees only those N positions, in chunks (``masked_hidden`` for ``packed``)."""
-    with autocast_for(input_ids.device):
+    with autocast_for(model_device(model)):
         hidden, labels = masked_hidden(model, input_ids, attention_mask, position_ids, loss_mask, packed=packed)
         return logprobs_from_hidden(hidden, model.get_output_embeddings(), labels, chunk_size=chunk_size,
                                     compute_entropy=False)[0]

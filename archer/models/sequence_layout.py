@@ -177,13 +177,7 @@ class SequenceLayout:
 
     def to(self, device: torch.device | str) -> SequenceLayout:
         """The layout with its tensors on ``device`` (``archer.batch.to_device``: the host does not wait)."""
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name, value in moved.items():
-            if isinstance(value, torch.Tensor):
-                moved[name] = to_device(value, device)
-        if self.packing is not None:  # its tokens are the layout's input_ids
-            moved["packing"] = self.packing.to(device, moved["input_ids"])
-        return SequenceLayout(**moved)
+        return SequenceLayout(**_moved_fields(self, device))
 
     @property
     def packed(self) -> bool:
@@ -215,3 +209,87 @@ class SequenceLayout:
         """Per-token values [N] back into [B, R], 0 where the response has no token."""
         flat = torch.zeros(self.response_mask.numel(), dtype=values.dtype, device=values.device)
         return flat.index_copy(0, self.scatter_positions, values).view(self.response_mask.shape)
+
+
+def predicted_targets(loss_mask: torch.Tensor, position_ids: torch.Tensor, *, packed: bool) -> torch.Tensor:
+    """[B, W - 1]: whether the output at column c scores the token at c + 1, a token with ``loss_mask`` 1; in
+    ``packed`` rows never an example's first token (position 0), which nothing of its own example precedes. What
+    the SFT loss is normalised by, and what ``ScoredRows`` scores."""
+    targets = loss_mask[:, 1:].bool()
+    if packed:
+        targets &= position_ids[:, 1:] != 0
+    return targets
+
+
+@dataclass(frozen=True)
+class ScoredRows:
+    """Rows whose scored tokens may lie anywhere in them (SFT's, ``loss_mask`` 1), as the model sees them, and the
+    N outputs that score those tokens: ``predictors`` [N], flat positions over the input's rows x columns, and
+    ``targets`` [N], the tokens they score.
+
+    Rows run cut to the longest: right-padded rows that start in column 0 (``aligned``) with positions counting
+    on over their padding and an all-ones mask (causal attention never lets a token see the padding after it),
+    others with their mask; rows that each hold several examples (``packed``, positions restarting at 0 with each)
+    as one sequence of examples with their bounds (``packing``), or, for a model that does not run archer's
+    attention (``examples=False``), without a mask (transformers then builds a [T x T] one from the restarts).
+    Built on the host from rows there and moved whole (``to``), like ``SequenceLayout``.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    predictors: torch.Tensor
+    targets: torch.Tensor
+    attention_mask: torch.Tensor | None = None
+    aligned: bool = False
+    packing: PackedRows | None = None
+
+    @classmethod
+    def build(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+              loss_mask: torch.Tensor, *, packed: bool, examples: bool = True) -> ScoredRows:
+        """The layout of rows on the host (rows on a GPU are read back first)."""
+        ids, present, positions, learn = (t.cpu() for t in (input_ids, attention_mask.bool(), position_ids, loss_mask))
+        if packed and examples:
+            packing = PackedRows.of_examples(ids, present, positions)
+            begins = torch.zeros(packing.input_ids.shape[1], dtype=torch.bool)
+            begins[packing.cu_seq_lens[:-1].long()] = True
+            predictors = (learn[present][1:].bool() & ~begins[1:]).nonzero().squeeze(1)  # output c scores c + 1
+            return cls(packing.input_ids, packing.position_ids, predictors,
+                       packing.input_ids[0].index_select(0, predictors + 1), packing=packing)
+        lengths = present.sum(dim=1)
+        width = int(lengths.max()) if len(lengths) else 0
+        ids, present, positions, learn = (t[:, :width] for t in (ids, present, positions, learn))
+        rows, columns = predicted_targets(learn, positions, packed=packed).nonzero(as_tuple=True)
+        predictors = rows * width + columns
+        targets = ids.reshape(-1).index_select(0, predictors + 1)
+        if packed:
+            return cls(ids, positions, predictors, targets)
+        columns = torch.arange(width)
+        if bool((present == (columns < lengths[:, None])).all()):
+            return cls(ids, columns.repeat(len(ids), 1), predictors, targets, aligned=True)
+        return cls(ids, positions, predictors, targets, attention_mask=present.long())
+
+    def to(self, device: torch.device | str) -> ScoredRows:
+        """The layout with its tensors on ``device`` (``archer.batch.to_device``: the host does not wait)."""
+        return ScoredRows(**_moved_fields(self, device))
+
+    def model_inputs(self) -> dict[str, torch.Tensor | int | None]:
+        """Keyword arguments of the model's (or backbone's) forward."""
+        if self.packing is not None:
+            return self.packing.model_inputs()
+        mask = all_ones_mask(self.input_ids) if self.aligned else self.attention_mask
+        return {"input_ids": self.input_ids, "attention_mask": mask, "position_ids": self.position_ids}
+
+    def scored_states(self, states: torch.Tensor) -> torch.Tensor:
+        """The outputs [N, ...] (``states`` [rows, columns, ...] of the input's shape) that score the targets."""
+        return states.reshape(-1, *states.shape[2:]).index_select(0, self.predictors)
+
+
+def _moved_fields(layout: SequenceLayout | ScoredRows, device: torch.device | str) -> dict[str, object]:
+    """A layout's fields with its tensors on ``device``; its packing's tokens are the layout's input_ids."""
+    moved = {f.name: getattr(layout, f.name) for f in fields(layout)}
+    for name, value in moved.items():
+        if isinstance(value, torch.Tensor):
+            moved[name] = to_device(value, device)
+    if layout.packing is not None:
+        moved["packing"] = layout.packing.to(device, moved["input_ids"])
+    return moved

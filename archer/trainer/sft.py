@@ -45,10 +45,11 @@ from archer.models.loading import (
     load_tokenizer,
     pick_device,
 )
-from archer.models.logprobs import logprobs_from_hidden, masked_hidden, masked_logprobs, predicted_targets
+from archer.models.logprobs import logprobs_from_hidden, masked_hidden, masked_logprobs
 from archer.models.lora import LoraSettings
 from archer.models.optim import SFT_SCHEDULERS, LRSchedule, clip_and_step
 from archer.models.owner import ModelOwner
+from archer.models.sequence_layout import predicted_targets
 from archer.trainer.checkpoint_dirs import CheckpointManager
 from archer.trainer.plots import plot_metrics
 from archer.trainer.run_folder import (
@@ -122,7 +123,8 @@ def _train(owner: ModelOwner, tokenizer: PreTrainedTokenizerBase, loader: Prompt
                 micro = 1
             else:
                 batch = loader.dataset.collate(items)
-            metrics = train_step(model, owner.optimizer, owner.scheduler, batch.to(device), micro_batch_size=micro,
+            # the batch stays on the host: each micro-batch is laid out there and moved without the host waiting
+            metrics = train_step(model, owner.optimizer, owner.scheduler, batch, micro_batch_size=micro,
                                  clip_grad=cfg.optim.clip_grad)
             epoch_end = loader.position == 0
             if val_set is not None and _should_validate(step, epoch_end, total_steps, cfg.trainer.test_freq):
@@ -244,7 +246,9 @@ def _model_inputs(batch: Batch) -> tuple[torch.Tensor, ...]:
 
 def sft_backward(model: PreTrainedModel, batch: Batch, micro_batch_size: int) -> tuple[float, int]:
     """Accumulate into ``.grad`` the gradient of the batch's mean response-token NLL, one micro-batch at a
-    time, each normalised by the whole batch's token count. Returns (loss, number of response tokens)."""
+    time, each normalised by the whole batch's token count. Returns (loss, number of response tokens). The batch
+    is best on the host: its count and each micro-batch's layout are worked out there (docs/architecture.md, "The
+    host never waits inside a pass"), and the losses read back once."""
     num_tokens = int(predicted_targets(batch["loss_mask"], batch["position_ids"],
                                        packed=bool(batch.info.get("packed"))).sum())
     losses = []
@@ -278,16 +282,18 @@ def evaluate(model: PreTrainedModel, dataset: SFTDataset, batch_size: int, devic
     the model's greedy prediction)."""
     model.eval()
     lm_head = model.get_output_embeddings()
-    nll, hits, count = 0.0, 0, 0
+    count = 0
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # NLL and greedy hits, read back at the end
     for batch in DataLoader(dataset, batch_size=batch_size, collate_fn=dataset.collate):
         with autocast_for(device):
-            hidden, labels = response_hidden(model, batch.to(device))
-            nll -= float(logprobs_from_hidden(hidden, lm_head, labels, chunk_size=CHUNK_SIZE,
-                                              compute_entropy=False)[0].sum())
+            hidden, labels = response_hidden(model, batch)
+            sums[0] -= logprobs_from_hidden(hidden, lm_head, labels, chunk_size=CHUNK_SIZE,
+                                            compute_entropy=False)[0].sum().double()
             for h, y in zip(hidden.split(CHUNK_SIZE), labels.split(CHUNK_SIZE), strict=True):
-                hits += int((lm_head(h).argmax(dim=-1) == y).sum())
+                sums[1] += (lm_head(h).argmax(dim=-1) == y).sum()
         count += len(labels)
     model.train()
+    nll, hits = sums.tolist()
     return {"val/loss": nll / max(count, 1), "val/token_acc": hits / max(count, 1)}
 
 
