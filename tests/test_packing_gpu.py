@@ -107,35 +107,71 @@ def test_the_actor_packs_its_no_grad_pass_to_the_memory_plans_budget(tiny_model_
         torch.testing.assert_close(got[key], want[key], atol=3e-2, rtol=0)
 
 
-def test_the_update_waits_for_the_gpu_once_a_mini_batch_not_once_a_micro_batch(tiny_model_dir):
+ACTOR = "actor_rollout_ref.actor"
+# the losses whose per-micro-batch numbers or token selections could read back: ASPO with its split KL and the
+# entropy term (class means and shares), the top-entropy tokens (a count), KL-Cov and Clip-Cov (a count, a draw)
+WAIT_FREE_LOSSES = {
+    "aspo": (f"{ACTOR}.policy_loss.loss_mode=aspo", f"{ACTOR}.use_kl_loss=true",
+             f"{ACTOR}.high_entropy_kl_loss_scale_coef=0.5", f"{ACTOR}.entropy_coeff=0.001"),
+    "top_entropy": (f"{ACTOR}.entropy_top_ratio=0.2",),
+    "kl_cov": (f"{ACTOR}.policy_loss.loss_mode=kl_cov", f"{ACTOR}.policy_loss.kl_cov_ratio=0.05"),
+    "clip_cov": (f"{ACTOR}.policy_loss.loss_mode=clip_cov", f"{ACTOR}.policy_loss.clip_cov_ratio=0.05",
+                 f"{ACTOR}.policy_loss.clip_cov_lb=-10.0", f"{ACTOR}.policy_loss.clip_cov_ub=10.0"),
+}
+
+
+def host_waits(call):
+    """What ``call`` returns and where it made the host wait for the GPU (file:line of each wait)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = call()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return result, [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+
+
+@pytest.mark.parametrize("loss", list(WAIT_FREE_LOSSES))
+def test_the_update_waits_for_the_gpu_once_a_mini_batch_not_once_a_micro_batch(tiny_model_dir, loss):
     """Reading a value back from the GPU (a boolean index, a copy from pageable memory, a tensor made a Python
     number) makes the host wait for all the work queued before it, and the GPU then idles while the host queues
-    what follows: the update's packed micro-batches do none of it (ASPO with its split KL and the entropy term,
-    whose per-micro-batch class means and shares used to be read back), so six micro-batches wait as often as two
-    (the gradient norm and the metrics, once a mini-batch)."""
-    overrides = ("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.actor.ppo_mini_batch_size=6",
-                 "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.use_torch_compile=false",
-                 "actor_rollout_ref.actor.policy_loss.loss_mode=aspo", "actor_rollout_ref.actor.use_kl_loss=true",
-                 "actor_rollout_ref.actor.high_entropy_kl_loss_scale_coef=0.5",
-                 "actor_rollout_ref.actor.entropy_coeff=0.001")
+    what follows: the update's packed micro-batches do none of it, so six micro-batches wait as often as two (the
+    gradient norm and the metrics, once a mini-batch)."""
+    overrides = ("actor_rollout_ref.rollout.name=hf", f"{ACTOR}.ppo_mini_batch_size=6",
+                 "actor_rollout_ref.model.use_remove_padding=true", f"{ACTOR}.use_torch_compile=false",
+                 *WAIT_FREE_LOSSES[loss])
     waits = {}
     for rows in (1, 3):
-        actor = ActorWorker(ppo_config(tiny_model_dir, *overrides,
-                                       f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={rows}")
+        actor = ActorWorker(ppo_config(tiny_model_dir, *overrides, f"{ACTOR}.ppo_micro_batch_size_per_gpu={rows}")
                             .actor_rollout_ref, device=CUDA, total_steps=10)
         batch = unequal_batch(actor.model.config.vocab_size)
         batch["old_log_probs"] = actor.compute_log_prob(batch)["old_log_probs"]
         batch["ref_log_prob"] = batch["old_log_probs"] - 0.1 * batch["response_mask"]
         batch["advantages"] = torch.randn(6, 1, generator=torch.Generator().manual_seed(2)) * batch["response_mask"]
         update(actor, batch)  # the libraries' first calls
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                metrics = update(actor, batch)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        assert math.isfinite(metrics["actor/kl_loss"]) and metrics["actor/grad_norm"] > 0
-        waits[rows] = [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+        metrics, waits[rows] = host_waits(lambda actor=actor, batch=batch: update(actor, batch))
+        assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
     assert 0 < len(waits[1]) == len(waits[3]) <= 4, waits
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_sft_micro_batches_wait_for_the_gpu_once_a_batch(tiny_model_dir, packed):
+    """SFT's batch stays on the host and each micro-batch is laid out there (``ScoredRows``): three passes wait as
+    often as one, once, for the losses."""
+    from archer.data.sft_dataset import collate_sft, pack_sft
+    from archer.trainer.sft import sft_backward
+
+    model = load_causal_lm(tiny_model_dir, device=CUDA, gradient_checkpointing=True).train()
+    gen = torch.Generator().manual_seed(0)
+    items = [{"input_ids": torch.randint(3, model.config.vocab_size, (n,), generator=gen),
+              "loss_mask": (torch.arange(n) >= n // 3).long()} for n in (40, 7, 23, 31, 12, 5)]
+    batch = pack_sft(items, 0, capacity=48) if packed else collate_sft(items, 0)
+    assert len(batch) >= 3
+    waits = {}
+    for micro in (1, len(batch)):
+        sft_backward(model, batch, micro)  # the libraries' first calls
+        (loss, _), waits[micro] = host_waits(lambda micro=micro: sft_backward(model, batch, micro))
+        assert math.isfinite(loss)
+    assert len(waits[1]) == len(waits[len(batch)]) <= 1, waits
