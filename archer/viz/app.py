@@ -426,18 +426,20 @@ def _wire_views(app: gr.Blocks, c: Controls, v: Views, stages: dict[str, Stage])
 
 def _wire_selections(c: Controls, v: Views, health: Stage) -> None:
     """What a click opens (a table's row, a tree's node, a flag or its pointer) and the refresh of the steps."""
-    # every click on a row counts (a click while the last is pending is not dropped; the row drawn is the last's)
-    c.overview.select(_select_row(0), None, c.row, trigger_mode="multiple")  # the overview's first column is the row
-    c.top_high.select(_select_row(1), None, c.row, trigger_mode="multiple")  # top-K tables: rank, row, ...
-    c.top_low.select(_select_row(1), None, c.row, trigger_mode="multiple")
-    c.tree_table.select(_select_row(0), None, c.row, trigger_mode="multiple")  # its first column is the row
+    # Every click counts: Gradio ignores a second trigger of an event still pending ("once"), which dropped a row
+    # clicked while the last was being answered; "multiple" answers them in order, so the last click is shown.
+    every = {"trigger_mode": "multiple"}
+    c.overview.select(_select_row(0), None, c.row, **every)  # the overview's first column is the row
+    c.top_high.select(_select_row(1), None, c.row, **every)  # top-K tables: rank, row, ...
+    c.top_low.select(_select_row(1), None, c.row, **every)
+    c.tree_table.select(_select_row(0), None, c.row, **every)  # the tree table's first column is the row
     c.tree_uid.input(guarded([c.row, c.error], v.pick_prompt, c.error, (c.row,)), [c.step, c.tree_uid],
                      [c.row, c.error])
-    c.tree_map.click(v.open_node, None, [c.row, c.tabs, c.open_tab])
+    c.tree_map.click(v.open_node, None, [c.row, c.tabs, c.open_tab], **every)
     opened = [c.step, c.row, c.marked, c.tabs, c.open_tab]  # what opening a pointer sets (kept on an error)
-    c.health_flags.select(v.pick_flag, None, [c.flag, c.health_pointers]).then(
+    c.health_flags.select(v.pick_flag, None, [c.flag, c.health_pointers], **every).then(
         guarded([*opened, c.error], v.open_first, c.error, tuple(opened)), [c.flag], [*opened, c.error])
-    c.health_pointers.select(_select_row(0), None, c.pointer).then(  # a callback Gradio hands the selection to
+    c.health_pointers.select(_select_row(0), None, c.pointer, **every).then(  # a callback Gradio hands the selection to
         guarded([*opened, c.error], v.open_picked, c.error, tuple(opened)), [c.flag, c.pointer], [*opened, c.error])
     refresh_outputs = [c.header, c.step, c.other, c.curves, c.seen]
     c.refresh.click(lambda s, o, seen: v.poll(s, o, seen, True), [c.step, c.other, c.seen], refresh_outputs)
