@@ -59,7 +59,7 @@ def test_make_uses_the_virtualenv_python_runs_in(makefile: Path) -> None:
     assert str(makefile / ".venv") not in plan.stdout
     plan = make("test", makefile, sys.executable, dry_run=True)
     pytest = f'PATH="{venv}/bin:$PATH" {venv}/bin/python -m pytest -q'  # the examples' `archer` too
-    assert f'{pytest} -n 2 --dist worksteal -m "not serial"\n{pytest} -m serial\n' in plan.stdout
+    assert f'{pytest} -n 2 --dist worksteal -m "not serial" --durations=15\n{pytest} -m serial\n' in plan.stdout
 
 
 def test_make_without_a_virtualenv_makes_dot_venv_and_installs_torchs_cpu_build_into_it(makefile: Path) -> None:
