@@ -143,10 +143,14 @@ def test_scored_rows_by_hand():
     # output c of the flat 3 x 4 input scores token c + 1: 13 and 14 (outputs 1, 2), 22 (4), 32 (8)
     assert rows.predictors.tolist() == [1, 2, 4, 8] and rows.targets.tolist() == [13, 14, 22, 32]
     assert rows.scored_states(torch.arange(12).view(3, 4)).tolist() == [1, 2, 4, 8]
+    # row 2 left-padded by two: its tokens reach column 4, beyond the longest row's 4 tokens, and keep their mask
     left = [t.clone() for t in inputs]
-    left[1][1] = torch.tensor([0, 1, 1, 0, 0, 0])  # a row whose tokens do not start in column 0 keeps its mask
+    left[0][2], left[1][2] = torch.tensor([0, 0, 31, 32, 33, 0]), torch.tensor([0, 0, 1, 1, 1, 0])
+    left[2][2], left[3][2] = torch.tensor([0, 0, 0, 1, 2, 0]), torch.tensor([0, 0, 0, 1, 1, 0])
     kept = ScoredRows.build(*left, packed=False)
-    assert not kept.aligned and kept.model_inputs()["attention_mask"].tolist()[1] == [0, 1, 1, 0]
+    assert not kept.aligned and kept.model_inputs()["attention_mask"].tolist()[2] == [0, 0, 1, 1, 1]
+    assert kept.position_ids.tolist()[2] == [0, 0, 0, 1, 2]
+    assert kept.predictors.tolist() == [1, 2, 5, 12, 13] and kept.targets.tolist() == [13, 14, 22, 32, 33]
     packed = pack_sft(items, 0, capacity=16)  # one row: 11 12 13 14 | 31 32 33 | 21 22
     inputs = [packed[k] for k in ("input_ids", "attention_mask", "position_ids", "loss_mask")]
     rows = ScoredRows.build(*inputs, packed=True)

@@ -388,9 +388,9 @@ def clip_cov_policy_loss(
     clip_cov_ub: float,
     enable_entropy_balanced_clipping: bool,
 ) -> tuple[torch.Tensor, dict[str, Metric]]:
-    """Clip-Cov: PPO clip, and the gradient of a few random tokens with lb < cov(A, logp) < ub is cut off
-    (drawn with torch's default generator of their device, which the trainer seeds). With the entropy-balanced clip the clipped
-    tokens keep a gradient; the candidates are still the tokens the PPO clip did not clip."""
+    """Clip-Cov: PPO clip, and the gradient of a few random tokens with lb < cov(A, logp) < ub is cut off (drawn
+    with torch's default generator of their device, which the trainer seeds). With the entropy-balanced clip the
+    clipped tokens keep a gradient; the candidates are still the tokens the PPO clip did not clip."""
     log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ppo_losses, clip_active = clipped_token_losses(
         log_ratio.exp(), advantages, clip_ratio_low, clip_ratio_high, enable_entropy_balanced_clipping)

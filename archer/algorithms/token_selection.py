@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from archer.batch import to_device
 from archer.errors import ArcherError
 
 
@@ -68,9 +69,12 @@ def clip_cov_tokens(cov: torch.Tensor, eligible: torch.Tensor, ratio: float, low
                     generator: torch.Generator | None = None) -> torch.Tensor:
     """Clip-Cov: max(1, int(ratio*N)) tokens (N = tokens with finite cov) drawn uniformly at random among the
     eligible ones with lower < cov < upper, all of them when there are fewer. The draw ranks a random key per token
-    on cov's device, with ``generator`` (on that device) or torch's default one there, which the trainer seeds."""
+    on cov's device (float64 keys: ties at the cut, which go to the earlier position, all but never happen), drawn
+    with ``generator`` where it is or with torch's default generator of cov's device, which the trainer seeds."""
     candidates = eligible.bool() & (cov > lower) & (cov < upper)
-    keys = torch.rand(cov.shape, generator=generator, device=cov.device)
+    keys = torch.rand(cov.shape, generator=generator, dtype=torch.float64,
+                      device=cov.device if generator is None else generator.device)
+    keys = to_device(keys, cov.device)  # a generator on the host: moved without the host waiting
     return _largest(torch.where(candidates, keys, -math.inf), _covariance_budget(cov, ratio)) & candidates
 
 

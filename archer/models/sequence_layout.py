@@ -227,9 +227,9 @@ class ScoredRows:
     N outputs that score those tokens: ``predictors`` [N], flat positions over the input's rows x columns, and
     ``targets`` [N], the tokens they score.
 
-    Rows run cut to the longest: right-padded rows that start in column 0 (``aligned``) with positions counting
-    on over their padding and an all-ones mask (causal attention never lets a token see the padding after it),
-    others with their mask; rows that each hold several examples (``packed``, positions restarting at 0 with each)
+    Rows run cut after the last column that holds a token: right-padded rows that start in column 0 at position 0
+    (``aligned``) with positions counting on over their padding and an all-ones mask (causal attention never lets
+    a token see the padding after it), others with their mask and positions; rows that each hold several examples (``packed``, positions restarting at 0 with each)
     as one sequence of examples with their bounds (``packing``), or, for a model that does not run archer's
     attention (``examples=False``), without a mask (transformers then builds a [T x T] one from the restarts).
     Built on the host from rows there and moved whole (``to``), like ``SequenceLayout``.
@@ -255,8 +255,8 @@ class ScoredRows:
             predictors = (learn[present][1:].bool() & ~begins[1:]).nonzero().squeeze(1)  # output c scores c + 1
             return cls(packing.input_ids, packing.position_ids, predictors,
                        packing.input_ids[0].index_select(0, predictors + 1), packing=packing)
-        lengths = present.sum(dim=1)
-        width = int(lengths.max()) if len(lengths) else 0
+        used = present.any(dim=0).nonzero()
+        width = int(used[-1]) + 1 if len(used) else 0  # up to the last column that holds a token
         ids, present, positions, learn = (t[:, :width] for t in (ids, present, positions, learn))
         rows, columns = predicted_targets(learn, positions, packed=packed).nonzero(as_tuple=True)
         predictors = rows * width + columns
@@ -264,7 +264,8 @@ class ScoredRows:
         if packed:
             return cls(ids, positions, predictors, targets)
         columns = torch.arange(width)
-        if bool((present == (columns < lengths[:, None])).all()):
+        starts_at_zero = present == (columns < present.sum(dim=1, keepdim=True))
+        if bool(starts_at_zero.all()) and bool((positions == columns)[present].all()):
             return cls(ids, columns.repeat(len(ids), 1), predictors, targets, aligned=True)
         return cls(ids, positions, predictors, targets, attention_mask=present.long())
 

@@ -32,6 +32,11 @@ POLL_SECONDS = 5.0
 VIEW_ROWS_SHOWN = 500  # rows of the response view drawn in the table (all go to the CSV)
 RESPONSES_TAB, GROUP_TAB, COMPARE_TAB, TREE_TAB = "Responses", "Prompt group", "Compare steps", "Branch tree"
 HEALTH_TAB = "Health"
+# What a click sets (the open tab, the row, a flag) is set in the order of the clicks, each answered: Gradio ignores
+# a second trigger of an event still pending (its default "once": a row or tab clicked while the last click was
+# being answered was dropped, the tab shown undrawn), and takes events of different concurrency groups in a random
+# order, so these events share one group, one at a time, first come first served.
+EVERY_CLICK = {"trigger_mode": "multiple", "concurrency_id": "archer-clicks"}
 TAB_VIEWS = {GROUP_TAB: "group", COMPARE_TAB: "compare", TREE_TAB: "tree", HEALTH_TAB: "health"}  # drawn on opening
 # A click on a response of the branch tree sends its row (render.branch_tree_svg marks it with data-row).
 TREE_CLICK_JS = ("element.addEventListener('click', (event) => { const node = event.target.closest('[data-row]'); "
@@ -413,9 +418,9 @@ def _wire_views(app: gr.Blocks, c: Controls, v: Views, stages: dict[str, Stage])
     _chain(c.step.change, after_step)
     _chain(c.row.change, [stages[name] for name in ("response", "group", "compare", "tree")],
            trigger_mode="always_last")
-    for label, tab in c.tab_of.items():  # each tab its own event: one opened while another draws is not dropped
+    for label, tab in c.tab_of.items():  # each tab its own event, its label stored in the order of the clicks
         view = TAB_VIEWS.get(label)
-        _chain(tab.select, [(_opened(label), [], [c.open_tab]), *([stages[view]] if view else [])])
+        _chain(tab.select, [(_opened(label), [], [c.open_tab]), *([stages[view]] if view else [])], **EVERY_CLICK)
     gr.on([c.low.submit, c.low.blur, c.high.submit, c.high.blur, c.search.change, c.padding.change, c.sort.change,
            c.scale.change], *stages["response"], trigger_mode="always_last")
     c.k.release(*stages["top"])
@@ -426,21 +431,20 @@ def _wire_views(app: gr.Blocks, c: Controls, v: Views, stages: dict[str, Stage])
 
 def _wire_selections(c: Controls, v: Views, health: Stage) -> None:
     """What a click opens (a table's row, a tree's node, a flag or its pointer) and the refresh of the steps."""
-    # Every click counts: Gradio ignores a second trigger of an event still pending ("once"), which dropped a row
-    # clicked while the last was being answered; "multiple" answers them in order, so the last click is shown.
-    every = {"trigger_mode": "multiple"}
+    every = EVERY_CLICK
     c.overview.select(_select_row(0), None, c.row, **every)  # the overview's first column is the row
     c.top_high.select(_select_row(1), None, c.row, **every)  # top-K tables: rank, row, ...
     c.top_low.select(_select_row(1), None, c.row, **every)
     c.tree_table.select(_select_row(0), None, c.row, **every)  # the tree table's first column is the row
     c.tree_uid.input(guarded([c.row, c.error], v.pick_prompt, c.error, (c.row,)), [c.step, c.tree_uid],
-                     [c.row, c.error])
+                     [c.row, c.error], **every)
     c.tree_map.click(v.open_node, None, [c.row, c.tabs, c.open_tab], **every)
     opened = [c.step, c.row, c.marked, c.tabs, c.open_tab]  # what opening a pointer sets (kept on an error)
     c.health_flags.select(v.pick_flag, None, [c.flag, c.health_pointers], **every).then(
-        guarded([*opened, c.error], v.open_first, c.error, tuple(opened)), [c.flag], [*opened, c.error])
+        guarded([*opened, c.error], v.open_first, c.error, tuple(opened)), [c.flag], [*opened, c.error], **every)
     c.health_pointers.select(_select_row(0), None, c.pointer, **every).then(  # a callback Gradio hands the selection to
-        guarded([*opened, c.error], v.open_picked, c.error, tuple(opened)), [c.flag, c.pointer], [*opened, c.error])
+        guarded([*opened, c.error], v.open_picked, c.error, tuple(opened)), [c.flag, c.pointer], [*opened, c.error],
+        **every)
     refresh_outputs = [c.header, c.step, c.other, c.curves, c.seen]
     c.refresh.click(lambda s, o, seen: v.poll(s, o, seen, True), [c.step, c.other, c.seen], refresh_outputs)
     c.timer.tick(lambda s, o, seen: v.poll(s, o, seen, False), [c.step, c.other, c.seen], refresh_outputs,
