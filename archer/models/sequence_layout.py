@@ -229,9 +229,10 @@ class ScoredRows:
 
     Rows run cut after the last column that holds a token: right-padded rows that start in column 0 at position 0
     (``aligned``) with positions counting on over their padding and an all-ones mask (causal attention never lets
-    a token see the padding after it), others with their mask and positions; rows that each hold several examples (``packed``, positions restarting at 0 with each)
-    as one sequence of examples with their bounds (``packing``), or, for a model that does not run archer's
-    attention (``examples=False``), without a mask (transformers then builds a [T x T] one from the restarts).
+    a token see the padding after it), others with their mask and positions; rows that each hold several examples
+    (``packed``, positions restarting at 0 with each) as one sequence of examples with their bounds (``packing``),
+    or, for a model that does not run archer's attention (``examples=False``), without a mask (transformers then
+    builds a [T x T] one from the restarts).
     Built on the host from rows there and moved whole (``to``), like ``SequenceLayout``.
     """
 
