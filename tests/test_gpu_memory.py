@@ -37,10 +37,10 @@ def test_05b_at_defaults_with_the_allocator_filled_by_an_update(gvt, tmp_path, m
     budgets = []
     original = fast_engine.budget_pages
 
-    def recording_budget(spec, page_size, dtype, device, utilization, workspace, max_pages):
-        pages = original(spec, page_size, dtype, device, utilization, workspace, max_pages)
-        budgets.append((spec, page_size, dtype, workspace, max_pages, pages))
-        return pages
+    def recording_budget(spec, page_size, dtype, device, utilization, workspace, max_pages, min_pages=2):
+        budget = original(spec, page_size, dtype, device, utilization, workspace, max_pages, min_pages)
+        budgets.append((spec, page_size, dtype, workspace, max_pages, budget.pages))
+        return budget
 
     monkeypatch.setattr(fast_engine, "budget_pages", recording_budget)
     trainer = PPOTrainer(cfg)

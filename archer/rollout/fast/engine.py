@@ -20,6 +20,7 @@ once again, not once per sample and branch.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -46,8 +47,10 @@ from archer.rollout.fast.pages import KVCache, Sequence, budget_pages
 from archer.rollout.fast.runner import DecodeRunner
 from archer.rollout.fast.sampling import noise_key
 from archer.rollout.fast.scheduler import Job, Scheduler
+from archer.units import GIB
 
 _MIB = 1 << 20
+log = logging.getLogger("archer.rollout")
 PAGE_SIZE = 32  # tokens per KV-cache page (the engine's default)
 
 
@@ -117,10 +120,13 @@ class FastEngine(RolloutEngine):
         use_graphs = self.device.type == "cuda" and not enforce_eager and ops.kernels is not None
         self.runner = DecodeRunner(self.model, slots=max_num_seqs, table_width=-(-self.max_model_len // page_size),
                                    eos_ids=self.eos_token_ids, window=window, use_graphs=use_graphs)
-        self.scheduler = Scheduler(self.model, self.runner, tokenizer, max_batched_tokens=max_num_batched_tokens)
+        self.scheduler = Scheduler(self.model, self.runner, tokenizer, max_batched_tokens=max_num_batched_tokens,
+                                   release_idle=self._release_idle)
         self.cache: KVCache | None = None
         self.live: set[Sequence] = set()  # session sequences, whose keys/values a weight sync invalidates
         self.expected_rows = 0  # the largest running batch a session announced (FastSession.expect)
+        self.shrink_warned = False  # the warning that the cache got less than its share is given once
+        self.cache_bytes = 0  # the KV cache's bytes when last sized
         self.reclaim_memory()
 
     @classmethod
@@ -148,11 +154,23 @@ class FastEngine(RolloutEngine):
             raise ArcherError("the fast engine's weights were released and not taken again",
                               "call sync_weights with the policy's weights before generating")
         spec = self.model.spec
-        blocks = -(-self.max_model_len // self.page_size)
+        blocks = -(-self.max_model_len // self.page_size)  # at least: one sequence of max_model_len tokens, the
+        # partly filled last page of the prompt it forks from, and page 0 (TRASH_PAGE)
         workspace = workspace_bytes(spec, self.dtype, self.max_num_seqs, self.max_num_batched_tokens)
-        pages = budget_pages(spec, self.page_size, self.dtype, self.device, self.utilization, workspace,
-                             max_pages=(self.max_num_seqs + 1) * blocks + 1)
-        self.cache = KVCache(spec, pages, self.page_size, self.dtype, self.device)
+        budget = budget_pages(spec, self.page_size, self.dtype, self.device, self.utilization, workspace,
+                              max_pages=(self.max_num_seqs + 1) * blocks + 1, min_pages=blocks + 2)
+        if budget.shrunk and not self.shrink_warned:
+            self.shrink_warned = True
+            fitting = (budget.total * self.utilization - (budget.wanted - budget.pages) * budget.page) / budget.total
+            log.warning(
+                "the fast engine's KV cache gets %.1f GiB, not the %.1f GiB that rollout.gpu_memory_utilization=%s "
+                "gives it: the GPU has %.1f GiB free and the engine's activations take %.1f GiB. Generation queues "
+                "the rows the smaller cache cannot hold (this warning is not repeated; the cache is sized again each "
+                "generation); actor_rollout_ref.rollout.gpu_memory_utilization=%.2f asks for what fits",
+                budget.pages * budget.page / GIB, budget.wanted * budget.page / GIB, self.utilization,
+                budget.free / GIB, workspace / GIB, max(fitting, 0.01))
+        self.cache_bytes = budget.pages * budget.page
+        self.cache = KVCache(spec, budget.pages, self.page_size, self.dtype, self.device)
 
     def release_memory(self, weights: bool = False) -> None:
         """Free the KV cache and the CUDA graphs (with ``weights``, the weight copy too: ``sync_weights`` takes
@@ -168,6 +186,14 @@ class FastEngine(RolloutEngine):
             self.model.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _release_idle(self, busy: set[Sequence]) -> bool:
+        """Free the pages of the session sequences that neither wait nor decode (kept for their next turn) and are
+        not in ``busy``; they are prefilled again when they next decode. Whether any pages went back."""
+        idle = [seq for seq in self.live if seq.pages and seq not in busy]
+        for seq in idle:
+            self.cache.release(seq)
+        return bool(idle)
 
     def sync_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy the stream of named weights (LoRA layers merged) into the engine's, in place (its graphs stay

@@ -43,15 +43,33 @@ def page_bytes(spec: ModelSpec, page_size: int, dtype: torch.dtype) -> int:
     return 2 * spec.layers * spec.kv_heads * page_size * spec.head_dim * dtype.itemsize
 
 
+@dataclass(frozen=True)
+class CacheBudget:
+    """The pages the KV cache gets (``pages``) and the ``wanted`` ones its share gives (within its cap); fewer
+    when the card had less free (``free`` bytes of ``total``, after the allocator's cached blocks went back)."""
+
+    pages: int
+    wanted: int
+    page: int
+    free: int = 0
+    total: int = 0
+
+    @property
+    def shrunk(self) -> bool:
+        return self.pages < self.wanted
+
+
 def budget_pages(spec: ModelSpec, page_size: int, dtype: torch.dtype, device: torch.device, utilization: float,
-                 workspace: int, max_pages: int) -> int:
-    """How many pages fit, at most ``max_pages``.
+                 workspace: int, max_pages: int, min_pages: int = 2) -> CacheBudget:
+    """How many pages the KV cache gets: its share's, at most ``max_pages``; fewer where the card has less free.
 
     On a GPU, verl's gpu_memory_utilization: the engine may hold ``utilization`` of the card's total memory, for
     its weights (``weight_bytes``), ``workspace`` bytes of activations and the KV cache in the rest, whatever else
-    the process holds. The caching allocator's free blocks (the update's activations) are released first, and the
-    cache must also fit in what the card then has free. On a CPU, ``utilization`` of the memory that is free,
-    less the workspace.
+    the process holds. The caching allocator's free blocks (the update's activations) are released first. Where
+    the share's cache and the workspace do not fit in what the card then has free, the cache shrinks to what
+    fits (the scheduler queues the rows it cannot hold) down to ``min_pages`` (the engine's: one sequence of
+    max_model_len tokens); below that, one error with the figures. On a CPU, ``utilization`` of the memory that is
+    free, less the workspace.
     """
     page = page_bytes(spec, page_size, dtype)
     if device.type == "cuda":
@@ -65,19 +83,20 @@ def budget_pages(spec: ModelSpec, page_size: int, dtype: torch.dtype, device: to
                 f"{weight_bytes(spec, dtype) / GIB:.1f} GiB and its activations {workspace / GIB:.1f} GiB",
                 "raise actor_rollout_ref.rollout.gpu_memory_utilization, or lower rollout.max_num_seqs / "
                 "rollout.max_num_batched_tokens")
-        pages = min(int(share // page), max_pages)
-        if pages * page + workspace > free:
+        wanted = min(int(share // page), max_pages)
+        fits = max(0, int((free - workspace) // page))
+        if fits < min(wanted, min_pages):
             own = torch.cuda.memory_reserved(device)
             raise ArcherError(
-                f"the fast engine's KV cache ({pages * page / GIB:.1f} GiB) and activations "
-                f"({workspace / GIB:.1f} GiB) do not fit in the {free / GIB:.1f} GiB the GPU has free (of "
-                f"{total / GIB:.1f} GiB; {own / GIB:.1f} GiB are held by this process's tensors: the policy, its "
-                f"optimiser, other models and the engine's weights; {(total - free - own) / GIB:.1f} GiB by CUDA "
-                "contexts and other processes)",
-                "lower actor_rollout_ref.rollout.gpu_memory_utilization, or set "
-                "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true / param_offload=true, or free the GPU "
-                "of other processes (nvidia-smi lists them)")
-        return pages
+                f"the fast engine's KV cache needs at least {min_pages * page / GIB:.1f} GiB (one sequence of "
+                f"rollout.max_model_len tokens) and its activations {workspace / GIB:.1f} GiB, which do not fit in the "
+                f"{free / GIB:.1f} GiB the GPU has free (of {total / GIB:.1f} GiB; {own / GIB:.1f} GiB are held by "
+                "this process's tensors: the policy, its optimiser, other models and the engine's weights; "
+                f"{(total - free - own) / GIB:.1f} GiB by CUDA contexts and other processes)",
+                "set actor_rollout_ref.actor.fsdp_config.optimizer_offload=true / param_offload=true, lower "
+                "rollout.max_num_seqs / rollout.max_num_batched_tokens, or free the GPU of other processes "
+                "(nvidia-smi lists them)")
+        return CacheBudget(min(wanted, fits), wanted, page, free, total)
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     pages = min(int((utilization * free - workspace) // page), max_pages)
     if pages < 2:
@@ -86,7 +105,7 @@ def budget_pages(spec: ModelSpec, page_size: int, dtype: torch.dtype, device: to
             f"({free / GIB:.1f} GiB of memory are free; activations need {workspace / GIB:.1f} GiB)",
             "raise actor_rollout_ref.rollout.gpu_memory_utilization, or lower rollout.max_num_seqs / "
             "rollout.max_num_batched_tokens")
-    return pages
+    return CacheBudget(pages, pages, page, free)
 
 
 class KVCache:

@@ -15,6 +15,7 @@ slot. ``counters`` count the decode steps, the tokens they sampled and the token
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -51,8 +52,13 @@ class Job:
 class Scheduler:
     """The running batch over the runner's slots and the cache's pages."""
 
-    def __init__(self, model: FastModel, runner: DecodeRunner, tokenizer, *, max_batched_tokens: int) -> None:
+    def __init__(self, model: FastModel, runner: DecodeRunner, tokenizer, *, max_batched_tokens: int,
+                 release_idle: Callable[[set[Sequence]], bool] | None = None) -> None:
+        """``release_idle``: frees the pages of sequences the cache keeps for later (a session's, between its
+        turns) other than those given; whether it freed any. The scheduler calls it when no job decodes and the
+        next one does not fit, before it gives up."""
         self.model, self.runner, self.tokenizer = model, runner, tokenizer
+        self.release_idle = release_idle
         self.max_batched_tokens = max_batched_tokens
         self.counters = DecodeCounters()
         self.params: SamplingParams | None = None
@@ -175,8 +181,9 @@ class Scheduler:
         entropies and reason filled in); nothing when no job waits or decodes."""
         if not self.busy:
             return []
-        while self.waiting and self._admit():  # again: forks that started free their parents' pages for the next
-            pass
+        self._admit_all()
+        if not self.running and self.release_idle is not None and self.release_idle(self._held_by_jobs()):
+            self._admit_all()
         if not self.running:
             job = self.waiting[0]
             raise ArcherError(
@@ -193,6 +200,14 @@ class Scheduler:
         finished = self._collect(bucket, steps)
         self._compact()
         return finished
+
+    def _admit_all(self) -> None:
+        while self.waiting and self._admit():  # again: forks that started free their parents' pages for the next
+            pass
+
+    def _held_by_jobs(self) -> set[Sequence]:
+        """The sequences the waiting and decoding jobs decode or fork from."""
+        return {job.seq or job.parent for job in (*self.waiting, *self.running.values())}
 
     def run(self, cache: KVCache, jobs: list[Job], params: SamplingParams) -> None:
         """Decode every job until its eos, stop string or budget; fills tokens, log_probs, entropies, reason.
