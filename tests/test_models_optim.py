@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from archer.errors import ArcherError
 from archer.models.optim import (
     LRSchedule,
+    allocate_adam_states,
     build_optimizer,
     build_scheduler,
     clip_and_step,
@@ -99,6 +100,41 @@ def test_on_a_gpu_the_fused_optimiser_steps_as_the_default_one() -> None:
         results.append([p.detach() for p in params])
     for got, want in zip(*results, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adam_states_allocated_up_front_step_as_the_lazy_ones(device: str) -> None:
+    """Issue 44: the states made before the first step are the ones the first step would make (zeros, the step
+    count's dtype and device); three steps give the same weights and state dict, bit for bit."""
+    torch.manual_seed(0)
+    start = [torch.randn(64, 32, device=device), torch.randn(32, device=device)]
+    grads = [[torch.randn_like(t) for t in start] for _ in range(3)]
+    results = []
+    for up_front in (True, False):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = build_optimizer(params, optim_cfg(lr=1e-2))
+        if up_front:
+            allocate_adam_states(opt)
+            state = opt.state[params[0]]
+            assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and not state["exp_avg"].any()
+            assert state["exp_avg"].device == params[0].device and float(state["step"]) == 0.0
+        else:
+            assert not opt.state
+        for step in grads:
+            for p, g in zip(params, step, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        results.append(([p.detach() for p in params], opt.state_dict()))
+    (eager, eager_state), (lazy, lazy_state) = results
+    for got, want in zip(eager, lazy, strict=True):
+        assert torch.equal(got, want)
+    for index, state in lazy_state["state"].items():
+        for name, value in state.items():
+            other = eager_state["state"][index][name]
+            assert other.dtype == value.dtype and other.device == value.device and torch.equal(other, value)
 
 
 def test_build_scheduler_drives_the_learning_rate() -> None:

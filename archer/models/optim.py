@@ -31,6 +31,29 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], optim: DictConfig) -> 
                              fused=fused or None)
 
 
+def allocate_adam_states(optimizer: torch.optim.AdamW) -> None:
+    """Allocate AdamW's states now, as its first step would (the same zeros, the same step tensors: the step's
+    numbers do not change). On a GPU (where ModelOwner calls it), made lazily in the first step, the states (8 bytes a
+    parameter) are carved out of the caching allocator's blocks that the update's activations just freed, and pin
+    those blocks' segments for the rest of the run: ``empty_cache`` cannot give a segment back while a state lives
+    in it, so the next generation found tens of GiB less free than at step 1 (issue 44, docs/memory.md). Made
+    before any activation exists, they sit beside the weights."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state[param]
+            if state:
+                continue
+            if group["capturable"] or group["fused"]:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+            else:  # torch keeps this step count on the host, in the default dtype's precision
+                dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+                state["step"] = torch.tensor(0.0, dtype=dtype)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
 def warmup_steps(optim: DictConfig, total_steps: int) -> int:
     """verl's rule: lr_warmup_steps unless negative (or null), else lr_warmup_steps_ratio * total_steps."""
     steps = optim.get("lr_warmup_steps", -1)

@@ -48,6 +48,7 @@ from archer.models.offload import Offload
 from archer.models.optim import (
     OPTIM_STATE,
     LRSchedule,
+    allocate_adam_states,
     build_optimizer,
     build_scheduler,
     clip_and_step,
@@ -149,6 +150,8 @@ class ModelOwner:
         while an engine generates (``offload.params_to_host``) and Adam's states except during ``step``; a
         sharded model has FSDP2's CPU offload instead (``shard``'s ``cpu_offload``), so they do nothing here."""
         self.optimizer = build_optimizer(trainable_parameters(self.model), optim)
+        if self.device.type == "cuda" and not optimizer_offload:  # before any activation: see allocate_adam_states
+            allocate_adam_states(self.optimizer)
         self.scheduler = build_scheduler(self.optimizer, schedule)
         self.offload = Offload(self.model.parameters(), self.optimizer, self.device,
                                param_offload=param_offload and not self.sharded,

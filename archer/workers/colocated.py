@@ -230,12 +230,17 @@ class RankWorkers:
     # -- memory -------------------------------------------------------------------------------------------
     @collect(max_over_ranks)
     def memory_peaks(self) -> dict[str, float]:
-        """The device's peak memory since the last call (GiB; empty on a CPU), then the count restarts."""
+        """The device's peak memory since the last call (GiB; empty on a CPU), then the count restarts; and the KV
+        cache the fast engine last sized (``perf/kv_cache_gb``: less than its share where the card had less free)."""
         if self.ctx.device.type != "cuda":
             return {}
         peaks = {"perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated(self.ctx.device) / GIB,
                  "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved(self.ctx.device) / GIB}
         torch.cuda.reset_peak_memory_stats(self.ctx.device)
+        rollout = getattr(self.actor, "rollout", None)
+        cache_bytes = getattr(rollout.engine, "cache_bytes", 0) if rollout is not None else 0
+        if cache_bytes:
+            peaks["perf/kv_cache_gb"] = cache_bytes / GIB
         return peaks
 
     # -- checkpoints ------------------------------------------------------------------------------------------
