@@ -114,6 +114,23 @@ def test_the_plans_count_is_applied_and_announced(tiny_model_dir, caplog):
         off.plan_checkpointing(None, announce=True)
 
 
+def test_the_plans_update_rows_are_applied_and_announced(tiny_model_dir, caplog):
+    """Issue 44 point 3: ppo_micro_batch_size_per_gpu unset, the actor updates in the plan's rows per
+    micro-batch (the whole mini-batch without a plan, on a CPU) and says so in one line."""
+    from archer.workers.memory import MemoryPlan
+
+    worker = actor(tiny_model_dir, "auto")
+    assert worker.update_micro.rows is None
+    plan = MemoryPlan(total=80 << 30, policy=0, gradients=0, optimizer=0, activations=0, engine_share=0,
+                      engine_weights=0, engine_workspace=0, others={}, model_shape=(64, 128), longest=40,
+                      checkpointed_layers=1, update_rows=2)
+    with caplog.at_level(logging.INFO, logger="archer.actor"):
+        worker.plan_micro_batches(plan, announce=True)
+    assert worker.update_micro.rows == 2 and worker.update_micro.max_tokens is None
+    (message,) = [r.getMessage() for r in caplog.records if "ppo_micro_batch_size_per_gpu is unset" in r.getMessage()]
+    assert "micro-batches of 2 rows (the most, up to 80 tokens" in message and "1 of 2 decoder layers" in message
+
+
 def saved_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
     """Bytes the forward saves for the backward outside checkpointed regions (a checkpointed layer saves only its
     input there), then the backward runs."""

@@ -249,6 +249,44 @@ def test_auto_checkpoints_the_fewest_layers_whose_update_fits_with_a_margin(tiny
     assert too_big.checkpointed_layers == 28
 
 
+ISSUE_44 = ("data.train_batch_size=16", "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+            "data.max_prompt_length=1536", "data.max_response_length=512", "algorithm.adv_estimator=grpo")
+
+
+def test_unset_micro_batches_are_the_most_rows_that_fit(tiny_model_dir):
+    """Issue 44 point 3: with ppo_micro_batch_size_per_gpu unset the plan runs the update in micro-batches of the
+    most rows (up to 16,384 tokens) whose update fits the card with the activations' margin, not the whole
+    mini-batch of 128 x 2,048 tokens (which no card holds); an explicit value is taken as given."""
+    def issue_plan(*more: str, total: int = H100) -> MemoryPlan:
+        cfg = ppo_config(tiny_model_dir, *ISSUE_44, *more).actor_rollout_ref
+        return plan_actor_memory(cfg, meta_model("qwen2.5-1.5b"), total=total, fast_engine=True)
+
+    chosen = issue_plan()
+    assert chosen.update_rows == 8 == 16384 // 2048  # the token cap binds on an 80 GB card
+    explicit = issue_plan("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8")
+    assert explicit.update_rows is None
+    assert (chosen.activations, chosen.checkpointed_layers) == (explicit.activations, explicit.checkpointed_layers)
+    chosen.check()
+    whole = issue_plan("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=128")
+    with pytest.raises(ArcherError, match="cannot hold the policy update"):
+        whole.check()
+    # a 30 GiB card: room for fewer rows, every layer checkpointed; the count chosen fits, one more does not
+    small = issue_plan(total=30 * GIB)
+    assert small.update_rows is not None and 1 <= small.update_rows < 8
+    held = small.policy + small.gradients + small.optimizer + CONTEXT_BYTES
+    shape = {"hidden": 1536, "intermediate": 8960, "layers": 28}
+    room = (30 * GIB - held) * 0.85
+    assert activation_bytes(**shape, tokens=small.update_rows * 2048, checkpointed_layers=28) <= room
+    assert activation_bytes(**shape, tokens=(small.update_rows + 1) * 2048, checkpointed_layers=28) > room
+    assert small.checkpointed_layers == 28
+    # a mini-batch smaller than the cap: all of it
+    few = issue_plan("data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+                     "actor_rollout_ref.rollout.n=4")
+    assert few.update_rows == 4
+    dynamic = issue_plan("actor_rollout_ref.actor.use_dynamic_bsz=true")  # a token budget: as the keys say
+    assert dynamic.update_rows is None
+
+
 def test_the_05b_shape_fits_at_defaults_and_without_checkpointing(tiny_model_dir):
     plan(tiny_model_dir, "qwen2.5-0.5b").check()
     plan(tiny_model_dir, "qwen2.5-0.5b", "actor_rollout_ref.model.enable_gradient_checkpointing=false").check()

@@ -148,7 +148,18 @@ class ActorWorker(OwnsModel):
 
     def plan_micro_batches(self, memory_plan: MemoryPlan | None, *, announce: bool) -> None:
         """The old-log-prob pass's micro-batches: the rollout section's keys and, on a GPU, the memory plan's token
-        budget (models/micro_batches.py); ``announce``: this process speaks for the run."""
+        budget (models/micro_batches.py); the update's rows per micro-batch where the keys leave them unset and
+        the plan chose them; ``announce``: this process speaks for the run."""
+        rows = memory_plan.update_rows if memory_plan is not None else None
+        if rows is not None:
+            self.update_micro = MicroBatching(rows, None, packed=self.update_micro.packed)
+            if announce:
+                log.info("actor.ppo_micro_batch_size_per_gpu is unset: the memory plan runs the update in micro-batches "
+                         "of %d rows (the most, up to %d tokens, whose update fits the card; %d of %d decoder layers "
+                         "checkpointed)%s", rows, rows * memory_plan.longest, memory_plan.checkpointed_layers,
+                         len(decoder_layers(self.model)),
+                         "; this loss makes choices per micro-batch, so set it to fix the grouping"
+                         if self.objective.chooses_per_micro_batch else "")
         self.log_prob_micro = no_grad_micro_batching(
             self.cfg.rollout, "actor_rollout_ref.rollout", LOG_PROB,
             remove_padding=bool(self.cfg.model.use_remove_padding), can_pack=self.can_pack,

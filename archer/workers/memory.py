@@ -58,6 +58,10 @@ NO_GRAD_ROOM_SHARE = 0.8  # of the room a no-grad stage leaves, what its micro-b
 # larger, still fits the card (the estimate is already an upper bound: docs/memory.md)
 UPDATE_ROOM_SHARE = 0.85
 NO_GRAD_MAX_TOKENS = 65536  # beyond this a pass is no faster, only riskier
+# With ppo_micro_batch_size_per_gpu unset, the update's micro-batches hold at most this many tokens (verl's
+# ppo_max_token_len_per_gpu default): larger ones run no faster, and the room they would take keeps layers'
+# activations instead of recomputing them (docs/memory.md)
+UPDATE_MAX_TOKENS = 16384
 
 
 def gib(value: float) -> str:
@@ -96,10 +100,19 @@ def micro_batch_tokens(cfg: DictConfig, max_length: int) -> int:
     actor = cfg.actor
     if actor.use_dynamic_bsz:
         return max(int(actor.ppo_max_token_len_per_gpu), max_length)
+    return (update_rows_set(cfg) or mini_batch_rows(cfg)) * max_length
+
+
+def update_rows_set(cfg: DictConfig) -> int | None:
+    """The rows per update micro-batch the actor's keys set (None: unset, and no token budget either)."""
+    actor = cfg.actor
     rows = actor.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size
-    if rows is None:
-        rows = int(actor.ppo_mini_batch_size) * int(cfg.rollout.n)
-    return int(rows) * max_length
+    return None if rows is None else int(rows)
+
+
+def mini_batch_rows(cfg: DictConfig) -> int:
+    """The responses of one mini-batch (ppo_mini_batch_size prompts x rollout.n)."""
+    return int(cfg.actor.ppo_mini_batch_size) * int(cfg.rollout.n)
 
 
 @dataclass(frozen=True)
@@ -124,6 +137,7 @@ class MemoryPlan:
     model_shape: tuple[int, int] = (0, 0)  # the policy's (hidden, intermediate): no-grad activations per token
     longest: int = 0  # the longest sequence (max_model_len): no no-grad budget is below it
     checkpointed_layers: int = 0  # of the policy's decoder layers, those the update recomputes (activations counts so)
+    update_rows: int | None = None  # rows per update micro-batch the plan chose (ppo_micro_batch_size_per_gpu unset)
 
     @property
     def kv_cache(self) -> int:
@@ -293,7 +307,27 @@ def plan_actor_memory(cfg: DictConfig, model: torch.nn.Module, *, total: int, fa
                       free_cache_engine=bool(rollout.free_cache_engine), elsewhere=elsewhere,
                       model_shape=(shape["hidden"], shape["intermediate"]), longest=max_length,
                       checkpointed_layers=checkpointed)
+    if not cfg.actor.use_dynamic_bsz and update_rows_set(cfg) is None:
+        return largest_fitting_rows(plan, shape, requested, max_length, mini_batch_rows(cfg))
     return plan if requested is not None else fewest_checkpointed_layers(plan, shape)
+
+
+def largest_fitting_rows(plan: MemoryPlan, shape: dict[str, int], requested: int | None, max_length: int,
+                         mini_rows: int) -> MemoryPlan:
+    """ppo_micro_batch_size_per_gpu unset: ``plan`` with the most rows per update micro-batch (of ``max_length``
+    tokens each, at most ``mini_rows`` and UPDATE_MAX_TOKENS) whose update fits the card with the activations'
+    margin, its checkpointed layers chosen for them (``requested``, or with ``auto`` the fewest that fit); one
+    row when none fits (``check`` then says whether even that does)."""
+    for rows in range(max(1, min(mini_rows, UPDATE_MAX_TOKENS // max_length)), 0, -1):
+        sized = {**shape, "tokens": rows * max_length}
+        layers = shape["layers"] if requested is None else requested
+        candidate = replace(plan, activations=activation_bytes(**sized, checkpointed_layers=layers),
+                            checkpointed_layers=layers, update_rows=rows)
+        if requested is None:
+            candidate = fewest_checkpointed_layers(candidate, sized)
+        if rows == 1 or update_fits_with_margin(candidate):
+            return candidate
+    raise AssertionError("unreachable: one row is always returned")
 
 
 def fewest_checkpointed_layers(plan: MemoryPlan, shape: dict[str, int]) -> MemoryPlan:
@@ -301,11 +335,17 @@ def fewest_checkpointed_layers(plan: MemoryPlan, shape: dict[str, int]) -> Memor
     activation_bytes' keywords) whose update fits the card with the activations taken 1 / UPDATE_ROOM_SHARE larger;
     every layer when no fewer fit so (then ``check`` says whether even that fits)."""
     for count in range(shape["layers"] + 1):
-        activations = activation_bytes(**shape, checkpointed_layers=count)
-        with_margin = replace(plan, activations=int(activations / UPDATE_ROOM_SHARE))
-        if sum(with_margin.update().values()) <= plan.total:
-            return replace(plan, activations=activations, checkpointed_layers=count)
+        candidate = replace(plan, activations=activation_bytes(**shape, checkpointed_layers=count),
+                            checkpointed_layers=count)
+        if update_fits_with_margin(candidate):
+            return candidate
     return plan
+
+
+def update_fits_with_margin(plan: MemoryPlan) -> bool:
+    """Whether the update fits the card with its activation estimate taken 1 / UPDATE_ROOM_SHARE larger."""
+    with_margin = replace(plan, activations=int(plan.activations / UPDATE_ROOM_SHARE))
+    return sum(with_margin.update().values()) <= plan.total
 
 
 def release_cached_blocks(device: torch.device) -> None:
