@@ -170,11 +170,14 @@ class Scheduler:
         return True
 
     def reset(self) -> None:
-        """Drop every job (after a generation that failed): the slots idle, the jobs' pages stay their owners'."""
+        """Drop every job (after a generation that failed) and the cache (the engine's to free: a reference kept
+        here held the last generation's KV cache through the update, issue 44): the slots idle, the jobs' pages
+        stay their owners'."""
         self.runner.clear(list(self.running))
         self.running.clear()
         self.waiting.clear()
         self.children.clear()
+        self.cache = None
 
     def step(self) -> list[Job]:
         """Admit what fits, decode one window and return the jobs that ended in it (tokens, log_probs,
