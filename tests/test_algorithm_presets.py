@@ -239,7 +239,8 @@ BUFFER = 4
 
 
 def train_preset(name: str, model: Path, files: dict[str, Path], root: Path) -> tuple[dict[int, dict], list, Any]:
-    """Two steps of `algorithm=name`; (metrics by step, rollout dump rows by step, resolved config)."""
+    """Two steps of `algorithm=name`; (metrics by step, the rollout dump's trained rows by step, resolved
+    config)."""
     reward = root / "mixed_reward.py"
     reward.write_text(MIXED_REWARD)
     run = root / name
@@ -258,8 +259,8 @@ def train_preset(name: str, model: Path, files: dict[str, Path], root: Path) -> 
     for line in (run / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         metrics[record.pop("step")] = record
-    dumps = {s: [json.loads(x) for x in (run / "rollouts" / f"step_{s}.jsonl").read_text().splitlines()]
-             for s in (1, 2)}
+    dumps = {s: [r for r in map(json.loads, (run / "rollouts" / f"step_{s}.jsonl").read_text().splitlines())
+                 if r["trained"]] for s in (1, 2)}  # the dump holds the dropped groups too
     return metrics, dumps, OmegaConf.load(run / "config.yaml")
 
 

@@ -59,7 +59,7 @@ def train_here(task: dict[str, Path], run_dir: Path, steps: int, *extra: str) ->
 def trained_prompts(run_dir: Path, step: int) -> list[str]:
     """The prompts step ``step`` trained on, in batch order, once per group."""
     lines = [json.loads(line) for line in (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
-    return list(dict.fromkeys(json.dumps(line["input"]) for line in lines))
+    return list(dict.fromkeys(json.dumps(line["input"]) for line in lines if line["trained"]))
 
 
 @pytest.fixture(scope="module")

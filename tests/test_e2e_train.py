@@ -191,8 +191,9 @@ def test_grpo_metrics_have_verl_names_and_match_the_rollout_dumps(grpo_run, task
         rollouts = read_jsonl(run / "rollouts" / f"step_{step}.jsonl")
         assert len(rollouts) == 8 * 4
         for r in rollouts:
-            assert list(r) == ["input", "output", "gts", "score", "step", "data_source", "acc", "digits", "boxed",
-                               "first_word"]
+            assert list(r) == ["input", "output", "gts", "score", "step", "data_source", "acc", "uid", "trained",
+                               "digits", "boxed", "first_word"]
+            assert r["trained"] is True and r["uid"].startswith(f"{step}-")
             assert r["step"] == step and r["score"] == pytest.approx(digit_share(r["output"]))
             assert r["data_source"] == "archer/arithmetic" and r["acc"] == compute_math_score(r["output"], r["gts"])
             assert r["digits"] == sum(c.isdigit() for c in r["output"]) and r["boxed"] is ("boxed{" in r["output"])

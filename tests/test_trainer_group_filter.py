@@ -181,8 +181,10 @@ def read_metrics(run: Path) -> dict[int, dict[str, Any]]:
 
 
 def dumped_groups(run: Path, step: int) -> list[tuple[str, list[float]]]:
-    """(question, scores) of each group of the step's rollout dump, in order; groups are n consecutive lines."""
+    """(question, scores) of each trained group of the step's rollout dump, in order; groups are n consecutive
+    lines."""
     lines = [json.loads(x) for x in (run / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
+    lines = [r for r in lines if r["trained"]]
     groups = []
     for start in range(0, len(lines), N):
         group = lines[start:start + N]
@@ -272,7 +274,13 @@ def test_rejection_sampling_drops_uniform_groups_and_skips_an_empty_step(micro_m
     assert empty["train/num_rejected_groups"] == 4.0 and empty["train/num_kept_groups"] == 0.0
     assert not [k for k in empty if k.startswith(("actor/", "critic/"))], empty
     assert empty["training/global_step"] == 2.0
-    assert not (run / "rollouts" / "step_2.jsonl").exists()
+    # every response is dumped, trained or not: the empty step's 16, the others' 8 dropped after their 8 trained
+    dumps = {s: [json.loads(x) for x in (run / "rollouts" / f"step_{s}.jsonl").read_text().splitlines()]
+             for s in (1, 2, 3)}
+    assert [r["trained"] for r in dumps[2]] == [False] * 16
+    assert [r["trained"] for r in dumps[1]] == [True] * 8 + [False] * 8
+    assert [r["uid"] for r in dumps[1][8:]] == [f"1-{i}" for i in (0, 2) for _ in range(N)]  # prompts 0 and 2
+    assert json.loads((run / "summary.json").read_text())["updated_steps"] == 2
 
     weights = {s: load_file(run / "checkpoints" / f"global_step_{s}" / "actor" / "model.safetensors") for s in (1, 2, 3)}
     assert all(torch.equal(weights[1][k], weights[2][k]) for k in weights[1]), "no update on the empty step"

@@ -17,7 +17,7 @@ import numpy as np
 from archer.health.figures import repeated_ngrams, repetition_shares, token_covariance
 from archer.health.history import ACC, History, Trend
 from archer.health.pointers import Pointer, mean_over_tokens, top_responses, top_tokens
-from archer.health.rows import StepRows
+from archer.health.rows import ScoredResponses, StepRows
 from archer.health.settings import HealthSettings
 
 ENTROPY = "actor/entropy"
@@ -49,6 +49,7 @@ class Context:
     history: History
     rows: StepRows | None
     settings: HealthSettings
+    scored: ScoredResponses | None = None  # every generated response with its score, dropped ones too
 
     def t(self, check: str, key: str) -> float:
         return self.settings.thresholds[check][key]
@@ -293,8 +294,8 @@ def no_signal(ctx: Context) -> Finding | None:
     message = (f"{share:.0%} of the prompt groups scored alike (median of the last {len(steps)} steps): "
                "their advantages are zero")
     pointers = []
-    rows = ctx.rows
-    if rows is not None:
+    rows = ctx.scored if ctx.scored is not None else ctx.rows  # the dropped groups are the ones scored alike
+    if rows is not None and len(rows):
         _, first, group = np.unique(rows.uid, return_index=True, return_inverse=True)
         spread = np.zeros(len(first))
         np.maximum.at(spread, group, np.abs(rows.reward - rows.reward[first][group]))

@@ -18,7 +18,7 @@ from archer.health.checks import CHECKS, Check, Context, Finding
 from archer.health.figures import step_figures
 from archer.health.history import History
 from archer.health.pointers import Pointer
-from archer.health.rows import StepRows
+from archer.health.rows import ScoredResponses, StepRows
 from archer.health.settings import LEVELS, HealthSettings
 
 FIGURE_PREFIX = "health/"
@@ -91,15 +91,17 @@ class HealthEngine:
                 self.state[check.name] = int(level) if level is not None and math.isfinite(level) else 0
 
     def step(self, step: int, metrics: dict[str, float], rows: StepRows | None,
-             figures: dict[str, float] | None = None) -> tuple[dict[str, float], list[Flag]]:
+             figures: dict[str, float] | None = None, scored: ScoredResponses | None = None
+             ) -> tuple[dict[str, float], list[Flag]]:
         """The step's health/* metrics and the flags it raises (``figures``: the step's, when the caller has
-        them already). Step 0, the validation before training, only joins the history."""
+        them already; ``scored``: every response it generated, trained or dropped). Step 0, the validation
+        before training, only joins the history."""
         if step < 1:
             self.history.add(step, metrics)
             return {}, []
         figures = self.figures(metrics, rows) if figures is None else figures
         self.history.add(step, {**metrics, **figures})
-        context = Context(self.history, rows, self.settings)
+        context = Context(self.history, rows, self.settings, scored)
         out, flags = dict(figures), []
         for check in CHECKS:
             finding: Finding | None = check.evaluate(context)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 from archer.health.engine import Flag, HealthEngine
-from archer.health.rows import StepRows
+from archer.health.rows import ScoredResponses, StepRows
 from archer.health.settings import HealthSettings
 from archer.step_lines import METRICS_FILE, metrics_by_step, truncate_after_step
 
@@ -42,6 +42,7 @@ class HealthMonitor:
         self.path = Path(run_dir) / HEALTH_FILE
         self.stop: Flag | None = None
         self._rows: StepRows | None = None
+        self._scored: ScoredResponses | None = None
         self._seconds = 0.0
         if start_step > 0:
             for step, values in sorted(metrics_by_step(Path(run_dir) / METRICS_FILE).items()):
@@ -58,11 +59,16 @@ class HealthMonitor:
         self._rows = StepRows.from_batch(batch, self.call_tags)
         self._seconds = time.perf_counter() - start
 
+    def collect_scored(self, responses: Batch) -> None:
+        """Every response the step generated, trained or dropped, with its score (the rollout dump's rows):
+        what no_signal points at, also at a step that trained on nothing."""
+        self._scored = ScoredResponses.from_rows(responses["uid"], responses["score"]) if len(responses) else None
+
     def check(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """Run the checks on the step; returns the health/* metrics and timing_s/health (nothing for step 0)."""
         start = time.perf_counter()
-        rows, self._rows = self._rows, None
-        out, flags = self.engine.step(step, metrics, rows)
+        rows, scored, self._rows, self._scored = self._rows, self._scored, None, None
+        out, flags = self.engine.step(step, metrics, rows, scored=scored)
         if step < 1:  # the validation before training joins the history and logs nothing more
             return out
         for flag in flags:

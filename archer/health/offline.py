@@ -4,6 +4,8 @@ before the checks existed too.
 The replay reads ``metrics.jsonl`` and, when the run has one, its entropy trace (``<run>/entropy_trace`` or the
 one its config names): each traced step's responses give the pointers and, for a step whose metrics do not
 record the ``health/*`` figures (a run made before them, or figure settings other than the run's), the figures.
+The rollout dumps (trainer.rollout_data_dir), which hold every generated response with its score, give
+no_signal's pointers, also at a step that trained on nothing (and so has no trace).
 The settings are the run's ``trainer.health`` (config.yaml; archer's defaults for an older run) with the
 command line's ``trainer.health.KEY=VALUE`` over them. The engine is the one training runs (engine.py), so a
 replay of a run with its own settings gives its health.jsonl's flags.
@@ -23,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from archer.errors import ArcherError
 from archer.health.engine import FIGURE_PREFIX, Flag, HealthEngine
-from archer.health.rows import StepRows
+from archer.health.rows import ScoredResponses, StepRows
 from archer.health.settings import HealthSettings, default_health_config
 from archer.step_lines import METRICS_FILE, metrics_by_step
 from archer.trace.format import TraceError, TraceReader, is_trace_dir
@@ -107,6 +109,15 @@ def entropy_trace_of(run_dir: Path) -> Path | None:
     return next((c for c in candidates if c.is_dir() and is_trace_dir(c)), None)
 
 
+def rollout_dumps_of(run_dir: Path) -> Path | None:
+    """The folder of the run's rollout dumps (trainer.rollout_data_dir in its config.yaml), if it has one."""
+    config = run_dir / "config.yaml"
+    if not config.is_file():
+        return None
+    named = OmegaConf.select(OmegaConf.load(config), "trainer.rollout_data_dir")
+    return Path(str(named)) if named and Path(str(named)).is_dir() else None
+
+
 def quickstart_rl_run(folder: Path) -> Path:
     """``folder``, or the RL run a quickstart folder's summary.json names (rl_run_dir) when ``folder`` holds no
     metrics.jsonl of its own."""
@@ -134,7 +145,10 @@ def replay(run_dir: str | Path, overrides: Sequence[str] = ()) -> Replay:
     call_tags, decode = _tool_reading(reader)
     engine = HealthEngine(settings)
     result = Replay(run_dir, settings, trace)
+    dumps = rollout_dumps_of(run_dir)
     for step, metrics in sorted(metrics_by_step(metrics_path).items()):
+        dump = None if dumps is None else dumps / f"step_{step}.jsonl"
+        scored = ScoredResponses.from_dump(dump) if dump is not None and dump.is_file() else None
         rows = None
         if step in traced:
             try:
@@ -143,7 +157,7 @@ def replay(run_dir: str | Path, overrides: Sequence[str] = ()) -> Replay:
                 result.notes.append(f"step {step}: {e} (checked from its metrics alone)")
         recorded = same_figures and any(k.startswith(FIGURE_PREFIX) for k in metrics)
         figures = engine.figures(metrics, None if recorded else rows)
-        values, flags = engine.step(step, metrics, rows, figures)
+        values, flags = engine.step(step, metrics, rows, figures, scored=scored)
         result.values[step] = values
         result.flags += flags
     return result

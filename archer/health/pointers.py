@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from archer.health.rows import StepRows
+from archer.health.rows import ScoredResponses, StepRows
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class Pointer:
         return asdict(self)
 
 
-def top_responses(rows: StepRows, scores: np.ndarray, k: int, why: str, *, eligible: np.ndarray | None = None,
+def top_responses(rows: StepRows | ScoredResponses, scores: np.ndarray, k: int, why: str, *, eligible: np.ndarray | None = None,
                   positions: np.ndarray | None = None, token_scores: np.ndarray | None = None,
                   max_positions: int = 8, per_response: int = 3) -> list[Pointer]:
     """The ``k`` responses with the highest ``scores`` ([N]) among the ``eligible`` ones, highest first, each

@@ -10,8 +10,10 @@ log-probs are rounded to float16 in both, as the trace stores them, so a replay 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -97,6 +99,31 @@ class StepRows:
                    reward=arrays["reward"].astype(np.float64), row=arrays["response_index"].astype(np.int64),
                    acc=arrays["acc"].astype(np.float64) if "acc" in arrays else None,
                    finish_reason=arrays.get("finish_reason"), extras=extras, calls=calls)
+
+
+@dataclass(frozen=True)
+class ScoredResponses:
+    """Every response a step generated, trained on or dropped, with its score: the step's rollout dump, whose
+    line numbers are ``row`` (the trained responses come first, so their rows are the batch's)."""
+
+    uid: np.ndarray  # [N] prompt group
+    reward: np.ndarray  # [N] float64 sequence score
+    row: np.ndarray  # [N] line of the rollout dump
+
+    def __len__(self) -> int:
+        return len(self.uid)
+
+    @classmethod
+    def from_rows(cls, uid: Sequence[object], score: Sequence[float]) -> ScoredResponses:
+        return cls(np.asarray([str(u) for u in uid]), np.asarray(score, dtype=np.float64), np.arange(len(uid)))
+
+    @classmethod
+    def from_dump(cls, path: Path) -> ScoredResponses | None:
+        """The responses of a rollout dump (``step_N.jsonl``), or None for a dump without prompt groups."""
+        records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if not records or any("uid" not in r for r in records):
+            return None
+        return cls.from_rows([r["uid"] for r in records], [r["score"] for r in records])
 
 
 def _as_traced(values: torch.Tensor) -> np.ndarray:

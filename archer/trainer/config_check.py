@@ -75,8 +75,16 @@ NULLABLE_COUNT_KEYS = (
 )
 
 
+# Keys that count something and may be 0 (which switches what they bound off).
+ZERO_COUNT_KEYS = ("trainer.max_steps_without_update",)
+
+
 def check_counts(cfg: DictConfig) -> None:
-    """Every count key is an integer >= 1 (the nullable ones may also be null)."""
+    """Every count key is an integer >= 1 (the nullable ones may also be null; the zero ones 0)."""
+    for key in ZERO_COUNT_KEYS:
+        value = OmegaConf.select(cfg, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ArcherError(f"{key}={value!r} must be an integer of at least 0", f"set {key} to 0 or more")
     for key in (*COUNT_KEYS, *NULLABLE_COUNT_KEYS):
         value = OmegaConf.select(cfg, key)
         if value is None and key in NULLABLE_COUNT_KEYS:

@@ -52,6 +52,7 @@ from archer.trainer.group_filter import (
     uniform_accuracy_rows,
 )
 from archer.trainer.model_check import check_sequence_lengths
+from archer.trainer.no_update import TRAINED, UpdateGuard, every_response
 from archer.trainer.off_policy import RolloutCorrectionStage, record_staleness
 from archer.trainer.plots import plot_metrics
 from archer.trainer.run_folder import (
@@ -123,6 +124,7 @@ def write_generations(path: Path, batch: Batch, texts: list[str], scores: np.nda
         record = {"input": batch["raw_prompt"][i], "output": text, "gts": batch["ground_truth"][i],
                   "score": float(score), "step": step, "data_source": batch["data_source"][i],
                   "acc": float(batch["acc"][i])}
+        record.update({k: _json_value(batch[k][i]) for k in ("uid", TRAINED) if k in batch.rows})
         record.update({f"reward_extra/{k}" if k in record else k: v for k, v in batch[REWARD_EXTRAS][i].items()})
         lines.append(json.dumps(record, default=_json_value) + "\n")
     write_text_atomically(path, "".join(lines), fsync=False)
@@ -160,6 +162,7 @@ class PPOTrainer:
         # the summary's figures: the model the run started from and its validation before and after (a resumed
         # run restores them from its checkpoint)
         self.model_path = str(ref_cfg.model.path)
+        self.updates = UpdateGuard(int(cfg.trainer.max_steps_without_update))  # steps that trained, stop on none
         self.val_before: dict[str, float] = {}
         self.val_last: dict[str, float] = {}
         self.finished: dict[str, Any] | None = None  # the saved summary of a run that has nothing left to do
@@ -265,10 +268,12 @@ class PPOTrainer:
             self.reward_fn(batch).add_to(batch)
         return batch
 
-    def sample_batch(self, step: int, timings: dict[str, float], metrics: dict[str, float]) -> Batch:
+    def sample_batch(self, step: int, timings: dict[str, float], metrics: dict[str, float],
+                     dropped: list[Batch]) -> Batch:
         """The step's training batch: one generation batch, or with dynamic sampling (filter_groups) as many
         as it takes to keep train_batch_size informative prompt groups, trimmed to exactly that many;
-        then Archer's rejection sampling, which drops groups whose accuracies are all 0 or all 1."""
+        then Archer's rejection sampling, which drops groups whose accuracies are all 0 or all 1. The
+        generated responses left out go to ``dropped``."""
         algo, n = self.cfg.algorithm, int(self.cfg.actor_rollout_ref.rollout.n)
         fg = algo.filter_groups
         rollout_stats: list[RolloutStats] = []
@@ -289,12 +294,15 @@ class PPOTrainer:
                     continue
                 candidates += count_groups(generated["uid"])
                 values = generated["acc"] if fg.metric == "acc" else generated["score"]
-                informative = generated.index(np.flatnonzero(informative_rows(generated["uid"], values)))
+                keep = informative_rows(generated["uid"], values)
+                informative = generated.index(np.flatnonzero(keep))
+                dropped.append(generated.index(np.flatnonzero(~keep)))
                 kept.append(informative)
                 num_kept += count_groups(informative["uid"])
                 log.info("step %d: dynamic sampling kept %d of %d prompt groups after %d generation batch(es)",
                          step, num_kept, needed, num_batches)
             batch = concat_sequences([b for b in kept if len(b)], self.tokenizer.pad_token_id)
+            dropped.append(batch.index(slice(needed * n, None)))
             batch = batch.index(slice(0, needed * n))
             metrics["train/num_gen_batches"] = float(num_batches)
             metrics["train/num_candidate_groups"] = float(candidates)
@@ -303,6 +311,7 @@ class PPOTrainer:
         if self.cfg.trainer.rejection_sample:
             rejected = uniform_accuracy_rows(batch["uid"], batch["acc"])
             metrics["train/num_rejected_groups"] = float(count_groups(batch["uid"][rejected]))
+            dropped.append(batch.index(np.flatnonzero(rejected)))
             batch = batch.index(np.flatnonzero(~rejected))
         metrics["train/num_kept_groups"] = float(count_groups(batch["uid"]))
         if "overlong_penalty" in batch.rows and len(batch):
@@ -317,9 +326,18 @@ class PPOTrainer:
         metrics: dict[str, float] = {}
         self.peaks = MemoryPeaks(self.device)
         with timer("step", timings, self.peaks):
-            batch = self.sample_batch(step, timings, metrics)
+            dropped: list[Batch] = []
+            batch = self.sample_batch(step, timings, metrics, dropped)
             if self.separate is not None:  # the rollout ranks generate the next step's groups meanwhile
                 self.separate.launch_next(step, self.total_steps)
+            responses = every_response(batch, dropped)  # trained or not, in the dump's order
+            if cfg.trainer.rollout_data_dir:
+                with timer("dump_rollout", timings, self.peaks):
+                    write_generations(Path(cfg.trainer.rollout_data_dir) / f"step_{step}.jsonl", responses,
+                                      responses["response_text"], responses["score"], step)
+            if self.health is not None:
+                self.health.collect_scored(responses)
+            self.updates.record(step, updated=len(batch) > 0, responses=responses)
             if not len(batch):
                 log.warning("step %d: rejection sampling dropped every prompt group (all accuracies 0 or 1); "
                             "no update this step", step)
@@ -370,10 +388,6 @@ class PPOTrainer:
                 metrics.update(update.metrics)
                 if selection is not None:
                     metrics.update(self.influence_trace.finish(step, batch, selection, update.influence))
-            if cfg.trainer.rollout_data_dir:
-                with timer("dump_rollout", timings, self.peaks):
-                    write_generations(Path(cfg.trainer.rollout_data_dir) / f"step_{step}.jsonl", batch,
-                                      batch["response_text"], batch["score"], step)
         metrics.update(compute_data_metrics(batch, max_response_length=int(cfg.data.max_response_length)))
         metrics.update(compute_timing_metrics(timings, int(batch["attention_mask"].sum())))
         metrics.update(self.peaks.metrics())
@@ -432,7 +446,8 @@ class PPOTrainer:
             pending = {} if self.async_batches is None else {ASYNC_STATE: self.async_batches.state()}
             save_trainer_state(tmp, step, self.loader, self.clock,
                                {"model_path": self.model_path, "val_before": self.val_before,
-                                "val_after": self.val_last}, kl_coef=float(self.kl_ctrl.value), **pending)
+                                "val_after": self.val_last, "updated_steps": self.updates.updated_steps},
+                               kl_coef=float(self.kl_ctrl.value), **pending)
 
         return self.checkpoints.save(step, write)
 
@@ -456,6 +471,8 @@ class PPOTrainer:
         record = state["run"]
         self.model_path = record.get("model_path", self.model_path)
         self.val_before, self.val_last = record.get("val_before", {}), record.get("val_after", {})
+        # a checkpoint written before the count was kept: every step taken as one that updated
+        self.updates.updated_steps = int(record.get("updated_steps", state["global_step"]))
         return int(state["global_step"])
 
     # -- the loop -------------------------------------------------------------------------------------------------
@@ -498,6 +515,7 @@ class PPOTrainer:
                 # Log before the checkpoint commits: a run killed in between resumes from the previous
                 # checkpoint and redoes this step, whereas a committed step without its line stays missing.
                 self.log_step(tracker, step, metrics)
+                self.updates.check(step)  # k steps in a row without an update: an error that says why
                 stop = self.health.stop if self.health is not None else None
                 if stop is not None or (cfg.save_freq > 0 and (step % cfg.save_freq == 0 or last)):
                     self.flush_traces()  # every step the checkpoint covers is on disk first
@@ -562,6 +580,7 @@ class PPOTrainer:
     def write_summary(self) -> dict:
         summary = {
             "steps": self.global_step,
+            "updated_steps": self.updates.updated_steps,  # steps that trained on at least one prompt group
             "wall_time_s": self.clock.seconds(),
             "model_path": self.model_path,
             "train_files": as_list(self.cfg.data.train_files),

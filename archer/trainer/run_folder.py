@@ -62,7 +62,7 @@ CONTINUABLE: dict[str, tuple[str, ...]] = {
         "trainer.entropy_trace.output_dir", "trainer.entropy_trace.fsync", "trainer.influence_trace.output_dir",
         "trainer.influence_trace.fsync", "eval.*",
         # what the health checks flag and whether a critical flag stops the run: they read the run, never steer it
-        "trainer.health.*",
+        "trainer.health.*", "trainer.max_steps_without_update",
         # where and in how much memory it runs: the same losses and updates (the losses are normalised over the
         # whole mini-batch; only choices made per micro-batch move, README "Micro-batches")
         "trainer.device", "trainer.nnodes", "trainer.n_gpus_per_node", "actor_rollout_ref.nccl_timeout",
