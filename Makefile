@@ -37,6 +37,8 @@ test: torch
 	$(BIN)/python -m pip install -q -e ".[test]"
 	test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 	$(BIN)/python -m ruff check archer tests bench
+	# the documentation site (mkdocs.yml), into build/site: a broken link or a missing page fails
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet
 	# two workers (pytest-xdist), then the tests that time wall-clock bounds alone (marked serial); the slowest
 	# tests are listed at the end, to keep the suite in CI's budget as it grows
 	PATH="$(BIN):$$PATH" $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial" --durations=15

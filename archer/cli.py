@@ -279,7 +279,7 @@ def _add_config_command(sub: Subcommands, name: str, func: Callable[[argparse.Na
 
 
 def _add_eval(sub: Subcommands) -> None:
-    p = sub.add_parser("eval", help="evaluate a model on benchmarks: mean@n, pass@k, maj@k (README 'Evaluation')",
+    p = sub.add_parser("eval", help="evaluate a model on benchmarks: mean@n, pass@k, maj@k (docs/eval.md)",
                        epilog=EVAL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="e.g. model=DIR benchmark=[gsm8k,math500] n=8 k=[1,4,8] data_dir=D")
     p.add_argument("--cfg", choices=["job"], help="print the resolved config (as YAML) and exit")

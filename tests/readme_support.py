@@ -1,4 +1,5 @@
-"""README's commands as the tests run them: the words of a command block, continuation lines joined."""
+"""The commands of README and of the docs site's pages (docs/*.md) as the tests run them: the words of a command
+block, continuation lines joined."""
 
 from __future__ import annotations
 
@@ -6,14 +7,17 @@ import shlex
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
 
 
-def readme_command(start: str) -> list[str]:
-    """The words of README's command whose first line starts with ``start`` (continuation lines joined)."""
-    lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+def page_command(page: str, start: str) -> list[str]:
+    """The words of the command in ``page`` (a path from the repository root) whose first line starts with
+    ``start`` (continuation lines joined)."""
+    lines = (REPO / page).read_text(encoding="utf-8").splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith(start))
     text = lines[first]
     while text.endswith("\\"):
         first += 1
         text = text[:-1] + lines[first]
     return shlex.split(text)
+

@@ -1,6 +1,7 @@
 """What README promises at its top and the commands it gives, checked as written: the opening claims, the two
-`make` commands (a virtualenv made or used, torch's CPU build from PyTorch's CPU index when there is no torch),
-and the SFT command for LLaMA-Factory's demo files on a model built as the quickstart builds its own."""
+`make` commands (a virtualenv made or used, torch's CPU build from PyTorch's CPU index when there is no torch) and
+what docs/getting_started.md says of them, and docs/sft.md's SFT command for LLaMA-Factory's demo files on a model
+built as the quickstart builds its own."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from readme_support import readme_command
+from readme_support import DOCS, page_command
 from shared_data import SHARED_DATA
 
 from archer import cli
@@ -29,8 +30,15 @@ DEMO_FILES = ("alpaca_en_demo.json", "glaive_toolcall_en_demo.json")
 def test_the_opening_says_what_runs_now() -> None:
     opening = README.split("## Two commands", 1)[0]
     assert "(later)" not in opening
-    assert "on many GPUs of one or more nodes through Ray" in " ".join(opening.split())
-    assert "\n## Many GPUs" in README
+    assert "on many GPUs of one or more nodes through Ray ([Many GPUs](docs/scale_out.md))" in " ".join(opening.split())
+    assert (DOCS / "scale_out.md").read_text(encoding="utf-8").startswith("# Many GPUs\n")
+
+
+def test_readme_gives_the_two_commands_and_fits_a_few_screens() -> None:
+    section = README.split("## Two commands", 1)[1].split("\n## ", 1)[0]
+    commands = [line.split("#", 1)[0].strip() for line in section.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()]
+    assert commands == ["make quickstart", "make test"]
+    assert len(README.splitlines()) <= 80  # the front page; the rest is the docs site
 
 
 def make(target: str, folder: Path, python: str, *, dry_run: bool, env: dict[str, str] | None = None
@@ -81,15 +89,16 @@ def test_make_without_a_virtualenv_makes_dot_venv_and_installs_torchs_cpu_build_
     assert make("venv", makefile, base, dry_run=False).stdout.startswith(f"make: using the virtualenv {venv}")
 
 
-def test_readme_states_the_install_and_the_cpu_index() -> None:
-    section = README.split("## Two commands", 1)[1].split("\n## ", 1)[0]
+def test_getting_started_states_the_install_and_the_cpu_index() -> None:
+    page = (DOCS / "getting_started.md").read_text(encoding="utf-8")
+    section = page.split("## Two commands", 1)[1].split("\n## ", 1)[0]
     flat = " ".join(section.split())
     assert "`.venv` in the repository" in flat and TORCH_INDEX in flat and ". .venv/bin/activate" in flat
     assert "The first one adds the install" in flat
 
 
 @pytest.mark.skipif(not all((SHARED_DATA / "sft" / f).is_file() for f in DEMO_FILES), reason="no LLaMA-Factory demo files")
-def test_readmes_sft_demo_command_runs_as_written_on_the_quickstarts_model(
+def test_the_sft_pages_demo_command_runs_as_written_on_the_quickstarts_model(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     recipe = RECIPES["arithmetic"]  # the quickstart's model, default seed: its data, tokenizer and positions
     write_task_files(recipe.task, tmp_path / "data", n_train=recipe.n_train, n_val=recipe.n_val, n_sft=recipe.n_sft,
@@ -99,12 +108,12 @@ def test_readmes_sft_demo_command_runs_as_written_on_the_quickstarts_model(
     for name in DEMO_FILES:  # the command names the files as they lie in the current folder
         (tmp_path / name).symlink_to(SHARED_DATA / "sft" / name)
     monkeypatch.chdir(tmp_path)
-    command = readme_command("archer sft model.partial_pretrain=MODEL_DIR data.max_length=2048")
+    command = page_command("docs/sft.md", "archer sft model.partial_pretrain=MODEL_DIR data.max_length=2048")
     assert command[:2] == ["archer", "sft"] and "data.truncation=right" in command
     args = [a.replace("MODEL_DIR", str(model)) for a in command[1:]]
     cheap = ["trainer.total_training_steps=1", "data.train_batch_size=2", "data.micro_batch_size_per_gpu=2",
              "trainer.logger=[jsonl]", "trainer.plots=false", "trainer.device=cpu", f"trainer.default_local_dir={tmp_path / 'run'}"]
     with caplog.at_level(logging.INFO, logger="archer"):
         assert cli.main([*args, *cheap]) == 0
-    assert "SFT dataset: 1300 examples, 124 truncated (right)" in caplog.text  # README's figures
+    assert "SFT dataset: 1300 examples, 124 truncated (right)" in caplog.text  # the page's figures
     assert (tmp_path / "run" / "hf_model" / "config.json").is_file()

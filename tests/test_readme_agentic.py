@@ -1,4 +1,4 @@
-"""README's agentic commands, run as written: the tool quickstart names the model that ARPO's two-step command
+"""The agentic commands of docs/agentic.md, run as written: the tool quickstart names the model that ARPO's two-step command
 trains on ARPO's own data (skipped where ../shared/data/arpo is absent). The quickstart's warm start is cut to a
 few SFT steps here; its folders, model and tokenizer are the quickstart's own."""
 
@@ -11,20 +11,21 @@ import sys
 from pathlib import Path
 
 import pytest
-from readme_support import readme_command
+from readme_support import page_command
 from rich.console import Console
 
 from archer.cli import build_parser
 from archer.trainer.quickstart import parse_quickstart_args, warm_start
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"  # README's ../shared, seen from the repository root
+SHARED = REPO.parent / "shared"  # the page's ../shared, seen from the repository root
+AGENTIC = "docs/agentic.md"
 ARPO_TRAIN = SHARED / "data" / "arpo" / "train_10k.parquet"
 
 
-def test_readme_names_the_tool_quickstarts_model_in_the_arpo_command() -> None:
-    quickstart = build_parser().parse_args(readme_command("archer quickstart task=tool_arithmetic")[1:])
-    train = readme_command("archer train algorithm=arpo")
+def test_the_page_names_the_tool_quickstarts_model_in_the_arpo_command() -> None:
+    quickstart = build_parser().parse_args(page_command(AGENTIC, "archer quickstart task=tool_arithmetic")[1:])
+    train = page_command(AGENTIC, "archer train algorithm=arpo")
     model = next(a.partition("=")[2] for a in train if a.startswith("actor_rollout_ref.model.path="))
     assert Path(model) == Path(quickstart.out) / "sft" / "hf_model"  # where run_sft leaves the warm start
 
@@ -32,15 +33,15 @@ def test_readme_names_the_tool_quickstarts_model_in_the_arpo_command() -> None:
 @pytest.mark.skipif(not ARPO_TRAIN.is_file(), reason=f"ARPO's data is not in {ARPO_TRAIN.parent}")
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_readmes_arpo_command_runs_as_written_on_the_tool_quickstarts_model(tmp_path: Path) -> None:
-    work = tmp_path / "repo"  # README's commands run from the repository root, with ../shared beside it
+def test_the_pages_arpo_command_runs_as_written_on_the_tool_quickstarts_model(tmp_path: Path) -> None:
+    work = tmp_path / "repo"  # the page's commands run from the repository root, with ../shared beside it
     work.mkdir()
     (tmp_path / "shared").symlink_to(SHARED)
-    quickstart = build_parser().parse_args(readme_command("archer quickstart task=tool_arithmetic")[1:])
+    quickstart = build_parser().parse_args(page_command(AGENTIC, "archer quickstart task=tool_arithmetic")[1:])
     seed, recipe, _ = parse_quickstart_args(quickstart.overrides)
     _, model = warm_start(work / quickstart.out, seed, Console(quiet=True),
                           sft_extra=["trainer.total_training_steps=4"], recipe=recipe)
-    train = readme_command("archer train algorithm=arpo")
+    train = page_command(AGENTIC, "archer train algorithm=arpo")
     assert f"actor_rollout_ref.model.path={model.relative_to(work)}" in train
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-m", "archer.cli", *train[1:]], cwd=work, env=env, capture_output=True,

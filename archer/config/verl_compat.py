@@ -6,7 +6,7 @@ published ``ppo_trainer.yaml``) and command-line overrides both pass through ``t
 stays; a key of ``VERL_KEYS`` (or under a prefix of it) is renamed or mapped; a key of no_ops' table is dropped
 (with one warning when its value is one under which verl would compute something archer does not), or refused
 (an error when its value would change the result); any other key is an error naming the nearest known key.
-README "Porting from verl, Archer2.0 or ARPO" shows both tables.
+docs/porting.md shows both tables.
 """
 
 from __future__ import annotations
@@ -133,4 +133,4 @@ def _translate(node: DictConfig, prefix: str, out: DictConfig, known: set[str], 
             hint = f"did you mean {near!r}?" if near else "archer/config/ppo_trainer.yaml lists the keys"
             raise ArcherError(f"{source}: unknown config key {key!r}: {hint}",
                               "fix or drop the key; archer refuses keys it does not know so that no setting is "
-                              "silently ignored (README \"Porting from verl, Archer2.0 or ARPO\" lists verl's keys)")
+                              "silently ignored (docs/porting.md lists verl's keys)")

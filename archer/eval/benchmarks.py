@@ -70,7 +70,7 @@ def load_spec(name: str) -> BenchmarkSpec:
         if not path.is_file():
             raise ArcherError(f"unknown benchmark {name!r}; built-in ones: {', '.join(benchmark_names())}",
                               "pick one of them, or pass the path of your own benchmark YAML (benchmark=[my.yaml]); "
-                              "see README, 'Evaluation'")
+                              "see docs/eval.md")
     if not path.is_file():
         raise ArcherError(f"benchmark file {path} does not exist", "check the path of the benchmark YAML")
     try:

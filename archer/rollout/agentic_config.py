@@ -65,7 +65,7 @@ def check_agentic_config(rollout: DictConfig) -> None:
     _check(rollout.mode in ROLLOUT_MODES, f"unknown {KEY}.mode {rollout.mode!r}", f"use one of {', '.join(ROLLOUT_MODES)}")
     _check(rollout.mode != "sync_with_tool" or uses_tools(rollout),
            f"{KEY}.mode=sync_with_tool (ARPO: rollouts with tools) but no tool is configured",
-           f"configure the tools under {KEY}.tools.tool_instances (README \"Agentic RL\"), or set {KEY}.mode=sync")
+           f"configure the tools under {KEY}.tools.tool_instances (docs/agentic.md), or set {KEY}.mode=sync")
     check_tool_specs(rollout.tools)
     n, initial, beam = rollout.n, rollout.initial_rollouts, rollout.beam_size
     _check(initial is None or (_is_int(initial, 1) and initial <= n),
@@ -100,8 +100,8 @@ def check_agentic_config(rollout: DictConfig) -> None:
     _check(not branching or uses_tools(rollout),
            f"ARPO/AEPO branching is set ({KEY}.initial_rollouts={initial}, beam_size={beam}, n={n}, "
            f"enable_dynamic_rollouts={rollout.enable_dynamic_rollouts}) but no tool is configured, and branches "
-           "start only after tool calls", f"configure the tools ({KEY}.tools.tool_instances, README \"Agentic "
-           "RL\"), or set initial_rollouts=null, beam_size=1 and enable_dynamic_rollouts=false")
+           "start only after tool calls", f"configure the tools ({KEY}.tools.tool_instances, docs/agentic.md"
+           "), or set initial_rollouts=null, beam_size=1 and enable_dynamic_rollouts=false")
 
 
 def check_row_tools(row_tools: Iterable[Sequence[str] | None], rollout: DictConfig, where: str) -> None:

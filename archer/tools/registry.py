@@ -25,7 +25,7 @@ BUILTIN_TOOLS = {
     "search": "archer.tools.search.SearchTool",
 }
 # verl's and ARPO's tool classes, by the class_path their configs and scripts write, and archer's tool for each
-# (README "Porting from verl, Archer2.0 or ARPO" shows this table).
+# (docs/porting.md shows this table).
 VERL_TOOLS = {
     "verl.workers.rollout.tools.python_tool.PythonTool": "archer.tools.python_tool.PythonTool",
     "verl.workers.agent.tools.python_tool.PythonTool": "archer.tools.python_tool.PythonTool",

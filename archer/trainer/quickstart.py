@@ -48,7 +48,7 @@ TASK = "arithmetic"
 TASK_KNOBS: dict[str, Any] = {"num_operands": 3, "max_operand": 9, "unboxed_fraction": 0.6}
 N_TRAIN, N_VAL, N_SFT = 1000, 200, 1500
 # The tiny model's positions: room for ARPO's prompts (up to about 1,900 tokens with its small tokenizer) and a
-# response, so that README's ARPO command runs on the tool quickstart's model. Its rotary positions have no
+# response, so that docs/agentic.md's ARPO command runs on the tool quickstart's model. Its rotary positions have no
 # weights: the number changes nothing the quickstart computes.
 MODEL_POSITIONS = 4096
 VAL_KEY = "val-core/archer/arithmetic/acc/mean@1"

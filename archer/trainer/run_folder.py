@@ -64,7 +64,7 @@ CONTINUABLE: dict[str, tuple[str, ...]] = {
         # what the health checks flag and whether a critical flag stops the run: they read the run, never steer it
         "trainer.health.*", "trainer.max_steps_without_update",
         # where and in how much memory it runs: the same losses and updates (the losses are normalised over the
-        # whole mini-batch; only choices made per micro-batch move, README "Micro-batches")
+        # whole mini-batch; only choices made per micro-batch move, docs/training.md, "Micro-batches")
         "trainer.device", "trainer.nnodes", "trainer.n_gpus_per_node", "actor_rollout_ref.nccl_timeout",
         "trainer.balance_batch", "actor_rollout_ref.model.use_liger",  # which rank takes a row; fused kernels
         "actor_rollout_ref.model.enable_gradient_checkpointing", "actor_rollout_ref.model.gradient_checkpointing_layers",

@@ -232,5 +232,5 @@ def loss_switches(loss: PolicyLoss, a: DictConfig) -> dict[str, bool]:
             supported = sorted(n for n, entry in POLICY_LOSSES.items() if name in entry.switches)
             raise ArcherError(f"{ACTOR_KEY}.{name}=true does not apply to policy_loss.loss_mode={loss.name}",
                               f"use it with loss_mode {' | '.join(supported)}, or set it to false "
-                              "(README, \"Algorithms\", says why)")
+                              "(docs/presets.md says why)")
     return {name: bool(a[name]) for name in loss.switches}
