@@ -25,7 +25,7 @@ import trace_support
 
 from archer.trace.format import TraceWriter
 from archer.viz import app as app_module
-from archer.viz import queries, render
+from archer.viz import legend, queries, render
 from archer.viz.app import launch
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -277,6 +277,21 @@ def test_the_overview_and_the_response_show_the_reward_extras(page, tokenizer, t
     assert f" | f1 {float(f1[row]):.4g} | " in page.inner_text("#archer-meta")
     page.screenshot(path=str(tmp_path / "overview.png"))
 
+
+
+def test_the_legend_says_what_the_columns_and_the_colours_mean(page, tmp_path) -> None:
+    open_response(page, 2, 1)
+    box = page.locator("#archer-legend-box")
+    assert not page.locator("#archer-legend").is_visible()  # folded away until asked for
+    box.get_by_text(app_module.LEGEND).click()
+    page.locator("#archer-legend").wait_for(state="visible")
+    text = " ".join(page.inner_text("#archer-legend").split())
+    for column in ("influence_abs_p99", "entropy_mean", "group_id", "f1", "influence", "log_prob"):
+        description = legend.REWARD_EXTRA if column == "f1" else legend.COLUMNS[column]
+        assert f"{column}: {' '.join(description.split())}" in text, column
+    for scale in ("entropy heatmap", "influence heatmap"):
+        assert f"{scale}: " in text and "accepted responses" in text
+    page.screenshot(path=str(tmp_path / "legend.png"))
 
 def test_other_tabs_show_top_tokens_groups_comparison_curves_and_histogram(page, tokenizer) -> None:
     open_response(page, 2, 1)

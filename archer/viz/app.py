@@ -23,8 +23,9 @@ import pandas as pd
 
 from archer.errors import ArcherError
 from archer.trace.format import TraceError
-from archer.viz import queries, render
+from archer.viz import legend, queries, render
 from archer.viz.explorer import Explorer
+from archer.viz.health import FLAG_COLUMNS, POINTER_COLUMNS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7862
@@ -54,6 +55,7 @@ TABLE_CSS = (".archer-table th, .archer-table th *{white-space:normal!important;
              ".archer-table th .cell-wrap{padding:0 2px!important;gap:2px!important}"
              "#archer-stats .cell-menu-button{display:none}")  # one row: nothing to sort or filter
 HEADER_BREAK = "\u200b"
+LEGEND = "What the columns and colours mean"  # the accordion under each view's tables (archer/viz/legend.py)
 # Errors a view turns into a message: a missing/corrupt step, a row out of range, a bad user path.
 VIEW_ERRORS = (TraceError, IndexError, ArcherError)
 
@@ -163,6 +165,7 @@ def _layout_step(c: Controls, explorer: Explorer, steps: list[int]) -> None:
 def _layout_responses(c: Controls, influence: bool) -> None:
     c.overview = gr.Dataframe(label="responses (select a row to open it)", interactive=False, max_height=300,
                               elem_id="archer-overview", elem_classes=["archer-table"])
+    c.legend = _legend("archer-legend")  # the step's tables, the response's view and heatmaps
     with gr.Row():
         c.row = gr.Number(value=0, precision=0, minimum=0, label="response row", elem_id="archer-row")
         c.low = gr.Textbox(placeholder="none", label="entropy min", elem_id="archer-emin")
@@ -186,6 +189,12 @@ def _layout_responses(c: Controls, influence: bool) -> None:
     c.csv = gr.DownloadButton("Download this view as CSV", elem_id="archer-csv")
 
 
+def _legend(elem_id: str, text: str = "") -> gr.Markdown:
+    """A view's legend, folded away under LEGEND."""
+    with gr.Accordion(LEGEND, open=False, elem_id=f"{elem_id}-box"):
+        return gr.Markdown(text, elem_id=elem_id)
+
+
 def _layout_groups(c: Controls, steps: list[int]) -> None:
     """The tabs of several responses: top-K tokens, the prompt group, two steps compared, the branch tree."""
     with _tab(c, "Top-K tokens"):
@@ -193,6 +202,7 @@ def _layout_groups(c: Controls, steps: list[int]) -> None:
         with gr.Row():
             c.top_high = gr.Dataframe(label="highest entropy", interactive=False, elem_id="archer-top-high")
             c.top_low = gr.Dataframe(label="lowest entropy", interactive=False, elem_id="archer-top-low")
+        c.top_legend = _legend("archer-top-legend")
     with _tab(c, GROUP_TAB):
         c.group_tokens = gr.Slider(16, 4096, value=256, step=16, label="tokens shown per response")
         c.group_prompt = gr.Textbox(label="prompt of the selected response", lines=2, max_lines=8)
@@ -204,11 +214,13 @@ def _layout_groups(c: Controls, steps: list[int]) -> None:
             c.compare_tokens = gr.Slider(16, 4096, value=256, step=16, label="tokens shown per response")
         c.compare_table = gr.Dataframe(interactive=False, elem_id="archer-compare-table", elem_classes=["archer-table"])
         c.compare_map = gr.HTML(elem_id="archer-compare")
+        c.compare_legend = _legend("archer-compare-legend")
     with _tab(c, TREE_TAB):
         c.tree_uid = gr.Dropdown(label="prompt (uid)", elem_id="archer-tree-uid")
         c.tree_map = gr.HTML(elem_id="archer-tree", js_on_load=TREE_CLICK_JS)
         c.tree_table = gr.Dataframe(label="the prompt's responses in tree order (select a row to open it)",
                                     interactive=False, elem_id="archer-tree-table", elem_classes=["archer-table"])
+        c.tree_legend = _legend("archer-tree-legend")
 
 
 def _layout_run(c: Controls) -> None:
@@ -227,6 +239,8 @@ def _layout_run(c: Controls) -> None:
         c.health_pointers = gr.Dataframe(label="the selected flag's pointers (select one to open it)",
                                          interactive=False, elem_id="archer-health-pointers",
                                          elem_classes=["archer-table"])
+        _legend("archer-health-legend", legend.legend_markdown([*FLAG_COLUMNS, *POINTER_COLUMNS],
+                                                               colours=["health timeline"]))
         c.flag = gr.State(None)  # the selected flag's index
         c.pointer = gr.State(None)  # and its pointer's
         c.health_seen = gr.State(None)  # the run's health files as the tab last drew them
@@ -262,9 +276,13 @@ class Views:
         if key == drawn:  # a blur or a repeated event: the page already shows this view
             return None
         result = self.explorer.response(step, row, **options, flagged=flagged)
+        data = self.explorer.step_data(step)
+        columns = [*self.explorer.stats_table(step).columns, *data.overview.columns, *result.view.columns]
         return {c.metadata: result.metadata, c.prompt: result.prompt, c.response: result.response,
                 c.entropy_map: result.entropy_html, c.influence_map: result.influence_html or "",
-                c.view: _display(result.view.head(VIEW_ROWS_SHOWN)), c.csv: str(result.csv_path), c.drawn: key}
+                c.view: _display(result.view.head(VIEW_ROWS_SHOWN)), c.csv: str(result.csv_path), c.drawn: key,
+                c.legend: legend.legend_markdown(columns, legend.extra_columns(data.arrays),
+                                                 legend.heatmap_colours(data.arrays, bool(flagged)))}
 
     def step(self, step: Any, row: Any, *response_args: Any) -> dict[Any, Any]:
         """The step's statistics and overview, and (one round trip less) the selected response."""
@@ -275,7 +293,8 @@ class Views:
 
     def top(self, step: Any, k: Any) -> dict[Any, Any]:
         high, low = self.explorer.top_tokens(step, int(k))
-        return {self.c.top_high: _display(high), self.c.top_low: _display(low)}
+        return {self.c.top_high: _display(high), self.c.top_low: _display(low),
+                self.c.top_legend: legend.legend_markdown(high.columns)}
 
     def group(self, step: Any, row: Any, tokens: Any, tab: str) -> dict[Any, Any] | None:
         if tab != GROUP_TAB:  # drawn when its tab opens: the browser need not lay out hidden heatmaps
@@ -296,9 +315,12 @@ class Views:
         label = (f"compare the selected response's prompt with step (also in step(s) {', '.join(map(str, holding))})"
                  if holding else "compare the selected response's prompt with step (in no other step)")
         if other is None:
-            return {c.other: gr.update(label=label), c.compare_table: None, c.compare_map: ""}
+            return {c.other: gr.update(label=label), c.compare_table: None, c.compare_map: "",
+                    c.compare_legend: ""}
         table, body = self.explorer.compare_steps(step, _row(row), other, int(tokens))
-        return {c.other: gr.update(value=other, label=label), c.compare_table: _display(table), c.compare_map: body}
+        colours = legend.heatmap_colours(self.explorer.step_data(step).arrays)
+        return {c.other: gr.update(value=other, label=label), c.compare_table: _display(table), c.compare_map: body,
+                c.compare_legend: legend.legend_markdown(table.columns, colours=colours)}
 
     def compare_picked(self, *args: Any) -> dict[Any, Any] | None:
         """The comparison with the step picked by hand."""
@@ -309,7 +331,9 @@ class Views:
             return None
         uid, table, body = self.explorer.branch_tree(step, _row(row))
         return {self.c.tree_uid: gr.update(choices=self.explorer.prompt_choices(step), value=uid),
-                self.c.tree_map: body, self.c.tree_table: _display(table)}
+                self.c.tree_map: body, self.c.tree_table: _display(table),
+                self.c.tree_legend: legend.legend_markdown(table.columns, legend.extra_columns(
+                    self.explorer.step_data(step).arrays), colours=["branch tree"])}
 
     def pick_prompt(self, step: Any, uid: str | None) -> dict[Any, Any] | None:
         """A prompt picked in the tree tab: open its first response (the tree follows the row)."""
@@ -391,19 +415,20 @@ def _stages(c: Controls, v: Views) -> dict[str, Stage]:
     """Each view guarded, with its inputs and outputs."""
     response_inputs = [c.step, c.row, c.low, c.high, c.search, c.padding, c.sort, c.scale, c.marked, c.drawn]
     response_outputs = [c.metadata, c.prompt, c.response, c.entropy_map, c.influence_map, c.view, c.csv, c.drawn,
-                        c.error]
+                        c.legend, c.error]
     step_outputs = [c.stats, c.overview, c.row, *response_outputs]
     compare_inputs = [c.step, c.row, c.other, c.compare_tokens, c.open_tab]
-    compare_outputs = [c.other, c.compare_table, c.compare_map, c.error]
+    compare_outputs = [c.other, c.compare_table, c.compare_map, c.compare_legend, c.error]
     views: dict[str, tuple[Callable[..., Any], list[Any], list[Any]]] = {
         "step": (v.step, response_inputs, step_outputs),
         "response": (v.response, response_inputs, response_outputs),
-        "top": (v.top, [c.step, c.k], [c.top_high, c.top_low, c.error]),
+        "top": (v.top, [c.step, c.k], [c.top_high, c.top_low, c.top_legend, c.error]),
         "histogram": (v.histogram, [c.step, c.bins], [c.histogram, c.error]),
         "group": (v.group, [c.step, c.row, c.group_tokens, c.open_tab], [c.group_prompt, c.group_map, c.error]),
         "compare": (v.compare, compare_inputs, compare_outputs),
         "compare_picked": (v.compare_picked, compare_inputs, compare_outputs),
-        "tree": (v.tree, [c.step, c.row, c.open_tab], [c.tree_uid, c.tree_map, c.tree_table, c.error]),
+        "tree": (v.tree, [c.step, c.row, c.open_tab],
+                 [c.tree_uid, c.tree_map, c.tree_table, c.tree_legend, c.error]),
         "health": (v.health, [c.open_tab, c.health_seen],
                    [c.health_note, c.health_plot, c.health_flags, c.health_pointers, c.health_seen, c.error]),
     }
