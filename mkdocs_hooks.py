@@ -1,8 +1,9 @@
 """MkDocs hooks of the documentation site (mkdocs.yml): the pages that live outside docs/ or are generated.
 
 README.md is the home page (its links into docs/ made relative to the site), SECURITY.md and BENCHMARKS.md are
-pages of their own (with the figures of bench/results/ that BENCHMARKS.md shows), and config_reference.md is made from archer/config/ppo_trainer.yaml
-(archer/config/reference.py) at every build, so it cannot fall behind the YAML. A docs page links the two root
+pages of their own (with the figures of bench/results/ that BENCHMARKS.md shows), and config_reference.md is
+made from archer/config/ppo_trainer.yaml (archer/config/reference.py) at every build, so it cannot fall behind
+the YAML. A docs page links the two root
 files as GitHub reads them (``../SECURITY.md``); the link is pointed at their page in the site.
 """
 

@@ -57,10 +57,12 @@ def test_every_key_of_ppo_trainer_has_its_row() -> None:
         "null", "any (null: unset)",
         "a parquet / .json / .jsonl path or a list of them (verl schema); a file with no rows is an error; "
         "required unless trainer.val_only")
-    assert (docs["actor_rollout_ref.model.path"].default, docs["actor_rollout_ref.model.path"].kind) == ("???", "required")
+    path = docs["actor_rollout_ref.model.path"]
+    assert (path.default, path.kind) == ("???", "required")
     assert docs["trainer.influence_trace.layers"].kind == "list"
     assert docs["trainer.logger"].default == "[console, jsonl, tensorboard]"
-    assert docs["actor_rollout_ref.ref.log_prob_use_dynamic_bsz"].kind == "as `actor_rollout_ref.actor.use_dynamic_bsz`"
+    follows = docs["actor_rollout_ref.ref.log_prob_use_dynamic_bsz"]
+    assert follows.kind == "as `actor_rollout_ref.actor.use_dynamic_bsz`"
     assert docs["data.apply_chat_template_kwargs"].kind == "mapping (any keys)"
     assert ("| `data.truncation` | `error` | string | yes | error \\| left \\| right \\| middle |") in page
 

@@ -61,8 +61,8 @@ def test_the_pages_reward_function_scores_as_it_says(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_every_command_of_the_page_runs_as_written(tmp_path: Path, tiny_model_dir: Path,
-                                                   monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def test_every_command_of_the_page_runs_as_written(tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture) -> None:
     text = PAGE.read_text(encoding="utf-8")
     for block in blocks(text, "python"):
         (tmp_path / re.match(r"# (\w+\.py): ", block)[1]).write_text(block)

@@ -30,13 +30,15 @@ DEMO_FILES = ("alpaca_en_demo.json", "glaive_toolcall_en_demo.json")
 def test_the_opening_says_what_runs_now() -> None:
     opening = README.split("## Two commands", 1)[0]
     assert "(later)" not in opening
-    assert "on many GPUs of one or more nodes through Ray ([Many GPUs](docs/scale_out.md))" in " ".join(opening.split())
+    flat = " ".join(opening.split())
+    assert "on many GPUs of one or more nodes through Ray ([Many GPUs](docs/scale_out.md))" in flat
     assert (DOCS / "scale_out.md").read_text(encoding="utf-8").startswith("# Many GPUs\n")
 
 
 def test_readme_gives_the_two_commands_and_fits_a_few_screens() -> None:
     section = README.split("## Two commands", 1)[1].split("\n## ", 1)[0]
-    commands = [line.split("#", 1)[0].strip() for line in section.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line.split("#", 1)[0].strip() for line in block.splitlines()]
     assert commands == ["make quickstart", "make test"]
     assert len(README.splitlines()) <= 80  # the front page; the rest is the docs site
 

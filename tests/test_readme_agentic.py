@@ -1,6 +1,6 @@
-"""The agentic commands of docs/agentic.md, run as written: the tool quickstart names the model that ARPO's two-step command
-trains on ARPO's own data (skipped where ../shared/data/arpo is absent). The quickstart's warm start is cut to a
-few SFT steps here; its folders, model and tokenizer are the quickstart's own."""
+"""The agentic commands of docs/agentic.md, run as written: the tool quickstart names the model that ARPO's
+two-step command trains on ARPO's own data (skipped where ../shared/data/arpo is absent). The quickstart's warm
+start is cut to a few SFT steps here; its folders, model and tokenizer are the quickstart's own."""
 
 from __future__ import annotations
 

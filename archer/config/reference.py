@@ -130,7 +130,8 @@ def key_docs(yaml_path: Path | None = None) -> list[KeyDoc]:
                 continue
             child = node._get_node(k)
             section = isinstance(child, DictConfig) and len(child) > 0
-            default = "" if section else _shown(child if isinstance(child, (DictConfig, ListConfig)) else child._value())
+            value = child if isinstance(child, (DictConfig, ListConfig)) else child._value()
+            default = "" if section else _shown(value)
             out.append(KeyDoc(key, default, "section" if section else _kind(child, key, lists),
                               comments.get(key, ""), no_ops.get(key), section))
             if section:
@@ -157,14 +158,14 @@ def _acts(doc: KeyDoc) -> str:
 def reference_markdown(yaml_path: Path | None = None) -> str:
     """The reference page: a table per top-level section of the YAML."""
     docs = key_docs(yaml_path)
-    lines = ["# Config reference", "",
-             "Every key of `archer/config/ppo_trainer.yaml`, the config of `archer train` (its names and defaults are "
-             "verl's), generated from the YAML when the site is built: the default, the type a value must have, "
-             "what the key does (the YAML's comments) and whether archer acts on it. A key archer accepts but does "
-             "not act on is a row of `archer/config/no_ops.py`: a value that asks for what archer does not do warns "
-             "once, one whose no-op would change the result is refused. `algorithm=NAME` presets set some of "
-             "these keys ([Algorithms](presets.md)); `archer train --cfg job KEY=VALUE ...` prints the resolved "
-             "config.", ""]
+    intro = ("Every key of `archer/config/ppo_trainer.yaml`, the config of `archer train` (its names and defaults "
+             "are verl's), generated from the YAML when the site is built: the default, the type a value must "
+             "have, what the key does (the YAML's comments) and whether archer acts on it. A key archer accepts "
+             "but does not act on is a row of `archer/config/no_ops.py`: a value that asks for what archer does "
+             "not do warns once, one whose no-op would change the result is refused. `algorithm=NAME` presets "
+             "set some of these keys ([Algorithms](presets.md)); `archer train --cfg job KEY=VALUE ...` prints "
+             "the resolved config.")
+    lines = ["# Config reference", "", intro, ""]
     for doc in docs:
         if "." not in doc.key:
             lines += ["", f"## `{doc.key}`", ""]
