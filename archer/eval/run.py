@@ -36,6 +36,7 @@ from archer.eval.evaluator import Evaluator, ProblemRecord, records_metrics
 from archer.eval.judge import Judge, fill_prompt
 from archer.eval.report import plot_results, results_table
 from archer.eval.sampling_metrics import check_ks, default_ks
+from archer.folder_lock import hold_folder
 from archer.models.loading import load_tokenizer, pick_device
 from archer.rewards.reward_stage import build_reward_manager
 from archer.rewards.routing import check_routes
@@ -212,6 +213,10 @@ class EvalRun:
         return kept
 
     def run(self) -> dict[str, Any]:
+        with hold_folder(self.out, "archer eval"):  # one process writes an output folder, until it ends
+            return self._run()
+
+    def _run(self) -> dict[str, Any]:
         records = self._resume()
         done = {(r["benchmark"], r["index"] // self.batch_size) for r in records}
         todo = [(name, b) for name, data in self.datasets.items()

@@ -32,6 +32,7 @@ from archer.data.loader import collate_prompts
 from archer.data.rl_data import build_rl_data
 from archer.data.rl_dataset import RLDataset
 from archer.eval.evaluator import Evaluator, records_metrics
+from archer.folder_lock import hold_folder
 from archer.health.monitor import HealthMonitor
 from archer.models.loading import pick_device
 from archer.rewards.extras import REWARD_EXTRAS
@@ -144,6 +145,8 @@ class PPOTrainer:
         self.run_dir = Path(cfg.trainer.default_local_dir)
         self.checkpoints = CheckpointManager(self.run_dir / CHECKPOINTS_DIR, cfg.trainer.max_actor_ckpt_to_keep)
         self.folder = RunFolder(cfg, "ppo_trainer")
+        # one process writes a run folder (val_only only appends a line): held until fit ends or the process dies
+        self.lock = None if cfg.trainer.val_only else hold_folder(self.run_dir, "archer train")
         if not cfg.trainer.val_only:  # another experiment's folder is refused before any data or model loads
             self.folder.check_experiment()
         self.clock = RunClock()
@@ -482,6 +485,7 @@ class PPOTrainer:
         if cfg.val_only:
             return self.validate_only()
         if self.finished is not None:
+            self.lock.release()
             return self.finished
         try:
             return self.train()
@@ -490,6 +494,7 @@ class PPOTrainer:
                 self.separate.shutdown()
             elif self.world > 1:
                 self.workers.shutdown()
+            self.lock.release()
 
     def train(self) -> dict[str, Any]:
         cfg = self.cfg.trainer

@@ -40,6 +40,7 @@ from archer.data.loader import PromptLoader
 from archer.data.sft_dataset import SFTDataset, pack_sft, read_sft_conversations, token_slots
 from archer.data.sft_formats import FORMATS, nearest_format
 from archer.errors import ArcherError
+from archer.folder_lock import hold_folder
 from archer.models.loading import (
     autocast_for,
     load_tokenizer,
@@ -77,6 +78,11 @@ def run_sft(cfg: DictConfig) -> Path:
     """Train as ``cfg`` (archer/config/sft_trainer.yaml) says; return ``<default_local_dir>/hf_model``."""
     check_sft_config(cfg)
     run_dir = Path(cfg.trainer.default_local_dir)
+    with hold_folder(run_dir, "archer sft"):  # one process writes a run folder, until it ends
+        return _run_sft(cfg, run_dir)
+
+
+def _run_sft(cfg: DictConfig, run_dir: Path) -> Path:
     checkpoints = CheckpointManager(run_dir / CHECKPOINTS_DIR, cfg.trainer.max_ckpt_to_keep)
     folder = RunFolder(cfg, "sft_trainer")
     folder.check_experiment()  # before any data or model loads
