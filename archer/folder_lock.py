@@ -6,8 +6,9 @@ holding process ends, however it ends (kill -9 included), so a dead run never le
 processes it starts do not inherit it, and the Ray ranks that write checkpoints for the driver never take it.
 A second process is refused with one ArcherError naming the holder's PID (the kernel's answer to F_GETLK), and
 changes nothing in the folder: the lock file stays empty, created once where there is none, so that a refused or
-finished run's rerun leaves every byte of the folder as it was. Within one process a folder is held once and counted, so a
-command may open a folder it holds again (a quickstart's stages; a test's runs one after the other).
+finished run's rerun leaves every byte of the folder as it was. Within one process a folder is held once and
+counted, so a command may open a folder it holds again (a quickstart's stages; a test's runs one after the
+other). On a file system that takes no locks the run goes on with a warning.
 
 A record lock belongs to the process and the file: closing any descriptor of that file in the holding process
 would drop it, so only this module opens the lock file, once per folder and process.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import struct
 import threading
@@ -25,6 +27,8 @@ from pathlib import Path
 from archer.errors import ArcherError
 
 LOCK_FILE = ".archer.lock"
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)  # a file system without POSIX locks (some FUSE ones)
+log = logging.getLogger("archer")
 _held: dict[Path, list[int]] = {}  # resolved folder -> [descriptor, holds]
 _guard = threading.RLock()  # re-entrant: a collected FolderLock may release inside hold_folder
 
@@ -71,19 +75,52 @@ def hold_folder(folder: str | Path, command: str) -> FolderLock:
             return FolderLock(key)
         fd = os.open(key / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
         try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = _holder(fd) if e.errno in (errno.EACCES, errno.EAGAIN) else None
+            locked = _lock(fd, key, command)
+        except BaseException:
             os.close(fd)
-            if holder is None:
-                raise
-            raise ArcherError(
-                f"{key} is in use by another process ({holder}): two runs writing one folder would overwrite each "
-                f"other's checkpoints, metrics and traces, so this {command} wrote nothing",
-                "wait for that run to end (or stop it), or give this one another folder "
-                f"({_folder_key(command)}=NEW_DIR)") from None
+            raise
+        if not locked:  # the folder stays writable; only the guard is gone
+            log.warning("%s: its file system takes no locks; nothing stops a second process from writing this "
+                        "folder at the same time", key)
         _held[key] = [fd, 1]
         return FolderLock(key)
+
+
+def refuse_if_held(folder: str | Path, command: str) -> None:
+    """The ArcherError of ``hold_folder`` when another process holds ``folder`` now, found without writing
+    anything (no folder or lock file is made): a run calls it before its read-only checks of the folder, and
+    ``hold_folder`` once it is about to write, so that a run those checks refuse leaves the folder as it was."""
+    key = Path(folder).resolve()
+    with _guard:
+        if key in _held:
+            return
+        try:
+            fd = os.open(key / LOCK_FILE, os.O_RDWR)
+        except OSError:  # no lock file: no run of this archer holds the folder
+            return
+        try:
+            _lock(fd, key, command)
+        finally:
+            os.close(fd)  # the lock taken for the look goes with it
+
+
+def _lock(fd: int, key: Path, command: str) -> bool:
+    """Lock the open lock file ``fd``: True when locked, False on a file system without locks; an ArcherError
+    naming the holder when another process holds it."""
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        if e.errno in _NO_LOCKS:
+            return False
+        if e.errno not in (errno.EACCES, errno.EAGAIN):
+            raise
+        holder = _holder(fd)
+        raise ArcherError(
+            f"{key} is in use by another process ({holder}): two runs writing one folder would overwrite each "
+            f"other's checkpoints, metrics and traces, so this {command} wrote nothing",
+            "wait for that run to end (or stop it), or give this one another folder "
+            f"({_folder_key(command)}=NEW_DIR)") from None
 
 
 def _folder_key(command: str) -> str:

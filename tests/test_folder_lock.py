@@ -4,6 +4,7 @@ held run folder is refused naming the holder's PID and changes nothing; a SIGKIL
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -16,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from archer import cli
-from archer.folder_lock import LOCK_FILE, hold_folder
+from archer import cli, folder_lock
+from archer.errors import ArcherError
+from archer.folder_lock import LOCK_FILE, hold_folder, refuse_if_held
 
 ROOT = Path(__file__).resolve().parents[1]
 # What the trainers call before they write (PPOTrainer, run_sft, EvalRun.run); with a child forked after it.
@@ -137,3 +139,25 @@ def test_archer_sft_and_eval_refuse_a_held_folder(tmp_path: Path, tiny_model_dir
             assert f"{folder} is in use by another process (PID {pid})" in err and f"this {command} wrote" in err
             assert entries(folder) == before
 
+
+
+def test_a_file_system_without_locks_warns_and_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(folder_lock.fcntl, "lockf", no_locks)
+    with hold_folder(tmp_path / "run", "archer train"):
+        assert "its file system takes no locks" in caplog.text and str(tmp_path / "run") in caplog.text
+
+
+def test_the_early_look_refuses_a_held_folder_and_writes_nothing(tmp_path: Path) -> None:
+    """What a run calls before its read-only checks: no folder or lock file is made, a held folder is refused."""
+    refuse_if_held(tmp_path / "new", "archer train")
+    (tmp_path / "old").mkdir()
+    refuse_if_held(tmp_path / "old", "archer sft")
+    assert not (tmp_path / "new").exists() and list((tmp_path / "old").iterdir()) == []
+    with holder(tmp_path / "old", "archer eval") as (process, _), pytest.raises(ArcherError) as info:
+        refuse_if_held(tmp_path / "old", "archer eval")
+    assert f"in use by another process (PID {process.pid})" in str(info.value) and "output_dir=NEW" in str(info.value)
+    refuse_if_held(tmp_path / "old", "archer eval")  # the holder is gone
