@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 
 from archer import atomic_files
+from archer.contained_paths import OutsideFolderError
 from archer.errors import ArcherError
 from archer.trace.format import (
     RESPONSE_FIELDS,
     TOOL_FIELDS,
+    ManifestError,
     TraceError,
     TraceReader,
     TraceWriter,
@@ -574,6 +576,31 @@ def test_read_manifest_skips_blank_and_torn_lines_and_sorts(tmp_path: Path) -> N
     assert read_manifest(path) == [{"step": 2, "file": "a"}, {"step": 4, "file": "b"}]
 
 
+@pytest.mark.parametrize("line, problem", [
+    ("[]", "a JSON array"), ("7", "a JSON int"), ('"step"', "a JSON str"),
+    ('{"step": "3", "file": "steps/step_000003.npz"}', "step '3'"),
+    ('{"step": true, "file": "steps/step_000003.npz"}', "step True"),
+    ('{"step": -1, "file": "steps/step_000003.npz"}', "step -1"),
+    ('{"step": 3}', "an object without file"), ('{"created_at": "now"}', "an object without step and file"),
+    ('{"step": 3, "file": ["a"]}', "file ['a']"),
+    ('{"step": 1, "file": "steps/step_000001.npz"}', "step 1 again (line 1 has it)"),
+])
+def test_a_manifest_line_that_is_json_but_not_an_entry_is_one_named_error(tmp_path: Path, line: str,
+                                                                           problem: str) -> None:
+    written_trace(tmp_path, steps=(1, 2))
+    manifest = tmp_path / "manifest.jsonl"
+    manifest.write_text(manifest.read_text() + line + "\n")  # line 3
+    before = snapshot(tmp_path)
+    for read in (lambda: read_manifest(manifest), lambda: TraceReader(tmp_path).steps(),
+                 lambda: TraceWriter(tmp_path, kind="entropy")):  # the explorer's reader and a resume's writer
+        with pytest.raises(ManifestError) as info:
+            read()
+        assert info.value.problem == (f"{manifest} line 3 holds {problem}; expected a JSON object with an integer "
+                                      "step (0 or more) and a file name (a string), as archer writes them")
+        assert isinstance(info.value, ArcherError)  # the CLI prints it without a traceback, the explorer shows it
+    assert snapshot(tmp_path) == before
+
+
 # -- reader ---------------------------------------------------------------------------------------------
 
 def written_trace(trace: Path, steps: tuple[int, ...] = (1, 2)) -> TraceWriter:
@@ -716,6 +743,51 @@ def rewrite_file_field(trace: Path, step: int, file: str) -> None:
         if line["step"] == step:
             line["file"] = file
     (trace / "manifest.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_a_resume_refuses_step_files_outside_the_trace_and_deletes_nothing(tmp_path: Path) -> None:
+    """Resume drops the steps after the checkpoint by deleting their files: entries naming an absolute path and
+    ``../../x`` must not delete those files, nor anything else (every entry is checked before any deletion)."""
+    trace = tmp_path / "run" / "entropy_trace"
+    written_trace(trace, steps=(1, 2, 3, 4))
+    victims = {tmp_path / "absolute_victim.txt": b"keep me", tmp_path / "x": b"keep me too"}
+    for victim, content in victims.items():
+        victim.write_bytes(content)
+    rewrite_file_field(trace, 3, str(tmp_path / "absolute_victim.txt"))
+    rewrite_file_field(trace, 4, "../../x")  # trace/../../x is tmp_path/x
+    before = snapshot(trace)
+    with pytest.raises(OutsideFolderError) as info:
+        TraceWriter(trace, kind="entropy").truncate_after(1)  # what open_traces does on a resume at step 1
+    message = str(info.value)
+    assert str(trace / "manifest.jsonl") in message and "step 3's file" in message
+    assert str(tmp_path / "absolute_victim.txt") in message and "lies outside the trace directory" in message
+    assert {v: v.read_bytes() for v in victims} == victims
+    assert snapshot(trace) == before  # no step file, manifest line or summary changed
+
+
+def test_a_resume_refuses_a_relative_escape_named_alone(tmp_path: Path) -> None:
+    trace = tmp_path / "run" / "entropy_trace"
+    written_trace(trace, steps=(1, 2))
+    (tmp_path / "x").write_text("keep")
+    rewrite_file_field(trace, 2, "../../x")
+    with pytest.raises(OutsideFolderError, match=r"manifest\.jsonl, step 2's file: names '\.\./\.\./x'"):
+        TraceWriter(trace, kind="entropy")
+    assert (tmp_path / "x").read_text() == "keep" and (trace / step_file_name(1)).is_file()
+
+
+def test_truncate_after_checks_every_dropped_file_before_deleting_one(tmp_path: Path) -> None:
+    """Entries are checked again when dropped: a step file swapped for a symlink out after the writer opened."""
+    trace = tmp_path / "trace"
+    writer = written_trace(trace, steps=(1, 2, 3))
+    outside = tmp_path / "outside.npz"
+    outside.write_bytes(b"not the trace's")
+    (trace / step_file_name(3)).unlink()
+    (trace / step_file_name(3)).symlink_to(outside)
+    before = snapshot(trace)
+    with pytest.raises(OutsideFolderError, match="step 3's file"):
+        writer.truncate_after(1)
+    assert outside.read_bytes() == b"not the trace's" and snapshot(trace) == before
+    assert [e["step"] for e in writer.entries] == [1, 2, 3]
 
 
 @pytest.mark.parametrize("escape", ["../../etc/passwd", "absolute", "symlink", "."])

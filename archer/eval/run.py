@@ -36,6 +36,7 @@ from archer.eval.evaluator import Evaluator, ProblemRecord, records_metrics
 from archer.eval.judge import Judge, fill_prompt
 from archer.eval.report import plot_results, results_table
 from archer.eval.sampling_metrics import check_ks, default_ks
+from archer.folder_lock import FolderLock, hold_folder, refuse_if_held
 from archer.models.loading import load_tokenizer, pick_device
 from archer.rewards.reward_stage import build_reward_manager
 from archer.rewards.routing import check_routes
@@ -174,6 +175,7 @@ class EvalRun:
         if self.batch_size < 1:
             raise ArcherError(f"batch_size={self.batch_size} must be at least 1", "set batch_size=64 (or any >= 1)")
         self.out = Path(ev.output_dir) if ev.output_dir else default_output_dir(self.model)
+        self.lock: FolderLock | None = None
         self.tokenizer = load_tokenizer(cfg.data.tokenizer or self.model, role="model")
         self.datasets = {s.name: self._dataset(s) for s in self.specs}
 
@@ -203,7 +205,7 @@ class EvalRun:
                 raise ArcherError(f"{self.out} holds an evaluation with other settings ({', '.join(differ)} differ "
                                   "from this one's)", "choose another output_dir=FOLDER, or rerun with the settings "
                                   f"of {state_path} to resume it")
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.lock = hold_folder(self.out, "archer eval")  # one process writes an output folder, until run ends
         write_json_atomically(state_path, state)
         records = [r for r in _read_samples(self.out / SAMPLES) if r.get("benchmark") in self.datasets]
         done = _done_batches(records, {b: len(d) for b, d in self.datasets.items()}, self.batch_size)
@@ -212,6 +214,15 @@ class EvalRun:
         return kept
 
     def run(self) -> dict[str, Any]:
+        refuse_if_held(self.out, "archer eval")  # a folder another process writes is refused first
+        try:
+            return self._run()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+                self.lock = None
+
+    def _run(self) -> dict[str, Any]:
         records = self._resume()
         done = {(r["benchmark"], r["index"] // self.batch_size) for r in records}
         todo = [(name, b) for name, data in self.datasets.items()

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from archer.atomic_files import TMP_PREFIX, replace_atomically, write_json_atomically, write_text_atomically
+from archer.contained_paths import OutsideFolderError, resolve_inside
 from archer.errors import ArcherError
 
 FORMAT_VERSION = 1
@@ -185,9 +186,11 @@ class TraceWriter:
         self.fsync = bool(fsync)
         self.metadata = dict(metadata or {})
         self._background: BackgroundWrites | None = None
+        # read and checked before anything is written: a damaged manifest stops the run with the folder as it was
+        self.entries = read_manifest(self.dir / MANIFEST) if (self.dir / MANIFEST).exists() else []
+        self._step_paths(self.entries)
         (self.dir / STEPS_DIR).mkdir(parents=True, exist_ok=True)
         self._remove_debris()
-        self.entries = read_manifest(self.dir / MANIFEST) if (self.dir / MANIFEST).exists() else []
         existing = self._existing_summary()
         if existing.get("kind", kind) != kind:
             raise ArcherError(f"{self.dir} holds an {existing['kind']} trace, not an {kind} trace",
@@ -234,14 +237,20 @@ class TraceWriter:
         dropped = [e for e in self.entries if e["step"] > step]
         if not dropped:
             return 0
+        files = self._step_paths(dropped)  # every one inside the trace, else nothing is changed
         self.entries = [e for e in self.entries if e["step"] <= step]
         self._write_manifest()
         latest = self.entries[-1]["step"] if self.entries else None
         write_text_atomically(self.dir / LATEST, "" if latest is None else f"{latest}\n", fsync=self.fsync)
         self._write_summary()
-        for entry in dropped:
-            (self.dir / entry["file"]).unlink(missing_ok=True)
+        for file in files:
+            file.unlink(missing_ok=True)
         return len(dropped)
+
+    def _step_paths(self, entries: list[dict[str, Any]]) -> list[Path]:
+        """The step files ``entries`` name, each inside the trace directory (else OutsideFolderError)."""
+        return [resolve_inside(self.dir, e["file"], source=self.dir / MANIFEST, entry=f"step {e['step']}'s file",
+                               what="the trace directory") for e in entries]
 
     def _write_manifest(self) -> None:
         text = "".join(json.dumps(e, allow_nan=True) + "\n" for e in self.entries)
@@ -321,17 +330,50 @@ def _check_tool_fields(arrays: dict[str, np.ndarray]) -> None:
             raise ValueError("trace field branch_position points past the response length")
 
 
+class ManifestError(ArcherError):
+    """A manifest line that is JSON but not an entry of this format (the explorer and a resume share it)."""
+
+
+_ENTRY = "a JSON object with an integer step (0 or more) and a file name (a string), as archer writes them"
+
+
+def _manifest_entry(record: Any) -> str | None:
+    """What is wrong with a decoded manifest line, or None when it is an entry."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}" if not isinstance(record, list) else "a JSON array"
+    step, file = record.get("step"), record.get("file")
+    if "step" not in record or "file" not in record:
+        return f"an object without {' and '.join(k for k in ('step', 'file') if k not in record)}"
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"step {step!r}"
+    if not isinstance(file, str):
+        return f"file {file!r}"
+    return None
+
+
 def read_manifest(path: Path) -> list[dict[str, Any]]:
-    """Manifest lines; a torn last line (a writer killed mid-append by another tool) is ignored."""
-    entries = []
-    for line in path.read_text().splitlines():
+    """Manifest entries by step. A line that is not JSON (a torn line: a writer killed mid-append by another
+    tool) is ignored; a JSON line that is not an entry, or a step listed twice, is a ManifestError naming the
+    file, the line and what was expected."""
+    entries: list[dict[str, Any]] = []
+    line_of: dict[int, int] = {}
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
         line = line.strip()
         if not line:
             continue
         try:
-            entries.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:
             continue
+        problem = _manifest_entry(record)
+        if problem is None and record["step"] in line_of:
+            problem = f"step {record['step']} again (line {line_of[record['step']]} has it)"
+        if problem is not None:
+            raise ManifestError(f"{path} line {number} holds {problem}; expected {_ENTRY}",
+                                "restore the trace's manifest.jsonl, or delete that line (a step without its line "
+                                "is not shown, and a resumed run writes it again)")
+        line_of[record["step"]] = number
+        entries.append(record)
     return sorted(entries, key=lambda e: e["step"])
 
 
@@ -463,10 +505,12 @@ class TraceReader:
         raise TraceError(f"step {step} is not in {self.dir / MANIFEST}")
 
     def step_path(self, step: int) -> Path:
-        path = (self.dir / self.entry(step)["file"]).resolve()
-        if self.dir not in path.parents:
-            raise TraceError(f"step {step}'s file {path} lies outside the trace directory {self.dir}")
-        return path
+        """The step's file, inside the trace directory (else TraceError: only this step is refused)."""
+        try:
+            return resolve_inside(self.dir, self.entry(step)["file"], source=self.dir / MANIFEST,
+                                  entry=f"step {step}'s file", what="the trace directory")
+        except OutsideFolderError as e:
+            raise TraceError(e.problem) from e
 
     def load_step(self, step: int) -> dict[str, np.ndarray]:
         """All arrays of one step (cached); TraceError names the file when it is missing or corrupt.

@@ -13,6 +13,8 @@ them from a second process while the trainer may be saving.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import random
@@ -28,11 +30,13 @@ import torch
 
 from archer.atomic_files import TMP_PREFIX, fsync_dir, make_staging_dir, write_text_atomically
 from archer.errors import ArcherError
+from archer.units import GIB, MIB
 
 COMPLETE_MARKER = "COMPLETE"
 LATEST_POINTER = "latest"
 _OLD_PREFIX = ".tmp-old-"
 _STEP_DIR = re.compile(r"global_step_(\d+)")
+NEARLY_FULL = MIB  # a save that fails with less free than this on its disk failed for want of space
 
 
 def _fsync_tree(root: Path) -> None:
@@ -64,6 +68,50 @@ def _marker_step(directory: Path) -> int | None:
         return None
     step = record.get("step") if isinstance(record, dict) else None
     return step if isinstance(step, int) else None
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether ``error`` is a full disk or quota (ENOSPC, EDQUOT), also wrapped: chained, a Ray task's cause, a
+    distributed checkpoint's per-rank failures, or only the message of a wrapper that kept the text."""
+    pending, seen = [error], set()
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        pending += [current.__cause__, current.__context__, getattr(current, "cause", None)]
+        failures = getattr(current, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict):
+            pending += [f for f in failures.values() if isinstance(f, BaseException)]
+    return any(os.strerror(code) in str(error) for code in (errno.ENOSPC, errno.EDQUOT))
+
+
+def _no_room_left(folder: Path) -> bool:
+    """The disk is full (less than NEARLY_FULL free): what a writer that drops the OS's error code left behind
+    (torch.save to a path fails with a C++ stream error, not ENOSPC)."""
+    try:
+        return shutil.disk_usage(folder).free < NEARLY_FULL
+    except OSError:
+        return False
+
+
+def _tree_size(root: Path) -> int:
+    """Bytes of the files under ``root`` (0 when it is gone)."""
+    total = 0
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
 
 
 def _remove(path: Path) -> None:
@@ -106,18 +154,54 @@ class CheckpointManager:
             raise ValueError(f"checkpoint step must be >= 0, got {step}")
         self.root.mkdir(parents=True, exist_ok=True)
         self._recover_leftovers()
-        tmp = make_staging_dir(self.step_dir(step))
+        tmp: Path | None = None
         try:
+            tmp = make_staging_dir(self.step_dir(step))
             write(tmp)
             _fsync_tree(tmp)
             _write_marker(tmp, step)
             self._commit(tmp, step)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException as error:
+            written = _tree_size(tmp) if tmp is not None else 0
+            full = isinstance(error, Exception) and (disk_full(error) or _no_room_left(self.root))
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if full:
+                raise self._disk_full_error(step, written) from error
             raise
-        write_text_atomically(self.root / LATEST_POINTER, self.step_dir(step).name + "\n")
+        try:
+            write_text_atomically(self.root / LATEST_POINTER, self.step_dir(step).name + "\n")
+        except OSError as error:
+            if not disk_full(error):
+                raise
+            # no room for the pointer: without one the newest complete checkpoint (this one) is the latest
+            (self.root / LATEST_POINTER).unlink(missing_ok=True)
+            raise self._disk_full_error(step, 0, committed=True) from error
         self._prune(keep=step)
         return self.step_dir(step)
+
+    def _disk_full_error(self, step: int, written: int, committed: bool = False) -> ArcherError:
+        """The one error of a save the disk had no room for: the folder, the space a checkpoint takes (the newest
+        complete one's size, else at least what this one had written) and the space free now."""
+        complete = self.complete_steps()
+        last = complete[-1] if complete else None
+        if last is not None:
+            needed = _tree_size(self.step_dir(last))
+            basis = f"{_size(needed)} (the size of global_step_{last})"
+        else:
+            needed, basis = written, f"at least {_size(written)} (what it had written when the disk filled)"
+        if committed:
+            state = f"checkpoint step {step} is complete (the latest pointer had no room and was removed)"
+        elif last is None:
+            state = "there is no complete checkpoint yet, and the partial one was removed"
+        else:
+            state = f"the last complete checkpoint, global_step_{last}, is kept and the partial one was removed"
+        resume = f"trainer.resume_mode=auto continues from step {last}" if last is not None else "it starts again"
+        return ArcherError(
+            f"no space left on the disk of {self.root} while saving checkpoint step {step}: a checkpoint of this "
+            f"run needs {basis}; {_size(shutil.disk_usage(self.root).free)} is free now; {state}",
+            f"make room so that more than {_size(needed)} is free there (or point trainer.default_local_dir at a "
+            f"larger disk), then rerun the same command: {resume}")
 
     def _commit(self, tmp: Path, step: int) -> None:
         """Rename `tmp` to the step directory; an existing one is moved aside first, then deleted."""
@@ -130,11 +214,22 @@ class CheckpointManager:
         shutil.rmtree(old, ignore_errors=True)
 
     def _prune(self, keep: int) -> None:
+        """Delete the oldest complete checkpoints past max_to_keep; never ``keep`` (the one just committed) nor a
+        folder without its COMPLETE marker (a save in progress). Each loses its marker first and is renamed to
+        ``.tmp-`` debris before it is deleted, so a clean-up cut short never leaves a half that reads as complete."""
         if self.max_to_keep is None:
             return
         others = [s for s in reversed(self.complete_steps()) if s != keep]
         for step in others[self.max_to_keep - 1 :]:
-            shutil.rmtree(self.step_dir(step))
+            directory = self.step_dir(step)
+            if directory.is_symlink():  # a checkpoint kept elsewhere: only the link is the run's
+                directory.unlink()
+                continue
+            (directory / COMPLETE_MARKER).unlink()
+            fsync_dir(directory)
+            doomed = self.root / f"{TMP_PREFIX}pruned-{directory.name}-{uuid.uuid4().hex}"
+            os.replace(directory, doomed)
+            shutil.rmtree(doomed)
 
     def _recover_leftovers(self) -> None:
         """Clean up `.tmp-` debris of an interrupted save.
@@ -213,8 +308,10 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_torch_state(path: Path, obj: Any) -> None:
-    """torch.save `obj` (tensors, containers and plain values, so it loads with weights_only=True)."""
-    torch.save(obj, path)
+    """torch.save `obj` (tensors, containers and plain values, so it loads with weights_only=True), through a Python
+    file so that a full disk is an OSError with its code (torch's own writer of a path loses it)."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
 
 
 def load_torch_state(path: Path, map_location: str | torch.device = "cpu") -> Any:

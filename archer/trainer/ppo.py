@@ -32,6 +32,7 @@ from archer.data.loader import collate_prompts
 from archer.data.rl_data import build_rl_data
 from archer.data.rl_dataset import RLDataset
 from archer.eval.evaluator import Evaluator, records_metrics
+from archer.folder_lock import FolderLock, hold_folder, refuse_if_held
 from archer.health.monitor import HealthMonitor
 from archer.models.loading import pick_device
 from archer.rewards.extras import REWARD_EXTRAS
@@ -144,7 +145,11 @@ class PPOTrainer:
         self.run_dir = Path(cfg.trainer.default_local_dir)
         self.checkpoints = CheckpointManager(self.run_dir / CHECKPOINTS_DIR, cfg.trainer.max_actor_ckpt_to_keep)
         self.folder = RunFolder(cfg, "ppo_trainer")
+        # one process writes a run folder (val_only only appends a line): held from before the first write until
+        # fit ends or the process dies; a folder another process holds is refused first
+        self.lock: FolderLock | None = None
         if not cfg.trainer.val_only:  # another experiment's folder is refused before any data or model loads
+            refuse_if_held(self.run_dir, "archer train")
             self.folder.check_experiment()
         self.clock = RunClock()
         self.seed = int(cfg.trainer.seed)
@@ -182,6 +187,7 @@ class PPOTrainer:
         self.finished = self.folder.finished_summary(self.total_steps)
         if self.finished is not None:  # nothing to train: no model is loaded
             return
+        self.lock = hold_folder(self.run_dir, "archer train")
         algo = cfg.algorithm
         self.rollout_correction = RolloutCorrectionStage(algo.rollout_correction)
         self.use_ref = bool(ref_cfg.actor.use_kl_loss or algo.use_kl_in_reward)
@@ -490,6 +496,7 @@ class PPOTrainer:
                 self.separate.shutdown()
             elif self.world > 1:
                 self.workers.shutdown()
+            self.lock.release()
 
     def train(self) -> dict[str, Any]:
         cfg = self.cfg.trainer

@@ -40,6 +40,7 @@ from archer.data.loader import PromptLoader
 from archer.data.sft_dataset import SFTDataset, pack_sft, read_sft_conversations, token_slots
 from archer.data.sft_formats import FORMATS, nearest_format
 from archer.errors import ArcherError
+from archer.folder_lock import hold_folder, refuse_if_held
 from archer.models.loading import (
     autocast_for,
     load_tokenizer,
@@ -79,6 +80,7 @@ def run_sft(cfg: DictConfig) -> Path:
     run_dir = Path(cfg.trainer.default_local_dir)
     checkpoints = CheckpointManager(run_dir / CHECKPOINTS_DIR, cfg.trainer.max_ckpt_to_keep)
     folder = RunFolder(cfg, "sft_trainer")
+    refuse_if_held(run_dir, "archer sft")  # a folder another process writes, then another experiment's, refused
     folder.check_experiment()  # before any data or model loads
     clock = RunClock()
     set_seed(cfg.trainer.seed)
@@ -91,19 +93,20 @@ def run_sft(cfg: DictConfig) -> Path:
     model_dir = run_dir / "hf_model"
     if folder.finished_summary(total_steps) is not None:
         return model_dir
-    owner = ModelOwner.policy(cfg.model.partial_pretrain, device=device,
-                              lora=LoraSettings.from_config(cfg.model, prefix="model"),
-                              gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
-                              trust_remote_code=cfg.model.trust_remote_code,
-                              liger_key="model.use_liger" if cfg.model.use_liger else None)
-    owner.attach_optimizer(cfg.optim, LRSchedule.from_sft_optim(cfg.optim, total_steps))
-    save_config(cfg, run_dir / CONFIG_FILE)
-    last = _train(owner, tokenizer, loader, val_set, cfg, total_steps, checkpoints, clock)
-    owner.save_model(model_dir, tokenizer)
-    if cfg.trainer.plots:
-        plot_metrics(run_dir / METRICS_FILE, run_dir / "plots", PLOT_GROUPS)
-    _write_summary(run_dir, last, total_steps, clock.seconds(), model_dir)
-    return model_dir
+    with hold_folder(run_dir, "archer sft"):  # one process writes a run folder, from here until it ends
+        owner = ModelOwner.policy(cfg.model.partial_pretrain, device=device,
+                                  lora=LoraSettings.from_config(cfg.model, prefix="model"),
+                                  gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
+                                  trust_remote_code=cfg.model.trust_remote_code,
+                                  liger_key="model.use_liger" if cfg.model.use_liger else None)
+        owner.attach_optimizer(cfg.optim, LRSchedule.from_sft_optim(cfg.optim, total_steps))
+        save_config(cfg, run_dir / CONFIG_FILE)
+        last = _train(owner, tokenizer, loader, val_set, cfg, total_steps, checkpoints, clock)
+        owner.save_model(model_dir, tokenizer)
+        if cfg.trainer.plots:
+            plot_metrics(run_dir / METRICS_FILE, run_dir / "plots", PLOT_GROUPS)
+        _write_summary(run_dir, last, total_steps, clock.seconds(), model_dir)
+        return model_dir
 
 
 def _train(owner: ModelOwner, tokenizer: PreTrainedTokenizerBase, loader: PromptLoader, val_set: SFTDataset | None,
