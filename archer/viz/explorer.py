@@ -26,7 +26,7 @@ from matplotlib.figure import Figure
 from archer.errors import ArcherError
 from archer.health.monitor import HEALTH_FILE
 from archer.step_lines import METRICS_FILE
-from archer.trace.format import TraceReader, is_trace_dir, read_trace_summary, trace_dirs_in
+from archer.trace.format import TraceError, TraceReader, is_trace_dir, read_trace_summary, trace_dirs_in
 from archer.viz import queries, render
 from archer.viz.health import RunHealth, run_dir_of, trace_row
 
@@ -376,9 +376,8 @@ class Explorer:
                 cached = self._prompt_index.get(step)
                 if cached is not None and cached[0] == version:
                     return cached[1]
-            with np.load(path, allow_pickle=False) as npz:
-                arrays = {name: npz[name] for name in ("prompts", "prompt_length") if name in npz.files}
-        except Exception:  # zipfile, zlib and numpy raise many types for a damaged file (as in load_step)
+            arrays = self.reader.read_fields(step, ("prompts", "prompt_length"))
+        except (OSError, TraceError):
             return frozenset()
         prompts = frozenset(queries.prompt_ids(arrays, r).tobytes() for r in range(len(arrays["prompts"]))) \
             if "prompts" in arrays else frozenset()
