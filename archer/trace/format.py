@@ -428,7 +428,8 @@ def trace_dirs_in(folder: Path) -> list[Path]:
 
 def _named_traces(folder: Path) -> list[Path]:
     """The trace folders a quickstart's summary.json names; a relative name is read from where the quickstart
-    ran, else from ``folder`` (its ``run_dir``)."""
+    ran, else from ``folder`` (its ``run_dir``). Only folders inside ``folder`` count: a summary is data, and
+    a name pointing elsewhere opens nothing."""
     try:
         summary = json.loads((folder / SUMMARY).read_text())
     except (OSError, ValueError):
@@ -443,7 +444,8 @@ def _named_traces(folder: Path) -> list[Path]:
         candidates = [Path(value)]
         if isinstance(run_dir, str) and Path(value).is_relative_to(run_dir):
             candidates.append(folder / Path(value).relative_to(run_dir))
-        found += [c for c in candidates if c.is_dir() and is_trace_dir(c)][:1]
+        inside = folder.resolve()
+        found += [c for c in candidates if inside in c.resolve().parents and c.is_dir() and is_trace_dir(c)][:1]
     return found
 
 
@@ -570,7 +572,10 @@ class TraceReader:
             raise TraceError(f"step {step}: file {path} cannot be read ({type(e).__name__}: {e})") from e
 
     def tokenizer_dir(self) -> Path | None:
-        """The tokenizer saved with the trace, if any."""
+        """The tokenizer saved with the trace, if any: a folder inside the trace directory. A summary naming one
+        elsewhere (an absolute path, ``..``, a link out) names none: nothing outside the trace is read for it."""
         name = self.summary.get("tokenizer")
-        path = (self.dir / name) if name else None
-        return path if path is not None and path.is_dir() else None
+        if not isinstance(name, str) or not name:
+            return None
+        path = (self.dir / name).resolve()
+        return path if self.dir in path.parents and path.is_dir() else None

@@ -4,8 +4,11 @@ method returning plain values (tables, HTML, figures, file paths).
 It holds no Gradio objects, so the tests and the scale benchmark call exactly what the app's callbacks call.
 The Health tab's flags are those of the trace's run (viz/health.py), read again when its files change.
 A step is loaded lazily, one per request, and kept in the reader's small cache; statistics and the overview
-table of a loaded step are cached alongside it. Only the trace directory is read (plus an explicit
-tokenizer folder); CSV exports are written into a private temporary folder.
+table of a loaded step are cached alongside it. Read are the trace directory, its parent folder's metrics.jsonl,
+health.jsonl and entropy_trace (the run the trace lies in, for the Health tab) and what the command line names
+(``--model-path``, ``--run-dir``); never a folder that a file names (a trace's summary.json naming a tokenizer or
+run elsewhere, a quickstart's summary naming traces outside its folder). CSV exports are written into a private
+temporary folder.
 """
 
 from __future__ import annotations
@@ -86,6 +89,10 @@ def load_trace_tokenizer(reader: TraceReader, model_path: str | Path | None) -> 
     if model_path is not None:
         return load_tokenizer(model_path, role="tokenizer (--model-path)"), f"tokenizer: {model_path}"
     folder = reader.tokenizer_dir()
+    named = reader.summary.get("tokenizer")
+    if folder is None and named:
+        return None, (f"the trace's summary.json names a tokenizer outside the trace ({str(named)[:200]!r}), which is "
+                      "not read: tokens are shown as ids (pass --model-path to name one)")
     if folder is None:
         return None, "no tokenizer in the trace and no --model-path: tokens are shown as ids"
     try:
@@ -128,7 +135,8 @@ class ResponseView:
 class Explorer:
     """A trace directory opened for exploring; methods raise TraceError for a missing or corrupt step."""
 
-    def __init__(self, trace_dir: str | Path, model_path: str | Path | None = None) -> None:
+    def __init__(self, trace_dir: str | Path, model_path: str | Path | None = None,
+                 run_dir: str | Path | None = None) -> None:
         self.reader = TraceReader(existing_trace_dir(trace_dir))
         self.tokenizer, self.tokenizer_note = load_trace_tokenizer(self.reader, model_path)
         self.decode = TokenDecoder(self.tokenizer)
@@ -137,7 +145,7 @@ class Explorer:
         self._steps: OrderedDict[int, StepData] = OrderedDict()
         self._prompt_index: dict[int, tuple[tuple[int, int, int], frozenset[bytes]]] = {}  # step -> (file version, prompts)
         self._tmp = tempfile.TemporaryDirectory(prefix="archer-viz-")
-        self.run_dir = run_dir_of(self.reader.dir, self.reader.summary)
+        self.run_dir = run_dir_of(self.reader.dir, run_dir)
         self._health: tuple[str, RunHealth] | None = None
 
     @property
