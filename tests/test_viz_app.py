@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from html.parser import HTMLParser
 from pathlib import Path
 
 import health_support
@@ -547,3 +548,39 @@ def test_a_quickstart_summary_naming_traces_outside_its_folder_opens_none(tmp_pa
     (out / "summary.json").write_text(json.dumps({"run_dir": str(tmp_path), "influence_trace": str(outside)}))
     with pytest.raises(ArcherError, match="is not a trace directory .*no folder inside it is one"):
         existing_trace_dir(out)
+
+
+class _Tags(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: set[str] = set()
+        self.attrs: set[str] = set()
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        self.tags.add(tag)
+        self.attrs |= {name for name, _ in attrs}
+
+
+def test_hostile_trace_text_reaches_the_html_and_markdown_only_escaped(tmp_path) -> None:
+    port = 9  # nothing listens: the browser test serves one and checks that no request reaches it
+    trace = trace_support.write_hostile_trace(tmp_path / "entropy_trace", port)
+    explorer = Explorer(trace)
+    view = explorer.response(2, 0)
+    _, group = explorer.prompt_group(2, 0)
+    _, compare = explorer.compare_steps(2, 0, 1)
+    _, _, tree = explorer.branch_tree(2, 0)
+    for html_text in (view.entropy_html, group, compare, tree):
+        tags = _Tags()
+        tags.feed(html_text)
+        assert tags.tags <= {"style", "div", "span", "br", "svg", "g", "title", "rect", "text", "line", "circle", "p"}
+        assert tags.attrs.isdisjoint({"src", "href", "srcdoc", "onerror", "onload"})
+        assert f"127.0.0.1:{port}" in html_text  # the text is there, as text
+    img, script, md, frame = trace_support.hostile_texts(port)
+    assert "<span class=\"archer-tok\" data-pos=\"0\"" in view.entropy_html and \
+        "&lt;img·src=http://127.0.0.1:9/img&gt;</span>" in view.entropy_html
+    for markdown in (view.metadata, explorer.header()):  # Markdown: no tags, no link or image syntax
+        assert "<" not in markdown and not re.search(r"(?<!\\)[\[\]]", markdown)
+    assert "**uid** &lt;img src=http://127.0.0.1:9/img&gt; |" in view.metadata
+    assert "**finish_reason** !\\[m\\](http://127.0.0.1:9/md) |" in view.metadata
+    assert render.markdown_text("a\\[b]\nc") == "a\\\\\\[b\\] c"  # a backslash cannot unescape a bracket
+    assert view.prompt.startswith(img + script + md + frame)  # the Textboxes show the decoded text as it is

@@ -121,7 +121,7 @@ def guarded(outputs: list[Any], fn: Callable[..., dict[Any, Any] | None], error:
             blank = {c: gr.skip() if c in keep else
                      gr.update(value=None) if isinstance(c, (gr.Dataframe, gr.Plot, gr.DownloadButton)) else ""
                      for c in outputs if c is not error}
-            return {**blank, error: gr.update(value=f"**error:** {e}", visible=True)}
+            return {**blank, error: gr.update(value=f"**error:** {render.markdown_text(e)}", visible=True)}
         return {**values, error: gr.update(value="", visible=False)}
 
     return run

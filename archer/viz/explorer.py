@@ -176,8 +176,9 @@ class Explorer:
             summary, steps = dict(self.reader.summary), self.reader.steps()
         run = " / ".join(str(summary[k]) for k in ("project_name", "experiment_name") if summary.get(k))
         span = f"steps {steps[0]}..{steps[-1]} ({len(steps)} written)" if steps else "no steps written yet"
-        return (f"**{self.kind} trace** `{self.reader.dir}`" + (f" — {run}" if run else "")
-                + f" — {span}, updated {summary.get('updated_at', '?')} — {self.tokenizer_note}")
+        text = render.markdown_text  # the summary's text is data: shown as text, never as markup
+        return (f"**{text(self.kind)} trace** `{self.reader.dir}`" + (f" — {text(run)}" if run else "")
+                + f" — {span}, updated {text(summary.get('updated_at', '?'))} — {text(self.tokenizer_note)}")
 
     def step_data(self, step: int) -> StepData:
         """The step's arrays (lazily loaded by the reader) with its statistics, recomputed when reloaded."""
@@ -233,7 +234,7 @@ class Explorer:
         metadata = self._metadata(data, row, int(in_view[tokens["valid"].to_numpy()].sum()), len(view), sort,
                                   influence_vmax, influence_scale)
         if flagged:
-            metadata += f"  \nhealth: {flagged[0]}" + (
+            metadata += f"  \nhealth: {render.markdown_text(flagged[0])}" + (
                 f"; tokens at {' '.join(map(str, marked))} boxed in green" if marked else "")
         return ResponseView(
             metadata=metadata,
@@ -245,7 +246,8 @@ class Explorer:
     def _metadata(self, data: StepData, row: int, matching: int, rows_in_view: int, sort: str,
                   influence_vmax: float, influence_scale: str) -> str:
         record = data.overview.iloc[row].to_dict()
-        cells = " | ".join(f"**{k}** {_fmt(v)}" for k, v in {"step": data.step, **record}.items())
+        cells = " | ".join(f"**{render.markdown_text(k)}** {render.markdown_text(_fmt(v))}"
+                           for k, v in {"step": data.step, **record}.items())
         return (f"{cells}  \nview: {rows_in_view} rows (sort: {sort}); {matching} valid tokens match the filter "
                 f"and search; colour scale max: entropy {data.entropy_vmax:.3g} (step)"
                 + (f", |influence| {influence_vmax:.3g} ({influence_scale})" if "influence" in data.arrays else ""))
