@@ -214,7 +214,7 @@ def _viz(args: argparse.Namespace) -> None:
     trace_dir = existing_trace_dir(args.trace_dir)  # a wrong path fails before Gradio's import
     from archer.viz.app import launch
 
-    launch(trace_dir, args.model_path, host=args.host, port=args.port)
+    launch(trace_dir, args.model_path, host=args.host, port=args.port, run_dir=args.run_dir)
 
 
 def _health(args: argparse.Namespace) -> None:
@@ -308,6 +308,8 @@ def _add_viz(sub: Subcommands) -> None:
     p = sub.add_parser("viz", help="explore an entropy or influence trace in the browser (Gradio)")
     p.add_argument("--trace-dir", required=True, help="a trace folder, e.g. <run>/entropy_trace")
     p.add_argument("--model-path", default=None, help="tokenizer folder (default: the trace's own tokenizer/)")
+    p.add_argument("--run-dir", default=None, help="the run whose health flags the Health tab shows (default: the "
+                   "trace's parent folder; a folder the trace's files name is never read)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=7862)
     p.set_defaults(func=_viz)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -356,3 +357,52 @@ def test_a_process_that_exits_without_closing_folds_its_log_into_the_file(tmp_pa
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     assert json.loads(cache.read_text()) == {"old": "Page 1: old", "new": "Page 1: new"}
     assert not Path(f"{cache}.log").exists()
+
+
+def test_an_over_long_query_reaches_neither_cache_nor_retriever(retriever_url: str, tmp_path: Path) -> None:
+    tool = SearchTool(backend="http", url=retriever_url, cache_file=str(tmp_path / "c.json"), cache_writable=True)
+    huge = "q" * (MAX_QUERY_CHARS + 1)
+    result = tool.execute(huge)
+    assert not result.ok and result.text == f"Error: the search query is longer than {MAX_QUERY_CHARS} characters."
+    assert Retriever.requests == [] and tool.memory.get(huge) is None and len(tool.memory._entries) == 0
+    assert tool.execute("q" * MAX_QUERY_CHARS).ok and len(Retriever.requests) == 1  # the limit itself is asked
+    tool.close()
+
+
+def _trickle(server: socket.socket, stop: threading.Event) -> None:
+    """Answers one request with a status line, then a header byte every 0.2 s (at most 40: 8 s), until the client
+    hangs up or ``stop`` is set."""
+    server.settimeout(5.0)
+    try:
+        conn, _ = server.accept()
+    except OSError:
+        return
+    with conn:
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\n")
+        for _ in range(40):
+            if stop.wait(0.2):
+                return
+            try:
+                conn.sendall(b"X")
+            except OSError:
+                return
+
+
+def test_request_timeout_is_a_deadline_for_the_whole_request() -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+    thread = threading.Thread(target=_trickle, args=(server, stop), daemon=True)
+    thread.start()
+    tool = SearchTool(backend="http", url=f"http://127.0.0.1:{server.getsockname()[1]}/retrieve", request_timeout=1.0)
+    start = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match="timed out: the request did not end within 1 s"):
+            tool.execute("slow")
+        elapsed = time.monotonic() - start
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()
+        tool.close()
+    assert 1.0 <= elapsed < 1.5  # each read gets a byte within 0.2 s: per-read timeouts alone would take 8 s

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 import shutil
 import time
+import tracemalloc
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -903,3 +906,62 @@ def test_background_writes_land_in_order_and_surface_errors(tmp_path: Path) -> N
         writer.flush()
     writer.flush()  # the error is reported once
     assert TraceReader(tmp_path).steps() == [1, 2, 3]
+
+
+def _claiming_npz(path: Path, claims: dict[str, tuple[str, tuple[int, ...]]], real: dict[str, np.ndarray]) -> None:
+    """A step file whose arrays ``claims`` have headers claiming (dtype, shape) but only 64 bytes of data each
+    (a compressed file of zeros could hold them truly); ``real`` are stored as they are."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, (dtype, shape) in claims.items():
+            header = io.BytesIO()
+            np.lib.format.write_array_header_1_0(header, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                                                          "fortran_order": False, "shape": shape})
+            zf.writestr(f"{name}.npy", header.getvalue() + bytes(64))
+        for name, array in real.items():
+            out = io.BytesIO()
+            np.lib.format.write_array(out, array)
+            zf.writestr(f"{name}.npy", out.getvalue())
+
+
+def _peak_bytes_of(fn: object) -> tuple[BaseException | None, int]:
+    tracemalloc.start()
+    try:
+        fn()  # type: ignore[operator]
+        error = None
+    except Exception as e:
+        error = e
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return error, peak
+
+
+def test_a_small_step_file_claiming_huge_arrays_is_refused_before_unpacking(tmp_path: Path) -> None:
+    written_trace(tmp_path)
+    arrays = entropy_arrays()
+    rows, length = arrays["response_mask"].shape
+    path = tmp_path / step_file_name(2)
+    others = {k: v for k, v in arrays.items() if k != "response_mask"}
+    _claiming_npz(path, {"response_mask": ("bool", (100_000, 10_000))}, others)  # 1 GB unpacked
+    assert path.stat().st_size < 4096
+    error, peak = _peak_bytes_of(lambda: TraceReader(tmp_path).load_step(2))
+    assert isinstance(error, TraceError) and str(error) == (
+        f"step 2: file {path.resolve()} does not fit its manifest line (its response_mask has shape (100000, 10000), "
+        f"its manifest line says num_responses={rows}, response_len={length})")
+    assert peak < 2 << 20  # nothing unpacked (numpy would allocate the 1 GB before reading the data)
+    # a field of the right rows but a huge second dimension
+    _claiming_npz(path, {"entropies": ("float16", (rows, 500_000_000))},
+                  {k: v for k, v in arrays.items() if k != "entropies"})
+    error, peak = _peak_bytes_of(lambda: TraceReader(tmp_path).load_step(2))
+    assert isinstance(error, TraceError) and f"its field entropies has shape ({rows}, 500000000), expected " \
+        f"({rows}, {length})" in str(error) and peak < 2 << 20
+    # a manifest line that lies too: the cap on one step's memory holds
+    lines = manifest_lines(tmp_path)
+    lines[1].update(num_responses=100_000, response_len=100_000)
+    (tmp_path / "manifest.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    huge = (100_000, 100_000)
+    _claiming_npz(path, {"response_mask": ("bool", huge), "entropies": ("float16", huge),
+                         "responses": ("int32", huge), "response_index": ("int32", (100_000,))}, {})
+    error, peak = _peak_bytes_of(lambda: TraceReader(tmp_path).load_step(2))
+    assert isinstance(error, TraceError) and "its arrays would take 66758 MB unpacked, more than the 4096 MB cap on " \
+        "one step (MAX_STEP_BYTES)" in str(error) and peak < 2 << 20
+    assert TraceReader(tmp_path).load_step(1)["entropies"].shape == (rows, length)  # the other step still loads

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from html.parser import HTMLParser
 from pathlib import Path
 
 import health_support
@@ -504,3 +505,82 @@ def test_a_run_without_health_jsonl_is_replayed_and_an_influence_trace_may_lack_
     with pytest.raises(IndexError, match="response 5 of step 3 is not in this influence trace .*entropy trace"):
         explorer.trace_row(3, 5)
     assert Explorer(trace_support.write_trace(tmp_path / "lone" / "trace", tokenizer)).run_health() is None
+
+
+# -- what the explorer reads: the trace, its run, the command line ----------------------------------------------
+def _set_summary_fields(trace: Path, **fields: object) -> None:
+    summary = json.loads((trace / "summary.json").read_text())
+    (trace / "summary.json").write_text(json.dumps({**summary, **fields}))
+
+
+def test_folders_a_trace_names_outside_itself_are_not_read(tmp_path, tokenizer) -> None:
+    elsewhere = health_support.write_health_run(tmp_path / "other_run", tokenizer).parent  # a run with flags
+    tokenizer.save_pretrained(str(tmp_path / "other_tokenizer"))
+    trace = trace_support.write_trace(tmp_path / "downloaded" / "trace", tokenizer, steps=(1,), save_tokenizer=False)
+    for named in (str(tmp_path / "other_tokenizer"), "../../other_tokenizer"):
+        _set_summary_fields(trace, tokenizer=named, run_dir=str(elsewhere))
+        explorer = Explorer(trace)
+        assert explorer.tokenizer is None and explorer.tokenizer_note == (
+            f"the trace's summary.json names a tokenizer outside the trace ({named!r}), which is not read: tokens "
+            "are shown as ids (pass --model-path to name one)")
+        assert explorer.run_dir is None and explorer.run_health() is None
+        assert explorer.response(1, 0).response.startswith("[")  # ids, not text
+    (trace / "tokenizer").symlink_to(tmp_path / "other_tokenizer")  # a link out of the trace
+    _set_summary_fields(trace, tokenizer="tokenizer")
+    assert Explorer(trace).tokenizer is None
+    # what the command line names is read
+    named = Explorer(trace, tmp_path / "other_tokenizer", run_dir=elsewhere)
+    assert named.tokenizer is not None and named.run_dir == elsewhere and len(named.run_health().flags) == 2
+    with pytest.raises(ArcherError, match=f"--run-dir {tmp_path / 'downloaded'} holds no metrics.jsonl"):
+        Explorer(trace, run_dir=tmp_path / "downloaded")
+    # the trace's own tokenizer folder and its parent run are read
+    own = health_support.write_health_run(tmp_path / "run", tokenizer)
+    explorer = Explorer(own)
+    assert explorer.tokenizer is not None and explorer.run_dir == tmp_path / "run"
+
+
+def test_a_quickstart_summary_naming_traces_outside_its_folder_opens_none(tmp_path, tokenizer) -> None:
+    from archer.viz.explorer import existing_trace_dir
+
+    outside = trace_support.write_trace(tmp_path / "elsewhere" / "influence_trace", tokenizer, steps=(1,))
+    out = tmp_path / "qs"
+    out.mkdir()
+    (out / "summary.json").write_text(json.dumps({"run_dir": str(tmp_path), "influence_trace": str(outside)}))
+    with pytest.raises(ArcherError, match="is not a trace directory .*no folder inside it is one"):
+        existing_trace_dir(out)
+
+
+class _Tags(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: set[str] = set()
+        self.attrs: set[str] = set()
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        self.tags.add(tag)
+        self.attrs |= {name for name, _ in attrs}
+
+
+def test_hostile_trace_text_reaches_the_html_and_markdown_only_escaped(tmp_path) -> None:
+    port = 9  # nothing listens: the browser test serves one and checks that no request reaches it
+    trace = trace_support.write_hostile_trace(tmp_path / "entropy_trace", port)
+    explorer = Explorer(trace)
+    view = explorer.response(2, 0)
+    _, group = explorer.prompt_group(2, 0)
+    _, compare = explorer.compare_steps(2, 0, 1)
+    _, _, tree = explorer.branch_tree(2, 0)
+    for html_text in (view.entropy_html, group, compare, tree):
+        tags = _Tags()
+        tags.feed(html_text)
+        assert tags.tags <= {"style", "div", "span", "br", "svg", "g", "title", "rect", "text", "line", "circle", "p"}
+        assert tags.attrs.isdisjoint({"src", "href", "srcdoc", "onerror", "onload"})
+        assert f"127.0.0.1:{port}" in html_text  # the text is there, as text
+    img, script, md, frame = trace_support.hostile_texts(port)
+    assert "<span class=\"archer-tok\" data-pos=\"0\"" in view.entropy_html and \
+        "&lt;img·src=http://127.0.0.1:9/img&gt;</span>" in view.entropy_html
+    for markdown in (view.metadata, explorer.header()):  # Markdown: no tags, no link or image syntax
+        assert "<" not in markdown and not re.search(r"(?<!\\)[\[\]]", markdown)
+    assert "**uid** &lt;img src=http://127.0.0.1:9/img&gt; |" in view.metadata
+    assert "**finish_reason** !\\[m\\](http://127.0.0.1:9/md) |" in view.metadata
+    assert render.markdown_text("a\\[b]\nc") == "a\\\\\\[b\\] c"  # a backslash cannot unescape a bracket
+    assert view.prompt.startswith(img + script + md + frame)  # the Textboxes show the decoded text as it is

@@ -13,7 +13,9 @@ boxed (health_tab.png, flag_opened.png).
 from __future__ import annotations
 
 import csv
+import http.server
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -529,3 +531,53 @@ def test_the_health_tab_shows_the_flags_over_the_curves_and_opens_a_flags_respon
     page.locator("#archer-health-pointers [role=gridcell]").filter(has_text="s3-g0").first.click()
     wait_for_response(page, 3, 0)
     assert flagged_positions(page) == [4]
+
+
+# -- hostile text in a trace: shown as text, nothing loaded -------------------------------------------------------
+
+class _Bait(http.server.BaseHTTPRequestHandler):
+    """Counts every request: the page must send none."""
+
+    hits: list[str] = []
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        _Bait.hits.append(self.path)
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_hostile_trace_text_is_shown_as_text_and_loads_nothing(browser, tmp_path) -> None:
+    bait = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Bait)
+    threading.Thread(target=bait.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    port = bait.server_address[1]
+    _Bait.hits = []
+    try:
+        trace = trace_support.write_hostile_trace(tmp_path / "entropy_trace", port)
+        for page in open_page(browser, trace):
+            wait_for_response(page, 2, 0)
+            time.sleep(1.0)  # what a tag would load has had time to be asked for
+            assert [url for url in page.requested if f":{port}" in url] == [] and _Bait.hits == []
+            img, script, md, frame = trace_support.hostile_texts(port)
+            meta = page.inner_text("#archer-meta")
+            assert img in meta and script in meta and md in meta and frame in meta  # the text itself, shown
+            assert img in page.inner_text("#archer-header") and md in page.inner_text("#archer-header")
+            table = page.inner_text("#archer-overview").replace("\u200b", "")  # Gradio's break points after / and _
+            assert img in table and script in table and md in table and frame in table
+            tokens = [s["text"] for s in heatmap_spans(page, "archer-heatmap-entropy")]
+            assert tokens[:4] == [render.visible_whitespace(t) for t in (img, script, md, frame)]
+            for tab, shown in (("Top-K tokens", "#archer-top-high"), ("Prompt group", "#archer-group"),
+                               ("Compare steps", "#archer-compare"), ("Branch tree", "#archer-tree")):
+                page.get_by_role("tab", name=tab).click()
+                page.wait_for_function("(sel) => document.querySelector(sel)?.innerText.length > 0", arg=shown)
+            page.wait_for_function("() => document.querySelector('#archer-group .archer-tok')")
+            time.sleep(1.0)  # what a tag would load has had time to be asked for
+            counts = page.evaluate("() => ['img', 'script', 'iframe'].map(t => [...document.querySelectorAll(t)]"
+                                   f".filter(e => (e.src || '').includes(':{port}')).length)")
+            assert counts == [0, 0, 0]
+            assert [url for url in page.requested if f":{port}" in url] == [] and _Bait.hits == []
+    finally:
+        bait.shutdown()
+        bait.server_close()

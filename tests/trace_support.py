@@ -221,3 +221,40 @@ def write_tool_trace(out_dir: str | Path, tokenizer: Any, steps=(1, 2)) -> Path:
         arrays = tool_step_arrays(tokenizer, step)
         writer.write_step(step, arrays, manifest_stats(arrays))
     return Path(out_dir)
+
+
+def hostile_texts(port: int) -> list[str]:
+    """Text that would load http://127.0.0.1:PORT/... or run a script if a page took it as HTML or Markdown."""
+    base = f"http://127.0.0.1:{port}"
+    return [f"<img src={base}/img>", f"<script>fetch('{base}/script')</script>", f"![m]({base}/md)",
+            f'<iframe src="{base}/frame"></iframe>']
+
+
+def write_hostile_trace(out_dir: str | Path, port: int, steps=(1, 2)) -> Path:
+    """An entropy trace whose text is hostile_texts(port) everywhere a trace holds text: single tokens of its own
+    tokenizer (added tokens), the response and prompt of row 0, its uid, data_source and finish_reason, a reward
+    extra's key, the summary's project and experiment names."""
+    hostile = hostile_texts(port)
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_tokens(hostile)
+    writer = TraceWriter(out_dir, kind="entropy", metadata={"project_name": hostile[0], "experiment_name": hostile[2]},
+                         tokenizer=tokenizer)
+    for step in steps:
+        arrays = step_arrays(tokenizer, step, response_len=48, prompt_len=48)
+        ids = tokenizer.convert_tokens_to_ids(hostile) + tokenizer.encode(" and " + " ".join(hostile),
+                                                                          add_special_tokens=False)
+        ids = ids[:47]
+        arrays["responses"][0] = tokenizer.pad_token_id
+        arrays["responses"][0, : len(ids)] = ids
+        arrays["response_mask"][0] = np.arange(48) < len(ids)
+        arrays["entropies"][0] = np.where(arrays["response_mask"][0], 1.0, 0.0).astype(np.float16)
+        arrays["old_log_probs"][0] = np.where(arrays["response_mask"][0], -1.0, 0.0).astype(np.float16)
+        arrays["prompts"][0] = tokenizer.pad_token_id
+        arrays["prompts"][0, -len(ids[:8]):] = ids[:8]
+        arrays["prompt_length"][0] = len(ids[:8])
+        for name, text in (("uid", hostile[0]), ("data_source", hostile[1]), ("finish_reason", hostile[2])):
+            column = arrays.get(name, np.asarray(["eos"] * len(arrays["uid"])))
+            arrays[name] = np.asarray([text, *column[1:].tolist()])
+        arrays[f"reward_extra/{hostile[3]}"] = np.ones(len(arrays["uid"]), np.float32)
+        writer.write_step(step, arrays, manifest_stats(arrays))
+    return Path(out_dir)

@@ -2,7 +2,8 @@
 
 One table row per benchmark and one "overall" row (every problem pooled): problems, what scored it (the rule
 reward or the judge), mean@n (pass@1 as avg@n), pass@k and maj@k for each k, for QA sets the token F1 and
-exact match (EM) the QA reward reports, and with tools the mean tool calls per sample. The chart draws mean@n, pass@k and maj@k of the largest k per benchmark
+exact match (EM) the QA reward reports, and with tools the mean tool calls per sample; under the table, the
+samples a judge could not grade (graded not correct). The chart draws mean@n, pass@k and maj@k of the largest k per benchmark
 (matplotlib's Agg canvas, no pyplot).
 """
 
@@ -52,6 +53,11 @@ def results_table(results: dict[str, Any]) -> str:
         tool_cell = ([] if not tools else ["-" if calls is None else f"{calls:.2f}"])
         lines.append("| " + " | ".join([source, str(problems), scored_by, *cells, _cell(f1), _cell(em), *tool_cell])
                      + " |")
+    ungraded = {name: info["judge_ungraded"] for name, info in results["benchmarks"].items()
+                if info.get("judge_ungraded")}
+    if ungraded:
+        lines.append("\nThe judge could not grade " + ", ".join(f"{n} sample(s) of {name}" for name, n in ungraded.items())
+                     + ": graded not correct (samples.jsonl's judge_error says why).")
     note = (f"\nAccuracy in %, {n} sample(s) per problem; mean@{n} is pass@1 as avg@{n}; pass@k is the unbiased "
             "estimator; maj@k votes over normalised answers (ties: the answer seen first). F1/EM: QA sets only"
             + ("; tool calls: mean per sample" if tools else "") + ".\n")

@@ -138,6 +138,7 @@ def _read_samples(path: Path) -> list[ProblemRecord]:
             if "rule_acc" in sample:
                 sample["acc"] = sample.pop("rule_acc")
                 sample.pop("judge", None)
+                sample.pop("judge_error", None)
                 sample["extras"].pop("rule_acc", None)
         records.append(record)
     return records
@@ -176,6 +177,8 @@ class EvalRun:
             raise ArcherError(f"batch_size={self.batch_size} must be at least 1", "set batch_size=64 (or any >= 1)")
         self.out = Path(ev.output_dir) if ev.output_dir else default_output_dir(self.model)
         self.lock: FolderLock | None = None
+        self.judged: set[str] = set()  # the benchmarks a judge scored, and how many samples it could not grade
+        self.ungraded: dict[str, int] = {}
         self.tokenizer = load_tokenizer(cfg.data.tokenizer or self.model, role="model")
         self.datasets = {s.name: self._dataset(s) for s in self.specs}
 
@@ -266,6 +269,7 @@ class EvalRun:
         """With judge.url: the judge's verdict becomes each sample's acc of the sets with a judge_prompt; the rule's
         acc is kept as rule_acc."""
         judged = {s.name: s for s in self.specs if s.judge_prompt}
+        self.judged, self.ungraded = (set(judged) if self.cfg.eval.judge.url else set()), {}
         if not self.cfg.eval.judge.url:
             if judged:
                 log.info("no judge.url: %s scored by the rule reward only", ", ".join(judged))
@@ -274,11 +278,20 @@ class EvalRun:
         targets = [(r, s) for r in records if r["benchmark"] in judged for s in r["samples"]]
         prompts = [fill_prompt(judged[r["benchmark"]].judge_prompt, _question(r), r["ground_truth"], s["answer"])
                    for r, s in targets]
-        for (_, sample), verdict in zip(targets, judge.judge(prompts), strict=True):
+        ungraded: dict[str, int] = {}
+        for (record, sample), verdict in zip(targets, judge.judge(prompts), strict=True):
             sample.setdefault("rule_acc", sample["acc"])
             sample["extras"]["rule_acc"] = sample["rule_acc"]
-            sample["judge"] = verdict
-            sample["acc"] = float(verdict)
+            sample["judge"] = verdict.correct
+            sample["acc"] = float(verdict.correct)
+            sample.pop("judge_error", None)
+            if verdict.reason:
+                sample["judge_error"] = verdict.reason
+                ungraded[record["benchmark"]] = ungraded.get(record["benchmark"], 0) + 1
+        self.ungraded = ungraded
+        for name, count in ungraded.items():
+            log.warning("the judge could not grade %d sample(s) of %s: graded not correct (the reasons are in %s, "
+                        "judge_error)", count, name, self.out / SAMPLES)
         write_text_atomically(self.out / SAMPLES, "".join(json.dumps(r) + "\n" for r in records))
 
     def scored_by(self, spec: BenchmarkSpec) -> str:
@@ -289,7 +302,8 @@ class EvalRun:
     def _report(self, records: list[ProblemRecord]) -> dict[str, Any]:
         metrics = records_metrics(records, self.n, self.ks, source_key="benchmark")
         benchmarks = {s.name: {"problems": len(self.datasets[s.name]), "scored_by": self.scored_by(s),
-                               "data_source": s.data_source, "answer_type": s.answer_type, "spec": s.origin}
+                               "data_source": s.data_source, "answer_type": s.answer_type, "spec": s.origin,
+                               **({"judge_ungraded": self.ungraded.get(s.name, 0)} if s.name in self.judged else {})}
                       for s in self.specs}
         results = {"model": str(self.model), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    "n": self.n, "k": self.ks, "benchmarks": benchmarks, "metrics": metrics,

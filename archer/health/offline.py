@@ -130,8 +130,12 @@ def quickstart_rl_run(folder: Path) -> Path:
     return Path(named) if isinstance(named, str) and (Path(named) / METRICS_FILE).is_file() else folder
 
 
-def replay(run_dir: str | Path, overrides: Sequence[str] = ()) -> Replay:
-    """The checks over every logged step of ``run_dir``."""
+_OWN_TRACE: Any = object()  # replay's default: the trace entropy_trace_of finds
+
+
+def replay(run_dir: str | Path, overrides: Sequence[str] = (), *, trace: Path | None = _OWN_TRACE) -> Replay:
+    """The checks over every logged step of ``run_dir``, with the entropy trace ``trace`` (by default the one
+    ``entropy_trace_of`` finds; None: metrics only)."""
     run_dir = quickstart_rl_run(Path(run_dir))
     metrics_path = run_dir / METRICS_FILE
     if not metrics_path.is_file():
@@ -139,7 +143,7 @@ def replay(run_dir: str | Path, overrides: Sequence[str] = ()) -> Replay:
                           "`archer train` run (a quickstart's RL run is <out>/rl)")
     settings, own = health_settings(run_dir, overrides)
     same_figures = all(getattr(settings, k) == getattr(own, k) for k in FIGURE_KEYS)
-    trace = entropy_trace_of(run_dir)
+    trace = entropy_trace_of(run_dir) if trace is _OWN_TRACE else trace
     reader = TraceReader(trace) if trace is not None else None
     traced = set(reader.steps()) if reader is not None else set()
     call_tags, decode = _tool_reading(reader)

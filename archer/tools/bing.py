@@ -7,7 +7,7 @@ goes to the API (``POST {endpoint}`` with ``{"zone", "url": "https://www.bing.co
 "format": "raw"}`` and a Bearer key; the answer's ``organic[].description`` snippets, de-duplicated, become ``Page
 i: ...`` lines) and is written through to ``cache_file`` (appended to its log, search_cache.py). Without a key the cache is read-only and a miss is the
 model's error text (counted in ``tools/<name>/failures``); an API that fails or does not answer within
-``request_timeout`` seconds raises, which the executor retries and then reports the same way, so nothing hangs.
+``request_timeout`` seconds (a deadline for the whole request, archer/http_deadline.py) raises, which the executor retries and then reports the same way, so nothing hangs.
 ``async_cache_write`` and ``cache_refresh_interval`` are accepted: archer writes each result through at once, under
 the cache's lock. Language: a query with CJK ideographs asks Bing in Chinese (``zh-CN``), any other in English
 (ARPO classifies with langid).
@@ -34,11 +34,11 @@ class BrightDataSERP:
     """Bing results through Bright Data's request API, as ARPO asks for them."""
 
     def __init__(self, api_key: str, zone: str, location: str, endpoint: str, timeout: float) -> None:
-        import httpx
+        from archer.http_deadline import DeadlineClient
 
         self.zone, self.location, self.endpoint = zone, location, endpoint
         self._headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
-        self._client = httpx.Client(timeout=timeout)
+        self._client = DeadlineClient(timeout)
 
     def bing_url(self, query: str) -> str:
         market, language = ("zh-CN", "zh") if _CJK.search(query) else ("en-US", "en")

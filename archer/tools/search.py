@@ -8,7 +8,9 @@
 Results read ``Page 1: ...\\nPage 2: ...`` (``top_k`` pages, each cut to ``result_length`` characters, cached
 results alike), or ``No search results found.``. An in-memory LRU (``memory_cache_size``) answers repeated
 queries; with ``cache_file`` set, the cache file is consulted before the bm25/http back end and, when
-``cache_writable``, receives each new result (write-through).
+``cache_writable``, receives each new result (write-through). A query longer than ``MAX_QUERY_CHARS`` is an
+error result that reaches no cache and no back end; ``request_timeout`` is a deadline for each whole HTTP request
+(archer/http_deadline.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 from archer.errors import ArcherError
 from archer.tools.base import Tool, ToolResult
 from archer.tools.bm25_index import BM25Index, Passage
-from archer.tools.search_cache import MemoryCache, SearchCacheFile
+from archer.tools.search_cache import MAX_QUERY_CHARS, MemoryCache, SearchCacheFile
 
 BACKENDS = ("cache", "bm25", "http")
 NO_RESULTS = "No search results found."
@@ -55,11 +57,13 @@ def _passage_of(document: dict[str, Any]) -> Passage:
 
 
 class HTTPRetriever:
+    """Search-R1's retriever API; each request ends within ``timeout`` seconds (a deadline for the whole request)."""
+
     def __init__(self, url: str, timeout: float) -> None:
-        import httpx
+        from archer.http_deadline import DeadlineClient
 
         self.url = url
-        self._client = httpx.Client(timeout=timeout)
+        self._client = DeadlineClient(timeout)
 
     def search(self, query: str, k: int) -> list[Passage]:
         response = self._client.post(self.url, json={"queries": [query], "topk": k, "return_scores": True})
@@ -100,6 +104,8 @@ class SearchTool(Tool):
         query = text.strip()
         if not query:
             return ToolResult("Error: the search query is empty.", ok=False)
+        if len(query) > MAX_QUERY_CHARS:  # model text: neither the caches nor the retriever see it
+            return ToolResult(f"Error: the search query is longer than {MAX_QUERY_CHARS} characters.", ok=False)
         hit = self.memory.get(query)
         if hit is None and self.cache is not None:
             hit = self.cache.get(query)

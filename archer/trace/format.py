@@ -24,6 +24,7 @@ again, so no step appears twice. The entropy writer (trace/entropy.py), the infl
 from __future__ import annotations
 
 import json
+import math
 import queue
 import threading
 import time
@@ -102,6 +103,8 @@ INFLUENCE_FIELDS = {
 ALL_FIELDS = {**RESPONSE_FIELDS, **TOOL_FIELDS, **INFLUENCE_FIELDS}
 TOKEN_FIELDS = ("entropies", "response_mask", "responses", "old_log_probs", "influence", "tool_mask",
                 "rollout_rs_rejected")
+MAX_STEP_BYTES = 4 << 30  # what a reader unpacks of one step file at most (4 GiB: ~300M tokens of every field)
+MAX_STEP_ARRAYS = 256  # members of one step file at most
 
 
 def field_spec(name: str) -> tuple[str, str] | None:
@@ -381,6 +384,60 @@ class TraceError(Exception):
     """A trace file that cannot be read (missing, corrupt, outside the trace directory)."""
 
 
+def _manifest_shape(entry: dict[str, Any]) -> tuple[int, int] | None:
+    """(num_responses, response_len) of a manifest line, None where it does not give both as integers."""
+    shape = entry.get("num_responses"), entry.get("response_len")
+    return shape if all(isinstance(v, int) and not isinstance(v, bool) for v in shape) else None  # type: ignore[return-value]
+
+
+def step_file_headers(npz: np.lib.npyio.NpzFile) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """(shape, dtype) of each array of an open step file, read from the arrays' headers alone (nothing unpacked);
+    ValueError for a member that is not an array of the .npy format versions 1 or 2, or past MAX_STEP_ARRAYS."""
+    infos = npz.zip.infolist()
+    if len(infos) > MAX_STEP_ARRAYS:
+        raise ValueError(f"it holds {len(infos)} members, more than the {MAX_STEP_ARRAYS} a step file may")
+    headers = {}
+    for info in infos:
+        if not info.filename.endswith(".npy"):
+            raise ValueError(f"its member {info.filename!r} is not a .npy array")
+        with npz.zip.open(info) as f:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+            elif version == (2, 0):
+                shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+            else:
+                raise ValueError(f"its array {info.filename!r} has .npy format version {version}, not 1.0 or 2.0")
+        headers[info.filename[: -len(".npy")]] = (tuple(int(n) for n in shape), dtype)
+    return headers
+
+
+def check_step_headers(headers: dict[str, tuple[tuple[int, ...], np.dtype]], entry: dict[str, Any]) -> None:
+    """The arrays a step file claims fit its manifest line and the explorer's memory cap, checked before any is
+    unpacked (else ValueError): response_mask is [num_responses, response_len] as the manifest line says, every
+    token field has that shape, every other field is 1-D or 2-D with num_responses rows, and together they take
+    at most MAX_STEP_BYTES once unpacked."""
+    expected = _manifest_shape(entry)
+    mask = headers.get("response_mask", ((), None))[0]
+    if expected is not None and len(mask) == 2 and mask != expected:
+        raise ValueError(f"its response_mask has shape {mask}, its manifest line says num_responses={expected[0]}, "
+                         f"response_len={expected[1]}")
+    shape = mask if len(mask) == 2 else expected  # None: a line without the shape and a file without a mask
+    total = 0
+    for name, (dims, dtype) in headers.items():
+        if dtype.hasobject:
+            raise ValueError(f"its field {name} holds Python objects")
+        if not 1 <= len(dims) <= 2 or (shape is not None and dims[0] != shape[0]):
+            raise ValueError(f"its field {name} has shape {dims}, expected 1-D or 2-D"
+                             + (f" with {shape[0]} rows" if shape is not None else ""))
+        if shape is not None and name in TOKEN_FIELDS and dims != shape:
+            raise ValueError(f"its field {name} has shape {dims}, expected {shape}")
+        total += math.prod(dims) * dtype.itemsize
+    if total > MAX_STEP_BYTES:
+        raise ValueError(f"its arrays would take {total / 2**20:.0f} MB unpacked, more than the "
+                         f"{MAX_STEP_BYTES / 2**20:.0f} MB cap on one step (MAX_STEP_BYTES)")
+
+
 def _load_summary(trace_dir: Path) -> dict[str, Any]:
     """A trace's summary.json as a dict (ArcherError when it is not valid JSON or not an object)."""
     path = trace_dir / SUMMARY
@@ -413,7 +470,8 @@ def trace_dirs_in(folder: Path) -> list[Path]:
 
 def _named_traces(folder: Path) -> list[Path]:
     """The trace folders a quickstart's summary.json names; a relative name is read from where the quickstart
-    ran, else from ``folder`` (its ``run_dir``)."""
+    ran, else from ``folder`` (its ``run_dir``). Only folders inside ``folder`` count: a summary is data, and
+    a name pointing elsewhere opens nothing."""
     try:
         summary = json.loads((folder / SUMMARY).read_text())
     except (OSError, ValueError):
@@ -428,7 +486,8 @@ def _named_traces(folder: Path) -> list[Path]:
         candidates = [Path(value)]
         if isinstance(run_dir, str) and Path(value).is_relative_to(run_dir):
             candidates.append(folder / Path(value).relative_to(run_dir))
-        found += [c for c in candidates if c.is_dir() and is_trace_dir(c)][:1]
+        inside = folder.resolve()
+        found += [c for c in candidates if inside in c.resolve().parents and c.is_dir() and is_trace_dir(c)][:1]
     return found
 
 
@@ -526,13 +585,7 @@ class TraceReader:
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        try:
-            with np.load(path, allow_pickle=False) as npz:
-                arrays = {name: npz[name] for name in npz.files}
-        except FileNotFoundError as e:
-            raise TraceError(f"step {step}: file {path} is missing") from e
-        except Exception as e:  # zipfile, zlib and numpy raise many types for a damaged file
-            raise TraceError(f"step {step}: file {path} cannot be read ({type(e).__name__}: {e})") from e
+        arrays = self.read_fields(step)
         try:
             check_step_arrays(arrays, self.kind)
         except ValueError as e:
@@ -542,8 +595,31 @@ class TraceReader:
             self._cache.popitem(last=False)
         return arrays
 
+    def read_fields(self, step: int, names: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
+        """The arrays ``names`` (None: all) of one step's file, not cached. Their shapes and sizes are checked
+        against the step's manifest line and MAX_STEP_BYTES from the arrays' headers before any is unpacked, so a
+        small file claiming huge arrays costs no memory; TraceError names the file when it is missing, corrupt or
+        does not fit."""
+        path = self.step_path(step)
+        try:
+            with np.load(path, allow_pickle=False) as npz:
+                try:
+                    check_step_headers(step_file_headers(npz), self.entry(step))
+                except ValueError as e:
+                    raise TraceError(f"step {step}: file {path} does not fit its manifest line ({e})") from e
+                return {name: npz[name] for name in npz.files if names is None or name in names}
+        except TraceError:
+            raise
+        except FileNotFoundError as e:
+            raise TraceError(f"step {step}: file {path} is missing") from e
+        except Exception as e:  # zipfile, zlib and numpy raise many types for a damaged file
+            raise TraceError(f"step {step}: file {path} cannot be read ({type(e).__name__}: {e})") from e
+
     def tokenizer_dir(self) -> Path | None:
-        """The tokenizer saved with the trace, if any."""
+        """The tokenizer saved with the trace, if any: a folder inside the trace directory. A summary naming one
+        elsewhere (an absolute path, ``..``, a link out) names none: nothing outside the trace is read for it."""
         name = self.summary.get("tokenizer")
-        path = (self.dir / name) if name else None
-        return path if path is not None and path.is_dir() else None
+        if not isinstance(name, str) or not name:
+            return None
+        path = (self.dir / name).resolve()
+        return path if self.dir in path.parents and path.is_dir() else None

@@ -123,7 +123,7 @@ def guarded(outputs: list[Any], fn: Callable[..., dict[Any, Any] | None], error:
             blank = {c: gr.skip() if c in keep else
                      gr.update(value=None) if isinstance(c, (gr.Dataframe, gr.Plot, gr.DownloadButton)) else ""
                      for c in outputs if c is not error}
-            return {**blank, error: gr.update(value=f"**error:** {e}", visible=True)}
+            return {**blank, error: gr.update(value=f"**error:** {render.markdown_text(e)}", visible=True)}
         return {**values, error: gr.update(value="", visible=False)}
 
     return run
@@ -369,7 +369,8 @@ class Views:
             return None
         health = explorer.run_health()
         if health is None:
-            return {c.health_note: "this trace's folder holds no metrics.jsonl of a run: no health flags to show"}
+            return {c.health_note: "the trace's parent folder holds no metrics.jsonl of a run: no health flags to show "
+                                   "(name the run with `archer viz --run-dir RUN`)"}
         if explorer.health_signature() == seen:
             return None
         return {c.health_note: health.note(), c.health_plot: health.timeline(), c.health_flags: health.flags_table(),
@@ -477,9 +478,10 @@ def _wire_selections(c: Controls, v: Views, health: Stage) -> None:
 
 
 def build_app(trace_dir: str | Path, model_path: str | Path | None = None, *,
-              poll_seconds: float = POLL_SECONDS) -> gr.Blocks:
-    """The explorer UI over one trace directory (ArcherError when it is not one)."""
-    explorer = Explorer(trace_dir, model_path)
+              poll_seconds: float = POLL_SECONDS, run_dir: str | Path | None = None) -> gr.Blocks:
+    """The explorer UI over one trace directory (ArcherError when it is not one); ``run_dir``: the run whose
+    health flags it shows (default: the trace's parent folder)."""
+    explorer = Explorer(trace_dir, model_path, run_dir)
     with gr.Blocks(title="archer trace explorer", analytics_enabled=False, delete_cache=(3600, 3600)) as app:
         controls = _layout(explorer, poll_seconds)
         views = Views(explorer, controls)
@@ -490,13 +492,14 @@ def build_app(trace_dir: str | Path, model_path: str | Path | None = None, *,
 
 
 def launch(trace_dir: str | Path, model_path: str | Path | None = None, host: str = DEFAULT_HOST,
-           port: int = DEFAULT_PORT, *, block: bool = True, poll_seconds: float = POLL_SECONDS) -> gr.Blocks:
+           port: int = DEFAULT_PORT, *, block: bool = True, poll_seconds: float = POLL_SECONDS,
+           run_dir: str | Path | None = None) -> gr.Blocks:
     """Serve the explorer on ``host:port`` (127.0.0.1 unless told otherwise). With ``block`` it prints its one
     line (the trace and the address; Gradio's own notes, such as its share=True hint, and httpx's request log
     are silenced) and serves until interrupted."""
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Gradio's request to itself at start-up is not news
-    app = build_app(trace_dir, model_path, poll_seconds=poll_seconds)
+    app = build_app(trace_dir, model_path, poll_seconds=poll_seconds, run_dir=run_dir)
     try:
         app.launch(server_name=host, server_port=int(port), share=False, prevent_thread_lock=True,
                    theme=theme(), css=TABLE_CSS, footer_links=[], quiet=True,

@@ -4,8 +4,11 @@ method returning plain values (tables, HTML, figures, file paths).
 It holds no Gradio objects, so the tests and the scale benchmark call exactly what the app's callbacks call.
 The Health tab's flags are those of the trace's run (viz/health.py), read again when its files change.
 A step is loaded lazily, one per request, and kept in the reader's small cache; statistics and the overview
-table of a loaded step are cached alongside it. Only the trace directory is read (plus an explicit
-tokenizer folder); CSV exports are written into a private temporary folder.
+table of a loaded step are cached alongside it. Read are the trace directory, its parent folder's metrics.jsonl,
+health.jsonl and entropy_trace (the run the trace lies in, for the Health tab) and what the command line names
+(``--model-path``, ``--run-dir``); never a folder that a file names (a trace's summary.json naming a tokenizer or
+run elsewhere, a quickstart's summary naming traces outside its folder). CSV exports are written into a private
+temporary folder.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from matplotlib.figure import Figure
 from archer.errors import ArcherError
 from archer.health.monitor import HEALTH_FILE
 from archer.step_lines import METRICS_FILE
-from archer.trace.format import TraceReader, is_trace_dir, read_trace_summary, trace_dirs_in
+from archer.trace.format import TraceError, TraceReader, is_trace_dir, read_trace_summary, trace_dirs_in
 from archer.viz import queries, render
 from archer.viz.health import RunHealth, run_dir_of, trace_row
 
@@ -86,6 +89,10 @@ def load_trace_tokenizer(reader: TraceReader, model_path: str | Path | None) -> 
     if model_path is not None:
         return load_tokenizer(model_path, role="tokenizer (--model-path)"), f"tokenizer: {model_path}"
     folder = reader.tokenizer_dir()
+    named = reader.summary.get("tokenizer")
+    if folder is None and named:
+        return None, (f"the trace's summary.json names a tokenizer outside the trace ({str(named)[:200]!r}), which is "
+                      "not read: tokens are shown as ids (pass --model-path to name one)")
     if folder is None:
         return None, "no tokenizer in the trace and no --model-path: tokens are shown as ids"
     try:
@@ -128,7 +135,8 @@ class ResponseView:
 class Explorer:
     """A trace directory opened for exploring; methods raise TraceError for a missing or corrupt step."""
 
-    def __init__(self, trace_dir: str | Path, model_path: str | Path | None = None) -> None:
+    def __init__(self, trace_dir: str | Path, model_path: str | Path | None = None,
+                 run_dir: str | Path | None = None) -> None:
         self.reader = TraceReader(existing_trace_dir(trace_dir))
         self.tokenizer, self.tokenizer_note = load_trace_tokenizer(self.reader, model_path)
         self.decode = TokenDecoder(self.tokenizer)
@@ -137,7 +145,7 @@ class Explorer:
         self._steps: OrderedDict[int, StepData] = OrderedDict()
         self._prompt_index: dict[int, tuple[tuple[int, int, int], frozenset[bytes]]] = {}  # step -> (file version, prompts)
         self._tmp = tempfile.TemporaryDirectory(prefix="archer-viz-")
-        self.run_dir = run_dir_of(self.reader.dir, self.reader.summary)
+        self.run_dir = run_dir_of(self.reader.dir, run_dir)
         self._health: tuple[str, RunHealth] | None = None
 
     @property
@@ -168,8 +176,9 @@ class Explorer:
             summary, steps = dict(self.reader.summary), self.reader.steps()
         run = " / ".join(str(summary[k]) for k in ("project_name", "experiment_name") if summary.get(k))
         span = f"steps {steps[0]}..{steps[-1]} ({len(steps)} written)" if steps else "no steps written yet"
-        return (f"**{self.kind} trace** `{self.reader.dir}`" + (f" — {run}" if run else "")
-                + f" — {span}, updated {summary.get('updated_at', '?')} — {self.tokenizer_note}")
+        text = render.markdown_text  # the summary's text is data: shown as text, never as markup
+        return (f"**{text(self.kind)} trace** `{self.reader.dir}`" + (f" — {text(run)}" if run else "")
+                + f" — {span}, updated {text(summary.get('updated_at', '?'))} — {text(self.tokenizer_note)}")
 
     def step_data(self, step: int) -> StepData:
         """The step's arrays (lazily loaded by the reader) with its statistics, recomputed when reloaded."""
@@ -225,7 +234,7 @@ class Explorer:
         metadata = self._metadata(data, row, int(in_view[tokens["valid"].to_numpy()].sum()), len(view), sort,
                                   influence_vmax, influence_scale)
         if flagged:
-            metadata += f"  \nhealth: {flagged[0]}" + (
+            metadata += f"  \nhealth: {render.markdown_text(flagged[0])}" + (
                 f"; tokens at {' '.join(map(str, marked))} boxed in green" if marked else "")
         return ResponseView(
             metadata=metadata,
@@ -237,7 +246,8 @@ class Explorer:
     def _metadata(self, data: StepData, row: int, matching: int, rows_in_view: int, sort: str,
                   influence_vmax: float, influence_scale: str) -> str:
         record = data.overview.iloc[row].to_dict()
-        cells = " | ".join(f"**{k}** {_fmt(v)}" for k, v in {"step": data.step, **record}.items())
+        cells = " | ".join(f"**{render.markdown_text(k)}** {render.markdown_text(_fmt(v))}"
+                           for k, v in {"step": data.step, **record}.items())
         return (f"{cells}  \nview: {rows_in_view} rows (sort: {sort}); {matching} valid tokens match the filter "
                 f"and search; colour scale max: entropy {data.entropy_vmax:.3g} (step)"
                 + (f", |influence| {influence_vmax:.3g} ({influence_scale})" if "influence" in data.arrays else ""))
@@ -376,9 +386,8 @@ class Explorer:
                 cached = self._prompt_index.get(step)
                 if cached is not None and cached[0] == version:
                     return cached[1]
-            with np.load(path, allow_pickle=False) as npz:
-                arrays = {name: npz[name] for name in ("prompts", "prompt_length") if name in npz.files}
-        except Exception:  # zipfile, zlib and numpy raise many types for a damaged file (as in load_step)
+            arrays = self.reader.read_fields(step, ("prompts", "prompt_length"))
+        except (OSError, TraceError):
             return frozenset()
         prompts = frozenset(queries.prompt_ids(arrays, r).tobytes() for r in range(len(arrays["prompts"]))) \
             if "prompts" in arrays else frozenset()

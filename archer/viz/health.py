@@ -1,9 +1,11 @@
 """The explorer's Health tab behind the UI: the flags of the trace's run, their timeline over the run's curves,
 and where each flag's pointers are in the trace.
 
-The run is the trace's parent folder (``<run>/entropy_trace``) or the ``run_dir`` its summary names, whichever
-holds a metrics.jsonl. Its flags come from ``<run>/health.jsonl`` when training wrote one, else from a replay of
-the checks (archer/health/offline.py: a run made before them). A pointer names a response by its row in the
+The run is the folder named by ``archer viz --run-dir``, else the trace's parent folder (``<run>/entropy_trace``),
+when it holds a metrics.jsonl; the ``run_dir`` a trace's summary names is not followed (a summary is data). Its
+flags come from ``<run>/health.jsonl`` when training wrote one, else from a replay of the checks
+(archer/health/offline.py: a run made before them) over ``<run>/entropy_trace`` (not the trace its config.yaml
+may name elsewhere). A pointer names a response by its row in the
 step's batch; the trace's ``response_index`` says which of its rows that is (an influence trace holds only the
 groups it traced, so a pointed response may be missing from it).
 """
@@ -12,17 +14,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from archer.errors import ArcherError
 from archer.health.engine import Flag
 from archer.health.monitor import HEALTH_FILE
 from archer.health.offline import replay
 from archer.step_lines import METRICS_FILE, metrics_by_step, read_step_records
+from archer.trace.format import is_trace_dir
 
 SEVERITY_COLOURS = {"info": "#1f77b4", "warning": "#ff7f0e", "critical": "#d62728"}
 PANELS = (("entropy", ("actor/entropy",)), ("score / accuracy", ("critic/score/mean", "critic/acc/mean")),
@@ -31,13 +34,17 @@ FLAG_COLUMNS = ["flag", "step", "severity", "check", "responses", "message"]
 POINTER_COLUMNS = ["pointer", "response", "prompt group", "tokens", "value", "why"]
 
 
-def run_dir_of(trace_dir: Path, summary: dict[str, Any]) -> Path | None:
-    """The run a trace belongs to: the folder holding a metrics.jsonl, the trace's parent or its summary's
-    run_dir."""
-    for candidate in (trace_dir.parent, Path(str(summary.get("run_dir", "")))):
-        if str(candidate) and (candidate / METRICS_FILE).is_file():
-            return candidate
-    return None
+def run_dir_of(trace_dir: Path, run_dir: str | Path | None = None) -> Path | None:
+    """The run a trace belongs to: ``run_dir`` (the user's --run-dir), else the trace's parent, when it holds a
+    metrics.jsonl (ArcherError for a ``run_dir`` that does not)."""
+    if run_dir is not None:
+        path = Path(run_dir).expanduser()
+        if not (path / METRICS_FILE).is_file():
+            raise ArcherError(f"--run-dir {path} holds no {METRICS_FILE}",
+                              "pass the trainer.default_local_dir of the run the trace belongs to, or leave --run-dir "
+                              "out (the trace's parent folder is read when it holds one)")
+        return path
+    return trace_dir.parent if (trace_dir.parent / METRICS_FILE).is_file() else None
 
 
 @dataclass
@@ -55,7 +62,8 @@ class RunHealth:
         if log.is_file():
             flags = [Flag.from_json(r) for r in read_step_records(log)]
             return cls(flags, metrics, f"flags of `{log}`, written while training")
-        result = replay(run_dir)
+        own = run_dir / "entropy_trace"
+        result = replay(run_dir, trace=own if is_trace_dir(own) else None)
         return cls(result.flags, metrics, f"flags replayed by `archer health {run_dir}` (the run wrote no "
                                           f"{HEALTH_FILE})")
 

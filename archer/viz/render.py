@@ -74,6 +74,13 @@ def visible_whitespace(text: str) -> str:
     return text.translate(_VISIBLE)
 
 
+def markdown_text(text: object) -> str:
+    """``text`` for a Markdown component, shown as the text it is: HTML-escaped (no tags, so no ``<img>`` or
+    ``<script>``), its backslashes and square brackets escaped (no links or ``![image](url)``), on one line."""
+    escaped = html.escape(str(text), quote=False).replace("\\", "\\\\")
+    return escaped.replace("[", "\\[").replace("]", "\\]").replace("\r", " ").replace("\n", " ")
+
+
 def visible_text(text: str) -> str:
     """HTML-escaped token text with visible whitespace."""
     return html.escape(text).translate(_VISIBLE)
