@@ -105,8 +105,8 @@ def _check_folder(path: str | Path, what: str) -> Path:
     if not folder.exists():
         raise ArcherError(
             f"{what} folder {folder} does not exist",
-            "check the path (a local Hugging Face model folder), or build the tiny model with "
-            "archer.models.tiny.build_tiny_model",
+            "check the path: it must be a local Hugging Face model folder (config.json, weights, tokenizer); "
+            "`archer quickstart` builds a tiny model to try archer with (<out>/base_model)",
         )
     if not folder.is_dir():
         raise ArcherError(
