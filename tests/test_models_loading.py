@@ -89,7 +89,8 @@ def test_missing_folder(tmp_path):
     with pytest.raises(ArcherError, match="does not exist") as info:
         load_causal_lm(tmp_path / "nope", device="cpu")
     assert str(tmp_path / "nope") in str(info.value)
-    assert info.value.fix
+    assert info.value.fix.startswith("check the path")
+    assert "`archer quickstart` builds a tiny model" in info.value.fix and "archer.models" not in info.value.fix
 
 
 def test_file_instead_of_folder(model_copy):

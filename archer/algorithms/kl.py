@@ -99,17 +99,17 @@ class AdaptiveKLController:
 KLController = FixedKLController | AdaptiveKLController
 
 
+KL_CONTROLLERS: Registry[Callable[[float, float, int], KLController]] = Registry("KL controller type",
+                                                                                 "algorithm.kl_ctrl.type")
+KL_CONTROLLERS.add("fixed", lambda kl_coef, target_kl, horizon: FixedKLController(kl_coef))
+KL_CONTROLLERS.add("adaptive", AdaptiveKLController)
+
+
 def make_kl_controller(
     type: str, kl_coef: float, target_kl: float = 0.1, horizon: int = 10000
 ) -> KLController:
     """The controller named by `algorithm.kl_ctrl.type` (fixed | adaptive)."""
-    if type == "fixed":
-        return FixedKLController(kl_coef)
-    if type == "adaptive":
-        return AdaptiveKLController(kl_coef, target_kl, horizon)
-    raise ArcherError(
-        f"unknown KL controller type '{type}'", "set algorithm.kl_ctrl.type to fixed or adaptive"
-    )
+    return KL_CONTROLLERS.lookup(type)(kl_coef, target_kl, horizon)
 
 
 def apply_kl_penalty(

@@ -16,7 +16,9 @@ defaults' values; it and the overrides pass through verl_compat.py for the verl 
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
 import logging
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -62,11 +64,17 @@ def _walk(node: Any, prefix: str, keys: set[str], open_maps: set[str], lists: se
 
 def _schema(config_name: str) -> tuple[set[str], set[str], set[str]]:
     """A config's dotted keys, its free-form mappings and its list keys (list default or NULL_DEFAULT_LIST_KEYS)."""
+    keys, open_maps, lists = _walked_schema(config_name)
+    return set(keys), set(open_maps), set(lists)
+
+
+@functools.cache
+def _walked_schema(config_name: str) -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
     keys: set[str] = set()
     open_maps: set[str] = set()
     lists = set(NULL_DEFAULT_LIST_KEYS.get(config_name, ()))
     _walk(_defaults(config_name), "", keys, open_maps, lists)
-    return keys, open_maps, lists
+    return frozenset(keys), frozenset(open_maps), frozenset(lists)
 
 
 def known_keys(config_name: str) -> tuple[set[str], set[str]]:
@@ -81,6 +89,12 @@ def list_keys(config_name: str) -> set[str]:
 
 
 def _defaults(config_name: str) -> DictConfig:
+    """A config's YAML defaults (a copy of the file's one parse: the YAML is read once a process)."""
+    return copy.deepcopy(_parsed_defaults(config_name))
+
+
+@functools.cache
+def _parsed_defaults(config_name: str) -> DictConfig:
     return OmegaConf.load(CONFIG_DIR / f"{config_name}.yaml")
 
 

@@ -43,16 +43,31 @@ VALUE_HEAD_INIT_STD = 1e-3
 _LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError, SafetensorError)
 
 
-def pick_device(preferred: str = "auto") -> torch.device:
-    """'auto' -> cuda when available, else cpu; 'cpu' / 'cuda' / 'cuda:N' are taken as given."""
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def check_device_name(preferred: str) -> torch.device | None:
+    """The device 'cpu' / 'cuda' / 'cuda:N' names (None for 'auto'), whether or not this machine has it; an
+    ArcherError for any other name."""
     if preferred == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return None
     try:
         device = torch.device(preferred)
     except RuntimeError as err:
         raise ArcherError(
             f"unknown device {preferred!r} ({err})", "use 'auto', 'cpu', 'cuda' or 'cuda:N'"
         ) from err
+    if device.type not in DEVICE_TYPES:
+        raise ArcherError(f"unknown device {preferred!r}: archer trains on a CPU or CUDA GPUs",
+                          "use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    return device
+
+
+def pick_device(preferred: str = "auto") -> torch.device:
+    """'auto' -> cuda when available, else cpu; 'cpu' / 'cuda' / 'cuda:N' are taken as given."""
+    device = check_device_name(preferred)
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ArcherError(
             f"device {preferred!r} was requested but this machine has no usable CUDA GPU",
@@ -90,8 +105,8 @@ def _check_folder(path: str | Path, what: str) -> Path:
     if not folder.exists():
         raise ArcherError(
             f"{what} folder {folder} does not exist",
-            "check the path (a local Hugging Face model folder), or build the tiny model with "
-            "archer.models.tiny.build_tiny_model",
+            "check the path: it must be a local Hugging Face model folder (config.json, weights, tokenizer); "
+            "`archer quickstart` builds a tiny model to try archer with (<out>/base_model)",
         )
     if not folder.is_dir():
         raise ArcherError(

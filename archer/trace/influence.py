@@ -106,10 +106,7 @@ class InfluenceTrace:
         t = cfg.trainer.influence_trace
         self.cfg = t
         check_settings(t)
-        self.options = ScoreOptions(mode=str(t.hessian_mode), reg_lambda=float(t.reg_lambda),
-                                    scope=str(t.accepted_rejected_scope), contrastive_agg=str(t.contrastive_agg),
-                                    response_grad_agg=str(t.response_grad_agg),
-                                    exclude_self_response=bool(t.exclude_self_response))
+        self.options = ScoreOptions.from_config(t)
         self.capture_settings = CaptureSettings.from_config(t)
         self.modules = list(modules)
         self.score_device = device if t.force_gpu_compute else torch.device("cpu")
@@ -173,6 +170,7 @@ def check_settings(t: DictConfig) -> None:
     if t.output_function not in OUTPUT_FUNCTIONS:
         raise ArcherError(f"trainer.influence_trace.output_function={t.output_function!r} is not one of "
                           f"{OUTPUT_FUNCTIONS}", "use training_loss (no extra pass), log_prob or advantage_log_prob")
+    ScoreOptions.from_config(t)  # hessian_mode, accepted_rejected_scope, contrastive_agg, response_grad_agg
     if t.hessian_source != "response":
         raise ArcherError(f"trainer.influence_trace.hessian_source={t.hessian_source!r}: archer builds G from "
                           "response gradients only", "set trainer.influence_trace.hessian_source=response")

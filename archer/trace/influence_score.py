@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from omegaconf import DictConfig
 
 from archer.errors import ArcherError
 
@@ -34,6 +35,13 @@ class ScoreOptions:
     contrastive_agg: str = "sum"        # sum | mean
     response_grad_agg: str = "mean"     # mean | sum
     exclude_self_response: bool = False
+
+    @classmethod
+    def from_config(cls, t: DictConfig) -> ScoreOptions:
+        """The options of a ``trainer.influence_trace`` block (checked)."""
+        return cls(mode=str(t.hessian_mode), reg_lambda=float(t.reg_lambda), scope=str(t.accepted_rejected_scope),
+                   contrastive_agg=str(t.contrastive_agg), response_grad_agg=str(t.response_grad_agg),
+                   exclude_self_response=bool(t.exclude_self_response))
 
     def __post_init__(self) -> None:
         for key, value, allowed in (("hessian_mode", self.mode, ("inverse", "identity")),

@@ -1,4 +1,5 @@
-"""Checks of an RL config that need no data and no model: counts in range, combinations archer can run, and the
+"""Checks of an RL config that need no data and no model: counts in range, enumerated values and ranges
+(config_values.py), combinations archer can run, and the
 keys archer accepts without acting on them (config/no_ops.py: a warning, or an error where ignoring the value
 would change the result).
 
@@ -25,6 +26,7 @@ from archer.rewards.shaping import OverlongBuffer
 from archer.rollout.agentic_config import check_agentic_config
 from archer.rollout.factory import check_engine_name
 from archer.trace.influence import check_settings as check_influence_settings
+from archer.trainer.config_values import check_choices, check_micro_batches, check_ranges
 from archer.trainer.group_filter import check_filter_metric
 from archer.workers.actor_objective import loss_switches
 from archer.workers.reward_model import check_reward_model_config
@@ -113,6 +115,9 @@ def check_world(cfg: DictConfig) -> None:
 def check_config(cfg: DictConfig) -> None:
     """Values and combinations archer cannot run, reported before any data or model is loaded."""
     check_counts(cfg)
+    check_choices(cfg)  # enumerated values, ranges and batch nesting (trainer/config_values.py)
+    check_ranges(cfg)
+    check_micro_batches(cfg)
     check_no_ops(cfg)
     if cfg.reward_model.enable:
         check_reward_model_config(cfg)

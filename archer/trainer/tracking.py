@@ -199,7 +199,7 @@ class _WandbBackend:
         self._run.finish()
 
 
-def _resolve_backends(backends: Iterable[str] | str) -> list[str]:
+def check_backends(backends: Iterable[str] | str) -> list[str]:
     """Validated backend names in order, without duplicates, with jsonl always first."""
     requested = [backends] if isinstance(backends, str) else list(backends)
     unknown = sorted({name for name in requested if name not in KNOWN_BACKENDS})
@@ -234,7 +234,7 @@ class Tracking:
         start_step: int = 0,
         key_metrics: tuple[str, ...] = DEFAULT_KEY_METRICS,
     ) -> None:
-        names = _resolve_backends(backends)
+        names = check_backends(backends)
         if "wandb" in names:
             _require_wandb()
         run_dir = Path(run_dir)
