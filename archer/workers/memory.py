@@ -38,6 +38,7 @@ from omegaconf import DictConfig
 from archer.errors import ArcherError
 from archer.models.checkpointed_layers import requested_checkpointed_layers
 from archer.models.logprobs import LOGITS_BYTES_PER_CHUNK
+from archer.models.micro_batches import ACTOR_UPDATE, configured_rows
 from archer.models.owner import model_bytes
 from archer.units import GIB
 
@@ -100,14 +101,7 @@ def micro_batch_tokens(cfg: DictConfig, max_length: int) -> int:
     actor = cfg.actor
     if actor.use_dynamic_bsz:
         return max(int(actor.ppo_max_token_len_per_gpu), max_length)
-    return (update_rows_set(cfg) or mini_batch_rows(cfg)) * max_length
-
-
-def update_rows_set(cfg: DictConfig) -> int | None:
-    """The rows per update micro-batch the actor's keys set (None: unset, and no token budget either)."""
-    actor = cfg.actor
-    rows = actor.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size
-    return None if rows is None else int(rows)
+    return (configured_rows(actor, ACTOR_UPDATE.size) or mini_batch_rows(cfg)) * max_length
 
 
 def mini_batch_rows(cfg: DictConfig) -> int:
@@ -307,7 +301,7 @@ def plan_actor_memory(cfg: DictConfig, model: torch.nn.Module, *, total: int, fa
                       free_cache_engine=bool(rollout.free_cache_engine), elsewhere=elsewhere,
                       model_shape=(shape["hidden"], shape["intermediate"]), longest=max_length,
                       checkpointed_layers=checkpointed)
-    if not cfg.actor.use_dynamic_bsz and update_rows_set(cfg) is None:
+    if not cfg.actor.use_dynamic_bsz and configured_rows(cfg.actor, ACTOR_UPDATE.size) is None:
         return largest_fitting_rows(plan, shape, requested, max_length, mini_batch_rows(cfg))
     return plan if requested is not None else fewest_checkpointed_layers(plan, shape)
 
