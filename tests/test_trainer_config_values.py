@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from archer import cli
 from archer.config.loader import load_config
 from archer.errors import ArcherError
+from archer.models.optim import LRSchedule
 from archer.trainer.config_check import check_config
 from archer.trainer.config_values import CHOICES, TORCH_DTYPES, check_choices
 
@@ -144,6 +145,16 @@ def test_values_at_the_ends_of_their_ranges_pass() -> None:
     check_config(config("actor_rollout_ref.actor.optim.min_lr_ratio=1", "actor_rollout_ref.rollout.top_p=1",
                         "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0", "actor_rollout_ref.actor.clip_ratio=0",
                         "actor_rollout_ref.rollout.temperature=0", "actor_rollout_ref.actor.entropy_top_ratio=null"))
+
+
+def test_a_null_min_lr_ratio_is_verls_no_floor_and_decays_to_zero() -> None:
+    # ARPO's published config sets critic.optim.min_lr_ratio: null; verl reads it as no floor.
+    cfg = config("actor_rollout_ref.actor.optim.min_lr_ratio=null", "critic.optim.min_lr_ratio=null",
+                 "actor_rollout_ref.actor.optim.warmup_style=cosine")
+    check_config(cfg)
+    schedule = LRSchedule.from_rl_optim(cfg.actor_rollout_ref.actor.optim, total_steps=10)
+    assert schedule.min_lr_ratio == 0.0
+    assert schedule.multiplier(10) == pytest.approx(0.0, abs=1e-12)  # the cosine's end: lr x 0
 
 
 def test_a_micro_batch_larger_than_its_mini_batch_is_refused() -> None:

@@ -48,12 +48,12 @@ TORCH_DTYPES = ("bfloat16", "float16", "float32")  # rollout.dtype: a torch dtyp
 POSITIVE = (f"{ACTOR}.optim.lr", f"{CRITIC}.optim.lr")
 # Fractions; the keys after the first group may also be null (their loss's or the schedule's default).
 FRACTIONS = (
-    f"{ACTOR}.optim.lr_warmup_steps_ratio", f"{ACTOR}.optim.min_lr_ratio", f"{CRITIC}.optim.lr_warmup_steps_ratio",
-    f"{CRITIC}.optim.min_lr_ratio", f"{ACTOR}.token_entropy_quantile", f"{ROLLOUT}.top_p", f"{ROLLOUT}.val_kwargs.top_p",
-    f"{ROLLOUT}.gpu_memory_utilization",
+    f"{ACTOR}.optim.lr_warmup_steps_ratio", f"{CRITIC}.optim.lr_warmup_steps_ratio", f"{ACTOR}.token_entropy_quantile",
+    f"{ROLLOUT}.top_p", f"{ROLLOUT}.val_kwargs.top_p", f"{ROLLOUT}.gpu_memory_utilization",
 )
-NULLABLE_FRACTIONS = (f"{ACTOR}.entropy_top_ratio", f"{ACTOR}.policy_loss.clip_cov_ratio",
-                      f"{ACTOR}.policy_loss.kl_cov_ratio")
+# min_lr_ratio null is verl's "no floor" (ARPO's published config sets the critic's so): the schedule reads it as 0.
+NULLABLE_FRACTIONS = (f"{ACTOR}.optim.min_lr_ratio", f"{CRITIC}.optim.min_lr_ratio", f"{ACTOR}.entropy_top_ratio",
+                      f"{ACTOR}.policy_loss.clip_cov_ratio", f"{ACTOR}.policy_loss.kl_cov_ratio")
 NON_NEGATIVE = (f"{ACTOR}.clip_ratio", f"{ACTOR}.kl_loss_coef", "algorithm.kl_ctrl.kl_coef", f"{ROLLOUT}.temperature",
                 f"{ROLLOUT}.val_kwargs.temperature")
 NULLABLE_NON_NEGATIVE = (f"{ACTOR}.clip_ratio_low", f"{ACTOR}.clip_ratio_high")
