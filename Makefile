@@ -1,10 +1,15 @@
 # The two commands of the README. Each works in a virtualenv: the one $(PY) already runs in (an active venv),
 # else .venv in the repository, made with `$(PY) -m venv --system-site-packages` (so packages the machine already
 # has, torch included, are used as they are). Where that environment has no torch, the CPU build of torch is
-# installed from PyTorch's CPU index (a console line says so); then archer, editable, with its dependencies.
+# installed (a console line says so): from pip's own sources (its find-links or a local index, `pip config list`) when
+# they hold torch's CPU wheel, else from PyTorch's CPU index, which is first probed for $(PROBE_TIMEOUT) s: without an
+# answer, one line says to install torch first and make stops (pip would retry every file for minutes). Then archer,
+# editable, with its dependencies.
 PY ?= python3
 TORCH = torch==2.13.0
 TORCH_INDEX = https://download.pytorch.org/whl/cpu
+# seconds the torch step waits for pip's sources and PyTorch's CPU index to answer
+PROBE_TIMEOUT = 5
 # pytest processes side by side in `make test` (CI's machine has 2 cores)
 TEST_WORKERS ?= 2
 # the environment $(PY) runs in when it is a virtualenv (sys.prefix differs from the base interpreter's), else .venv
@@ -23,9 +28,19 @@ venv:
 	@echo "make: using the virtualenv $(VENV) (run '. $(BIN)/activate' to have archer on your PATH)"
 
 torch: venv
-	@$(BIN)/python -c "import torch" 2>/dev/null || { \
+	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
+	  echo "make: torch is in $(VENV) already: not installing it"; \
+	elif $(BIN)/python -m pip install -q --dry-run --no-deps --ignore-installed --retries 0 --timeout $(PROBE_TIMEOUT) \
+	     --report - $(TORCH) 2>/dev/null | grep -q '"version": "[^"]*+cpu"'; then \
+	  echo "make: no torch in $(VENV): installing the CPU build of $(TORCH) that pip's own sources hold (pip config list)"; \
+	  $(BIN)/python -m pip install -q $(TORCH); \
+	elif $(BIN)/python -c "import urllib.request; urllib.request.urlopen('$(TORCH_INDEX)/torch/', timeout=$(PROBE_TIMEOUT))" 2>/dev/null; then \
 	  echo "make: no torch in $(VENV): installing the CPU build of $(TORCH) from $(TORCH_INDEX) (about 650 MB installed)"; \
-	  $(BIN)/python -m pip install -q --index-url $(TORCH_INDEX) $(TORCH); }
+	  $(BIN)/python -m pip install -q --index-url $(TORCH_INDEX) $(TORCH); \
+	else \
+	  echo "make: no torch in $(VENV), and $(TORCH_INDEX) does not answer: install torch first ($(BIN)/python -m pip install $(TORCH) from a wheel or an index you can reach), then run make again"; \
+	  exit 1; \
+	fi
 
 install: torch
 	$(BIN)/python -m pip install -q -e .

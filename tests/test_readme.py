@@ -5,11 +5,14 @@ built as the quickstart builds its own."""
 
 from __future__ import annotations
 
+import http.server
 import logging
 import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -119,3 +122,84 @@ def test_the_sft_pages_demo_command_runs_as_written_on_the_quickstarts_model(
         assert cli.main([*args, *cheap]) == 0
     assert "SFT dataset: 1300 examples, 124 truncated (right)" in caplog.text  # the page's figures
     assert (tmp_path / "run" / "hf_model" / "config.json").is_file()
+
+
+# A virtualenv's python for the torch step: `-m pip ...` is recorded (one line of arguments each) and answers as
+# FAKE_PIP says (`cpu-wheel`: pip's sources hold torch's CPU wheel, so a dry run reports 2.13.0+cpu); anything else
+# runs this interpreter, with a `torch` module that fails to import unless FAKE_TORCH=1.
+FAKE_PYTHON = """#!/bin/sh
+if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then
+  shift 2
+  echo "$*" >> "$FAKE_PIP_LOG"
+  case " $* " in
+    *" --dry-run "*) [ "$FAKE_PIP" = cpu-wheel ] && printf '{"install": [{"metadata": {"name": "torch", "version": "2.13.0+cpu"}}]}\\n';;
+  esac
+  exit 0
+fi
+[ "$FAKE_TORCH" = 1 ] || export PYTHONPATH="$(dirname "$0")/no_torch"
+exec REAL_PYTHON "$@"
+"""
+
+
+@pytest.fixture()
+def fake_venv(tmp_path: Path) -> Path:
+    venv = tmp_path / "venv"
+    (venv / "bin" / "no_torch").mkdir(parents=True)
+    (venv / "bin" / "no_torch" / "torch.py").write_text("raise ImportError('no torch here')\n")
+    python = venv / "bin" / "python"
+    python.write_text(FAKE_PYTHON.replace("REAL_PYTHON", sys.executable))
+    python.chmod(0o755)
+    return venv
+
+
+class AnIndex(http.server.BaseHTTPRequestHandler):
+    """PyTorch's CPU index as the probe sees it: a page for every path."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"<html></html>")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def torch_step(makefile: Path, venv: Path, index: str, **fake: str) -> tuple[subprocess.CompletedProcess, list[str], float]:
+    """``make torch`` into ``venv`` with the CPU index at ``index``: its result, the pip calls and its seconds."""
+    log = venv / "pip.log"
+    log.unlink(missing_ok=True)
+    start = time.perf_counter()
+    ran = subprocess.run(["make", "torch", f"VENV={venv}", f"TORCH_INDEX={index}"], cwd=makefile, text=True,
+                         capture_output=True, timeout=120, env={**os.environ, "FAKE_PIP_LOG": str(log), **fake})
+    calls = log.read_text().splitlines() if log.exists() else []
+    return ran, calls, time.perf_counter() - start
+
+
+def test_the_torch_step_fails_fast_without_the_cpu_index_and_uses_pips_own_cpu_wheel(makefile: Path,
+                                                                                     fake_venv: Path) -> None:
+    dry_run = "install -q --dry-run --no-deps --ignore-installed --retries 0 --timeout 5 --report - torch==2.13.0"
+    closed = "http://127.0.0.1:9/whl/cpu"  # the discard port: nothing listens, the connection is refused at once
+    # torch importable: no pip at all, one line
+    ran, calls, _ = torch_step(makefile, fake_venv, closed, FAKE_TORCH="1")
+    assert ran.returncode == 0 and calls == []
+    assert f"make: torch is in {fake_venv} already: not installing it" in ran.stdout
+    # no torch, pip's sources hold no CPU wheel, the index does not answer: one line, exit 1, in seconds
+    ran, calls, seconds = torch_step(makefile, fake_venv, closed)
+    assert ran.returncode != 0 and calls == [dry_run] and seconds < 30
+    assert (f"make: no torch in {fake_venv}, and {closed} does not answer: install torch first "
+            f"({fake_venv}/bin/python -m pip install torch==2.13.0 from a wheel or an index you can reach), "
+            "then run make again") in ran.stdout.splitlines()
+    # pip's sources (find-links, a local index) hold the CPU wheel: a plain install, the index never asked
+    ran, calls, _ = torch_step(makefile, fake_venv, closed, FAKE_PIP="cpu-wheel")
+    assert ran.returncode == 0 and calls == [dry_run, "install -q torch==2.13.0"]
+    assert "installing the CPU build of torch==2.13.0 that pip's own sources hold" in ran.stdout
+    # the index answers: the install from it
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), AnIndex)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        index = f"http://127.0.0.1:{server.server_port}/whl/cpu"
+        ran, calls, _ = torch_step(makefile, fake_venv, index)
+    finally:
+        server.shutdown()
+    assert ran.returncode == 0 and calls == [dry_run, f"install -q --index-url {index} torch==2.13.0"]
+    assert f"installing the CPU build of torch==2.13.0 from {index} (about 650 MB installed)" in ran.stdout
