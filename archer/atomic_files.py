@@ -7,6 +7,10 @@ open() (0666 less the umask), like every other file of a run, not mkstemp's priv
 (built whole, then renamed into place) those of a folder made with mkdir (0777 less the umask), not mkdtemp's
 0700. ``replace_dir`` puts a staged folder in place of an old one in one step (Linux's renameat2 exchange), so
 a reader sees the whole old folder or the whole new one.
+
+``recorded_path`` is how a run's JSON files (summary.json, results.json) name a local path: absolute
+(``os.path.abspath``: from the directory archer was started in, symlinks kept as given), so that the file reads the
+same from anywhere; a name that is no local path (a Hugging Face hub id, ``hdfs://...``) stays as given.
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 TMP_PREFIX = ".tmp-"
+
+
+def recorded_path(path: str | os.PathLike[str]) -> str:
+    """``path`` as a run's JSON records it: absolute when it exists here, else as given."""
+    return os.path.abspath(path) if os.path.exists(path) else str(path)
 
 
 def _read_umask() -> int:

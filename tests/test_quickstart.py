@@ -272,3 +272,33 @@ def test_quickstart_help_names_the_folder_it_makes(capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit):
         cli.main(["quickstart", "--help"])
     assert "(default runs/quickstart/<date>-<time>, a new one each run)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_quickstart_started_with_relative_paths_records_absolute_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, task_files: dict[str, Path], micro_model: Path) -> None:
+    def warm_start(run: Path, seed: int, console, sft_extra=(), recipe: Recipe = RECIPES["arithmetic"]
+                   ) -> tuple[dict[str, Path], Path]:
+        (run / "data").mkdir(parents=True)
+        files = {split: Path(shutil.copy(task_files[split], run / "data" / f"{split}.parquet")) for split in ("train", "val")}
+        return files, Path(shutil.copytree(micro_model, run / "sft" / "hf_model"))
+
+    monkeypatch.setattr(quickstart, "warm_start", warm_start)
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")  # started here, with paths relative to it
+    summary = run_quickstart([*MICRO_RL, "trainer.entropy_trace.enable=true",
+                              "trainer.default_local_dir=../elsewhere/rl"], out_dir="../qs")
+    out, rl = tmp_path / "qs", tmp_path / "elsewhere" / "rl"
+    monkeypatch.chdir(tmp_path)  # read from another directory
+    recorded = json.loads((out / "summary.json").read_text())
+    assert recorded == summary
+    assert recorded["run_dir"] == str(out) and recorded["rl_run_dir"] == str(rl)
+    assert recorded["model_path"] == str(rl / "checkpoints" / "global_step_1" / "actor")
+    assert recorded["sft_model_path"] == str(out / "sft" / "hf_model")
+    assert recorded["train_files"] == [str(out / "data" / "train.parquet")]
+    assert recorded["val_files"] == [str(out / "data" / "val.parquet")]
+    assert recorded["val_benchmark"] == str(out / "data" / "val_benchmark.yaml")
+    assert recorded["entropy_trace"] == str(rl / "entropy_trace") and recorded["influence_trace"] is None
+    rl_summary = json.loads((rl / "summary.json").read_text())  # the RL run's own summary, written by archer train
+    assert rl_summary["run_dir"] == str(rl) and rl_summary["model_path"] == str(out / "sft" / "hf_model")
+    assert rl_summary["latest_checkpoint"] == recorded["model_path"]
+    assert rl_summary["train_files"] == recorded["train_files"] and rl_summary["val_files"] == recorded["val_files"]

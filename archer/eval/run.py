@@ -27,7 +27,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from archer.atomic_files import write_json_atomically, write_text_atomically
+from archer.atomic_files import recorded_path, write_json_atomically, write_text_atomically
 from archer.config.loader import load_config
 from archer.data.rl_dataset import RLDataset
 from archer.errors import ArcherError
@@ -305,7 +305,7 @@ class EvalRun:
                                "data_source": s.data_source, "answer_type": s.answer_type, "spec": s.origin,
                                **({"judge_ungraded": self.ungraded.get(s.name, 0)} if s.name in self.judged else {})}
                       for s in self.specs}
-        results = {"model": str(self.model), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        results = {"model": recorded_path(self.model), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    "n": self.n, "k": self.ks, "benchmarks": benchmarks, "metrics": metrics,
                    "config": OmegaConf.to_container(self.cfg, resolve=True)}
         write_json_atomically(self.out / "results.json", results)

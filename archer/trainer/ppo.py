@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from archer.algorithms.advantages import compute_advantage
 from archer.algorithms.grouping import count_groups
 from archer.algorithms.kl import apply_kl_penalty, make_kl_controller
-from archer.atomic_files import write_json_atomically, write_text_atomically
+from archer.atomic_files import recorded_path, write_json_atomically, write_text_atomically
 from archer.batch import Batch
 from archer.config.loader import as_list, save_config
 from archer.config.world import world_size
@@ -589,16 +589,16 @@ class PPOTrainer:
             "steps": self.global_step,
             "updated_steps": self.updates.updated_steps,  # steps that trained on at least one prompt group
             "wall_time_s": self.clock.seconds(),
-            "model_path": self.model_path,
-            "train_files": as_list(self.cfg.data.train_files),
-            "val_files": as_list(self.cfg.data.val_files),
+            "model_path": recorded_path(self.model_path),
+            "train_files": [recorded_path(f) for f in as_list(self.cfg.data.train_files)],
+            "val_files": [recorded_path(f) for f in as_list(self.cfg.data.val_files)],
             "val_before": self.val_before,
             "val_after": self.val_last,
-            "run_dir": str(self.run_dir),
+            "run_dir": recorded_path(self.run_dir),
         }
         latest = self.checkpoints.latest_step()
         if latest is not None:
-            summary["latest_checkpoint"] = str(self.checkpoints.load_dir(latest) / CHECKPOINT_ACTOR)
+            summary["latest_checkpoint"] = recorded_path(self.checkpoints.load_dir(latest) / CHECKPOINT_ACTOR)
         if self.health is not None and self.health.stop is not None:
             summary["stopped_by_health"] = self.health.stop.to_json()
         write_json_atomically(self.run_dir / SUMMARY_FILE, summary)

@@ -23,6 +23,7 @@ is refused and changes nothing, a finished one prints its results again, an inte
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import time
 from collections.abc import Sequence
@@ -228,9 +229,9 @@ def rl_outputs(cfg: DictConfig) -> dict[str, str | None]:
     """Where the RL stage of ``cfg`` writes: its run directory and each trace folder (None when it is off)."""
     run_dir = Path(cfg.trainer.default_local_dir)
     traces: dict[str, str | None] = {
-        kind: str(trace_dir(cfg.trainer[kind], run_dir, kind)) if cfg.trainer[kind].enable else None
+        kind: os.path.abspath(trace_dir(cfg.trainer[kind], run_dir, kind)) if cfg.trainer[kind].enable else None
         for kind in ("entropy_trace", "influence_trace")}
-    return {"rl_run_dir": str(run_dir), **traces}
+    return {"rl_run_dir": os.path.abspath(run_dir), **traces}
 
 
 def repeat_command(rl_args: Sequence[str], rl_run_dir: Path) -> str:
@@ -284,7 +285,8 @@ def run_quickstart(args: Sequence[str] = (), out_dir: str | None = None) -> dict
     seed, recipe, rl_extra = parse_quickstart_args(args)
     console = Console()
     start = time.perf_counter()
-    run = Path(out_dir) if out_dir else Path("runs") / "quickstart" / time.strftime("%Y%m%d-%H%M%S")
+    # absolute, so that summary.json and the printed commands name the same files from any directory
+    run = Path(os.path.abspath(out_dir if out_dir else Path("runs") / "quickstart" / time.strftime("%Y%m%d-%H%M%S")))
 
     algorithm_name = chosen_preset(rl_extra) or "grpo"
     data_dir = run / "data"

@@ -33,7 +33,7 @@ from transformers import (
     set_seed,
 )
 
-from archer.atomic_files import write_json_atomically
+from archer.atomic_files import recorded_path, write_json_atomically
 from archer.batch import Batch
 from archer.config.loader import as_list, save_config
 from archer.data.loader import PromptLoader
@@ -307,7 +307,7 @@ def _write_summary(run_dir: Path, last: dict[str, float], steps: int, wall_time_
         "final_val_token_acc": last.get("val/token_acc"),
         "steps": steps,
         "wall_time_s": round(wall_time_s, 3),
-        "model_path": str(model_dir),
+        "model_path": recorded_path(model_dir),
         **_token_slot_totals(run_dir / METRICS_FILE),
     }
     write_json_atomically(run_dir / SUMMARY_FILE, summary)
