@@ -299,7 +299,8 @@ def _add_data(sub: Subcommands) -> None:
 
 def _add_quickstart(sub: Subcommands) -> None:
     p = sub.add_parser("quickstart", help="tiny model, SFT warm start, GRPO, before/after accuracy (CPU, minutes)")
-    p.add_argument("--out", default=None, help="run directory (default runs/quickstart/<date>-<time>, a new one each run)")
+    p.add_argument("--out", default=None, help="run directory (default: the latest unfinished runs/quickstart/<date>-<time>, continued, "
+                   "else a new one)")
     p.add_argument("overrides", nargs="*", help="e.g. seed=3, task=tool_arithmetic, or trainer keys for the RL stage")
     p.set_defaults(func=_quickstart)
 

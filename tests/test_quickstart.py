@@ -10,8 +10,10 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -271,7 +273,7 @@ def test_a_quickstart_rerun_into_its_folder_changes_nothing_and_other_settings_a
 def test_quickstart_help_names_the_folder_it_makes(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         cli.main(["quickstart", "--help"])
-    assert "(default runs/quickstart/<date>-<time>, a new one each run)" in " ".join(capsys.readouterr().out.split())
+    assert "(default: the latest unfinished runs/quickstart/<date>-<time>, continued, else a new one)" in " ".join(capsys.readouterr().out.split())
 
 
 def test_a_quickstart_started_with_relative_paths_records_absolute_ones(
@@ -302,3 +304,68 @@ def test_a_quickstart_started_with_relative_paths_records_absolute_ones(
     assert rl_summary["run_dir"] == str(rl) and rl_summary["model_path"] == str(out / "sft" / "hf_model")
     assert rl_summary["latest_checkpoint"] == recorded["model_path"]
     assert rl_summary["train_files"] == recorded["train_files"] and rl_summary["val_files"] == recorded["val_files"]
+
+
+def test_without_out_a_quickstart_continues_the_newest_unfinished_folder(tmp_path: Path) -> None:
+    root = tmp_path / "runs" / "quickstart"
+    assert quickstart.default_run_folder(root).parent == root  # no folder yet: a new one
+    for name in ("20261201-100000", "20261203-100000", "notes"):
+        (root / name).mkdir(parents=True)
+    assert quickstart.default_run_folder(root) == root / "20261203-100000"  # the newest, unfinished
+    (root / "20261203-100000" / "summary.json").write_text("{}")
+    new = quickstart.default_run_folder(root)  # the newest has finished: a new one, never an older one
+    assert quickstart.RUN_NAME.fullmatch(new.name) and not new.exists() and new.parent == root
+    assert quickstart.resume_command(Path("/r un"), ["seed=2"]) == "archer quickstart --out '/r un' seed=2"
+
+
+# A quickstart whose steps 1-3 are the conftest's task files and micro model (argv: train, val, model, overrides).
+INTERRUPTIBLE = """import shutil, sys
+from pathlib import Path
+from archer import cli
+from archer.trainer import quickstart
+train, val, model, *overrides = sys.argv[1:]
+def warm_start(run, seed, console, sft_extra=(), recipe=None):
+    (run / "data").mkdir(parents=True, exist_ok=True)
+    files = {"train": Path(shutil.copy(train, run / "data" / "train.parquet")),
+             "val": Path(shutil.copy(val, run / "data" / "val.parquet"))}
+    hf = run / "sft" / "hf_model"
+    return files, hf if hf.is_dir() else Path(shutil.copytree(model, hf))
+quickstart.warm_start = warm_start
+sys.exit(cli.main(["quickstart", *overrides]))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_an_interrupted_quickstart_prints_its_command_and_a_rerun_without_out_continues_it(
+        tmp_path: Path, task_files: dict[str, Path], micro_model: Path) -> None:
+    script = tmp_path / "qs.py"
+    script.write_text(INTERRUPTIBLE)
+    overrides = [*(o for o in MICRO_RL if not o.startswith("trainer.total_training_steps=")),
+                 "trainer.total_training_steps=30", "trainer.save_freq=1", "trainer.test_freq=-1"]
+    argv = [sys.executable, str(script), str(task_files["train"]), str(task_files["val"]), str(micro_model), *overrides]
+    env = {**ONE_THREAD, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    root = tmp_path / "runs" / "quickstart"
+    deadline = time.monotonic() + 300
+    while not list(root.glob("*/rl/checkpoints/global_step_1")) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    [run] = list(root.iterdir())
+    command = f"archer quickstart --out {run} {' '.join(overrides)}"
+    assert (f"the quickstart in {run} stopped; continue it with: {command} (or the same command without --out)"
+            in err.splitlines()), err[-3000:]
+    saved = max(int(p.name.rsplit("_", 1)[1]) for p in (run / "rl" / "checkpoints").glob("global_step_*"))
+    assert saved < 30
+    # the same command again, without --out: the same folder, from its last checkpoint
+    again = subprocess.run(argv[:5] + [*overrides[:-3], "trainer.total_training_steps=" + str(saved + 2),
+                                       *overrides[-2:]], cwd=tmp_path, env=env, text=True, capture_output=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"continuing the unfinished quickstart in {run} (--out DIR starts another)" in again.stdout
+    assert list(root.iterdir()) == [run]
+    steps = [json.loads(line)["step"] for line in (run / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, *range(1, saved + 3)]  # validation at 0, every step once
+    assert json.loads((run / "summary.json").read_text())["steps"] == saved + 2

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -53,6 +55,9 @@ N_TRAIN, N_VAL, N_SFT = 1000, 200, 1500
 # weights: the number changes nothing the quickstart computes.
 MODEL_POSITIONS = 4096
 VAL_KEY = "val-core/archer/arithmetic/acc/mean@1"
+# where a quickstart without --out runs: a <date>-<time> folder of its own
+DEFAULT_ROOT = Path("runs") / "quickstart"
+RUN_NAME = re.compile(r"\d{8}-\d{6}")
 
 SFT_OVERRIDES = [
     "data.train_batch_size=32",
@@ -279,6 +284,20 @@ def print_results(console: Console, summary: dict[str, Any], algorithm: str, rl_
         print(f"  archer viz --trace-dir {shlex.quote(trace)}")
 
 
+def default_run_folder(root: Path) -> Path:
+    """The folder of a quickstart without ``--out``: the newest unfinished one under ``root`` (a
+    ``<date>-<time>`` folder without summary.json, which the quickstart writes last), else a new one."""
+    started = sorted(p for p in root.glob("*") if p.is_dir() and RUN_NAME.fullmatch(p.name)) if root.is_dir() else []
+    if started and not (started[-1] / SUMMARY_FILE).is_file():
+        return started[-1]
+    return root / time.strftime("%Y%m%d-%H%M%S")
+
+
+def resume_command(run: Path, args: Sequence[str]) -> str:
+    """The ``archer quickstart`` command that continues the quickstart in ``run``."""
+    return "archer quickstart " + " ".join(shlex.quote(a) for a in ["--out", str(run), *args])
+
+
 def run_quickstart(args: Sequence[str] = (), out_dir: str | None = None) -> dict[str, Any]:
     """The whole pipeline into ``out_dir``; the RL stage's run directory is ``<out_dir>/rl`` unless the
     overrides set trainer.default_local_dir, and the summary and printed commands follow it either way."""
@@ -286,7 +305,9 @@ def run_quickstart(args: Sequence[str] = (), out_dir: str | None = None) -> dict
     console = Console()
     start = time.perf_counter()
     # absolute, so that summary.json and the printed commands name the same files from any directory
-    run = Path(os.path.abspath(out_dir if out_dir else Path("runs") / "quickstart" / time.strftime("%Y%m%d-%H%M%S")))
+    run = Path(os.path.abspath(out_dir)) if out_dir else default_run_folder(Path(os.path.abspath(DEFAULT_ROOT)))
+    if out_dir is None and run.exists():
+        print(f"continuing the unfinished quickstart in {run} (--out DIR starts another)")
 
     algorithm_name = chosen_preset(rl_extra) or "grpo"
     data_dir = run / "data"
@@ -307,8 +328,9 @@ def run_quickstart(args: Sequence[str] = (), out_dir: str | None = None) -> dict
         RunFolder(sft_cfg, "sft_trainer").check_experiment()
         rl_folder.check_experiment()
     except ArcherError as err:
-        raise ArcherError(err.problem, f"give this quickstart another --out DIR (without --out, each run makes a new "
-                                       f"folder), or the settings of the run in {run} to continue it") from None
+        raise ArcherError(err.problem, f"give this quickstart another --out DIR (without --out, a run continues the "
+                                       f"latest unfinished one), or the settings of the run in {run} to continue it"
+                          ) from None
     steps = rl_cfg.trainer.total_training_steps
     if (run / SUMMARY_FILE).is_file() and steps is not None and rl_folder.finished_summary(int(steps)) is not None:
         summary = json.loads((run / SUMMARY_FILE).read_text(encoding="utf-8"))
@@ -317,13 +339,18 @@ def run_quickstart(args: Sequence[str] = (), out_dir: str | None = None) -> dict
         return summary
     run.mkdir(parents=True, exist_ok=True)
 
-    files, sft_model = warm_start(run, seed, console, recipe=recipe)
-    benchmark = write_val_benchmark(run, recipe.task)
+    try:
+        files, sft_model = warm_start(run, seed, console, recipe=recipe)
+        benchmark = write_val_benchmark(run, recipe.task)
 
-    console.rule(f"[bold]4/4 RL ({algorithm_name})")
-    final_args = rl_args(sft_model)
-    rl_cfg = load_config("ppo_trainer", final_args)
-    rl_summary = PPOTrainer(rl_cfg).fit()
+        console.rule(f"[bold]4/4 RL ({algorithm_name})")
+        final_args = rl_args(sft_model)
+        rl_cfg = load_config("ppo_trainer", final_args)
+        rl_summary = PPOTrainer(rl_cfg).fit()
+    except KeyboardInterrupt:
+        again = " (or the same command without --out)" if out_dir is None else ""
+        print(f"the quickstart in {run} stopped; continue it with: {resume_command(run, args)}{again}", file=sys.stderr)
+        raise
 
     reported = {}
     for name, key in recipe.reported.items():
