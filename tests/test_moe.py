@@ -1,0 +1,104 @@
+"""MoE (Qwen3-MoE, OLMoE): archer's grouped expert kernel against a hand loop and transformers' own modules, and the
+fast engine on small random MoE models against the HF engine and the training log-prob pass (CPU, float32)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_rollout_fast_engine import TEXTS, _training_pass
+from transformers import OlmoeConfig, OlmoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from archer.models.moe import grouped_experts, route, use_grouped_experts
+from archer.rollout.base import SamplingParams
+from archer.rollout.fast import FastEngine
+from archer.rollout.fast.model import model_spec, weight_bytes
+from archer.rollout.hf_engine import HFGenerateEngine
+
+
+def _hand_moe(x, ids, weights, gate_up, down):
+    out = torch.zeros_like(x)
+    for n in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            gate, up = (gate_up[ids[n, j]] @ x[n]).chunk(2)
+            out[n] += weights[n, j] * (down[ids[n, j]] @ (F.silu(gate) * up))
+    return out
+
+
+@pytest.mark.parametrize("inter", [8, 6], ids=["grouped_mm", "bmm-fallback"])  # 6 floats: strides not 16-byte
+def test_grouped_experts_equal_a_hand_loop(inter):
+    torch.manual_seed(0)
+    x = torch.randn(9, 16, requires_grad=True)
+    gate_up, down = torch.randn(4, 2 * inter, 16, requires_grad=True), torch.randn(4, 16, inter, requires_grad=True)
+    logits = torch.randn(9, 4)
+    logits[:, 3] = -30  # expert 3 gets no token: an empty group
+    weights, ids = route(logits, 2, normalise=True)
+    assert torch.allclose(weights.sum(-1), torch.ones(9)) and not bool((ids == 3).any())
+    got = grouped_experts(x, ids, weights, gate_up, down)
+    want = _hand_moe(x, ids, weights, gate_up, down)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    grads = torch.autograd.grad(got.square().sum(), (x, gate_up, down))
+    for g, w in zip(grads, torch.autograd.grad(want.square().sum(), (x, gate_up, down)), strict=True):
+        torch.testing.assert_close(g, w, atol=1e-3, rtol=1e-4)
+
+
+def test_route_follows_norm_topk_prob():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    weights, ids = route(logits, 2, normalise=False)
+    assert ids.tolist() == [[0, 1]] and torch.allclose(weights, torch.tensor([[0.5, 0.3]]))
+    weights, _ = route(logits, 2, normalise=True)
+    assert torch.allclose(weights, torch.tensor([[0.625, 0.375]]))
+
+
+def _qwen3_moe(vocab: int):
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                            max_position_embeddings=128, tie_word_embeddings=False)
+    return Qwen3MoeForCausalLM(config).eval()
+
+
+def _olmoe(vocab: int):
+    torch.manual_seed(0)
+    config = OlmoeConfig(vocab_size=vocab, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=3,
+                         clip_qkv=2.0, max_position_embeddings=128, pad_token_id=0, eos_token_id=1)
+    return OlmoeForCausalLM(config).eval()
+
+
+BUILDS = pytest.mark.parametrize("build", [_qwen3_moe, _olmoe], ids=["qwen3_moe", "olmoe"])
+
+
+@BUILDS
+def test_trainer_experts_match_transformers(build):
+    reference = build(64)
+    model = copy.deepcopy(reference)
+    assert use_grouped_experts(model) == sum(hasattr(layer.mlp, "experts") for layer in model.model.layers)
+    ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=1e-5, rtol=0)
+    model(ids).logits.square().mean().backward()
+    reference(ids).logits.square().mean().backward()
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    got, want = dict(model.named_parameters())[name].grad, dict(reference.named_parameters())[name].grad
+    assert want.abs().sum() > 0
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+
+
+@BUILDS
+def test_fast_engine_runs_moe_like_transformers(parts, build):
+    tokenizer = parts[1]
+    model = build(len(tokenizer))
+    spec = model_spec(model)
+    sparse = (True, False, True) if build is _qwen3_moe else (True, True)  # Qwen3-MoE's mlp_only_layers=[1]
+    assert spec.experts == 8 and spec.sparse_layers == sparse
+    assert weight_bytes(spec, torch.float32) == sum(p.numel() for p in model.parameters()) * 4
+    prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
+    params = SamplingParams(n=2, do_sample=False, max_new_tokens=10)
+    fast = FastEngine(model, tokenizer, max_num_seqs=4, page_size=16).generate(prompts, params)
+    assert torch.equal(fast.responses, HFGenerateEngine(model, tokenizer).generate(prompts, params).responses)
+    logp, entropy = _training_pass(model, tokenizer, prompts, fast, 1.0)
+    torch.testing.assert_close(fast.log_probs, logp, atol=1e-4, rtol=0)
+    torch.testing.assert_close(fast.entropies, entropy, atol=1e-4, rtol=0)
