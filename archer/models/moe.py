@@ -94,3 +94,16 @@ def use_grouped_experts(model: nn.Module) -> int:
             module.forward = types.MethodType(_experts_forward, module)
             count += 1
     return count
+
+
+def token_intermediate(config) -> int:
+    """The MLP width one token's activations span (the memory plan's ``intermediate``): a dense model's
+    ``intermediate_size``; an MoE's ``num_experts_per_tok`` experts of ``moe_intermediate_size`` (Qwen3-MoE) or
+    ``intermediate_size`` (OLMoE) each, or Qwen3-MoE's dense ``intermediate_size`` where that is wider (a bound:
+    its config carries one whether or not a layer is dense)."""
+    dense = int(config.intermediate_size)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if not top_k:
+        return dense
+    expert = getattr(config, "moe_intermediate_size", None)
+    return max(int(top_k) * int(expert or dense), dense if expert else 0)
