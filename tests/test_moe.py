@@ -105,35 +105,54 @@ def test_fast_engine_runs_moe_like_transformers(parts, build):
     torch.testing.assert_close(fast.entropies, entropy, atol=1e-4, rtol=0)
 
 
-@BUILDS
-def test_grpo_trains_a_moe_model_through_the_fast_engine(build, micro_model, task_files, tmp_path):
-    """Two GRPO steps (full fine-tuning, the fast engine on the CPU): the update moves the weights, the engine's
-    log-probs of its own samples agree with the trainer's old log-probs (same weights, same expert kernel)."""
+def _moe_run(build, micro_model, task_files, tmp_path, *extra: str, **config_changes):
     from test_lora import DIGIT_REWARD
 
     from archer.config.loader import load_config
     from archer.models.loading import load_tokenizer, save_hf
-    from archer.trainer.ppo import PPOTrainer
 
     tokenizer = load_tokenizer(micro_model)
-    folder = save_hf(build(len(tokenizer)), tokenizer, tmp_path / "moe_model")
+    model = build(len(tokenizer))
+    for key, value in config_changes.items():
+        setattr(model.config, key, value)
+    folder = save_hf(model, tokenizer, tmp_path / "moe_model")
     reward = tmp_path / "digit_reward.py"
     reward.write_text(DIGIT_REWARD)
     run = tmp_path / "run"
-    cfg = load_config("ppo_trainer", [
+    return run, load_config("ppo_trainer", [
         f"actor_rollout_ref.model.path={folder}", f"custom_reward_function.path={reward}",
         f"data.train_files={task_files['train']}", "data.max_prompt_length=32", "data.max_response_length=8",
         "trainer.device=cpu", f"trainer.default_local_dir={run}", "algorithm.adv_estimator=grpo",
         "actor_rollout_ref.rollout.name=fast", "actor_rollout_ref.rollout.n=4", "data.train_batch_size=2",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.optim.lr=1e-3",
         "trainer.total_training_steps=2", "trainer.save_freq=-1", "trainer.logger=[jsonl]", "trainer.plots=false",
-        "trainer.val_before_train=false"])
+        "trainer.val_before_train=false", *extra])
+
+
+@pytest.mark.parametrize("build, lora", [(_qwen3_moe, False), (_olmoe, False), (_olmoe, True)],
+                         ids=["qwen3_moe", "olmoe", "olmoe-lora"])
+def test_grpo_trains_a_moe_model_through_the_fast_engine(build, lora, micro_model, task_files, tmp_path):
+    """Two GRPO steps (the fast engine on the CPU; full fine-tuning, or LoRA on the attention projections): the
+    update moves the weights, the engine's log-probs of its own samples agree with the trainer's old log-probs
+    (same weights, same expert kernel), also at step 2, after the engine synced the updated (merged) weights."""
+    from archer.trainer.ppo import PPOTrainer
+
+    extra = ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8") if lora else ()
+    run, cfg = _moe_run(build, micro_model, task_files, tmp_path, *extra)
     PPOTrainer(cfg).fit()
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["actor/grad_norm"] > 0 for m in metrics)
-    # step 2 samples from the engine synced after step 1's update
     assert all(m["rollout_corr/log_ppl_abs_diff"] < 1e-4 for m in metrics)
+
+
+def test_a_model_asking_for_the_router_loss_is_refused(micro_model, task_files, tmp_path):
+    from archer.errors import ArcherError
+    from archer.trainer.ppo import PPOTrainer
+
+    _, cfg = _moe_run(_olmoe, micro_model, task_files, tmp_path, output_router_logits=True)
+    with pytest.raises(ArcherError, match="router's auxiliary loss"):
+        PPOTrainer(cfg).fit()
 
 
 def test_memory_plan_counts_the_routed_experts_width():

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from archer.errors import ArcherError
+
 _ALIGN = 16  # bytes: grouped_mm's stride alignment
 _SILU = ("SiLU", "SiLUActivation")  # torch's and transformers' SiLU modules
 
@@ -107,3 +109,15 @@ def token_intermediate(config) -> int:
         return dense
     expert = getattr(config, "moe_intermediate_size", None)
     return max(int(top_k) * int(expert or dense), dense if expert else 0)
+
+
+def refuse_router_loss(config, path: str) -> None:
+    """An ArcherError for a model whose config asks for the router's auxiliary loss (``output_router_logits`` with
+    a non-zero ``router_aux_loss_coef``): the policy update does not add it, and says so rather than train
+    without it."""
+    if getattr(config, "output_router_logits", False) and float(getattr(config, "router_aux_loss_coef", 0) or 0):
+        raise ArcherError(
+            f"the model {path} asks for the router's auxiliary loss (output_router_logits=true, "
+            f"router_aux_loss_coef={config.router_aux_loss_coef}), which archer's policy update does not add",
+            "set output_router_logits to false in the model's config.json (RL updates usually leave the router's "
+            "balance loss off), or train it with another framework")

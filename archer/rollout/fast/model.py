@@ -66,6 +66,13 @@ def _unsupported(what: str) -> ArcherError:
     return ArcherError(f"the fast rollout engine does not support {what}", _FALLBACK)
 
 
+def _unwrapped(module: nn.Module | None) -> nn.Module:
+    """The module under peft's LoRA wrappers (a ParamWrapper around an MoE's router or experts), or an empty one."""
+    while module is not None and hasattr(module, "get_base_layer"):
+        module = module.get_base_layer()
+    return nn.Module() if module is None else module
+
+
 def model_spec(model: nn.Module) -> ModelSpec:
     """The spec of a Hugging Face causal LM, or an ArcherError naming what the fast engine cannot run."""
     config = getattr(model, "config", None)
@@ -98,14 +105,15 @@ def model_spec(model: nn.Module) -> ModelSpec:
     if getattr(head, "bias", None) is not None:
         raise _unsupported("an LM head with a bias")
     full_qk_norm = model_type == "olmoe"
-    sparse = tuple(is_fused_experts(getattr(getattr(layer, "mlp", None), "experts", None) or nn.Module())
+    sparse = tuple(is_fused_experts(_unwrapped(getattr(getattr(layer, "mlp", None), "experts", None)))
                    for layer in backbone.layers)
     moe = {}
     if any(sparse):
         block = next(layer.mlp for layer, on in zip(backbone.layers, sparse, strict=True) if on)
-        moe = {"experts": block.experts.gate_up_proj.shape[0], "top_k": int(block.gate.top_k),
-               "expert_intermediate": block.experts.down_proj.shape[2],
-               "norm_topk_prob": bool(block.gate.norm_topk_prob), "sparse_layers": sparse}
+        experts, router = _unwrapped(block.experts), _unwrapped(block.gate)
+        moe = {"experts": experts.gate_up_proj.shape[0], "top_k": int(router.top_k),
+               "expert_intermediate": experts.down_proj.shape[2],
+               "norm_topk_prob": bool(router.norm_topk_prob), "sparse_layers": sparse}
     return ModelSpec(
         model_type=model_type, layers=config.num_hidden_layers, hidden=config.hidden_size, heads=heads,
         kv_heads=kv_heads, head_dim=head_dim, intermediate=config.intermediate_size, vocab=embed.weight.shape[0],
