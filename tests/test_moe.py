@@ -163,3 +163,21 @@ def test_memory_plan_counts_the_routed_experts_width():
     assert (token_intermediate(qwen), token_intermediate(olmoe)) == (96, 48)
     assert token_intermediate(Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16,
                                              num_experts_per_tok=2)) == 64
+
+
+def test_bench_moe_smoke_runs_on_a_tiny_shape(tmp_path, monkeypatch):
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    sys.modules.pop("moe", None)
+    import moe as bench_moe
+
+    out = tmp_path / "moe.json"
+    record = bench_moe.main(["--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+                             "--experts", "4", "--top-k", "2", "--expert-intermediate", "32", "--vocab", "256",
+                             "--prompts", "2", "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1",
+                             "--json", str(out)])
+    assert json.loads(out.read_text()) == record and record["device"] == "cpu"
+    assert all(record[k] > 0 for k in ("decode_tok_s/fast", "decode_tok_s/hf", "update_s/grouped",
+                                       "update_s/transformers"))
