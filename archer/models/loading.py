@@ -23,6 +23,7 @@ from transformers import (
 )
 
 from archer.errors import ArcherError
+from archer.models.moe import use_grouped_experts
 from archer.models.packed_attention import use_packed_attention
 
 TOKENIZER_FILES = (
@@ -234,6 +235,7 @@ def set_gradient_checkpointing(model: PreTrainedModel, on: bool) -> None:
 
 def _prepare(model: PreTrainedModel, device: torch.device, gradient_checkpointing: bool) -> PreTrainedModel:
     use_packed_attention(model)  # SDPA as before, and packed rows kept apart (models/packed_attention.py)
+    use_grouped_experts(model)  # MoE experts as grouped matmuls, not transformers' per-expert loop (models/moe.py)
     if gradient_checkpointing:
         set_gradient_checkpointing(model, True)
     return model if next(model.parameters()).is_meta else model.to(device)

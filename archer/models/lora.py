@@ -203,6 +203,10 @@ def _stream_parameters(root: nn.Module) -> Iterator[tuple[str, nn.Parameter, Lor
             yield name, param, None
     for name, layer in layers.items():
         base = layer.get_base_layer()
+        parameter = getattr(layer, "parameter_name", None)
+        if parameter is not None:  # peft's ParamWrapper: LoRA on a bare parameter (an MoE's router, fused experts)
+            yield f"{name.replace('.base_layer', '')}.{parameter}", getattr(base, parameter), layer
+            continue
         yield f"{name}.weight", base.weight, layer
         if getattr(base, "bias", None) is not None:
             yield f"{name}.bias", base.bias, None

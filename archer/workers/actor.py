@@ -44,10 +44,11 @@ from archer.models.checkpointed_layers import KEY as CHECKPOINT_KEY
 from archer.models.checkpointed_layers import checkpoint_first_layers, requested_checkpointed_layers
 from archer.models.compiled_layers import ACTOR_KEY, maybe_compile_layers
 from archer.models.forward import MODEL_INPUTS, compute_log_probs
-from archer.models.loading import autocast_for, load_tokenizer, parse_dtype
+from archer.models.loading import autocast_for, load_tokenizer, parse_dtype, read_model_config
 from archer.models.logprobs import layout_logprobs
 from archer.models.lora import LoraSettings, trainable_parameters
 from archer.models.micro_batches import ACTOR_UPDATE, LOG_PROB, MicroBatching, no_grad_micro_batching
+from archer.models.moe import refuse_router_loss
 from archer.models.optim import LRSchedule
 from archer.models.owner import ModelOwner, OwnsModel
 from archer.models.packed_attention import supports_packing
@@ -133,6 +134,8 @@ class ActorWorker(OwnsModel):
         """The policy's owner: loaded (float32 master weights, or a LoRA base with float32 adapters), sharded at
         world > 1, with its optimiser, schedule and offload (actor.fsdp_config's keys)."""
         model_cfg, fsdp = self.cfg.model, self.actor_cfg.fsdp_config
+        refuse_router_loss(read_model_config(model_cfg.path, trust_remote_code=bool(model_cfg.trust_remote_code)),
+                           str(model_cfg.path))
         owner = ModelOwner.policy(model_cfg.path, device=self.device, lora=LoraSettings.from_config(model_cfg),
                                   gradient_checkpointing=bool(model_cfg.enable_gradient_checkpointing),
                                   trust_remote_code=bool(model_cfg.trust_remote_code),

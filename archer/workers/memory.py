@@ -39,6 +39,7 @@ from archer.errors import ArcherError
 from archer.models.checkpointed_layers import requested_checkpointed_layers
 from archer.models.logprobs import LOGITS_BYTES_PER_CHUNK
 from archer.models.micro_batches import ACTOR_UPDATE, configured_rows
+from archer.models.moe import token_intermediate
 from archer.models.owner import model_bytes
 from archer.units import GIB
 
@@ -242,7 +243,8 @@ def planned_no_grad_tokens(plan: MemoryPlan | None, model: torch.nn.Module) -> i
     if plan is None:
         return None
     config = model.config
-    return plan.no_grad_tokens(getattr(config, "hidden_size", None), getattr(config, "intermediate_size", None))
+    has_width = getattr(config, "intermediate_size", None) is not None
+    return plan.no_grad_tokens(getattr(config, "hidden_size", None), token_intermediate(config) if has_width else None)
 
 
 def held_elsewhere(*, total: int, free: int, reserved: int) -> int:
@@ -277,7 +279,7 @@ def plan_actor_memory(cfg: DictConfig, model: torch.nn.Module, *, total: int, fa
     rollout = cfg.rollout
     max_length = int(rollout.max_model_len or int(rollout.prompt_length) + int(rollout.response_length))
     layers = int(config.num_hidden_layers)
-    shape = {"hidden": int(config.hidden_size), "intermediate": int(config.intermediate_size), "layers": layers,
+    shape = {"hidden": int(config.hidden_size), "intermediate": token_intermediate(config), "layers": layers,
              "tokens": micro_batch_tokens(cfg, max_length)}
     requested = requested_checkpointed_layers(cfg.model, layers)
     checkpointed = layers if requested is None else requested

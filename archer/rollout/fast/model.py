@@ -1,5 +1,9 @@
 """FastModel: the fast engine's own forward of the Qwen2 family (Qwen2 / Qwen2.5 with q/k/v bias, Qwen3 with
-per-head q/k RMSNorm, LLaMA-style models: the same decoder shape), on its own weights.
+per-head q/k RMSNorm, LLaMA-style models: the same decoder shape) and of its Mixture-of-Experts kin (Qwen3-MoE:
+Qwen3's attention, sparse blocks on the layers its ``decoder_sparse_step`` / ``mlp_only_layers`` pick; OLMoE:
+q/k RMSNorm over the whole projection, ``clip_qkv``, every layer sparse), on its own weights. A sparse block
+routes and runs its experts through models/moe.py, the kernels the trainer's passes use (grouped matmuls, no
+host waits, so the decode CUDA graphs hold it as they hold a dense MLP).
 
 The weights live in tensors allocated once, with q/k/v and gate/up fused into one matrix each; ``load``
 copies a stream of the actor's named weights (plain or LoRA-merged, models/lora.py) into them in place, so
@@ -20,10 +24,11 @@ from torch import nn
 from archer.errors import ArcherError
 from archer.models.logprobs import backbone_of
 from archer.models.lora import policy_weights
+from archer.models.moe import grouped_experts, is_fused_experts, route
 from archer.rollout.base import copy_weights
 from archer.rollout.fast import ops
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "olmoe")
 _FALLBACK = "use actor_rollout_ref.rollout.name=hf (the Hugging Face engine runs any causal LM)"
 
 
@@ -44,6 +49,13 @@ class ModelSpec:
     o_bias: bool
     qk_norm: bool
     tied: bool
+    full_qk_norm: bool = False  # OLMoE: q/k RMSNorm over the whole projection, not per head
+    clip_qkv: float | None = None
+    experts: int = 0
+    top_k: int = 0
+    expert_intermediate: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[bool, ...] = ()
 
     @property
     def qkv_width(self) -> int:
@@ -52,6 +64,13 @@ class ModelSpec:
 
 def _unsupported(what: str) -> ArcherError:
     return ArcherError(f"the fast rollout engine does not support {what}", _FALLBACK)
+
+
+def _unwrapped(module: nn.Module | None) -> nn.Module:
+    """The module under peft's LoRA wrappers (a ParamWrapper around an MoE's router or experts), or an empty one."""
+    while module is not None and hasattr(module, "get_base_layer"):
+        module = module.get_base_layer()
+    return nn.Module() if module is None else module
 
 
 def model_spec(model: nn.Module) -> ModelSpec:
@@ -85,22 +104,37 @@ def model_spec(model: nn.Module) -> ModelSpec:
                                            and head.weight.data_ptr() == embed.weight.data_ptr())
     if getattr(head, "bias", None) is not None:
         raise _unsupported("an LM head with a bias")
+    full_qk_norm = model_type == "olmoe"
+    sparse = tuple(is_fused_experts(_unwrapped(getattr(getattr(layer, "mlp", None), "experts", None)))
+                   for layer in backbone.layers)
+    moe = {}
+    if any(sparse):
+        block = next(layer.mlp for layer, on in zip(backbone.layers, sparse, strict=True) if on)
+        experts, router = _unwrapped(block.experts), _unwrapped(block.gate)
+        moe = {"experts": experts.gate_up_proj.shape[0], "top_k": int(router.top_k),
+               "expert_intermediate": experts.down_proj.shape[2],
+               "norm_topk_prob": bool(router.norm_topk_prob), "sparse_layers": sparse}
     return ModelSpec(
         model_type=model_type, layers=config.num_hidden_layers, hidden=config.hidden_size, heads=heads,
         kv_heads=kv_heads, head_dim=head_dim, intermediate=config.intermediate_size, vocab=embed.weight.shape[0],
         eps=float(config.rms_norm_eps), qkv_bias=attn.q_proj.bias is not None, o_bias=attn.o_proj.bias is not None,
-        qk_norm=hasattr(attn, "q_norm"), tied=tied,
+        qk_norm=hasattr(attn, "q_norm") and not full_qk_norm, tied=tied, full_qk_norm=full_qk_norm,
+        clip_qkv=getattr(config, "clip_qkv", None), **moe,
     )
 
 
 def weight_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
     """Bytes of FastModel's weight copy of ``spec`` in ``dtype`` (embedding, LM head unless tied, norms, layers)."""
     hidden, inter = spec.hidden, spec.intermediate
-    layer = (2 * hidden + spec.qkv_width * hidden + hidden * spec.heads * spec.head_dim + 3 * inter * hidden
+    layer = (2 * hidden + spec.qkv_width * hidden + hidden * spec.heads * spec.head_dim
              + (spec.qkv_width if spec.qkv_bias else 0) + (hidden if spec.o_bias else 0)
-             + (2 * spec.head_dim if spec.qk_norm else 0))
+             + (2 * spec.head_dim if spec.qk_norm else 0)
+             + ((spec.heads + spec.kv_heads) * spec.head_dim if spec.full_qk_norm else 0))
+    sparse = sum(spec.sparse_layers)
+    dense_mlp = 3 * inter * hidden * (spec.layers - sparse)
+    sparse_mlp = sparse * spec.experts * (3 * spec.expert_intermediate * hidden + hidden)  # experts + router
     embeddings = spec.vocab * hidden * (1 if spec.tied else 2)
-    return (embeddings + hidden + spec.layers * layer) * dtype.itemsize
+    return (embeddings + hidden + spec.layers * layer + dense_mlp + sparse_mlp) * dtype.itemsize
 
 
 def check_device_support(spec: ModelSpec, device: torch.device) -> None:
@@ -114,7 +148,7 @@ def check_device_support(spec: ModelSpec, device: torch.device) -> None:
 class _Layer:
     """One decoder layer's weights (fused q/k/v and gate/up)."""
 
-    def __init__(self, spec: ModelSpec, **kw) -> None:
+    def __init__(self, spec: ModelSpec, sparse: bool, **kw) -> None:
         hidden, inter = spec.hidden, spec.intermediate
         self.ln1 = torch.empty(hidden, **kw)
         self.qkv_w = torch.empty(spec.qkv_width, hidden, **kw)
@@ -123,15 +157,25 @@ class _Layer:
         self.k_norm = torch.empty(spec.head_dim, **kw) if spec.qk_norm else None
         self.o_w = torch.empty(hidden, spec.heads * spec.head_dim, **kw)
         self.o_b = torch.empty(hidden, **kw) if spec.o_bias else None
+        q_rows, kv_rows = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+        self.q_full_norm = torch.empty(q_rows, **kw) if spec.full_qk_norm else None
+        self.k_full_norm = torch.empty(kv_rows, **kw) if spec.full_qk_norm else None
         self.ln2 = torch.empty(hidden, **kw)
-        self.gate_up_w = torch.empty(2 * inter, hidden, **kw)
-        self.down_w = torch.empty(hidden, inter, **kw)
+        self.sparse = sparse
+        if sparse:
+            experts, expert_inter = spec.experts, spec.expert_intermediate
+            self.router_w = torch.empty(experts, hidden, **kw)
+            self.gate_up_w = torch.empty(experts, 2 * expert_inter, hidden, **kw)
+            self.down_w = torch.empty(experts, hidden, expert_inter, **kw)
+        else:
+            self.gate_up_w = torch.empty(2 * inter, hidden, **kw)
+            self.down_w = torch.empty(hidden, inter, **kw)
 
     def targets(self, prefix: str, spec: ModelSpec) -> dict[str, torch.Tensor]:
         """The tensor (or fused slice) each of the layer's weights goes into, by its state-dict name."""
         q_rows, kv_rows = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
         out = {"input_layernorm.weight": self.ln1, "post_attention_layernorm.weight": self.ln2,
-               "self_attn.o_proj.weight": self.o_w, "mlp.down_proj.weight": self.down_w}
+               "self_attn.o_proj.weight": self.o_w}
         for proj, part in zip(("q", "k", "v"), self.qkv_w.split([q_rows, kv_rows, kv_rows]), strict=True):
             out[f"self_attn.{proj}_proj.weight"] = part
         if self.qkv_b is not None:
@@ -141,7 +185,14 @@ class _Layer:
             out["self_attn.q_norm.weight"], out["self_attn.k_norm.weight"] = self.q_norm, self.k_norm
         if self.o_b is not None:
             out["self_attn.o_proj.bias"] = self.o_b
-        out["mlp.gate_proj.weight"], out["mlp.up_proj.weight"] = self.gate_up_w.chunk(2)
+        if self.q_full_norm is not None:
+            out["self_attn.q_norm.weight"], out["self_attn.k_norm.weight"] = self.q_full_norm, self.k_full_norm
+        if self.sparse:
+            out["mlp.gate.weight"] = self.router_w
+            out["mlp.experts.gate_up_proj"], out["mlp.experts.down_proj"] = self.gate_up_w, self.down_w
+        else:
+            out["mlp.gate_proj.weight"], out["mlp.up_proj.weight"] = self.gate_up_w.chunk(2)
+            out["mlp.down_proj.weight"] = self.down_w
         return {f"{prefix}.{name}": tensor for name, tensor in out.items()}
 
 
@@ -168,7 +219,8 @@ class FastModel:
         self.embed = torch.empty(spec.vocab, spec.hidden, **kw)
         self.lm_head = self.embed if spec.tied else torch.empty(spec.vocab, spec.hidden, **kw)
         self.norm = torch.empty(spec.hidden, **kw)
-        self.layers = [_Layer(spec, **kw) for _ in range(spec.layers)]
+        self.layers = [_Layer(spec, bool(spec.sparse_layers and spec.sparse_layers[i]), **kw)
+                       for i in range(spec.layers)]
         self.released = False
 
     def release(self) -> None:
@@ -222,13 +274,31 @@ class FastModel:
         spec, residual = self.spec, None
         for i, layer in enumerate(self.layers):
             h, residual = ops.add_rmsnorm(x, residual, layer.ln1, spec.eps)
-            qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
+            qkv = self._qkv(h, layer)
             q = ops.rope_store(qkv, positions, slots, self.cos, self.sin, layer.q_norm, layer.k_norm, spec.eps,
                                *kv[i], spec.heads)
             x = F.linear(attend(q, i), layer.o_w, layer.o_b)
             h, residual = ops.add_rmsnorm(x, residual, layer.ln2, spec.eps)
-            x = F.linear(ops.silu_mul(F.linear(h, layer.gate_up_w)), layer.down_w)
+            if layer.sparse:
+                weights, ids = route(F.linear(h, layer.router_w), spec.top_k, spec.norm_topk_prob)
+                x = grouped_experts(h, ids, weights, layer.gate_up_w, layer.down_w)
+            else:
+                x = F.linear(ops.silu_mul(F.linear(h, layer.gate_up_w)), layer.down_w)
         return ops.add_rmsnorm(x, residual, self.norm, spec.eps)[0]
+
+    def _qkv(self, h: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        """The fused q/k/v rows of normed inputs ``h``; OLMoE's q/k norms over the whole projection and its
+        ``clip_qkv`` applied here (Qwen3's per-head norms are ``rope_store``'s)."""
+        qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
+        spec = self.spec
+        if layer.q_full_norm is not None:
+            kv_rows = spec.kv_heads * spec.head_dim
+            q, k, v = qkv.split([spec.heads * spec.head_dim, kv_rows, kv_rows], dim=-1)
+            qkv = torch.cat([ops.rmsnorm(q, layer.q_full_norm, spec.eps), ops.rmsnorm(k, layer.k_full_norm, spec.eps),
+                             v], dim=-1)
+        if spec.clip_qkv is not None:
+            qkv = qkv.clamp(-spec.clip_qkv, spec.clip_qkv)
+        return qkv
 
     def decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                       tables: torch.Tensor, kv: list[tuple], splits: int) -> torch.Tensor:

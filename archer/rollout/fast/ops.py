@@ -29,10 +29,11 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
         return kernels.add_rmsnorm(x, residual, weight, eps)
     if residual is not None:
         x = residual + x
-    return _rmsnorm(x, weight, eps), x
+    return rmsnorm(x, weight, eps), x
 
 
-def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension (float32, cast back, then scaled: Hugging Face's order)."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -65,7 +66,7 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, 
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     q, k, v = q.reshape(tokens, heads, dim), k.reshape(tokens, kv_heads, dim), v.reshape(tokens, kv_heads, dim)
     if q_norm is not None:
-        q, k = _rmsnorm(q, q_norm, eps), _rmsnorm(k, k_norm, eps)
+        q, k = rmsnorm(q, q_norm, eps), rmsnorm(k, k_norm, eps)
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
     q, k = _rotate(q, c, s), _rotate(k, c, s)
     heads_index = torch.arange(kv_heads, device=qkv.device)
