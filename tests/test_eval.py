@@ -355,7 +355,7 @@ def test_each_model_evaluates_into_its_own_default_folder(tiny_model_dir: Path, 
     for model, folder in models.items():
         assert cli.main(["eval", f"model={model}", *common]) == 0
         evaluated = Path(json.loads((tmp_path / folder / "results.json").read_text())["model"])
-        assert evaluated in (Path(model), Path(model) / "actor")
+        assert evaluated in (tmp_path / model, tmp_path / model / "actor")  # recorded absolute
     # one folder named for two models: the refusal says the model is what differs
     capsys.readouterr()
     assert cli.main(["eval", "model=runs/sft/hf_model", *common, "output_dir=eval_runs/my_run/global_step_1"]) == 2
