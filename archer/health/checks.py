@@ -19,6 +19,7 @@ from archer.health.history import ACC, History, Trend
 from archer.health.pointers import Pointer, mean_over_tokens, top_responses, top_tokens
 from archer.health.rows import ScoredResponses, StepRows
 from archer.health.settings import HealthSettings
+from archer.rewards.extras import CORRECT_AT
 
 ENTROPY = "actor/entropy"
 SCORE = "critic/score/mean"
@@ -176,7 +177,7 @@ def length_hacking(ctx: Context) -> Finding | None:
     pointers = []
     if ctx.rows is not None:
         rows = ctx.rows
-        wrong = rows.acc < 0.5 if rows.acc is not None else None
+        wrong = rows.acc < CORRECT_AT if rows.acc is not None else None
         extra = np.arange(rows.mask.shape[1])[None, :] >= (0 if length is None else int(length.then))
         pointers = top_responses(rows, rows.lengths.astype(np.float64), ctx.k,
                                  "longest response" + (" among the wrong ones" if wrong is not None else ""),
@@ -193,7 +194,7 @@ def reward_hacking(ctx: Context) -> Finding | None:
     flat, acc = ctx.accuracy_flat()
     score = h.trend(SCORE)
     rows = ctx.rows
-    wrong = rows.acc < 0.5 if rows is not None and rows.acc is not None else None
+    wrong = rows.acc < CORRECT_AT if rows is not None and rows.acc is not None else None
     if flat and score is not None and score.change >= ctx.t(name, "reward_rise"):
         critical = acc is not None and acc.change <= -ctx.t(name, "critical_acc_drop")
         return Finding("critical" if critical else "warning", f"{_trend_text('training score', score)}{_acc_text(acc)}",
