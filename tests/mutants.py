@@ -35,12 +35,10 @@ class Mutant:
 
 DATA_PARALLEL = ("tests/test_workers_data_parallel.py",)
 LOSSES = ("tests/algorithms/test_entropy_aware_losses.py",)
-ARCHER_BOUNDS = ("    eps_low = _split_bounds(high_entropy_mask, low_entropy_clip_ratio_low, high_entropy_clip_ratio_low, "
-                 "log_prob)\n    eps_high = _split_bounds(high_entropy_mask, low_entropy_clip_ratio_high, "
-                 "high_entropy_clip_ratio_high, log_prob)\n")
-SWAPPED_BOUNDS = ("    eps_low = _split_bounds(high_entropy_mask, low_entropy_clip_ratio_high, high_entropy_clip_ratio_high, "
-                  "log_prob)\n    eps_high = _split_bounds(high_entropy_mask, low_entropy_clip_ratio_low, "
-                  "high_entropy_clip_ratio_low, log_prob)\n")
+ENTROPY_SPLIT = ("    return (split(low_entropy_clip_ratio_low, high_entropy_clip_ratio_low),\n"
+                 "            split(low_entropy_clip_ratio_high, high_entropy_clip_ratio_high))\n")
+SWAPPED_SPLIT = ("    return (split(low_entropy_clip_ratio_high, high_entropy_clip_ratio_high),\n"
+                 "            split(low_entropy_clip_ratio_low, high_entropy_clip_ratio_low))\n")
 
 MUTANTS = (
     Mutant("data-parallel normaliser over the rank's own micro-batches (actor)", "archer/workers/actor.py",
@@ -52,10 +50,15 @@ MUTANTS = (
            "weight = 0.0 if passes.padding(index) else 1.0", "weight = 1.0", DATA_PARALLEL),
     Mutant("critic padding passes weighted 1", "archer/workers/critic.py",
            "weight = 0.0 if passes.padding(index) else 1.0", "weight = 1.0", DATA_PARALLEL),
-    Mutant("archer loss: clip_ratio_low and clip_ratio_high swapped", "archer/algorithms/policy_loss.py",
-           ARCHER_BOUNDS, SWAPPED_BOUNDS, LOSSES, occurrence=0, count=2),
-    Mutant("aspo loss: clip_ratio_low and clip_ratio_high swapped", "archer/algorithms/policy_loss.py",
-           ARCHER_BOUNDS, SWAPPED_BOUNDS, LOSSES, occurrence=1, count=2),
+    Mutant("archer and aspo losses: clip_ratio_low and clip_ratio_high swapped", "archer/algorithms/policy_loss.py",
+           ENTROPY_SPLIT, SWAPPED_SPLIT, LOSSES),
+    Mutant("clip_cov loss: clip_ratio_low and clip_ratio_high swapped", "archer/algorithms/policy_loss.py",
+           "advantages, clip_ratio_low, clip_ratio_high, enable_entropy_balanced_clipping)",
+           "advantages, clip_ratio_high, clip_ratio_low, enable_entropy_balanced_clipping)",
+           ("tests/algorithms/test_entropy_aware_losses.py::test_clip_cov_takes_its_lower_and_upper_bound_apart",)),
+    Mutant("whole tool batches: a group at the staleness bound evicted", "archer/workers/async_tool_rollout.py",
+           "> bound.max_off_policy_threshold]", ">= bound.max_off_policy_threshold]",
+           ("tests/test_workers_async_tool_whole_batch.py",)),
     Mutant("memory plan: update stage without the other models", "archer/workers/memory.py",
            'held = {"policy": self.policy, "gradients": self.gradients, **self.others}',
            'held = {"policy": self.policy, "gradients": self.gradients}', ("tests/test_workers_memory.py",)),

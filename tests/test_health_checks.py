@@ -6,7 +6,9 @@ mode yet, so their metric streams are verl's names, built by hand."""
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +18,15 @@ from omegaconf import OmegaConf
 
 from archer.config.loader import load_config
 from archer.errors import ArcherError
+from archer.health import checks
 from archer.health.engine import Flag, HealthEngine, generated_zero_share
-from archer.health.figures import repeated_ngrams, step_figures, token_covariance, zero_advantage_share
+from archer.health.figures import (
+    FIGURES,
+    repeated_ngrams,
+    step_figures,
+    token_covariance,
+    zero_advantage_share,
+)
 from archer.health.history import History
 from archer.health.monitor import HEALTH_FILE, HealthMonitor
 from archer.health.rows import tool_calls
@@ -327,3 +336,24 @@ def test_a_resumed_monitor_drops_later_flags_and_keeps_each_checks_state(tmp_pat
     assert out[4]["timing_s/health"] > 0
     again = HealthMonitor(cfg, tmp_path, start_step=5)  # resumed after the flag: the state says it was raised
     assert again.engine.state["instability"] == 2 and again.check(6, metrics[5])["health/flags"] == 0.0
+
+
+# -- the metric names the checks read -----------------------------------------------------------------------------
+METRIC_NAME = re.compile(r"^[a-z_]+(/[a-z_]+)+$")
+
+
+def test_the_checks_name_metrics_only_through_module_constants() -> None:
+    """No metric name written inside a check: each is one constant of checks.py (or figures.py's), so that the
+    test below sees every name a check reads."""
+    tree = ast.parse(Path(checks.__file__).read_text(encoding="utf-8"))
+    inline = [node.value for fn in tree.body if isinstance(fn, ast.FunctionDef | ast.ClassDef)
+              for node in ast.walk(fn) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+              and METRIC_NAME.match(node.value)]
+    assert inline == []
+
+
+def test_every_health_figure_a_check_reads_is_produced_by_step_figures() -> None:
+    read = {v for v in vars(checks).values() if isinstance(v, str) and v.startswith("health/")}
+    assert read == set(FIGURES)
+    rows = make_rows([[0.001, 2.0], [0.5, 0.5]], uid=["g", "g"], reward=[1.0, 1.0], calls=[["a", "a"], ["b"]])
+    assert read <= set(step_figures(rows, near_deterministic_entropy=0.01, ngram=2))

@@ -1,4 +1,6 @@
-"""archer's import graph has no cycle, at module level and at package level, function-level imports counted.
+"""archer's import graph has no cycle, at module level and at package level, function-level imports counted; and
+every package imports only from its own row of docs/architecture.md's layer table or the rows below it, a table that
+names every package.
 
 The graph is read from the source (``ast``), not from ``sys.modules``: every ``import`` / ``from ... import``
 anywhere in a file (module top, inside functions and methods, under ``TYPE_CHECKING``) is an edge. ``from
@@ -11,11 +13,13 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from pathlib import Path
 
 import pytest
 
 ARCHER = Path(__file__).resolve().parent.parent / "archer"
+ARCHITECTURE = ARCHER.parent / "docs" / "architecture.md"
 
 
 def _module_name(path: Path, root: Path = ARCHER) -> str:
@@ -114,6 +118,51 @@ def test_modules_import_without_cycles() -> None:
 def test_packages_import_without_cycles() -> None:
     cycle = find_cycle(package_graph(module_graph()))
     assert cycle is None, "import cycle between packages: " + " -> ".join(cycle or [])
+
+
+def layer_table(text: str) -> list[list[str]]:
+    """The rows of the layer table under "### The layers", top row first, as package names (``archer.`` left out):
+    each row's leading words apart by two spaces or more, before its description (words apart by one space)."""
+    block = text.split("### The layers", 1)[1].split("\n\n")[2]
+    rows = []
+    for line in block.splitlines():
+        names = []
+        for chunk in re.split(r"\s{2,}", line.strip()):
+            if " " in chunk:
+                break
+            names.append(chunk)
+        rows.append(names)
+    return rows
+
+
+def layer_violations(packages: dict[str, set[str]], rows: list[list[str]]) -> list[str]:
+    """"source -> target" for each package import from a row above the source's own (packages outside the table
+    left to test_every_package_is_in_the_layer_table)."""
+    level = {f"archer.{name}": len(rows) - i for i, row in enumerate(rows) for name in row}
+    return [f"{source} -> {target}" for source, targets in sorted(packages.items()) for target in sorted(targets)
+            if source in level and target in level and level[target] > level[source]]
+
+
+def test_every_package_is_in_the_layer_table() -> None:
+    listed = [f"archer.{name}" for row in layer_table(ARCHITECTURE.read_text(encoding="utf-8")) for name in row]
+    packages = set(package_graph(module_graph())) - {"archer"}
+    assert sorted(packages - set(listed)) == [], "packages missing from docs/architecture.md's layer table"
+    assert sorted(set(listed) - packages) == [], "the layer table names packages archer does not have"
+    assert len(listed) == len(set(listed)), "a package in two rows of the layer table"
+
+
+def test_packages_import_only_from_their_row_or_the_rows_below() -> None:
+    rows = layer_table(ARCHITECTURE.read_text(encoding="utf-8"))
+    assert layer_violations(package_graph(module_graph()), rows) == []
+
+
+def test_an_import_from_a_higher_row_is_a_violation() -> None:
+    rows = layer_table("### The layers\n\nintro:\n\n    top                 the driver\n"
+                       "    mid   side      one thing | another\n    low  base\n\nafter\n")
+    assert rows == [["top"], ["mid", "side"], ["low", "base"]]
+    packages = {"archer.top": {"archer.mid", "archer.low"}, "archer.mid": {"archer.side", "archer.base"},
+                "archer.low": {"archer.mid", "archer.base"}, "archer.base": {"archer.top"}}
+    assert layer_violations(packages, rows) == ["archer.base -> archer.top", "archer.low -> archer.mid"]
 
 
 def _write(root: Path, files: dict[str, str]) -> Path:

@@ -293,9 +293,9 @@ def test_checkpoints_every_save_freq_and_an_interrupted_run_resumes_exactly(
 
 
 @pytest.mark.parametrize(("overrides", "problem"), [
-    ({"trainer.resume_mode": "sometimes"}, "trainer.resume_mode='sometimes' is not known"),
+    ({"trainer.resume_mode": "sometimes"}, "unknown trainer.resume_mode 'sometimes'"),
     ({"data.format": "csv"}, "data.format='csv' is not an SFT data format"),
-    ({"trainer.resume_mode": "resume_path"}, "needs trainer.resume_from_path"),
+    ({"trainer.resume_mode": "resume_path"}, "trainer.resume_mode=resume_path but trainer.resume_from_path is not set"),
     ({"trainer.resume_mode": "resume_path", "trainer.resume_from_path": "/nonexistent"}, "is not a checkpoint of this kind of run (it needs trainer_state.pt and model/)"),
 ])
 def test_bad_resume_and_format_settings_are_errors(tmp_path: Path, tiny_model_dir: Path, overrides: dict, problem: str) -> None:

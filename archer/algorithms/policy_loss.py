@@ -4,11 +4,12 @@ entropy-balanced clipping as a switch of the losses that clip the token ratio (s
 
 Each loss is registered with what it needs (`PolicyLoss`): verl's shared clip settings it reads, its own
 config knobs with their defaults, the per-micro-batch inputs the actor must compute for it, and the actor
-switches it supports. Its function takes exactly those, plus the common arguments, as keyword arguments
-(checked when it is registered), and returns (scalar loss, metrics): pg_clipfrac, ppo_kl and pg_clipfrac_lower
-plus the metrics of its own mechanism, each declared as a `Mean` or a `Total` (archer.algorithms.metric_sums).
-Among the common arguments, ``rollout_is_weights`` (verl's rollout correction, algorithms/rollout_correction.py)
-multiplies every token's loss before aggregation when it is given (`is_weighted`).
+switches it supports. Its function is its formula: it takes exactly those, plus the common arguments, as keyword
+arguments (checked when it is registered), and returns ([B, R] token losses, metrics): pg_clipfrac, ppo_kl and
+pg_clipfrac_lower plus the metrics of its own mechanism, each declared as a `Mean` or a `Total`
+(archer.algorithms.metric_sums). `compute_policy_loss` then does what every loss shares, once: each token's loss
+times its ``rollout_is_weights`` when they are given (verl's rollout correction, algorithms/rollout_correction.py;
+`is_weighted`), aggregated by the loss's fixed agg_mode or by ``loss_agg_mode`` (`agg_loss`).
 Adding a loss touches one function, its registration and its YAML keys.
 
 The bypass mode of the rollout correction has its own loss types (``algorithm.rollout_correction.loss_type``):
@@ -40,8 +41,7 @@ LOG_RATIO_CLAMP = 20.0
 GSPO_LOG_RATIO_MAX = 10.0
 
 # Keyword arguments every loss takes.
-COMMON_ARGUMENTS = ("old_log_prob", "log_prob", "advantages", "response_mask", "loss_agg_mode", "agg_kwargs",
-                    "rollout_is_weights")
+COMMON_ARGUMENTS = ("old_log_prob", "log_prob", "advantages", "response_mask")
 # verl's actor settings shared by several losses; each has one default, in the YAML (clip_ratio_low/high: null
 # means clip_ratio).
 SHARED_SETTINGS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
@@ -60,6 +60,7 @@ LOSS_SWITCHES = {
                        "A > 0 clipped above keeps the gradient -A*(1+eps_h)*grad logp",
 }
 
+# A loss's formula: its keyword arguments -> ([B, R] token losses, metrics); compute_policy_loss aggregates them.
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, Metric]]]
 
 
@@ -179,18 +180,18 @@ def compute_policy_loss(
     """Run the named policy loss (or a registered entry). `named` holds the settings and inputs it declares
     (required) and any of its options (omitted ones take the loss's default) and switches (omitted ones are off);
     a loss with a fixed aggregation ignores `loss_agg_mode`. `rollout_is_weights` [B, R] (detached) multiply
-    each token's loss; None leaves it as it is."""
+    each token's loss; None leaves it as it is. Returns (scalar loss, the loss's metrics)."""
     entry = loss_mode if isinstance(loss_mode, PolicyLoss) else POLICY_LOSSES.lookup(loss_mode)
-    return entry.fn(
+    token_losses, metrics = entry.fn(
         old_log_prob=old_log_prob,
         log_prob=log_prob,
         advantages=advantages,
         response_mask=response_mask,
-        loss_agg_mode=entry.agg_mode or loss_agg_mode,
-        agg_kwargs=agg_kwargs or {},
-        rollout_is_weights=rollout_is_weights,
         **entry.arguments(named),
     )
+    loss = agg_loss(is_weighted(token_losses, rollout_is_weights), response_mask, entry.agg_mode or loss_agg_mode,
+                    **(agg_kwargs or {}))
+    return loss, metrics
 
 
 def is_weighted(token_losses: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> torch.Tensor:
@@ -238,9 +239,6 @@ def vanilla_policy_loss(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    loss_agg_mode: str,
-    agg_kwargs: dict[str, Any],
-    rollout_is_weights: torch.Tensor | None,
     clip_ratio_low: float,
     clip_ratio_high: float,
     clip_ratio_c: float,
@@ -250,11 +248,10 @@ def vanilla_policy_loss(
     token_losses, log_ratio, clip_active, dual_active = _dual_clip_losses(
         old_log_prob, log_prob, advantages, clip_ratio_low, clip_ratio_high, clip_ratio_c,
         enable_entropy_balanced_clipping)
-    loss = agg_loss(is_weighted(token_losses, rollout_is_weights), response_mask, loss_agg_mode, **agg_kwargs)
     metrics = _metrics(log_ratio, clip_active, dual_active, response_mask)
     if enable_entropy_balanced_clipping:
         metrics.update(_balanced_clip_metrics(clip_active, advantages, response_mask))
-    return loss, metrics
+    return token_losses, metrics
 
 
 def _check_dual_clip(clip_ratio_c: float) -> None:
@@ -280,9 +277,18 @@ def _dual_clip_losses(
     return torch.where(dual_active, dual_bound, ppo_losses), log_ratio, clip_active, dual_active
 
 
-def _split_bounds(high_entropy_mask: torch.Tensor, low: float, high: float, like: torch.Tensor) -> torch.Tensor:
-    """Per-token clip bound in the dtype of `like`: `high` on high-entropy tokens, `low` elsewhere."""
-    return like.new_full(high_entropy_mask.shape, low).masked_fill_(high_entropy_mask, high)
+def _entropy_split_bounds(
+    high_entropy_mask: torch.Tensor, like: torch.Tensor, low_entropy_clip_ratio_low: float,
+    low_entropy_clip_ratio_high: float, high_entropy_clip_ratio_low: float, high_entropy_clip_ratio_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Archer's and ASPO's per-token (eps_l, eps_h) in the dtype of `like`: the high-entropy class's bounds on
+    high-entropy tokens, the low-entropy class's elsewhere."""
+
+    def split(low: float, high: float) -> torch.Tensor:
+        return like.new_full(high_entropy_mask.shape, low).masked_fill_(high_entropy_mask, high)
+
+    return (split(low_entropy_clip_ratio_low, high_entropy_clip_ratio_low),
+            split(low_entropy_clip_ratio_high, high_entropy_clip_ratio_high))
 
 
 @register_policy_loss("archer", settings=("clip_ratio_c",), inputs=("high_entropy_mask",),
@@ -295,9 +301,6 @@ def archer_policy_loss(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    loss_agg_mode: str,
-    agg_kwargs: dict[str, Any],
-    rollout_is_weights: torch.Tensor | None,
     clip_ratio_c: float,
     high_entropy_mask: torch.Tensor,
     low_entropy_clip_ratio_low: float,
@@ -309,16 +312,16 @@ def archer_policy_loss(
     """Archer's dual-token constraints: dual-clip PPO whose clip range depends on the token's entropy class
     (the paper's 0.2 for low-entropy and 0.5 for high-entropy tokens). The entropy-balanced clip, when on,
     rewrites the upper bound of every token, each with its class's eps_h."""
-    eps_low = _split_bounds(high_entropy_mask, low_entropy_clip_ratio_low, high_entropy_clip_ratio_low, log_prob)
-    eps_high = _split_bounds(high_entropy_mask, low_entropy_clip_ratio_high, high_entropy_clip_ratio_high, log_prob)
+    eps_low, eps_high = _entropy_split_bounds(
+        high_entropy_mask, log_prob, low_entropy_clip_ratio_low, low_entropy_clip_ratio_high,
+        high_entropy_clip_ratio_low, high_entropy_clip_ratio_high)
     token_losses, log_ratio, clip_active, dual_active = _dual_clip_losses(
         old_log_prob, log_prob, advantages, eps_low, eps_high, clip_ratio_c, enable_entropy_balanced_clipping)
-    loss = agg_loss(is_weighted(token_losses, rollout_is_weights), response_mask, loss_agg_mode, **agg_kwargs)
     metrics = _metrics(log_ratio, clip_active, dual_active, response_mask)
     metrics.update(_entropy_class_metrics(high_entropy_mask, clip_active, response_mask))
     if enable_entropy_balanced_clipping:
         metrics.update(_balanced_clip_metrics(clip_active, advantages, response_mask))
-    return loss, metrics
+    return token_losses, metrics
 
 
 @register_policy_loss("aspo", settings=("clip_ratio_c",), inputs=("high_entropy_mask",),
@@ -330,9 +333,6 @@ def aspo_policy_loss(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    loss_agg_mode: str,
-    agg_kwargs: dict[str, Any],
-    rollout_is_weights: torch.Tensor | None,
     clip_ratio_c: float,
     high_entropy_mask: torch.Tensor,
     low_entropy_clip_ratio_low: float,
@@ -348,8 +348,9 @@ def aspo_policy_loss(
     gradient -A/r * grad logp below the clip and 0 above it; where 1/r_hat > c the loss is -A*c*logp.
     """
     _check_dual_clip(clip_ratio_c)
-    eps_low = _split_bounds(high_entropy_mask, low_entropy_clip_ratio_low, high_entropy_clip_ratio_low, log_prob)
-    eps_high = _split_bounds(high_entropy_mask, low_entropy_clip_ratio_high, high_entropy_clip_ratio_high, log_prob)
+    eps_low, eps_high = _entropy_split_bounds(
+        high_entropy_mask, log_prob, low_entropy_clip_ratio_low, low_entropy_clip_ratio_high,
+        high_entropy_clip_ratio_low, high_entropy_clip_ratio_high)
     log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = log_ratio.exp()
     negative = advantages < 0
@@ -363,10 +364,9 @@ def aspo_policy_loss(
     token_losses = torch.where(negative, neg_loss, pos_loss)
     clip_active = torch.where(negative, ratio < 1 - eps_low, ratio > 1 + eps_high)
     soft_active = torch.where(negative, neg_soft, pos_soft)
-    loss = agg_loss(is_weighted(token_losses, rollout_is_weights), response_mask, loss_agg_mode, **agg_kwargs)
     metrics = _metrics(log_ratio, clip_active, soft_active, response_mask)
     metrics.update(_entropy_class_metrics(high_entropy_mask, clip_active, response_mask))
-    return loss, metrics
+    return token_losses, metrics
 
 
 @register_policy_loss("clip_cov", settings=("clip_ratio_low", "clip_ratio_high"),
@@ -378,9 +378,6 @@ def clip_cov_policy_loss(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    loss_agg_mode: str,
-    agg_kwargs: dict[str, Any],
-    rollout_is_weights: torch.Tensor | None,
     clip_ratio_low: float,
     clip_ratio_high: float,
     clip_cov_ratio: float,
@@ -397,12 +394,11 @@ def clip_cov_policy_loss(
     cov = advantage_logp_covariance(advantages, log_prob, response_mask)
     cut = clip_cov_tokens(cov, response_mask.bool() & ~clip_active, clip_cov_ratio, clip_cov_lb, clip_cov_ub)
     token_losses = torch.where(cut, 0.0, ppo_losses)
-    loss = agg_loss(is_weighted(token_losses, rollout_is_weights), response_mask, loss_agg_mode, **agg_kwargs)
     metrics = _metrics(log_ratio, clip_active, torch.zeros_like(clip_active), response_mask)
     metrics["cov_selected_tokens"] = Total(cut.sum().float())
     if enable_entropy_balanced_clipping:
         metrics.update(_balanced_clip_metrics(clip_active, advantages, response_mask))
-    return loss, metrics
+    return token_losses, metrics
 
 
 @register_policy_loss("kl_cov", options={"policy_loss.kl_cov_ratio": 0.0002, "policy_loss.ppo_kl_coef": 0.1})
@@ -412,9 +408,6 @@ def kl_cov_policy_loss(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    loss_agg_mode: str,
-    agg_kwargs: dict[str, Any],
-    rollout_is_weights: torch.Tensor | None,
     kl_cov_ratio: float,
     ppo_kl_coef: float,
 ) -> tuple[torch.Tensor, dict[str, Metric]]:
@@ -427,11 +420,10 @@ def kl_cov_policy_loss(
     cov = advantage_logp_covariance(advantages, log_prob, response_mask)
     penalised = kl_cov_tokens(cov, kl_cov_ratio)
     token_losses = torch.where(penalised, pg_losses + ppo_kl_coef * log_ratio.abs(), pg_losses)
-    loss = agg_loss(is_weighted(token_losses, rollout_is_weights), response_mask, loss_agg_mode, **agg_kwargs)
     no_clip = torch.zeros_like(penalised)
     metrics = _metrics(log_ratio, no_clip, no_clip, response_mask)
     metrics["cov_selected_tokens"] = Total(penalised.sum().float())
-    return loss, metrics
+    return token_losses, metrics
 
 
 GSPO_AGG_MODE = "seq-mean-token-mean"
@@ -444,9 +436,6 @@ def gspo_policy_loss(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    loss_agg_mode: str,
-    agg_kwargs: dict[str, Any],
-    rollout_is_weights: torch.Tensor | None,
     clip_ratio_low: float,
     clip_ratio_high: float,
 ) -> tuple[torch.Tensor, dict[str, Metric]]:
@@ -463,9 +452,8 @@ def gspo_policy_loss(
     token_losses, clip_active = clipped_token_losses(
         token_log_ratio.exp(), advantages, clip_ratio_low, clip_ratio_high
     )
-    loss = agg_loss(is_weighted(token_losses, rollout_is_weights), response_mask, loss_agg_mode, **agg_kwargs)
     no_dual = torch.zeros_like(clip_active)
-    return loss, _metrics(log_ratio, clip_active, no_dual, response_mask)
+    return token_losses, _metrics(log_ratio, clip_active, no_dual, response_mask)
 
 
 @register_policy_loss("reinforce", registry=BYPASS_LOSS_TYPES)
@@ -475,16 +463,12 @@ def reinforce_policy_loss(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    loss_agg_mode: str,
-    agg_kwargs: dict[str, Any],
-    rollout_is_weights: torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict[str, Metric]]:
     """The bypass mode's REINFORCE (verl's loss_type=reinforce): L = -A * sg(w) * logp per token, no clipping,
     with w the rollout-correction IS weight pi_theta / pi_rollout (1 without rollout_is); ``old_log_prob`` are the
     rollout log-probs, read for ppo_kl only."""
     token_losses = -advantages * log_prob
-    loss = agg_loss(is_weighted(token_losses, rollout_is_weights), response_mask, loss_agg_mode, **agg_kwargs)
-    return loss, {"ppo_kl": masked_mean_metric(old_log_prob - log_prob, response_mask)}
+    return token_losses, {"ppo_kl": masked_mean_metric(old_log_prob - log_prob, response_mask)}
 
 
 def _entropy_class_metrics(

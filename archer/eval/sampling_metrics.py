@@ -29,8 +29,7 @@ import numpy as np
 
 from archer.algorithms.grouping import group_rows
 from archer.errors import ArcherError
-
-CORRECT_AT = 0.5  # a sample with acc >= this counts as correct for pass@k
+from archer.rewards.extras import CORRECT_AT
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -14,11 +14,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from archer.health.figures import repeated_ngrams, repetition_shares, token_covariance
+from archer.health.figures import (
+    LOGP_ADV_COV,
+    NEAR_DETERMINISTIC,
+    REPEATED_CALLS,
+    REPETITION,
+    ZERO_ADV,
+    repeated_ngrams,
+    repetition_shares,
+    token_covariance,
+)
 from archer.health.history import ACC, History, Trend
 from archer.health.pointers import Pointer, mean_over_tokens, top_responses, top_tokens
 from archer.health.rows import ScoredResponses, StepRows
 from archer.health.settings import HealthSettings
+from archer.rewards.extras import CORRECT_AT
 
 ENTROPY = "actor/entropy"
 SCORE = "critic/score/mean"
@@ -31,7 +41,11 @@ STALENESS_MAX = "training/off_policy/trajectory_staleness/max"
 IS_ESS = "rollout_corr/rollout_is_eff_sample_size"
 IS_MEAN = "rollout_corr/rollout_is_mean"
 IS_MASKED = "rollout_corr/rollout_rs_masked_fraction"
-SPIKY = ("actor/grad_norm", "critic/grad_norm", "actor/kl_loss")  # compared with their own recent median
+SKIPPED = "actor/skipped_steps"
+PPO_KL = "actor/ppo_kl"
+CLIPFRAC = "actor/pg_clipfrac"
+KL_LOSS = "actor/kl_loss"
+SPIKY = ("actor/grad_norm", "critic/grad_norm", KL_LOSS)  # compared with their own recent median
 
 
 @dataclass
@@ -94,8 +108,8 @@ def entropy_collapse(ctx: Context) -> Finding | None:
     entropy = h.trend(ENTROPY)
     if entropy is None or entropy.then <= 0:
         return None
-    near = h.trend("health/near_deterministic_frac")
-    cov = h.now("health/logp_adv_cov")
+    near = h.trend(NEAR_DETERMINISTIC)
+    cov = h.now(LOGP_ADV_COV)
     flat, acc = ctx.accuracy_flat()
     ratio = entropy.ratio
     if flat and ratio <= ctx.t(name, "critical_ratio"):
@@ -128,7 +142,7 @@ def entropy_blowup(ctx: Context) -> Finding | None:
     flat, acc = ctx.accuracy_flat()
     if entropy is None or acc is None or not flat or entropy.ratio < ctx.t(name, "ratio"):
         return None
-    length, repetition = h.trend(LENGTH), h.trend("health/repetition_frac")
+    length, repetition = h.trend(LENGTH), h.trend(REPETITION)
     falling = acc.change <= -ctx.settings.accuracy_rise
     longer = length is not None and length.ratio >= 1 + ctx.t(name, "length_rise")
     repeating = repetition is not None and repetition.change >= ctx.t(name, "repetition_rise")
@@ -176,7 +190,7 @@ def length_hacking(ctx: Context) -> Finding | None:
     pointers = []
     if ctx.rows is not None:
         rows = ctx.rows
-        wrong = rows.acc < 0.5 if rows.acc is not None else None
+        wrong = rows.acc < CORRECT_AT if rows.acc is not None else None
         extra = np.arange(rows.mask.shape[1])[None, :] >= (0 if length is None else int(length.then))
         pointers = top_responses(rows, rows.lengths.astype(np.float64), ctx.k,
                                  "longest response" + (" among the wrong ones" if wrong is not None else ""),
@@ -193,7 +207,7 @@ def reward_hacking(ctx: Context) -> Finding | None:
     flat, acc = ctx.accuracy_flat()
     score = h.trend(SCORE)
     rows = ctx.rows
-    wrong = rows.acc < 0.5 if rows is not None and rows.acc is not None else None
+    wrong = rows.acc < CORRECT_AT if rows is not None and rows.acc is not None else None
     if flat and score is not None and score.change >= ctx.t(name, "reward_rise"):
         critical = acc is not None and acc.change <= -ctx.t(name, "critical_acc_drop")
         return Finding("critical" if critical else "warning", f"{_trend_text('training score', score)}{_acc_text(acc)}",
@@ -249,7 +263,7 @@ def tool_abuse(ctx: Context) -> Finding | None:
     h, name = ctx.history, "tool_abuse"
     flat, acc = ctx.accuracy_flat()
     calls, limit = h.trend(CALLS), h.trend(LIMIT)
-    repeated = h.now("health/repeated_call_frac")
+    repeated = h.now(REPEATED_CALLS)
     parts, severity = [], None
     if flat and calls is not None and calls.change >= ctx.t(name, "calls_rise"):
         parts.append(_trend_text("tool calls per response", calls))
@@ -279,7 +293,7 @@ def tool_abuse(ctx: Context) -> Finding | None:
 def no_signal(ctx: Context) -> Finding | None:
     """Most prompt groups scored alike over the window: GRPO-style advantages are zero and the step learns little."""
     h, name = ctx.history, "no_signal"
-    key = "health/zero_adv_group_frac"
+    key = ZERO_ADV
     steps = h.steps[-h.window:]
     values = [h.values[s].get(key) for s in steps]
     if len(steps) < h.window or any(v is None for v in values):
@@ -310,7 +324,7 @@ def instability(ctx: Context) -> Finding | None:
     importance ratio drifting: ppo_kl or the clipped share high over the window."""
     h, name = ctx.history, "instability"
     parts, severity, figures = [], None, {}
-    skipped = h.latest("actor/skipped_steps")
+    skipped = h.latest(SKIPPED)
     if skipped:
         parts.append("the gradient was not finite: the optimizer step was skipped")
         severity = "critical"
@@ -320,12 +334,12 @@ def instability(ctx: Context) -> Finding | None:
             continue
         factor = value / float(np.median(before))
         figures[key] = value
-        if key == "actor/kl_loss" and value < ctx.t(name, "kl_loss_floor"):
+        if key == KL_LOSS and value < ctx.t(name, "kl_loss_floor"):
             continue  # a policy leaving its reference starts from 0: early KL losses are many medians yet small
         if factor >= ctx.t(name, "spike_factor"):
             parts.append(f"{key} {_f(value)} is {factor:.0f}x its median of the last {len(before)} steps")
             severity = "critical" if factor >= ctx.t(name, "critical_spike_factor") else severity or "warning"
-    for key, threshold in (("actor/ppo_kl", "ppo_kl"), ("actor/pg_clipfrac", "clipfrac")):
+    for key, threshold in ((PPO_KL, "ppo_kl"), (CLIPFRAC, "clipfrac")):
         now = h.now(key)
         if now is not None and abs(now) >= ctx.t(name, threshold):
             parts.append(f"{key} {_f(now)} over the last {h.window} steps (>= {_f(ctx.t(name, threshold))})")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from archer.health.checks import CHECKS, Check, Context, Finding
-from archer.health.figures import step_figures
+from archer.health.figures import ZERO_ADV, step_figures
 from archer.health.history import History
 from archer.health.pointers import Pointer
 from archer.health.rows import ScoredResponses, StepRows
@@ -23,7 +23,6 @@ from archer.health.settings import LEVELS, HealthSettings
 
 FIGURE_PREFIX = "health/"
 FLAG_COUNT = "health/flags"
-ZERO_ADV = "health/zero_adv_group_frac"
 CANDIDATES, KEPT = "train/num_candidate_groups", "train/num_kept_groups"
 
 

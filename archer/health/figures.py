@@ -20,6 +20,14 @@ import numpy as np
 
 from archer.health.rows import StepRows
 
+# The figures' metric names, which the checks (checks.py) read.
+NEAR_DETERMINISTIC = "health/near_deterministic_frac"
+LOGP_ADV_COV = "health/logp_adv_cov"
+ZERO_ADV = "health/zero_adv_group_frac"
+REPETITION = "health/repetition_frac"
+REPEATED_CALLS = "health/repeated_call_frac"
+FIGURES = (NEAR_DETERMINISTIC, LOGP_ADV_COV, ZERO_ADV, REPETITION, REPEATED_CALLS)
+
 _HASH_BITS = 40  # an n-gram's hash keeps this many bits; the response's row takes the bits above
 REPETITION_TOKENS = 1 << 16  # the repetition figure reads evenly spaced responses of at most this many positions
 
@@ -29,17 +37,17 @@ def step_figures(rows: StepRows, *, near_deterministic_entropy: float, ngram: in
     figures: dict[str, float] = {}
     mask = rows.mask
     if mask.any():
-        figures["health/near_deterministic_frac"] = float(np.mean(rows.entropies[mask] < near_deterministic_entropy))
-        figures["health/logp_adv_cov"] = float(token_covariance(rows)[mask].mean())
+        figures[NEAR_DETERMINISTIC] = float(np.mean(rows.entropies[mask] < near_deterministic_entropy))
+        figures[LOGP_ADV_COV] = float(token_covariance(rows)[mask].mean())
     share = zero_advantage_share(rows.uid, rows.reward)
     if share is not None:
-        figures["health/zero_adv_group_frac"] = share
+        figures[ZERO_ADV] = share
     if len(rows):
-        figures["health/repetition_frac"] = float(repetition_shares(rows.take(sample_rows(rows)), ngram).mean())
+        figures[REPETITION] = float(repetition_shares(rows.take(sample_rows(rows)), ngram).mean())
     if rows.calls is not None:
         total = sum(len(c) for c in rows.calls)
         if total:
-            figures["health/repeated_call_frac"] = sum(len(c) - len(set(c)) for c in rows.calls) / total
+            figures[REPEATED_CALLS] = sum(len(c) - len(set(c)) for c in rows.calls) / total
     return figures
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 REWARD_EXTRAS = "reward_extras"
+CORRECT_AT = 0.5  # a response with acc >= this counts as correct: pass@k (eval) and the health checks' wrong ones
 
 
 def as_number(value: Any) -> float | None:

@@ -28,6 +28,7 @@ from archer.rollout.factory import check_engine_name
 from archer.trace.influence import check_settings as check_influence_settings
 from archer.trainer.config_values import check_choices, check_micro_batches, check_ranges
 from archer.trainer.group_filter import check_filter_metric
+from archer.trainer.run_folder import check_resume_mode
 from archer.workers.actor_objective import loss_switches
 from archer.workers.reward_model import check_reward_model_config
 
@@ -245,13 +246,7 @@ def check_colocate_async(cfg: DictConfig) -> None:
 
 def check_trainer_modes(trainer: DictConfig, *, has_val_files: bool) -> None:
     """trainer.resume_mode and its path, and trainer.val_only's need for validation files."""
-    mode = trainer.resume_mode
-    if mode not in ("auto", "disable", "resume_path"):
-        raise ArcherError(f"unknown trainer.resume_mode {mode!r}", "use auto, disable or resume_path")
-    if mode == "resume_path" and not trainer.resume_from_path:
-        raise ArcherError("trainer.resume_mode=resume_path but trainer.resume_from_path is not set",
-                          "set trainer.resume_from_path=<run>/checkpoints/global_step_N, or use trainer.resume_mode=auto "
-                          "to resume from the newest checkpoint of trainer.default_local_dir")
+    check_resume_mode(trainer)
     if trainer.val_only and not has_val_files:
         raise ArcherError("trainer.val_only=true but data.val_files is not set: there is nothing to validate",
                           "set data.val_files to the validation parquet file(s), or drop trainer.val_only")

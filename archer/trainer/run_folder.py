@@ -228,6 +228,20 @@ class RunFolder:
         return None
 
 
+RESUME_MODES = ("auto", "disable", "resume_path")
+
+
+def check_resume_mode(trainer: DictConfig) -> None:
+    """trainer.resume_mode and its path, the one check of `archer train` (trainer/config_check.py) and `archer sft`."""
+    mode = trainer.resume_mode
+    if mode not in RESUME_MODES:
+        raise ArcherError(f"unknown trainer.resume_mode {mode!r}", f"use one of {', '.join(RESUME_MODES)}")
+    if mode == "resume_path" and not trainer.resume_from_path:
+        raise ArcherError("trainer.resume_mode=resume_path but trainer.resume_from_path is not set",
+                          "set trainer.resume_from_path=<run>/checkpoints/global_step_N, or use trainer.resume_mode=auto "
+                          "to resume from the newest checkpoint of trainer.default_local_dir")
+
+
 def checkpoint_to_resume(trainer: DictConfig, checkpoints: CheckpointManager, model_folder: str, *,
                          read_only: bool = False) -> Path | None:
     """The checkpoint trainer.resume_mode names: resume_from_path (which must hold ``model_folder``, the run kind's

@@ -59,13 +59,13 @@ from archer.trainer.run_folder import (
     SUMMARY_FILE,
     RunClock,
     RunFolder,
+    check_resume_mode,
     checkpoint_to_resume,
     restore_trainer_state,
     save_trainer_state,
 )
 from archer.trainer.tracking import METRICS_FILE, Tracking
 
-RESUME_MODES = ("auto", "disable", "resume_path")
 MODEL_DIR = "model"  # a checkpoint's HF model folder (with its optimiser state)
 CHUNK_SIZE = 1024  # response tokens per chunk of the lm_head + log-softmax
 logger = logging.getLogger("archer.sft")
@@ -183,15 +183,11 @@ def check_sft_config(cfg: DictConfig) -> None:
         (cfg.optim.clip_grad > 0, "optim.clip_grad must be positive", "e.g. optim.clip_grad=1.0"),
         (cfg.data.format in FORMATS, f"data.format={cfg.data.format!r} is not an SFT data format",
          f"{nearest_format(str(cfg.data.format))}use one of {list(FORMATS)}"),
-        (cfg.trainer.resume_mode in RESUME_MODES, f"trainer.resume_mode={cfg.trainer.resume_mode!r} is not known",
-         f"use one of {list(RESUME_MODES)}"),
-        (cfg.trainer.resume_mode != "resume_path" or cfg.trainer.resume_from_path,
-         "trainer.resume_mode=resume_path needs trainer.resume_from_path", "e.g. trainer.resume_from_path="
-         "runs/sft/checkpoints/global_step_100"),
     ]
     for ok, problem, fix in checks:
         if not ok:
             raise ArcherError(problem, fix)
+    check_resume_mode(cfg.trainer)
 
 
 def build_dataset(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, files: Any) -> SFTDataset:

@@ -301,3 +301,18 @@ def test_aspo_takes_each_classes_lower_and_upper_bound_apart():
     assert loss.item() == pytest.approx((0.9 - 0.8 + 0.6 - 1 / 1.5 - 1 / 1.3) / 5, rel=1e-12)
     assert grad.flatten().tolist() == pytest.approx([0.0, -0.8 / 5, 0.0, -1 / 1.5 / 5, 0.0], abs=1e-12)
     assert values(metrics)["pg_clipfrac"] == pytest.approx(3 / 5)
+
+
+def test_clip_cov_takes_its_lower_and_upper_bound_apart():
+    # clip_ratio_low 0.1, clip_ratio_high 0.3 (swapping them changes the first two tokens); the covariance window
+    # (100, 200) holds no token, so nothing is cut and the loss is PPO clip's
+    #   A=-1 r=0.85: max(0.85, 0.9) = 0.9 (clipped) | A=1 r=1.25 < 1.3: -1.25 | A=1 r=1.35 -> -1.3 (clipped)
+    #   A=-1 r=0.95 > 0.9: 0.95
+    loss, metrics, grad = run("clip_cov", [[0.85, 1.25, 1.35, 0.95]], [[-1.0, 1.0, 1.0, -1.0]],
+                              clip_ratio_low=0.1, clip_ratio_high=0.3, clip_cov_ratio=1.0, clip_cov_lb=100.0,
+                              clip_cov_ub=200.0)
+    assert loss.item() == pytest.approx((0.9 - 1.25 - 1.3 + 0.95) / 4, rel=1e-12)
+    assert grad.flatten().tolist() == pytest.approx([0.0, -1.25 / 4, 0.0, 0.95 / 4], abs=1e-12)
+    assert values(metrics) == pytest.approx({"pg_clipfrac": 2 / 4, "pg_clipfrac_lower": 0.0,
+                                             "ppo_kl": -math.log(0.85 * 1.25 * 1.35 * 0.95) / 4,
+                                             "cov_selected_tokens": 0.0}, rel=1e-12)

@@ -131,12 +131,13 @@ def test_losses_without_a_token_ratio_clip_do_not_take_the_switch(loss_mode):
 
 def test_a_registered_switch_is_passed_when_given_and_off_otherwise():
     @register_policy_loss("test_switched", switches=(BALANCED,))
-    def switched(*, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, agg_kwargs,
-                 rollout_is_weights, enable_entropy_balanced_clipping) -> tuple[torch.Tensor, dict[str, Metric]]:
-        return advantages.sum() * (2.0 if enable_entropy_balanced_clipping else 1.0), {"n": Total(1.0)}
+    def switched(*, old_log_prob, log_prob, advantages, response_mask,
+                 enable_entropy_balanced_clipping) -> tuple[torch.Tensor, dict[str, Metric]]:
+        return advantages * (2.0 if enable_entropy_balanced_clipping else 1.0), {"n": Total(1.0)}
 
     ones = torch.ones(1, 2, dtype=F64)
-    common = {"old_log_prob": ones, "log_prob": ones, "advantages": ones, "response_mask": ones}
+    common = {"old_log_prob": ones, "log_prob": ones, "advantages": ones, "response_mask": ones,
+              "loss_agg_mode": "token-sum"}
     try:
         assert compute_policy_loss("test_switched", **common)[0].item() == 2.0
         assert compute_policy_loss("test_switched", **common, **{BALANCED: True})[0].item() == 4.0

@@ -135,11 +135,11 @@ def test_every_loss_declares_its_settings_options_and_inputs():
 
 def test_a_registered_loss_gets_its_options_with_their_defaults():
     @register_policy_loss("test_scaled", settings=("clip_ratio_c",), options={"policy_loss.scale": 2.0})
-    def scaled(*, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, agg_kwargs,
-               rollout_is_weights, clip_ratio_c, scale):
-        return (advantages * response_mask).sum() * scale * clip_ratio_c, {"n": Total(response_mask.sum())}
+    def scaled(*, old_log_prob, log_prob, advantages, response_mask, clip_ratio_c, scale):
+        return advantages * scale * clip_ratio_c, {"n": Total(response_mask.sum())}
 
-    common = {"old_log_prob": ADV, "log_prob": ADV, "advantages": ADV.abs(), "response_mask": torch.ones_like(ADV)}
+    common = {"old_log_prob": ADV, "log_prob": ADV, "advantages": ADV.abs(), "response_mask": torch.ones_like(ADV),
+              "loss_agg_mode": "token-sum"}
     try:
         assert compute_policy_loss("test_scaled", clip_ratio_c=1.0, **common)[0].item() == 12.0  # default 2
         assert compute_policy_loss("test_scaled", clip_ratio_c=0.5, scale=3.0, **common)[0].item() == 9.0
@@ -153,24 +153,52 @@ def test_a_registered_loss_gets_its_options_with_their_defaults():
 
 
 def test_a_loss_whose_parameters_differ_from_its_declaration_is_refused():
-    def swallowing(*, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, agg_kwargs,
-                   rollout_is_weights, **_):
+    def swallowing(*, old_log_prob, log_prob, advantages, response_mask, **_):
         return advantages.sum(), {}
 
-    def undeclared(*, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, agg_kwargs,
-                   rollout_is_weights, scale):
+    def undeclared(*, old_log_prob, log_prob, advantages, response_mask, scale):
         return advantages.sum(), {}
 
-    def unknown_input(*, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, agg_kwargs,
-                      rollout_is_weights, tokens):
+    def unknown_input(*, old_log_prob, log_prob, advantages, response_mask, tokens):
         return advantages.sum(), {}
 
-    def unknown_switch(*, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, agg_kwargs,
-                       rollout_is_weights, turbo):
+    def unknown_switch(*, old_log_prob, log_prob, advantages, response_mask, turbo):
         return advantages.sum(), {}
+
+    def aggregating(*, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode):
+        return advantages, {}  # the aggregation is compute_policy_loss's, done once for every loss
 
     for fn, declaration in [(swallowing, {}), (undeclared, {}), (unknown_input, {"inputs": ("tokens",)}),
-                            (unknown_switch, {"switches": ("turbo",)})]:
+                            (unknown_switch, {"switches": ("turbo",)}), (aggregating, {})]:
         with pytest.raises(ArcherError, match="does not match its declaration"):
             register_policy_loss("test_bad", **declaration)(fn)
         assert "test_bad" not in POLICY_LOSSES
+
+
+def test_the_token_losses_are_weighted_and_aggregated_once_by_compute_policy_loss():
+    """A loss is its token losses; compute_policy_loss multiplies them by the rollout-correction weights and
+    aggregates them by loss_agg_mode (or the loss's fixed agg_mode) with the given normalisers."""
+    @register_policy_loss("test_identity")
+    def identity(*, old_log_prob, log_prob, advantages, response_mask):
+        return advantages, {"n": Total(response_mask.sum())}
+
+    @register_policy_loss("test_fixed", agg_mode="seq-mean-token-mean")
+    def fixed(*, old_log_prob, log_prob, advantages, response_mask):
+        return advantages, {}
+
+    adv = torch.tensor([[1.0, 2.0, 4.0], [8.0, 16.0, 32.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.float64)
+    weights = torch.tensor([[0.5, 1.0, 3.0], [2.0, 0.0, 1.0]], dtype=torch.float64)
+    common = {"old_log_prob": adv, "log_prob": adv, "advantages": adv, "response_mask": mask}
+    try:
+        assert compute_policy_loss("test_identity", **common)[0].item() == (1 + 2 + 8 + 16 + 32) / 5
+        weighted = 0.5 * 1 + 2 + 2 * 8 + 0 * 16 + 32
+        assert compute_policy_loss("test_identity", **common, rollout_is_weights=weights)[0].item() == weighted / 5
+        assert compute_policy_loss("test_identity", **common, rollout_is_weights=weights, loss_agg_mode="token-sum",
+                                   agg_kwargs={"num_tokens": 10.0})[0].item() == weighted
+        assert compute_policy_loss("test_identity", **common, rollout_is_weights=weights,
+                                   agg_kwargs={"num_tokens": 10.0})[0].item() == weighted / 10
+        # seq-mean-token-mean whatever loss_agg_mode says: the mean of (1 + 2) / 2 and (8 + 16 + 32) / 3
+        assert compute_policy_loss("test_fixed", **common, loss_agg_mode="token-sum")[0].item() == (1.5 + 56 / 3) / 2
+    finally:
+        del POLICY_LOSSES["test_identity"], POLICY_LOSSES["test_fixed"]

@@ -216,13 +216,14 @@ def test_a_rejection_option_is_checked_when_registered():
     assert len(REJECTION_OPTIONS) == 11
 
 
-def test_a_loss_without_the_is_weights_argument_is_refused():
-    def unweighted(*, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, agg_kwargs):
-        return advantages.sum(), {}
+def test_a_loss_that_takes_the_is_weights_itself_is_refused():
+    """compute_policy_loss applies the weights once for every loss: a loss that takes them would apply them twice."""
+    def weighting(*, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights):
+        return advantages * rollout_is_weights, {}
 
     with pytest.raises(ArcherError, match="does not match its declaration"):
-        register_policy_loss("test_unweighted", registry=BYPASS_LOSS_TYPES)(unweighted)
-    assert "test_unweighted" not in BYPASS_LOSS_TYPES
+        register_policy_loss("test_weighting", registry=BYPASS_LOSS_TYPES)(weighting)
+    assert "test_weighting" not in BYPASS_LOSS_TYPES
 
 
 def test_reinforce_replaces_only_the_vanilla_loss():
