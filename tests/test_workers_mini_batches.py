@@ -3,10 +3,10 @@ shared PPO loop (``ppo_epochs``): its passes, the padding pass's zero weight, th
 
 from __future__ import annotations
 
+from contextlib import ExitStack, contextmanager
+
 import pytest
 import torch
-
-from contextlib import ExitStack, contextmanager
 
 from archer.algorithms.metric_sums import Total
 from archer.batch import Batch

@@ -39,6 +39,7 @@ from archer.rewards.extras import REWARD_EXTRAS
 from archer.rewards.reward_stage import build_reward_manager
 from archer.rewards.routing import check_routes
 from archer.rollout.agentic_config import check_row_tools, tool_call_tags
+from archer.rollout.policy_versions import engine_version
 from archer.rollout.request_pool import stamp_policy_version
 from archer.rollout.rollout_stats import RolloutStats
 from archer.trace.entropy import EntropyTrace
@@ -230,7 +231,7 @@ class PPOTrainer:
         prompts.info.update(validate=False, seed=prompt_batch_seed(self.seed, step, gen_index))
         with timer("gen", timings, self.peaks):
             batch = self.workers.call("generate_sequences", prompts)
-        stamp_policy_version(batch, step - 1)  # the engine holds the weights of the previous step's update
+        stamp_policy_version(batch, engine_version(step))
         return self.score_batch(batch, timings, rollout_stats)
 
     def generated_groups(self, step: int, gen_index: int, timings: dict[str, float],
@@ -257,7 +258,7 @@ class PPOTrainer:
             self.separate.prepare(step, timings)
             with timer("gen", timings, self.peaks):
                 batch = self.separate.take(metrics)
-            self.separate.sync(step - 1, timings)
+            self.separate.sync(engine_version(step), timings)
             if not self.cfg.algorithm.filter_groups.enable:  # no further call this step: the next one starts now
                 self.separate.launch_next(step, self.total_steps)
             return batch
@@ -348,7 +349,7 @@ class PPOTrainer:
                 log.warning("step %d: rejection sampling dropped every prompt group (all accuracies 0 or 1); "
                             "no update this step", step)
                 return {**metrics, "training/global_step": float(step), "training/epoch": float(self.loader.epoch)}
-            metrics.update(record_staleness(batch, trainer_version=step - 1))  # this step updates version step - 1
+            metrics.update(record_staleness(batch, trainer_version=engine_version(step)))
             if self.rollout_correction.bypass:  # the engine's log-probs are the old ones: no old-log-prob pass
                 batch = batch.union(self.rollout_correction.rollout_log_probs_as_old(batch))
             else:
