@@ -30,6 +30,7 @@ from archer.rollout.base import (
     SamplingParams,
     Segment,
 )
+from archer.rollout.policy_versions import version_age
 
 POLICY_VERSION = "policy_version"  # batch row: the newest policy version that wrote a token of the response
 FIRST_POLICY_VERSION = "first_policy_version"  # batch row: the oldest (the version of its first token)
@@ -104,8 +105,7 @@ class PoolGroup:
 
     def age(self, version: int) -> int:
         """Versions between ``version`` and when the group started (0 before its first token)."""
-        started = self.started
-        return 0 if started is None else version - started
+        return version_age(version, self.started)
 
 
 @dataclass

@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 from archer.batch import Batch
 from archer.controller.worker_group import PendingCall, WorkerGroup
 from archer.data.loader import PromptLoader, collate_prompts
+from archer.rollout.policy_versions import engine_version
 from archer.workers.async_rollout import ASYNC_STATS, BATCH_ROWS, GENERATION_S, SAMPLE_INDEX, StalenessBound
 
 ASYNC_STATE = "async_pending"  # trainer-state key: the admitted loader batches with untrained groups
@@ -98,9 +99,9 @@ class AsyncBatches:
             self.next_number += 1
             extra = False
         quota = self.quota if quota is None else quota
-        version = step - 1 if version is None else version
+        version = engine_version(step) if version is None else version
         pending = self.workers.submit("produce_groups", admissions, quota, version, self.bound, self.calls,
-                                      step - 1 - version)
+                                      engine_version(step) - version)
         self.calls += 1
         return pending
 

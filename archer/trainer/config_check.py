@@ -25,6 +25,7 @@ from archer.rewards.row_scorers import check_manager
 from archer.rewards.shaping import OverlongBuffer
 from archer.rollout.agentic_config import check_agentic_config
 from archer.rollout.factory import check_engine_name
+from archer.rollout.policy_versions import oldest_trained_age
 from archer.trace.influence import check_settings as check_influence_settings
 from archer.trainer.config_values import check_choices, check_micro_batches, check_ranges
 from archer.trainer.group_filter import check_filter_metric
@@ -227,7 +228,7 @@ def check_separate_async(cfg: DictConfig) -> None:
                           f"set trainer.v1.separate_async.parameter_sync_step={max(1, train // max(1, mini))} "
                           "(and ppo_mini_batch_size dividing data.train_batch_size)")
     warmup, bound = int(v1.separate_async.num_warmup_batches), int(v1.sampler.max_off_policy_threshold)
-    if bound < warmup + 1:
+    if bound < oldest_trained_age(warmup, engine_lag=1):
         raise ArcherError(f"trainer.v1.sampler.max_off_policy_threshold={bound} is below what separate_async's "
                           f"groups reach: one version (the trainer is one update ahead of the rollout ranks) plus "
                           f"num_warmup_batches={warmup}", f"set trainer.v1.sampler.max_off_policy_threshold to "
@@ -238,7 +239,7 @@ def check_colocate_async(cfg: DictConfig) -> None:
     """A warm-up that the staleness bound would evict or force at once."""
     v1 = cfg.trainer.v1
     warmup, bound = v1.colocate_async.num_warmup_batches, v1.sampler.max_off_policy_threshold
-    if warmup > bound:
+    if bound < oldest_trained_age(warmup, engine_lag=0):
         raise ArcherError(f"trainer.v1.colocate_async.num_warmup_batches={warmup} is more than "
                           f"trainer.v1.sampler.max_off_policy_threshold={bound}: the warm-up's groups would be older "
                           "than the bound when they are trained", "lower num_warmup_batches or raise the threshold")

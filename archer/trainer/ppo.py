@@ -28,7 +28,6 @@ from archer.config.loader import as_list, save_config
 from archer.config.world import world_size
 from archer.controller.factory import build_worker_group
 from archer.controller.worker_group import WorkerGroup
-from archer.data.loader import collate_prompts
 from archer.data.rl_data import build_rl_data
 from archer.data.rl_dataset import RLDataset
 from archer.eval.evaluator import Evaluator, records_metrics
@@ -39,12 +38,13 @@ from archer.rewards.extras import REWARD_EXTRAS
 from archer.rewards.reward_stage import build_reward_manager
 from archer.rewards.routing import check_routes
 from archer.rollout.agentic_config import check_row_tools, tool_call_tags
-from archer.rollout.request_pool import stamp_policy_version
+from archer.rollout.policy_versions import engine_version
 from archer.rollout.rollout_stats import RolloutStats
 from archer.trace.entropy import EntropyTrace
 from archer.trace.influence import InfluenceTrace
 from archer.trace.influence_capture import CaptureSettings
-from archer.trainer.async_batches import ASYNC_STATE, AsyncBatches, prompt_batch_seed
+from archer.trainer.async_batches import ASYNC_STATE, AsyncBatches
+from archer.trainer.batch_sources import BatchSource, ColocateSource, SeparateSource, SyncSource
 from archer.trainer.checkpoint_dirs import CheckpointManager, load_torch_state
 from archer.trainer.config_check import check_config
 from archer.trainer.group_filter import (
@@ -177,8 +177,7 @@ class PPOTrainer:
         self.peaks = MemoryPeaks(self.device)  # the current step's peak GPU memory per stage
         self.template_kwargs = OmegaConf.to_container(cfg.data.apply_chat_template_kwargs)
         self.workers: WorkerGroup | None = None
-        self.async_batches: AsyncBatches | None = None  # the asynchronous modes' batches
-        self.separate: SeparateRollout | None = None  # separate_async's rollout ranks and their pipeline
+        self.source: BatchSource | None = None  # the step's generated groups, in every mode (batch_sources.py)
         if cfg.trainer.val_only:  # a policy that only generates: no optimiser, reference, critic or train data
             return
         steps = cfg.trainer.total_training_steps
@@ -204,9 +203,9 @@ class PPOTrainer:
         if mode == "separate_async":  # rollout GPUs of their own: two Ray worker groups
             self.workers, rollout, owns_ray = build_separate_groups(
                 cfg, worker_kwargs, {"cfg": cfg, "chat_template_kwargs": self.template_kwargs})
-            self.async_batches = AsyncBatches(cfg, self.loader, rollout, pad)
             try:
-                self.separate = SeparateRollout(cfg, self.workers, self.async_batches, owns_ray)
+                self.source = SeparateSource(SeparateRollout(cfg, self.workers, AsyncBatches(cfg, self.loader,
+                                                                                             rollout, pad), owns_ray))
             except BaseException:
                 stop_groups([rollout, self.workers], owns_ray)
                 raise
@@ -214,55 +213,26 @@ class PPOTrainer:
             self.workers = build_worker_group(RankWorkers, worker_kwargs, nnodes=int(cfg.trainer.nnodes),
                                               n_gpus_per_node=int(cfg.trainer.n_gpus_per_node),
                                               device_kind=str(cfg.trainer.device))
-            self.async_batches = (AsyncBatches(cfg, self.loader, self.workers, pad)
-                                  if mode == "colocate_async" else None)
+            remote = self.world > 1
+            self.source = (ColocateSource(AsyncBatches(cfg, self.loader, self.workers, pad), pad, self.seed,
+                                          remote=remote) if mode == "colocate_async"
+                           else SyncSource(self.loader, self.workers, pad, self.seed, remote=remote))
+        self.driver_holds_model = local  # else the trainer's ranks report their devices' peaks
         self.kl_ctrl = make_kl_controller(algo.kl_ctrl.type, float(algo.kl_ctrl.kl_coef),
                                           float(algo.kl_ctrl.target_kl), int(algo.kl_ctrl.horizon))
 
     # -- the step -----------------------------------------------------------------------------------------
     def generate_batch(self, step: int, gen_index: int, timings: dict[str, float],
-                       rollout_stats: list[RolloutStats]) -> Batch:
-        """One generation batch of the step, scored: prompts -> responses -> token_level_scores, acc, score.
-        The agentic loop's stats of the batch go to ``rollout_stats``."""
-        prompts = collate_prompts(self.loader.next_batch(), self.tokenizer.pad_token_id)
-        prefix = f"{step}" if gen_index == 0 else f"{step}.{gen_index}"
-        prompts["uid"] = [f"{prefix}-{i}" for i in range(len(prompts))]
-        prompts.info.update(validate=False, seed=prompt_batch_seed(self.seed, step, gen_index))
-        with timer("gen", timings, self.peaks):
-            batch = self.workers.call("generate_sequences", prompts)
-        stamp_policy_version(batch, step - 1)  # the engine holds the weights of the previous step's update
-        return self.score_batch(batch, timings, rollout_stats)
-
-    def generated_groups(self, step: int, gen_index: int, timings: dict[str, float],
-                         rollout_stats: list[RolloutStats], metrics: dict[str, float], quota: int | None = None
-                         ) -> Batch:
-        """The step's ``gen_index``-th batch of scored prompt groups: a generation batch (sync), or the groups the
-        ranks' pools completed (colocate_async; ``quota``: how many, default data.train_batch_size; a step's
-        later calls admit one more loader batch each, as the synchronous loop's later batches read one)."""
-        if self.async_batches is None:
-            return self.generate_batch(step, gen_index, timings, rollout_stats)
-        if self.separate is not None:
-            batch = self.separate_groups(step, gen_index, timings, metrics, quota)
-        else:
-            with timer("gen", timings, self.peaks):
-                batch = self.async_batches.next(step, metrics, quota=quota, extra=gen_index > 0)
+                       rollout_stats: list[RolloutStats], metrics: dict[str, float] | None = None,
+                       quota: int | None = None) -> Batch:
+        """The step's ``gen_index``-th batch of prompt groups from the mode's batch source, scored:
+        prompts -> responses -> token_level_scores, acc, score (``quota``: the groups a dynamic-sampling call
+        still needs). The agentic loop's stats of the batch go to ``rollout_stats``."""
+        batch = self.source.groups(step, gen_index, quota, timings, {} if metrics is None else metrics,
+                                   lambda: timer("gen", timings, self.peaks))
+        if gen_index == 0 and not self.cfg.algorithm.filter_groups.enable:
+            self.source.sampled(step, self.total_steps)  # the step's only call: the next step's may start now
         return self.score_batch(batch, timings, rollout_stats) if len(batch) else batch
-
-    def separate_groups(self, step: int, gen_index: int, timings: dict[str, float], metrics: dict[str, float],
-                        quota: int | None) -> Batch:
-        """separate_async (trainer/separate_rollout.py): the groups of the call in flight, then the weights of
-        version step - 1 to the rollout ranks (``timing_s/update_weights``); ``timing_s/gen`` is the wait for
-        the rollout ranks, ``async/generation_s`` their own time in the call."""
-        if gen_index == 0:
-            self.separate.prepare(step, timings)
-            with timer("gen", timings, self.peaks):
-                batch = self.separate.take(metrics)
-            self.separate.sync(step - 1, timings)
-            if not self.cfg.algorithm.filter_groups.enable:  # no further call this step: the next one starts now
-                self.separate.launch_next(step, self.total_steps)
-            return batch
-        with timer("gen", timings, self.peaks):
-            return self.separate.more_groups(step, quota, metrics)
 
     def score_batch(self, batch: Batch, timings: dict[str, float], rollout_stats: list[RolloutStats]) -> Batch:
         """The reward of every response of a generated batch (the reward model's scores first, when enabled)."""
@@ -284,7 +254,7 @@ class PPOTrainer:
         fg = algo.filter_groups
         rollout_stats: list[RolloutStats] = []
         if not fg.enable:
-            batch = self.generated_groups(step, 0, timings, rollout_stats, metrics)
+            batch = self.generate_batch(step, 0, timings, rollout_stats, metrics)
             metrics["train/num_candidate_groups"] = float(count_groups(batch["uid"])) if len(batch) else 0.0
         else:
             needed, limit = int(self.cfg.data.train_batch_size), int(fg.max_num_gen_batches)
@@ -293,8 +263,8 @@ class PPOTrainer:
             while num_kept < needed:
                 if limit > 0 and num_batches >= limit:  # verl: <= 0 means no limit
                     raise too_many_batches_error(num_batches, num_kept, needed)
-                generated = self.generated_groups(step, num_batches, timings, rollout_stats, metrics,
-                                                  quota=needed - num_kept)
+                generated = self.generate_batch(step, num_batches, timings, rollout_stats, metrics,
+                                                quota=needed - num_kept)
                 num_batches += 1
                 if not len(generated):
                     continue
@@ -307,6 +277,7 @@ class PPOTrainer:
                 num_kept += count_groups(informative["uid"])
                 log.info("step %d: dynamic sampling kept %d of %d prompt groups after %d generation batch(es)",
                          step, num_kept, needed, num_batches)
+            self.source.sampled(step, self.total_steps)  # no further call this step
             batch = concat_sequences([b for b in kept if len(b)], self.tokenizer.pad_token_id)
             dropped.append(batch.index(slice(needed * n, None)))
             batch = batch.index(slice(0, needed * n))
@@ -334,8 +305,6 @@ class PPOTrainer:
         with timer("step", timings, self.peaks):
             dropped: list[Batch] = []
             batch = self.sample_batch(step, timings, metrics, dropped)
-            if self.separate is not None:  # the rollout ranks generate the next step's groups meanwhile
-                self.separate.launch_next(step, self.total_steps)
             responses = every_response(batch, dropped)  # trained or not, in the dump's order
             if cfg.trainer.rollout_data_dir:
                 with timer("dump_rollout", timings, self.peaks):
@@ -348,7 +317,7 @@ class PPOTrainer:
                 log.warning("step %d: rejection sampling dropped every prompt group (all accuracies 0 or 1); "
                             "no update this step", step)
                 return {**metrics, "training/global_step": float(step), "training/epoch": float(self.loader.epoch)}
-            metrics.update(record_staleness(batch, trainer_version=step - 1))  # this step updates version step - 1
+            metrics.update(record_staleness(batch, trainer_version=engine_version(step)))
             if self.rollout_correction.bypass:  # the engine's log-probs are the old ones: no old-log-prob pass
                 batch = batch.union(self.rollout_correction.rollout_log_probs_as_old(batch))
             else:
@@ -397,7 +366,7 @@ class PPOTrainer:
         metrics.update(compute_data_metrics(batch, max_response_length=int(cfg.data.max_response_length)))
         metrics.update(compute_timing_metrics(timings, int(batch["attention_mask"].sum())))
         metrics.update(self.peaks.metrics())
-        if self.world > 1 or self.separate is not None:  # the busiest trainer device's peak (the driver holds none)
+        if not self.driver_holds_model:  # the busiest trainer device's peak
             metrics.update(self.workers.call("memory_peaks"))
         metrics["training/global_step"] = float(step)
         metrics["training/epoch"] = float(self.loader.epoch)
@@ -406,9 +375,7 @@ class PPOTrainer:
     def generate_sequences(self, prompts: Batch) -> Batch:
         """The policy's responses to ``prompts``, generated by the ranks (separate_async: the rollout ranks,
         with the trainer's newest weights)."""
-        if self.separate is not None:
-            return self.separate.generate(prompts, self.global_step)
-        return self.workers.call("generate_sequences", prompts)
+        return self.source.generate(prompts, self.global_step)
 
     # -- validation -----------------------------------------------------------------------------------------
     def validate(self, dump_prefix: str = "", generator: Any = None) -> dict[str, float]:
@@ -435,8 +402,8 @@ class PPOTrainer:
         ks = self.cfg.eval.k
         metrics = records_metrics(records, n, None if ks is None else list(ks))
         metrics["timing_s/testing"] = time.perf_counter() - start
-        if self.separate is not None:
-            metrics.update(self.separate.take_validation_timings())
+        if self.source is not None:  # trainer.val_only generates with its own worker
+            metrics.update(self.source.validation_timings())
         if self.cfg.trainer.validation_data_dir:
             write_generations(Path(self.cfg.trainer.validation_data_dir) / f"{dump_prefix}step_{self.global_step}.jsonl",
                               merged, merged["response_text"], merged["score"], self.global_step)
@@ -449,7 +416,8 @@ class PPOTrainer:
     def save_checkpoint(self, step: int) -> Path:
         def write(tmp: Path) -> None:
             self.workers.call("save_checkpoint", tmp, self.tokenizer)
-            pending = {} if self.async_batches is None else {ASYNC_STATE: self.async_batches.state()}
+            state = self.source.state()
+            pending = {} if state is None else {ASYNC_STATE: state}
             save_trainer_state(tmp, step, self.loader, self.clock,
                                {"model_path": self.model_path, "val_before": self.val_before,
                                 "val_after": self.val_last, "updated_steps": self.updates.updated_steps},
@@ -466,14 +434,7 @@ class PPOTrainer:
         self.workers.call("load_checkpoint", path)
         state = restore_trainer_state(path, self.loader, self.clock)
         self.kl_ctrl.value = state["kl_coef"]
-        pending = state.get(ASYNC_STATE)
-        if self.async_batches is not None:
-            self.async_batches.restore(pending)
-        elif pending and pending["batches"]:
-            untrained = sum(len(b["rows"]) for b in pending["batches"])
-            log.warning("%s was written by trainer.v1.trainer_mode=colocate_async with %d prompt groups admitted "
-                        "and not trained yet; the synchronous loop goes on with the loader's next batch and leaves "
-                        "them out (resume with trainer.v1.trainer_mode=colocate_async to train them)", path, untrained)
+        self.source.restore(state.get(ASYNC_STATE), path)
         record = state["run"]
         self.model_path = record.get("model_path", self.model_path)
         self.val_before, self.val_last = record.get("val_before", {}), record.get("val_after", {})
@@ -492,10 +453,7 @@ class PPOTrainer:
         try:
             return self.train()
         finally:
-            if self.separate is not None:
-                self.separate.shutdown()
-            elif self.world > 1:
-                self.workers.shutdown()
+            self.source.shutdown()
             self.lock.release()
 
     def train(self) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from archer.batch import Batch
 from archer.controller.ray_group import RayWorkerGroup, connect_ray, share_node_gpus, wait_all
 from archer.controller.worker_group import DoneCall, PendingCall
 from archer.distributed.weight_sync import WeightManifest, bucket_bytes
+from archer.rollout.policy_versions import engine_version
 from archer.trainer.async_batches import AsyncBatches
 from archer.workers.colocated import RankWorkers
 from archer.workers.rollout_rank import RolloutRank, engine_dtype
@@ -152,7 +153,7 @@ class SeparateRollout:
         """Before step ``step``'s groups are taken: with no call in flight for it (the run's first step, a resumed
         run's), sync the weights of version step - 1 and start one."""
         if self.in_flight is None:
-            self.sync(step - 1, timings)
+            self.sync(engine_version(step), timings)
             self.launch(step)
 
     def more_groups(self, step: int, quota: int | None, metrics: dict[str, float]) -> Batch:

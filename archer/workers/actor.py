@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -34,7 +34,6 @@ import torch
 from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
-from archer.algorithms.metric_sums import MetricSums
 from archer.algorithms.rollout_correction import RolloutCorrection
 from archer.batch import Batch
 from archer.distributed.context import DistContext, shard_bounds
@@ -67,9 +66,9 @@ from archer.trace.influence_capture import (
 from archer.workers.actor_objective import ActorObjective
 from archer.workers.async_rollout import StalenessBound
 from archer.workers.async_tool_rollout import RankRollout, async_rollout_for
-from archer.workers.data_parallel import RankTokens, rank_passes, reduce_metric_sums
+from archer.workers.data_parallel import RankPasses, RankTokens, rank_passes
 from archer.workers.memory import MemoryPlan, gib, planned_no_grad_tokens, release_cached_blocks
-from archer.workers.mini_batches import StepAverages, mini_batches
+from archer.workers.mini_batches import ppo_epochs
 from archer.workers.reference import ReferenceWorker
 from archer.workers.results import ROLLOUT_STATS, UpdateResult
 from archer.workers.rollout import FIRST_PROMPT, RolloutWorker, pad_sequences
@@ -310,65 +309,24 @@ class ActorWorker(OwnsModel):
 
     def _update_policy(self, batch: Batch, influence: TokenCapture | None, *, step_optimizer: bool
                        ) -> dict[str, float]:
-        """The PPO epochs. With ``influence``, hooks capture the per-token gradients of the traced rows during
-        the backward of the first epoch (each row passes through it exactly once)."""
+        """The PPO epochs (workers/mini_batches.py). With ``influence``, hooks capture the per-token gradients of
+        the traced rows during the backward of the first epoch (each row passes through it exactly once)."""
         a = self.actor_cfg
-        n = int(self.cfg.rollout.n)
-        mini = int(a.ppo_mini_batch_size) * n
         keys = [*MODEL_INPUTS, "responses", "response_mask", "old_log_probs", "advantages"]
         keys += [k for k in ("ref_log_prob", "rollout_is_weights") if k in batch.tensors]
         data = batch.select(keys)
         data["row_id"] = torch.arange(len(data))
-        averages = StepAverages()
-        rank_tokens = RankTokens(self.ctx.world_size) if self.ctx.world_size > 1 else None
+        update = PolicyUpdate(self, influence, step_optimizer)
         self.model.train()
         with influence.hooks() if influence is not None else nullcontext():
-            for epoch, mini_batch in mini_batches(data, mini, epochs=int(a.ppo_epochs), shuffle=bool(a.shuffle),
-                                                  seed=int(a.get("data_loader_seed") or 0)):
-                tracing = influence if epoch == 0 else None
-                if rank_tokens is not None and epoch == 0:
-                    rank_tokens.add(mini_batch["attention_mask"])
-                averages.add(self._update_mini_batch(mini_batch, tracing, step_optimizer))
-        metrics = averages.result()
-        if rank_tokens is not None:  # how evenly the ranks' rows split (trainer.balance_batch), verl's names
-            metrics.update(rank_tokens.metrics())
+            metrics = ppo_epochs(data, int(a.ppo_mini_batch_size) * int(self.cfg.rollout.n), update, self.ctx,
+                                 epochs=int(a.ppo_epochs), shuffle=bool(a.shuffle),
+                                 seed=int(a.get("data_loader_seed") or 0))
+        if update.rank_tokens is not None:  # how evenly the ranks' rows split (trainer.balance_batch), verl's names
+            metrics.update(update.rank_tokens.metrics())
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]  # the lr of this update, as verl reports it
         self.scheduler.step()
         return metrics
-
-    def _update_mini_batch(self, mini_batch: Batch, influence: TokenCapture | None, step_optimizer: bool
-                           ) -> dict[str, float]:
-        objective = self.objective
-        passes = rank_passes(mini_batch["attention_mask"], self.update_micro, self.ctx, balance=self.balance_ranks)
-        agg_kwargs, pg_agg_kwargs = objective.mini_batch_normalisers(mini_batch["response_mask"].float(),
-                                                                     passes.every_rank)
-        sums = MetricSums()
-        for index, rows in enumerate(passes.parts):
-            weight = 0.0 if passes.padding(index) else 1.0  # a padding pass only keeps FSDP's collectives in step
-            mb, layout, traced = self._placed(mini_batch.index(rows))
-            mask = mb["response_mask"].float()
-            tracing = (influence.micro_batch(*traced)
-                       if influence is not None and weight else nullcontext())  # padding passes trace nothing
-            with tracing:
-                with autocast_for(self.device):
-                    logp, ent = layout_logprobs(self.model, layout, temperature=self.temperature,
-                                                chunk_size=self.chunk_size, compute_entropy=objective.needs_entropy)
-                loss, metrics = objective.micro_batch_loss(
-                    log_prob=logp.float(), entropy=None if ent is None else ent.float(),
-                    old_log_prob=mb["old_log_probs"], advantages=mb["advantages"], mask=mask,
-                    ref_log_prob=mb.tensors.get("ref_log_prob"), agg_kwargs=agg_kwargs, pg_agg_kwargs=pg_agg_kwargs,
-                    rollout_is_weights=mb.tensors.get("rollout_is_weights"))
-                (loss * weight).backward()
-            sums.add(metrics, weight)
-        reduce_metric_sums(sums, self.ctx)
-        # the objective's own metrics go under actor/; a named family (rollout_corr/...) keeps its name
-        out = {name if "/" in name else f"actor/{name}": value for name, value in sums.result().items()}
-        if objective.use_kl_loss:
-            out["actor/kl_coef"] = objective.kl_loss_coef
-        grad_norm, stepped = self.owner.step(float(self.actor_cfg.grad_clip), step=step_optimizer)
-        out["actor/grad_norm"] = grad_norm
-        out["actor/skipped_steps"] = 0.0 if stepped else 1.0
-        return out
 
     def _placed(self, rows: Batch) -> tuple[Batch, SequenceLayout, tuple[list[int], list[int], tuple[int, ...]]]:
         """A micro-batch's rows (with ``row_id``) and layout on the device, the layout made on the host and moved
@@ -412,3 +370,46 @@ class ActorWorker(OwnsModel):
     def load(self, in_dir: Path) -> None:
         self.owner.load(in_dir, "actor_rollout_ref.model")
         self._engine_is_stale = True
+
+
+class PolicyUpdate:
+    """The actor's ``UpdateObjective`` (workers/mini_batches.py): its loss over a micro-batch's log-probs, the
+    influence capture of the first epoch's passes (``influence``), the ranks' token split of the first epoch,
+    and its optimiser step (skipped without ``step_optimizer``)."""
+
+    def __init__(self, actor: ActorWorker, influence: TokenCapture | None, step_optimizer: bool) -> None:
+        self.actor, self.influence, self.step_optimizer = actor, influence, step_optimizer
+        self.rank_tokens = RankTokens(actor.ctx.world_size) if actor.ctx.world_size > 1 else None
+
+    def plan(self, epoch: int, mini_batch: Batch) -> tuple[RankPasses, tuple[dict, dict]]:
+        actor = self.actor
+        if self.rank_tokens is not None and epoch == 0:
+            self.rank_tokens.add(mini_batch["attention_mask"])
+        passes = rank_passes(mini_batch["attention_mask"], actor.update_micro, actor.ctx, balance=actor.balance_ranks)
+        return passes, actor.objective.mini_batch_normalisers(mini_batch["response_mask"].float(), passes.every_rank)
+
+    def loss(self, rows: Batch, normalisers: tuple[dict, dict], *, epoch: int, weight: float, scope: ExitStack
+             ) -> tuple[torch.Tensor, dict[str, float]]:
+        actor, objective = self.actor, self.actor.objective
+        mb, layout, traced = actor._placed(rows)
+        if self.influence is not None and epoch == 0 and weight:  # padding passes trace nothing
+            scope.enter_context(self.influence.micro_batch(*traced))
+        with autocast_for(actor.device):
+            logp, ent = layout_logprobs(actor.model, layout, temperature=actor.temperature,
+                                        chunk_size=actor.chunk_size, compute_entropy=objective.needs_entropy)
+        agg_kwargs, pg_agg_kwargs = normalisers
+        return objective.micro_batch_loss(
+            log_prob=logp.float(), entropy=None if ent is None else ent.float(), old_log_prob=mb["old_log_probs"],
+            advantages=mb["advantages"], mask=mb["response_mask"].float(), ref_log_prob=mb.tensors.get("ref_log_prob"),
+            agg_kwargs=agg_kwargs, pg_agg_kwargs=pg_agg_kwargs, rollout_is_weights=mb.tensors.get("rollout_is_weights"))
+
+    def step(self, sums: dict[str, float]) -> dict[str, float]:
+        actor, objective = self.actor, self.actor.objective
+        # the objective's own metrics go under actor/; a named family (rollout_corr/...) keeps its name
+        out = {name if "/" in name else f"actor/{name}": value for name, value in sums.items()}
+        if objective.use_kl_loss:
+            out["actor/kl_coef"] = objective.kl_loss_coef
+        grad_norm, stepped = actor.owner.step(float(actor.actor_cfg.grad_clip), step=self.step_optimizer)
+        out["actor/grad_norm"] = grad_norm
+        out["actor/skipped_steps"] = 0.0 if stepped else 1.0
+        return out

@@ -17,6 +17,7 @@ import numpy as np
 from archer.batch import Batch
 from archer.distributed.context import shard_bounds
 from archer.rollout.base import padded_samples
+from archer.rollout.policy_versions import past_bound
 from archer.rollout.prompt_rounds import stream_seed
 from archer.rollout.request_pool import FIRST_POLICY_VERSION, POLICY_VERSION, K, PoolGroup, RolloutPool
 from archer.workers.rollout import RolloutWorker, concat_sequences, layout_sequences, sampling_params
@@ -67,8 +68,7 @@ class StalenessBound:
         ``started`` versions (None: not yet): with ``drop`` the ones already past the bound, to evict now; with
         ``wait`` the ones the next step would find past it, which must finish now."""
         def older(key: K, version: int) -> bool:
-            begun = started[key]
-            return begun is not None and version - begun > self.max_off_policy_threshold
+            return past_bound(version, started[key], self.max_off_policy_threshold)
 
         if self.strategy == "drop":
             return [key for key in started if older(key, trained)], frozenset()

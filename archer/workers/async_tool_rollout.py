@@ -24,6 +24,7 @@ import numpy as np
 
 from archer.batch import Batch
 from archer.rollout.agentic_config import branch_settings
+from archer.rollout.policy_versions import past_bound
 from archer.rollout.request_pool import FIRST_POLICY_VERSION, POLICY_VERSION, hand_out, stamp_policy_version
 from archer.rollout.rollout_stats import RolloutStats
 from archer.workers.async_rollout import (
@@ -88,7 +89,7 @@ class WholeBatchRollout:
         if bound.strategy != "drop":
             return []
         old = [uid for uid, rows in self.done.items()
-               if trained - int(rows[FIRST_POLICY_VERSION].min()) > bound.max_off_policy_threshold]
+               if past_bound(trained, int(rows[FIRST_POLICY_VERSION].min()), bound.max_off_policy_threshold)]
         for uid in old:
             del self.done[uid]
         return old

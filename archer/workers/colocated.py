@@ -36,12 +36,12 @@ from archer.config.world import world_size
 from archer.distributed.context import DistContext
 from archer.distributed.weight_sync import WeightManifest, WeightSender, join_group, open_store
 from archer.models.loading import load_tokenizer, pick_device
-from archer.trace.influence_capture import CaptureSettings, TracedTokens, merge_rank_factors
+from archer.trace.influence_capture import merge_rank_factors
 from archer.units import GIB
 from archer.workers.actor import ActorWorker
 from archer.workers.async_rollout import ASYNC_STATS, StalenessBound, merge_async_stats
 from archer.workers.critic import CriticWorker
-from archer.workers.dispatch import collect, concat_batches, rank_zero, shard_rows
+from archer.workers.dispatch import collect, concat_batches, delegate, own_rows, rank_zero
 from archer.workers.memory import MemoryPlan, card_figures, plan_actor_memory
 from archer.workers.reference import ReferenceWorker
 from archer.workers.results import UpdateResult, concat_generations
@@ -164,34 +164,15 @@ class RankWorkers:
         prompt groups (workers/async_rollout.py)."""
         return self.actor.produce_groups(admissions, quota, version, bound, rotation, lag)
 
-    @collect(concat_batches)
-    def compute_rm_score(self, batch: Batch) -> Batch:
-        """``rm_scores`` of this rank's rows (the reward model is not sharded: each rank holds a copy)."""
-        return self.reward_model.compute_rm_score(shard_rows(batch, self.ctx.rank, self.ctx.world_size))
-
-    @collect(concat_batches)
-    def compute_log_prob(self, batch: Batch) -> Batch:
-        return self.actor.compute_log_prob(batch)
-
-    @collect(concat_batches)
-    def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        return self.ref.compute_ref_log_prob(batch)
-
-    @collect(concat_batches)
-    def compute_values(self, batch: Batch) -> Batch:
-        return self.critic.compute_values(batch)
-
-    @collect(rank_zero)
-    def update_critic(self, batch: Batch) -> UpdateResult:
-        return self.critic.update_critic(batch)
-
-    @collect(merge_updates)
-    def update_actor(self, batch: Batch, influence_tokens: TracedTokens | None = None) -> UpdateResult:
-        return self.actor.update_actor(batch, influence_tokens)
-
-    @collect(rank_zero)
-    def setup_influence(self, settings: CaptureSettings) -> list[str]:
-        return self.actor.setup_influence(settings)
+    # the reward model is not sharded (each rank holds a copy): it scores the rank's rows; the sharded models'
+    # passes take the whole batch and cut it themselves (workers/data_parallel.py)
+    compute_rm_score = delegate("reward_model", "compute_rm_score", concat_batches, split=own_rows)
+    compute_log_prob = delegate("actor", "compute_log_prob", concat_batches)
+    compute_ref_log_prob = delegate("ref", "compute_ref_log_prob", concat_batches)
+    compute_values = delegate("critic", "compute_values", concat_batches)
+    update_critic = delegate("critic", "update_critic", rank_zero)
+    update_actor = delegate("actor", "update_actor", merge_updates)  # (batch, influence_tokens)
+    setup_influence = delegate("actor", "setup_influence", rank_zero)
 
     # -- weights to standalone rollout ranks (separate_async) ----------------------------------------------
     @collect(rank_zero)

@@ -7,13 +7,14 @@ its whole mini-batch, so accumulation is exact.
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
 from archer.algorithms.aggregation import mini_batch_totals
-from archer.algorithms.metric_sums import MetricSums, masked_mean_metric, total_metric
+from archer.algorithms.metric_sums import masked_mean_metric, total_metric
 from archer.algorithms.value_loss import compute_value_loss
 from archer.batch import Batch, to_device
 from archer.distributed.context import DistContext
@@ -23,9 +24,9 @@ from archer.models.micro_batches import CRITIC_UPDATE, CRITIC_VALUES, MicroBatch
 from archer.models.optim import LRSchedule
 from archer.models.owner import ModelOwner, OwnsModel
 from archer.models.packed_attention import supports_packing
-from archer.workers.data_parallel import rank_passes, reduce_metric_sums
+from archer.workers.data_parallel import RankPasses, rank_passes
 from archer.workers.memory import MemoryPlan, planned_no_grad_tokens
-from archer.workers.mini_batches import StepAverages, mini_batches
+from archer.workers.mini_batches import ppo_epochs
 from archer.workers.results import UpdateResult
 
 
@@ -87,35 +88,39 @@ class CriticWorker(OwnsModel):
         return Batch({"values": values[passes.rows]})
 
     def update_critic(self, batch: Batch) -> UpdateResult:
-        """PPO epochs of the value loss over mini-batches: verl-named metrics averaged over optimiser steps (as
-        the actor's update_actor)."""
+        """PPO epochs of the value loss over mini-batches (workers/mini_batches.py): verl-named metrics averaged
+        over optimiser steps (as the actor's update_actor)."""
         c = self.cfg
-        mini = int(c.ppo_mini_batch_size) * self.rollout_n
         data = batch.select([*MODEL_INPUTS, "responses", "response_mask", "values", "returns"])
-        averages = StepAverages()
         self.model.train()
-        for _, mini_batch in mini_batches(data, mini, epochs=int(c.ppo_epochs), shuffle=bool(c.shuffle), seed=0):
-            agg_kwargs = mini_batch_totals(mini_batch["response_mask"].float())
-            mini_sums = MetricSums()
-            passes = rank_passes(mini_batch["attention_mask"], self.update_micro, self.ctx, balance=self.balance_ranks)
-            for index, rows in enumerate(passes.parts):
-                weight = 0.0 if passes.padding(index) else 1.0  # a padding pass keeps FSDP's collectives in step
-                mb = mini_batch.index(rows)
-                vpreds = self._values(mb, self.update_micro)
-                mask = to_device(mb["response_mask"], self.device).float()
-                loss, clipfrac = compute_value_loss(
-                    vpreds, to_device(mb["values"], self.device), to_device(mb["returns"], self.device), mask,
-                    cliprange_value=float(c.cliprange_value), loss_agg_mode=c.loss_agg_mode, agg_kwargs=agg_kwargs)
-                (loss * weight).backward()
-                mini_sums.add({"critic/vf_loss": total_metric(loss), "critic/vf_clipfrac": clipfrac,
-                               "critic/vpred_mean": masked_mean_metric(vpreds, mask)}, weight)
-            reduce_metric_sums(mini_sums, self.ctx)
-            grad_norm, _ = self.owner.step(float(c.grad_clip))
-            averages.add({**mini_sums.result(), "critic/grad_norm": grad_norm})
-        metrics = averages.result()
+        metrics = ppo_epochs(data, int(c.ppo_mini_batch_size) * self.rollout_n, self, self.ctx,
+                             epochs=int(c.ppo_epochs), shuffle=bool(c.shuffle), seed=0)
         metrics["critic/lr"] = self.scheduler.get_last_lr()[0]  # the lr of this update, as verl reports it
         self.scheduler.step()
         return UpdateResult(metrics)
+
+    # -- the UpdateObjective of ppo_epochs --------------------------------------------------------------
+    def plan(self, epoch: int, mini_batch: Batch) -> tuple[RankPasses, dict]:
+        """The rank's passes over ``mini_batch`` and the value loss's normalisers (the mini-batch's totals)."""
+        passes = rank_passes(mini_batch["attention_mask"], self.update_micro, self.ctx, balance=self.balance_ranks)
+        return passes, mini_batch_totals(mini_batch["response_mask"].float())
+
+    def loss(self, rows: Batch, normalisers: dict, *, epoch: int, weight: float, scope: ExitStack
+             ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The clipped value loss over ``rows`` and its metric sums."""
+        vpreds = self._values(rows, self.update_micro)
+        mask = to_device(rows["response_mask"], self.device).float()
+        loss, clipfrac = compute_value_loss(
+            vpreds, to_device(rows["values"], self.device), to_device(rows["returns"], self.device), mask,
+            cliprange_value=float(self.cfg.cliprange_value), loss_agg_mode=self.cfg.loss_agg_mode,
+            agg_kwargs=normalisers)
+        return loss, {"critic/vf_loss": total_metric(loss), "critic/vf_clipfrac": clipfrac,
+                      "critic/vpred_mean": masked_mean_metric(vpreds, mask)}
+
+    def step(self, sums: dict[str, float]) -> dict[str, float]:
+        """The value model's optimiser step; its metrics with the grad norm."""
+        grad_norm, _ = self.owner.step(float(self.cfg.grad_clip))
+        return {**sums, "critic/grad_norm": grad_norm}
 
     def save(self, out_dir: Path) -> None:
         """The value model's HF folder (its ``score`` head included) plus optimiser and scheduler state."""
