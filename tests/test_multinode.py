@@ -3,7 +3,8 @@ scontrol faked: every node a `ray start --block` of its own (its own --temp-dir,
 own dashboard-agent port), token authentication with a token held in the environment (nothing under ~/.ray).
 
 - The script's head and worker functions make a cluster of 2 (and 3) nodes that `wait_for_nodes` sees.
-- `trainer.nnodes=N trainer.n_gpus_per_node=1` places one rank on each node (STRICT_SPREAD), the ranks'
+- `trainer.nnodes=N trainer.n_gpus_per_node=1` places one rank on each node (STRICT_SPREAD; every node has 2 CPUs,
+  so a PACK placement would put two ranks on one node), the ranks'
   process group meets at rank 0's node address over TCP (the all-reduce of rank + 1 gives N(N+1)/2).
 - What the test starts it stops: every node's `ray start --block` is ended by its pid, and its raylet goes with it.
 """
@@ -41,7 +42,7 @@ done
 if [ "$1" = ray ]; then
     port=$(python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
     echo $$ >> "$FAKE_ROOT/pids"
-    exec "$@" --node-ip-address=127.0.0.1 --num-cpus=1 --num-gpus=0 --temp-dir="$FAKE_ROOT/$host" \\
+    exec "$@" --node-ip-address=127.0.0.1 --num-cpus=2 --num-gpus=0 --temp-dir="$FAKE_ROOT/$host" \\
         --resources="{\\"node_$host\\": 1}" --dashboard-agent-listen-port=$port --disable-usage-stats
 fi
 exec "$@"
