@@ -4,7 +4,9 @@
   ``ray start --head``) connects to a running cluster; without it a local Ray instance is started with at least
   one logical CPU per rank, and shut down with the group.
 - Placement: one placement group of ``nnodes * n_gpus_per_node`` bundles, ``{"CPU": 1, "GPU": 1}`` per rank on
-  GPUs and ``{"CPU": 1}`` per rank on CPU, ``STRICT_PACK`` on one node and ``PACK`` across nodes. Ranks follow
+  GPUs and ``{"CPU": 1}`` per rank on CPU, ``STRICT_PACK`` on one node, ``STRICT_SPREAD`` for one rank per node
+  on several nodes (``trainer.n_gpus_per_node=1``: each rank on a node of its own, as the keys say) and ``PACK``
+  otherwise. Ranks follow
   the nodes' addresses, then the bundle order, so rank -> node is stable from run to run.
 - Each rank actor gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
   ``MASTER_PORT`` (found by a task on rank 0's bundle) and the driver's ``PYTHONPATH``, so that
@@ -102,6 +104,13 @@ def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as exc:
         raise ArcherError(f"no Ray cluster answers at RAY_ADDRESS={address} ({exc})", fix) from None
+
+
+def placement_strategy(nnodes: int, n_gpus_per_node: int) -> str:
+    """The placement group's strategy: one node, one rank on each of ``nnodes`` nodes, or packed."""
+    if nnodes == 1:
+        return "STRICT_PACK"
+    return "STRICT_SPREAD" if n_gpus_per_node == 1 else "PACK"
 
 
 @dataclass(frozen=True)
@@ -248,7 +257,7 @@ class RayWorkerGroup(WorkerGroup):
         from ray.util.placement_group import placement_group, remove_placement_group
 
         bundle = {"CPU": 1, "GPU": 1} if self.device_kind == "cuda" else {"CPU": 1}
-        strategy = "STRICT_PACK" if nnodes == 1 else "PACK"
+        strategy = placement_strategy(nnodes, n_gpus_per_node)
         pg = placement_group([dict(bundle) for _ in range(self._world)], strategy=strategy)
         first = min(_PLACEMENT_NOTICE_S, timeout_s)
         if pg.wait(timeout_seconds=first):
