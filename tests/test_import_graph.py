@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import functools
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,21 @@ def test_every_package_is_in_the_layer_table() -> None:
 def test_packages_import_only_from_their_row_or_the_rows_below() -> None:
     rows = layer_table(ARCHITECTURE.read_text(encoding="utf-8"))
     assert layer_violations(package_graph(module_graph()), rows) == []
+
+
+PURE_TORCH = {"torch", "numpy", *sys.stdlib_module_names}  # what the algorithms row may import besides archer
+
+
+def test_algorithms_is_pure_torch_no_config_parsing() -> None:
+    """docs/architecture.md's algorithms row is pure torch: no config objects (omegaconf, hydra) or models
+    (transformers) there; reading a config section into an algorithm's settings lives with its stage."""
+    outside = {}
+    for path in sorted((ARCHER / "algorithms").glob("*.py")):
+        names = _imported_names(ast.parse(path.read_text(encoding="utf-8")), f"archer.algorithms.{path.stem}", False)
+        tops = {name.split(".")[0] for name in names} - {"archer"} - PURE_TORCH
+        if tops:
+            outside[path.name] = sorted(tops)
+    assert outside == {}
 
 
 def test_an_import_from_a_higher_row_is_a_violation() -> None:

@@ -11,10 +11,10 @@ import torch
 
 from archer.algorithms.metric_sums import MetricSums
 from archer.algorithms.policy_loss import LOSS_INPUTS, POLICY_LOSSES
-from archer.algorithms.rollout_correction import RolloutCorrection
 from archer.config.loader import load_config
 from archer.errors import ArcherError
 from archer.workers.actor_objective import INPUT_BUILDERS, ActorObjective
+from archer.workers.rollout_correction_config import read_rollout_correction
 
 F64 = torch.float64
 ACTOR = "actor_rollout_ref.actor."
@@ -26,7 +26,7 @@ RC = "algorithm.rollout_correction."
 def objective(*overrides: str) -> ActorObjective:
     cfg = load_config("ppo_trainer", ["data.train_files=x", "actor_rollout_ref.model.path=y", *overrides])
     return ActorObjective.from_config(cfg.actor_rollout_ref.actor,
-                                      RolloutCorrection.from_config(cfg.algorithm.rollout_correction))
+                                      read_rollout_correction(cfg.algorithm.rollout_correction))
 
 
 def lengths_mask(lengths: list[int], width: int = 5) -> torch.Tensor:

@@ -14,7 +14,6 @@ import logging
 
 from omegaconf import DictConfig, OmegaConf
 
-from archer.algorithms.rollout_correction import RolloutCorrection
 from archer.config.loader import as_list
 from archer.config.no_ops import check_no_ops
 from archer.config.world import world_size
@@ -32,6 +31,7 @@ from archer.trainer.group_filter import check_filter_metric
 from archer.trainer.run_folder import check_resume_mode
 from archer.workers.actor_objective import loss_switches
 from archer.workers.reward_model import check_reward_model_config
+from archer.workers.rollout_correction_config import read_rollout_correction
 
 log = logging.getLogger("archer.config")
 
@@ -129,7 +129,7 @@ def check_config(cfg: DictConfig) -> None:
     check_engine_name(cfg.actor_rollout_ref.rollout.name)
     LoraSettings.from_config(cfg.actor_rollout_ref.model)  # lora_rank, lora_alpha, target_modules
     actor = cfg.actor_rollout_ref.actor
-    correction = RolloutCorrection.from_config(cfg.algorithm.rollout_correction)
+    correction = read_rollout_correction(cfg.algorithm.rollout_correction)
     loss_switches(correction.policy_loss(actor.policy_loss.loss_mode), actor)  # a loss (mode) and switches it takes
     if correction.is_level is not None and not correction.applies_weights:
         log.warning("algorithm.rollout_correction.rollout_is=%s with bypass_mode and loss_type=ppo_clip: the IS "

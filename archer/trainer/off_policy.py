@@ -21,9 +21,10 @@ from __future__ import annotations
 import numpy as np
 from omegaconf import DictConfig
 
-from archer.algorithms.rollout_correction import RS_REJECTED, RolloutCorrection, correct
+from archer.algorithms.rollout_correction import RS_REJECTED, correct
 from archer.batch import Batch
 from archer.rollout.request_pool import FIRST_POLICY_VERSION, POLICY_VERSION
+from archer.workers.rollout_correction_config import read_rollout_correction
 
 STALENESS = "staleness"  # row: versions between policy_version and the version the step updates
 OFF_POLICY = "training/off_policy/"
@@ -51,7 +52,7 @@ class RolloutCorrectionStage:
     """``algorithm.rollout_correction`` on the trainer's batches (checked when built)."""
 
     def __init__(self, cfg: DictConfig) -> None:
-        self.settings = RolloutCorrection.from_config(cfg)
+        self.settings = read_rollout_correction(cfg)
 
     @property
     def bypass(self) -> bool:

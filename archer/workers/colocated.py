@@ -30,7 +30,6 @@ import torch
 from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
-from archer.algorithms.rollout_correction import RolloutCorrection
 from archer.batch import Batch
 from archer.config.world import world_size
 from archer.distributed.context import DistContext
@@ -46,6 +45,7 @@ from archer.workers.memory import MemoryPlan, card_figures, plan_actor_memory
 from archer.workers.reference import ReferenceWorker
 from archer.workers.results import UpdateResult, concat_generations
 from archer.workers.reward_model import RewardModelWorker
+from archer.workers.rollout_correction_config import read_rollout_correction
 
 log = logging.getLogger("archer.workers")
 
@@ -122,7 +122,7 @@ class RankWorkers:
                                                   policy_path=str(ref_cfg.model.path))
         self.actor = ActorWorker(ref_cfg, device=self.ctx.device, ctx=self.ctx, total_steps=total_steps,
                                  tokenizer=tokenizer, chat_template_kwargs=chat_template_kwargs, start_rollout=False,
-                                 rollout_correction=RolloutCorrection.from_config(cfg.algorithm.rollout_correction),
+                                 rollout_correction=read_rollout_correction(cfg.algorithm.rollout_correction),
                                  balance_ranks=bool(cfg.trainer.balance_batch))
         self.ref = self.actor.make_reference() if use_ref else None
         self.critic = (CriticWorker(cfg.critic, rollout_n=int(ref_cfg.rollout.n), device=self.ctx.device, ctx=self.ctx,

@@ -1,5 +1,5 @@
 """verl's rollout correction (archer/algorithms/rollout_correction.py) against hand computations: token and
-sequence IS (TIS, IcePop, batch normalisation), the rejection options, the diagnostics, the settings' checks, and
+sequence IS (TIS, IcePop, batch normalisation), the rejection options, the diagnostics, the settings' checks (archer/workers/rollout_correction_config.py), and
 the policy losses in the decoupled mode (AReaL's decoupled PPO) and the bypass mode (PPO clip, REINFORCE).
 
 Two responses of 3 and 2 tokens; the ratios r = pi_train / pi_rollout are 3, 1, 0.4 and 0.25, 1.5 (no value on
@@ -21,6 +21,7 @@ from archer.algorithms.rollout_correction import (
     register_rejection_option,
 )
 from archer.errors import ArcherError
+from archer.workers.rollout_correction_config import read_rollout_correction
 
 F64 = torch.float64
 RATIOS = [[3.0, 1.0, 0.4], [0.25, 1.5, 1.0]]  # the last entry is padding
@@ -33,7 +34,7 @@ ROLLOUT = TRAIN - LOG_R
 def settings(**values) -> RolloutCorrection:
     base = {"rollout_is": None, "rollout_is_threshold": "2.0", "rollout_is_batch_normalize": False,
             "rollout_rs": None, "rollout_rs_threshold": None, "bypass_mode": False, "loss_type": "ppo_clip"}
-    return RolloutCorrection.from_config(OmegaConf.create({**base, **values}))
+    return read_rollout_correction(OmegaConf.create({**base, **values}))
 
 
 def values(metrics) -> dict[str, float]:
