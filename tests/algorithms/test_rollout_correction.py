@@ -1,6 +1,7 @@
 """verl's rollout correction (archer/algorithms/rollout_correction.py) against hand computations: token and
-sequence IS (TIS, IcePop, batch normalisation), the rejection options, the diagnostics, the settings' checks (archer/workers/rollout_correction_config.py), and
-the policy losses in the decoupled mode (AReaL's decoupled PPO) and the bypass mode (PPO clip, REINFORCE).
+sequence IS (TIS, IcePop, batch normalisation), the rejection options, the diagnostics, the settings' checks
+(archer/workers/rollout_correction_config.py), and the policy losses in the decoupled mode (AReaL's decoupled
+PPO) and the bypass mode (PPO clip, REINFORCE).
 
 Two responses of 3 and 2 tokens; the ratios r = pi_train / pi_rollout are 3, 1, 0.4 and 0.25, 1.5 (no value on
 a threshold, so no comparison depends on rounding).
