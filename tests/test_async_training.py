@@ -8,6 +8,7 @@ unbroken run trains, in the same order.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,8 @@ from train_support import task_model
 from archer.config.loader import load_config
 from archer.data.tasks import write_task_files
 from archer.errors import ArcherError
+from archer.health import checks
+from archer.health.history import ACC
 from archer.trace.format import TraceReader
 from archer.trainer.checkpoint_dirs import load_torch_state
 from archer.trainer.off_policy import RolloutCorrectionStage
@@ -233,3 +236,20 @@ def test_with_tools_paused_trajectories_resume_under_the_next_policy(task: dict[
     assert all(got[s]["training/off_policy/trajectory_staleness_worst/max"] <= 2.0 for s in got)
     arrays = TraceReader(run_dir / "entropy_trace").load_step(spanning[0])  # the trace records both versions
     assert np.any(arrays["first_policy_version"] < arrays["policy_version"])
+
+
+def test_every_trainer_metric_a_health_check_reads_is_logged_by_a_run_with_its_feature(task: dict[str, Path],
+                                                                                       tmp_path: Path) -> None:
+    """The checks read the trainer's metrics by name (archer/health/checks.py's constants): a run with every
+    feature a check watches (a critic, the KL loss, rollout correction with rejection, colocate_async's staleness,
+    tools) logs each of those names, so a renamed producer cannot leave a check silently reading nothing."""
+    read = {value for value in vars(checks).values() if isinstance(value, str)
+            and re.fullmatch(r"[a-z_]+(/[a-z_]+)+", value) and not value.startswith("health/")} | {*checks.SPIKY, ACC}
+    rc = "algorithm.rollout_correction."
+    got = train_here(task, tmp_path / "run", 2, *ASYNC, *TOOLS, f"custom_reward_function.path={task['reward']}",
+                     "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "actor_rollout_ref.actor.use_kl_loss=true",
+                     f"{rc}rollout_is=token", f"{rc}rollout_is_threshold=2.0", f"{rc}rollout_rs=token_k1",
+                     f"{rc}rollout_rs_threshold=2.0")
+    assert len(read) >= 18, sorted(read)  # the constants the checks read, as named in checks.py today
+    assert sorted(read - set(got[2])) == []
+
