@@ -8,7 +8,6 @@ unbroken run trains, in the same order.
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_health_checks import METRIC_NAME
 from test_scale_out_on_cpu import DIGIT_REWARD, assert_close_metrics, environment, metrics
 from train_support import task_model
 
@@ -244,7 +244,7 @@ def test_every_trainer_metric_a_health_check_reads_is_logged_by_a_run_with_its_f
     feature a check watches (a critic, the KL loss, rollout correction with rejection, colocate_async's staleness,
     tools) logs each of those names, so a renamed producer cannot leave a check silently reading nothing."""
     read = {value for value in vars(checks).values() if isinstance(value, str)
-            and re.fullmatch(r"[a-z_]+(/[a-z_]+)+", value) and not value.startswith("health/")} | {*checks.SPIKY, ACC}
+            and METRIC_NAME.match(value) and not value.startswith("health/")} | {*checks.SPIKY, ACC}
     rc = "algorithm.rollout_correction."
     got = train_here(task, tmp_path / "run", 2, *ASYNC, *TOOLS, f"custom_reward_function.path={task['reward']}",
                      "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "actor_rollout_ref.actor.use_kl_loss=true",
