@@ -19,6 +19,11 @@ log-probs are packed to a token budget by default.
 With ``model.lora_rank > 0`` the policy is the base model with peft's LoRA layers (models/lora.py): only the
 adapters are trained and checkpointed (beside the merged HF folder), the engine takes the merged weights, and
 the reference worker uses the same module with the adapters off.
+
+With routing replay (``actor.router_replay.mode=R3``, models/router_replay.py) the fast engine records each
+token's experts, and the old-log-prob pass and the update route an MoE policy's tokens with them; the old-log-prob
+pass also counts how often the policy's own top-k differs (``actor/router_mismatch_*``), also when
+``rollout.enable_rollout_routing_replay`` records without replaying.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from archer.algorithms.rollout_correction import RolloutCorrection
 from archer.batch import Batch
 from archer.distributed.context import DistContext, shard_bounds
 from archer.distributed.fsdp import decoder_layers
+from archer.errors import ArcherError
 from archer.models import liger
 from archer.models.checkpointed_layers import KEY as CHECKPOINT_KEY
 from archer.models.checkpointed_layers import checkpoint_first_layers, requested_checkpointed_layers
@@ -51,6 +57,16 @@ from archer.models.moe import refuse_router_loss
 from archer.models.optim import LRSchedule
 from archer.models.owner import ModelOwner, OwnsModel
 from archer.models.packed_attention import supports_packing
+from archer.models.router_replay import (
+    MODE_KEY,
+    RECORD_KEY,
+    ROUTE_COUNTS,
+    ROUTED_EXPERTS,
+    ReplaySettings,
+    RouteCounts,
+    micro_batch_replay,
+    sparse_gates,
+)
 from archer.models.sequence_layout import SequenceLayout
 from archer.rollout.factory import build_engine, uses_fast_engine
 from archer.trace.influence_capture import (
@@ -121,6 +137,9 @@ class ActorWorker(OwnsModel):
         self.pad_token_id = int(self.tokenizer.pad_token_id)
         self.chat_template_kwargs = chat_template_kwargs
         self.fast_engine = uses_fast_engine(cfg.rollout, self.model, device)
+        self.routing = ReplaySettings.from_config(cfg)
+        if self.routing.record:
+            self._check_routing()
         self.rollout: RolloutWorker | None = None
         self._engine_is_stale = False  # the weights changed since the engine last took them
         self.async_rollout: RankRollout | None = None  # colocate_async's pool (produce_groups)
@@ -147,6 +166,17 @@ class ActorWorker(OwnsModel):
         owner.attach_optimizer(self.actor_cfg.optim, LRSchedule.from_rl_optim(self.actor_cfg.optim, total_steps),
                                param_offload=param_offload, optimizer_offload=optimizer_offload)
         return owner
+
+    def _check_routing(self) -> None:
+        """Refuse routing replay where the engine cannot record (the hf engine) or the policy has nothing to route
+        (tools and the asynchronous modes are refused with the config: trainer/config_check.py)."""
+        keys = f"{MODE_KEY}=disabled and {RECORD_KEY}=false"
+        if not sparse_gates(self.model):
+            raise ArcherError(f"routing replay ({MODE_KEY} / {RECORD_KEY}) needs a Mixture-of-Experts policy, and "
+                              f"{self.cfg.model.path} has no sparse blocks", f"set {keys} for a dense model")
+        if not self.fast_engine:
+            raise ArcherError("routing replay needs the fast engine, which records each token's experts; the hf "
+                              "engine does not", "set actor_rollout_ref.rollout.name=fast, or " + keys)
 
     def plan_micro_batches(self, memory_plan: MemoryPlan | None, *, announce: bool) -> None:
         """The old-log-prob pass's micro-batches: the rollout section's keys and, on a GPU, the memory plan's token
@@ -190,7 +220,8 @@ class ActorWorker(OwnsModel):
             offload.param_offload = False
         sharded = self.ctx.distributed
         engine = build_engine(self.cfg.rollout, self.model, self.tokenizer, self.device, standalone=sharded,
-                              weights=self.owner.weights() if sharded and self.fast_engine else None)
+                              weights=self.owner.weights() if sharded and self.fast_engine else None,
+                              record_routes=self.routing.record)
         self.rollout = RolloutWorker(engine, self.cfg.rollout, device=self.device, tokenizer=self.tokenizer,
                                      chat_template=self.cfg.model.custom_chat_template,
                                      template_kwargs=self.chat_template_kwargs)
@@ -260,12 +291,17 @@ class ActorWorker(OwnsModel):
 
     # -- inference -------------------------------------------------------------------------------------
     def compute_log_prob(self, batch: Batch) -> Batch:
-        """old_log_probs and entropies of the current policy (before the update)."""
+        """old_log_probs and entropies of the current policy (before the update); where the batch holds the
+        engine's ``routed_experts``, routed with them (R3) and each row's ``ROUTE_COUNTS``."""
         passes = rank_passes(batch["attention_mask"], self.log_prob_micro, self.ctx)
+        counts = torch.zeros(len(batch), RouteCounts.COLUMNS) if ROUTED_EXPERTS in batch.tensors else None
         logp, ent = compute_log_probs(self.model, batch, temperature=self.temperature, micro=self.log_prob_micro,
                                       chunk_size=self.chunk_size, device=self.device, compute_entropy=True,
-                                      parts=passes.parts)
-        return Batch({"old_log_probs": logp[passes.rows], "entropies": ent[passes.rows]})
+                                      parts=passes.parts, routing=self.routing, route_counts=counts)
+        out = Batch({"old_log_probs": logp[passes.rows], "entropies": ent[passes.rows]})
+        if counts is not None:
+            out[ROUTE_COUNTS] = counts[passes.rows]
+        return out
 
     # -- influence ---------------------------------------------------------------------------------------
     def setup_influence(self, settings: CaptureSettings) -> list[str]:
@@ -314,6 +350,8 @@ class ActorWorker(OwnsModel):
         a = self.actor_cfg
         keys = [*MODEL_INPUTS, "responses", "response_mask", "old_log_probs", "advantages"]
         keys += [k for k in ("ref_log_prob", "rollout_is_weights") if k in batch.tensors]
+        if self.routing.replay and ROUTED_EXPERTS in batch.tensors:
+            keys.append(ROUTED_EXPERTS)
         data = batch.select(keys)
         data["row_id"] = torch.arange(len(data))
         update = PolicyUpdate(self, influence, step_optimizer)
@@ -394,6 +432,9 @@ class PolicyUpdate:
         mb, layout, traced = actor._placed(rows)
         if self.influence is not None and epoch == 0 and weight:  # padding passes trace nothing
             scope.enter_context(self.influence.micro_batch(*traced))
+        replay, _ = micro_batch_replay(actor.model, actor.update_micro.layout, rows, actor.device, replay=True,
+                                       count=False)
+        scope.enter_context(replay)  # open through the backward (a checkpointed layer's recompute routes again)
         with autocast_for(actor.device):
             logp, ent = layout_logprobs(actor.model, layout, temperature=actor.temperature,
                                         chunk_size=actor.chunk_size, compute_entropy=objective.needs_entropy)

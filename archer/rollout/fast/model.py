@@ -3,7 +3,9 @@ per-head q/k RMSNorm, LLaMA-style models: the same decoder shape) and of its Mix
 Qwen3's attention, sparse blocks on the layers its ``decoder_sparse_step`` / ``mlp_only_layers`` pick; OLMoE:
 q/k RMSNorm over the whole projection, ``clip_qkv``, every layer sparse), on its own weights. A sparse block
 routes and runs its experts through models/moe.py, the kernels the trainer's passes use (grouped matmuls, no
-host waits, so the decode CUDA graphs hold it as they hold a dense MLP).
+host waits, so the decode CUDA graphs hold it as they hold a dense MLP). With ``record_routes`` (routing replay,
+models/router_replay.py) each forward keeps its tokens' expert ids, int16 [tokens, sparse layers, top_k], in
+``routes``.
 
 The weights live in tensors allocated once, with q/k/v and gate/up fused into one matrix each; ``load``
 copies a stream of the actor's named weights (plain or LoRA-merged, models/lora.py) into them in place, so
@@ -211,6 +213,8 @@ class FastModel:
         self.cos, self.sin = self._rope_tables(model)
         self.scale = self.spec.head_dim ** -0.5
         self.names = self._weight_names(model)
+        self.record_routes = False  # routing replay: keep each forward's expert ids in ``routes``
+        self.routes: torch.Tensor | None = None  # int16 [tokens, sparse layers, top_k] of the last forward
         self.load(policy_weights(model) if weights is None else weights)
 
     def _allocate(self) -> None:
@@ -271,7 +275,7 @@ class FastModel:
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: list[tuple],
                 attend) -> torch.Tensor:
         """The decoder stack on token rows x [N, hidden]; ``attend(q, layer)`` runs one layer's attention."""
-        spec, residual = self.spec, None
+        spec, residual, picked = self.spec, None, []
         for i, layer in enumerate(self.layers):
             h, residual = ops.add_rmsnorm(x, residual, layer.ln1, spec.eps)
             qkv = self._qkv(h, layer)
@@ -281,9 +285,12 @@ class FastModel:
             h, residual = ops.add_rmsnorm(x, residual, layer.ln2, spec.eps)
             if layer.sparse:
                 weights, ids = route(F.linear(h, layer.router_w), spec.top_k, spec.norm_topk_prob)
+                picked.append(ids)
                 x = grouped_experts(h, ids, weights, layer.gate_up_w, layer.down_w)
             else:
                 x = F.linear(ops.silu_mul(F.linear(h, layer.gate_up_w)), layer.down_w)
+        if self.record_routes and picked:
+            self.routes = torch.stack(picked, dim=1).to(torch.int16)
         return ops.add_rmsnorm(x, residual, self.norm, spec.eps)[0]
 
     def _qkv(self, h: torch.Tensor, layer: _Layer) -> torch.Tensor:
