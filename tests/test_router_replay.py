@@ -366,7 +366,20 @@ def test_r3_grpo_run_logs_the_mismatch(micro_model, task_files, tmp_path, monkey
 @pytest.mark.parametrize(
     "changes, match",
     [
-        (["actor_rollout_ref.actor.router_replay.mode=R2"], "R2"),
+        (
+            [
+                "actor_rollout_ref.actor.router_replay.mode=R2",
+                "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+            ],
+            "go unused",
+        ),
+        (
+            [
+                "actor_rollout_ref.actor.router_replay.mode=R2",
+                "algorithm.rollout_correction.bypass_mode=true",
+            ],
+            "bypass_mode",
+        ),
         (["actor_rollout_ref.actor.router_replay.mode=R4"], "unknown"),
         (
             ["actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollout.name=hf"],
@@ -388,7 +401,7 @@ def test_r3_grpo_run_logs_the_mismatch(micro_model, task_files, tmp_path, monkey
         ),
         (["+actor_rollout_ref.actor.router_replay.record_file=/tmp/r.pt"], "record_file"),
     ],
-    ids=["R2", "unknown", "hf-engine", "async", "tools", "record-file"],
+    ids=["R2-with-engine-records", "R2-bypass", "unknown", "hf-engine", "async", "tools", "record-file"],
 )
 def test_config_refusals(changes, match):
     from archer.config.loader import load_config
@@ -421,3 +434,79 @@ def test_the_hf_engine_is_refused(micro_model, task_files, tmp_path):
     cfg.actor_rollout_ref.rollout.name = "auto"
     with pytest.raises(ArcherError, match="needs the fast engine"):
         PPOTrainer(cfg).fit()
+
+
+@BUILDS
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_r2_records_the_old_log_prob_pass_own_experts(parts, build, packed):
+    tokenizer = parts[1]
+    batch = _rollout(build(len(tokenizer)), tokenizer)
+    trainer = _perturbed(build(len(tokenizer)))
+    if packed:
+        use_packed_attention(trainer)
+    rows = batch.select(["input_ids", "attention_mask", "position_ids", "responses"])
+    out = torch.full(batch[ROUTED_EXPERTS].shape, -2, dtype=torch.int16)
+    micro = MicroBatching(2, None, packed=packed)  # three micro-batches of two rows
+    plain, _ = compute_log_probs(
+        trainer,
+        rows,
+        temperature=1.0,
+        micro=micro,
+        chunk_size=None,
+        device=torch.device("cpu"),
+        compute_entropy=False,
+    )
+    logp, _ = compute_log_probs(
+        trainer,
+        rows,
+        temperature=1.0,
+        micro=micro,
+        chunk_size=None,
+        device=torch.device("cpu"),
+        compute_entropy=False,
+        routing=ReplaySettings(own=True),
+        routes_out=out,
+    )
+    assert torch.equal(logp, plain)  # recording changes nothing
+    mask = batch["attention_mask"].bool()
+    assert bool((out[~mask] == -1).all())  # padding: nothing recorded
+    own = _own_routes(trainer, batch)
+    assert torch.equal(out[mask].long(), own[mask])
+    # replayed, the records give the pass's own log-probs back
+    replayed, _ = compute_log_probs(
+        trainer,
+        Batch({**rows.tensors, ROUTED_EXPERTS: out}),
+        temperature=1.0,
+        micro=MicroBatching(None, None, packed=False),
+        chunk_size=None,
+        device=torch.device("cpu"),
+        compute_entropy=False,
+        routing=ReplaySettings(replay=True),
+    )
+    torch.testing.assert_close(replayed, plain, atol=1e-5, rtol=0)
+
+
+def test_r2_grpo_run_replays_the_old_log_prob_routing(micro_model, task_files, tmp_path, monkeypatch):
+    """Two GRPO steps with router_replay.mode=R2 on the CPU with the hf engine (nothing recorded while
+    generating): the update's micro-batches replay the old-log-prob pass's routing; no mismatch metric."""
+    from archer.models import router_replay
+    from archer.trainer.ppo import PPOTrainer
+    from archer.workers import actor
+
+    replayed: list[int] = []
+
+    def spy(model, layout_of, rows, device, *, replay, count):
+        if ROUTED_EXPERTS in rows.tensors:
+            replayed.append(int((rows[ROUTED_EXPERTS] >= 0).sum()))
+        return router_replay.micro_batch_replay(model, layout_of, rows, device, replay=replay, count=count)
+
+    monkeypatch.setattr(actor, "micro_batch_replay", spy)
+    run, cfg = _moe_run(
+        _olmoe, micro_model, task_files, tmp_path, "actor_rollout_ref.actor.router_replay.mode=R2"
+    )
+    cfg.actor_rollout_ref.rollout.name = "hf"
+    PPOTrainer(cfg).fit()
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and all(m["actor/grad_norm"] > 0 for m in metrics)
+    assert not any(key.startswith("actor/router_mismatch") for m in metrics for key in m)
+    assert replayed and all(n > 0 for n in replayed)

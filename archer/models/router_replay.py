@@ -6,15 +6,17 @@ rounding that flipped it. Routing replay makes the trainer's passes route each t
 recorded for it (R3, "rollout routing replay"), so that the old log-probs and the update score the tokens through
 the experts that sampled them. Only the selection is replayed: the gate weights are the trainer's own softmax of
 its router logits, gathered at the replayed experts (and renormalised where the model's ``norm_topk_prob`` says
-so), so the router's weights still get gradients.
+so), so the router's weights still get gradients. R2 ("vanilla routing replay") records the trainer's own routing in
+the old-log-prob pass instead, and the update replays it, so that every epoch and mini-batch of the update routes
+as the policy before it did.
 
 What this module owns:
 
-- ``ReplaySettings``: the keys (``router_replay.mode``: ``disabled`` | ``R3``; R2, which records the trainer's own
-  routing in the old-log-prob pass, is refused; ``rollout.enable_rollout_routing_replay``, implied by R3: the
-  engine records, and the old-log-prob pass measures the mismatch without replaying);
+- ``ReplaySettings``: the keys (``router_replay.mode``: ``disabled`` | ``R3`` | ``R2``: the old-log-prob pass
+  records its own routers' top-k, ``own_routes``, and the update replays them; ``rollout.enable_rollout_routing_replay``,
+  implied by R3: the engine records, and the old-log-prob pass measures the mismatch without replaying);
 - the batch field ``routed_experts``: int16 [B, P + R, MoE layers, top_k] aligned with ``input_ids`` (the fast
-  engine's records laid out by ``sequence_routes``; -1 where nothing was recorded: padding and each response's
+  engine's records laid out by ``sequence_routes``, or R2's; -1 where nothing was recorded: padding and each response's
   last token, which the engine never fed; such tokens route by the trainer's own top-k);
 - ``layout_routes``: the records of a micro-batch in the order the model's MoE blocks see its tokens (the
   micro-batch's ``SequenceLayout``, padded, left-aligned or packed);
@@ -29,7 +31,7 @@ A replayed pass runs its decoder layers eagerly (``eager_layers``: the hooks sta
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -54,27 +56,27 @@ NOT_RECORDED = -1
 
 @dataclass(frozen=True)
 class ReplaySettings:
-    """``record``: the engine records each token's experts (the rollout key, or R3); ``replay``: the actor's
-    old-log-prob pass and update route with them (R3)."""
+    """``record``: the engine records each token's experts (the rollout key, or R3); ``own``: the actor's
+    old-log-prob pass records its own routers' top-k instead (R2); ``replay``: the passes route with the records
+    the batch holds (R3: the old-log-prob pass and the update; R2: the update)."""
 
     record: bool = False
     replay: bool = False
+    own: bool = False
 
     @classmethod
     def from_config(cls, actor_rollout_ref: DictConfig) -> ReplaySettings:
         mode = str(actor_rollout_ref.actor.router_replay.mode)
         if mode not in MODES:
             raise ArcherError(f"unknown {MODE_KEY}={mode!r}", f"use one of: {', '.join(MODES)}")
-        if mode == "R2":
+        record = bool(actor_rollout_ref.rollout.enable_rollout_routing_replay)
+        if mode == "R2" and record:
             raise ArcherError(
-                f"{MODE_KEY}=R2 (record the trainer's own routing in the old-log-prob pass and replay it "
-                "in the update) is not implemented in archer",
-                f"use {MODE_KEY}=R3 (replay the rollout engine's routing in both passes) or disabled",
+                f"{MODE_KEY}=R2 replays the routing the old-log-prob pass records, so the engine's records of "
+                f"{RECORD_KEY}=true would go unused",
+                f"use {MODE_KEY}=R3 to replay the engine's routing, or set {RECORD_KEY}=false",
             )
-        return cls(
-            record=mode == "R3" or bool(actor_rollout_ref.rollout.enable_rollout_routing_replay),
-            replay=mode == "R3",
-        )
+        return cls(record=record or mode == "R3", replay=mode != "disabled", own=mode == "R2")
 
 
 def sparse_gates(model: nn.Module) -> list[nn.Module]:
@@ -117,13 +119,12 @@ def pad_routes(routes: torch.Tensor, left: int, right: int) -> torch.Tensor:
     return torch.nn.functional.pad(routes, (0, 0, 0, 0, left, right), value=NOT_RECORDED)
 
 
-def layout_routes(layout_of, rows: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """The records of micro-batch ``rows`` in the order its layout's tokens enter the model, [T, layers, k] (long,
-    -1: not recorded, or layout padding), and each such token's row in ``rows`` [T] (-1 for layout padding).
-    ``layout_of``: how the pass lays a micro-batch out (``MicroBatching.layout``), applied to the rows with
-    their token ids replaced by their flat positions (+1, so that a layout's padding, id 0, reads -1)."""
-    routes = rows[ROUTED_EXPERTS]
-    batch, width = routes.shape[:2]
+def layout_sources(layout_of, rows: Batch) -> torch.Tensor:
+    """[T] the flat position in ``rows``' [B, W] grid of each token of the micro-batch's layout, in the order the
+    tokens enter the model (-1 for layout padding). ``layout_of``: how the pass lays a micro-batch out
+    (``MicroBatching.layout``), applied to the rows with their token ids replaced by their flat positions (+1, so
+    that a layout's padding, id 0, reads -1)."""
+    batch, width = rows["attention_mask"].shape
     carrier = Batch(
         {
             **rows.select(["attention_mask", "position_ids", "responses"]).tensors,
@@ -131,7 +132,16 @@ def layout_routes(layout_of, rows: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         }
     )
     layout: SequenceLayout = layout_of(carrier)
-    source = layout.input_ids.reshape(-1) - 1
+    return layout.input_ids.reshape(-1) - 1
+
+
+def layout_routes(layout_of, rows: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The records of micro-batch ``rows`` in the order its layout's tokens enter the model (``layout_sources``),
+    [T, layers, k] (long, -1: not recorded, or layout padding), and each such token's row in ``rows`` [T] (-1 for
+    layout padding)."""
+    routes = rows[ROUTED_EXPERTS]
+    batch, width = routes.shape[:2]
+    source = layout_sources(layout_of, rows)
     flat = routes.reshape(batch * width, *routes.shape[2:]).long()
     taken = torch.where((source >= 0)[:, None, None], flat[source.clamp(min=0)], NOT_RECORDED)
     return taken, torch.where(source >= 0, source // width, -1)
@@ -215,6 +225,39 @@ def replaying(
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextlib.contextmanager
+def recording(model: nn.Module, picked: list[torch.Tensor]) -> Iterator[None]:
+    """Inside the block, each sparse block's router appends its own top-k ids [T, k] to ``picked`` (layer order)."""
+    handles = [
+        gate.register_forward_hook(lambda _, args, out: picked.append(out[2])) for gate in sparse_gates(model)
+    ]
+    try:
+        with eager_layers():
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def own_routes(
+    model: nn.Module, layout_of, rows: Batch
+) -> tuple[contextlib.AbstractContextManager, Callable]:
+    """R2's record of micro-batch ``rows``: a context to run its forward in, and a function that then gives the
+    routers' own top-k laid out as ``routed_experts`` [B, W, layers, k] (int16, on the host; -1 off the tokens)."""
+    picked: list[torch.Tensor] = []
+    source = layout_sources(layout_of, rows)
+    batch, width = rows["attention_mask"].shape
+
+    def taken() -> torch.Tensor:
+        ids = torch.stack(picked, dim=1).to(torch.int16).cpu()  # [T, layers, k]
+        out = torch.full((batch * width, *ids.shape[1:]), NOT_RECORDED, dtype=torch.int16)
+        present = source >= 0
+        out[source[present]] = ids[present]
+        return out.view(batch, width, *ids.shape[1:])
+
+    return recording(model, picked), taken
 
 
 def micro_batch_replay(

@@ -250,12 +250,17 @@ def check_colocate_async(cfg: DictConfig) -> None:
 
 
 def check_router_replay(cfg: DictConfig) -> None:
-    """Routing replay's keys (models/router_replay.py): a known mode, and the engine records only in the sync
-    trainer mode's generation with the fast engine, without tools (the model's MoE blocks are checked by the actor)."""
+    """Routing replay's keys (models/router_replay.py): a known mode; R2 needs the old-log-prob pass it records
+    in; the engine records only in the sync trainer mode's generation with the fast engine, without tools (the
+    model's MoE blocks are checked by the actor)."""
     settings = ReplaySettings.from_config(cfg.actor_rollout_ref)
+    keys = f"{ROUTER_MODE_KEY}=disabled and {ROUTER_RECORD_KEY}=false"
+    if settings.own and cfg.algorithm.rollout_correction.bypass_mode:
+        raise ArcherError(f"{ROUTER_MODE_KEY}=R2 replays the routing of the old-log-prob pass, which "
+                          "algorithm.rollout_correction.bypass_mode=true skips",
+                          f"use {ROUTER_MODE_KEY}=R3 (the engine's routing), or turn bypass_mode off")
     if not settings.record:
         return
-    keys = f"{ROUTER_MODE_KEY}=disabled and {ROUTER_RECORD_KEY}=false"
     mode, engine = cfg.trainer.v1.trainer_mode, cfg.actor_rollout_ref.rollout.name
     if mode != "sync":
         raise ArcherError(f"routing replay records the experts of the sync mode's generation only, not "

@@ -23,7 +23,8 @@ the reference worker uses the same module with the adapters off.
 With routing replay (``actor.router_replay.mode=R3``, models/router_replay.py) the fast engine records each
 token's experts, and the old-log-prob pass and the update route an MoE policy's tokens with them; the old-log-prob
 pass also counts how often the policy's own top-k differs (``actor/router_mismatch_*``), also when
-``rollout.enable_rollout_routing_replay`` records without replaying.
+``rollout.enable_rollout_routing_replay`` records without replaying. With R2 the old-log-prob pass records its own
+routing and the update replays it.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from archer.models.router_replay import (
     ReplaySettings,
     RouteCounts,
     micro_batch_replay,
+    router_of,
     sparse_gates,
 )
 from archer.models.sequence_layout import SequenceLayout
@@ -138,7 +140,7 @@ class ActorWorker(OwnsModel):
         self.chat_template_kwargs = chat_template_kwargs
         self.fast_engine = uses_fast_engine(cfg.rollout, self.model, device)
         self.routing = ReplaySettings.from_config(cfg)
-        if self.routing.record:
+        if self.routing.record or self.routing.replay:
             self._check_routing()
         self.rollout: RolloutWorker | None = None
         self._engine_is_stale = False  # the weights changed since the engine last took them
@@ -174,7 +176,7 @@ class ActorWorker(OwnsModel):
         if not sparse_gates(self.model):
             raise ArcherError(f"routing replay ({MODE_KEY} / {RECORD_KEY}) needs a Mixture-of-Experts policy, and "
                               f"{self.cfg.model.path} has no sparse blocks", f"set {keys} for a dense model")
-        if not self.fast_engine:
+        if self.routing.record and not self.fast_engine:
             raise ArcherError("routing replay needs the fast engine, which records each token's experts; the hf "
                               "engine does not", "set actor_rollout_ref.rollout.name=fast, or " + keys)
 
@@ -292,15 +294,23 @@ class ActorWorker(OwnsModel):
     # -- inference -------------------------------------------------------------------------------------
     def compute_log_prob(self, batch: Batch) -> Batch:
         """old_log_probs and entropies of the current policy (before the update); where the batch holds the
-        engine's ``routed_experts``, routed with them (R3) and each row's ``ROUTE_COUNTS``."""
+        engine's ``routed_experts``, routed with them (R3) and each row's ``ROUTE_COUNTS``; with R2 the routers'
+        own top-k as ``routed_experts``, which the update replays."""
         passes = rank_passes(batch["attention_mask"], self.log_prob_micro, self.ctx)
         counts = torch.zeros(len(batch), RouteCounts.COLUMNS) if ROUTED_EXPERTS in batch.tensors else None
+        own = None
+        if self.routing.own:  # R2: this pass's own routing, replayed in the update
+            gates = sparse_gates(self.model)
+            own = torch.full((*batch["input_ids"].shape, len(gates), int(router_of(gates[0]).top_k)), -1,
+                             dtype=torch.int16)
         logp, ent = compute_log_probs(self.model, batch, temperature=self.temperature, micro=self.log_prob_micro,
                                       chunk_size=self.chunk_size, device=self.device, compute_entropy=True,
-                                      parts=passes.parts, routing=self.routing, route_counts=counts)
+                                      parts=passes.parts, routing=self.routing, route_counts=counts, routes_out=own)
         out = Batch({"old_log_probs": logp[passes.rows], "entropies": ent[passes.rows]})
         if counts is not None:
             out[ROUTE_COUNTS] = counts[passes.rows]
+        if own is not None:
+            out[ROUTED_EXPERTS] = own[passes.rows]
         return out
 
     # -- influence ---------------------------------------------------------------------------------------
