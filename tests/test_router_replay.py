@@ -249,7 +249,7 @@ def test_replayed_log_probs_equal_a_hand_routed_forward(parts, build):
 
         def ids_of_token(n, layer=layer):
             record = flat_routes[n, layer]
-            return record if bool((record >= 0).all()) else None
+            return record.long() if bool((record >= 0).all()) else None
 
         block.forward = _hand_block(block, ids_of_token)
     want, _ = compute_log_probs(

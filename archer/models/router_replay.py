@@ -38,7 +38,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from archer.batch import Batch
+from archer.batch import Batch, to_device
 from archer.errors import ArcherError
 from archer.models.compiled_layers import eager_layers
 from archer.models.moe import is_fused_experts
@@ -137,12 +137,12 @@ def layout_sources(layout_of, rows: Batch) -> torch.Tensor:
 
 def layout_routes(layout_of, rows: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """The records of micro-batch ``rows`` in the order its layout's tokens enter the model (``layout_sources``),
-    [T, layers, k] (long, -1: not recorded, or layout padding), and each such token's row in ``rows`` [T] (-1 for
+    [T, layers, k] (int16, -1: not recorded, or layout padding), and each such token's row in ``rows`` [T] (-1 for
     layout padding)."""
     routes = rows[ROUTED_EXPERTS]
     batch, width = routes.shape[:2]
     source = layout_sources(layout_of, rows)
-    flat = routes.reshape(batch * width, *routes.shape[2:]).long()
+    flat = routes.reshape(batch * width, *routes.shape[2:])
     taken = torch.where((source >= 0)[:, None, None], flat[source.clamp(min=0)], NOT_RECORDED)
     return taken, torch.where(source >= 0, source // width, -1)
 
@@ -217,7 +217,8 @@ def replaying(
             "record the routing with the policy's own engine (rollout.name=fast)",
         )
     handles = [
-        gate.register_forward_hook(_replay_hook(routes[:, i], replay, counts)) for i, gate in enumerate(gates)
+        gate.register_forward_hook(_replay_hook(routes[:, i].long(), replay, counts))
+        for i, gate in enumerate(gates)
     ]
     try:
         with eager_layers():
@@ -268,8 +269,8 @@ def micro_batch_replay(
     if ROUTED_EXPERTS not in rows.tensors:
         return contextlib.nullcontext(), None
     routes, token_rows = layout_routes(layout_of, rows)
-    counts = RouteCounts(len(rows), token_rows.to(device)) if count else None
-    return replaying(model, routes.to(device), replay=replay, counts=counts), counts
+    counts = RouteCounts(len(rows), to_device(token_rows, device)) if count else None  # no wait for the GPU
+    return replaying(model, to_device(routes, device), replay=replay, counts=counts), counts
 
 
 def mismatch_metrics(counts: torch.Tensor) -> dict[str, float]:
