@@ -37,11 +37,11 @@ BUILDS = pytest.mark.parametrize("build", [_qwen3_moe, _olmoe], ids=["qwen3_moe"
 RECORD, R3 = ReplaySettings(record=True), ReplaySettings(record=True, replay=True)
 
 
-def _rollout(model, tokenizer, *, n: int = 2, new_tokens: int = 7) -> Batch:
+def _rollout(model, tokenizer, *, n: int = 2, new_tokens: int = 7, stop: tuple[str, ...] = ()) -> Batch:
     """Sampled responses of the fast engine (recording) laid out as the rollout worker lays them out."""
     prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
     engine = FastEngine(model, tokenizer, max_num_seqs=4, page_size=16, record_routes=True)
-    out = engine.generate(prompts, SamplingParams(n=n, max_new_tokens=new_tokens, seed=3))
+    out = engine.generate(prompts, SamplingParams(n=n, max_new_tokens=new_tokens, seed=3, stop=stop))
     rows = [prompts[i] for i in out.prompt_index.tolist()]
     width = max(len(p) for p in rows)
     ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in rows])
@@ -49,13 +49,14 @@ def _rollout(model, tokenizer, *, n: int = 2, new_tokens: int = 7) -> Batch:
     ids, mask = torch.cat([ids, out.responses], dim=1), torch.cat([mask, out.response_mask], dim=1)
     routes = sequence_routes(out.routed_experts, [len(p) for p in rows], width, out.responses.shape[1])
     return Batch(
-        {
+        rows={"finish_reason": out.finish_reasons},
+        tensors={
             "input_ids": ids,
             "attention_mask": mask,
             "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
             "responses": out.responses,
             ROUTED_EXPERTS: routes,
-        }
+        },
     )
 
 
@@ -87,7 +88,21 @@ def _perturbed(model):
 def test_the_engine_records_the_trainers_own_experts(parts, build):
     tokenizer = parts[1]
     model = build(len(tokenizer))
-    batch = _rollout(model, tokenizer)
+    _check_records(model, _rollout(model, tokenizer))
+
+
+def test_a_stop_string_cuts_the_records_with_the_tokens(parts):
+    """Rows cut after a stop string inside a window keep the records of the tokens they keep, no more."""
+    tokenizer = parts[1]
+    model = _qwen3_moe(len(tokenizer))
+    batch = _rollout(model, tokenizer, new_tokens=12, stop=("F",))
+    assert "stop" in list(batch["finish_reason"]) and "length" in list(batch["finish_reason"])
+    _check_records(model, batch)
+
+
+def _check_records(model, batch: Batch) -> None:
+    """The engine's records of ``batch``: on every token but each row's last, and the trainer's own top-k there;
+    the old-log-prob pass counts them and no mismatch."""
     routes, mask = batch[ROUTED_EXPERTS], batch["attention_mask"].bool()
     assert routes.dtype == torch.int16 and routes.shape[2:] == (
         len(sparse_gates(model)),
