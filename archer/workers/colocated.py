@@ -211,18 +211,21 @@ class RankWorkers:
     # -- memory -------------------------------------------------------------------------------------------
     @collect(max_over_ranks)
     def memory_peaks(self) -> dict[str, float]:
-        """The device's peak memory since the last call (GiB; empty on a CPU), then the count restarts; and the KV
-        cache the fast engine last sized (``perf/kv_cache_gb``: less than its share where the card had less free)."""
+        """The device's peak memory since the last call (GiB; empty on a CPU), then the count restarts."""
         if self.ctx.device.type != "cuda":
             return {}
         peaks = {"perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated(self.ctx.device) / GIB,
                  "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved(self.ctx.device) / GIB}
         torch.cuda.reset_peak_memory_stats(self.ctx.device)
+        return peaks
+
+    @collect(max_over_ranks)
+    def kv_cache_size(self) -> dict[str, float]:
+        """``perf/kv_cache_gb``: the KV cache the fast engine last sized (less than its share where the card had
+        less free); empty without a fast engine on this rank."""
         rollout = getattr(self.actor, "rollout", None)
         cache_bytes = getattr(rollout.engine, "cache_bytes", 0) if rollout is not None else 0
-        if cache_bytes:
-            peaks["perf/kv_cache_gb"] = cache_bytes / GIB
-        return peaks
+        return {"perf/kv_cache_gb": cache_bytes / GIB} if cache_bytes else {}
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     @collect(rank_zero)
