@@ -1,7 +1,8 @@
 """How a worker method's rows are split over the ranks and its per-rank results come back to the driver.
 
 Every rank receives the same full arguments (one object-store copy). A method declares with ``@collect`` how the
-per-rank results are collected and, with ``split``, what of its first argument the rank's method works on; the
+per-rank results are collected and, with ``split``, what of its first positional argument the rank's method works
+on; the
 declaration wraps the method so that the split is made there, once, from the rank's place (``self.ctx``: its
 ``rank`` and ``world_size``), whoever calls it (a worker group, or a test at world 1):
 
@@ -15,7 +16,8 @@ declaration wraps the method so that the split is made there, once, from the ran
 Every split mode takes a rank's rows from ``rank_share`` (contiguous rows, as ``numpy.array_split``):
 
 - ``whole`` (the default): the argument as it came;
-- ``own_rows``: the batch's rows of the rank (``info[FIRST_ROW]``: the first one's index in the whole batch);
+- ``own_rows``: the batch's rows of the rank (``info[FIRST_ROW]``: the first one's index in the whole batch; at
+  world 1 the batch as it came);
 - ``own_rows_or_stand_in``: the same, and a rank without rows gets row 0 marked ``info[STAND_IN]`` (a generation
   whose engine must still take part in the ranks' collectives);
 - ``own_passes`` (workers/data_parallel.py): the whole batch with the rank's micro-batches over its rows, padded
