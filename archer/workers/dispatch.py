@@ -2,9 +2,8 @@
 
 Every rank receives the same full arguments (one object-store copy). A method declares with ``@collect`` how the
 per-rank results are collected and, with ``split``, what of its first positional argument the rank's method works
-on; the
-declaration wraps the method so that the split is made there, once, from the rank's place (``self.ctx``: its
-``rank`` and ``world_size``), whoever calls it (a worker group, or a test at world 1):
+on; the declaration wraps the method so that the split is made there, once, from the rank's place (``self.ctx``:
+its ``rank`` and ``world_size``), whoever calls it (a worker group, or a test at world 1):
 
     class ActorWorker:                                          # workers/actor.py
         @collect(concat_batches, split=own_passes("log_prob_micro"))
