@@ -22,11 +22,13 @@ from archer.controller.ray_group import RankPlace, check_ray_address, rank_layou
 from archer.controller.worker_group import LocalWorkerGroup, WorkerGroup
 from archer.errors import ArcherError
 from archer.workers.dispatch import (
+    FIRST_ROW,
+    Seat,
     collect,
     collector_of,
     concat_batches,
+    own_rows,
     rank_zero,
-    shard_rows,
 )
 
 ray = pytest.importorskip("ray")
@@ -40,7 +42,7 @@ class ToyWorker:
     def __init__(self, scale: int) -> None:
         self.scale = scale
         self.rank = int(os.environ.get("RANK", "0"))
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.ctx = Seat(self.rank, int(os.environ.get("WORLD_SIZE", "1")))
 
     @collect(list)
     def environment(self) -> dict[str, str | None]:
@@ -50,11 +52,10 @@ class ToyWorker:
     def rank_times_scale(self) -> int:
         return self.rank * self.scale + 1
 
-    @collect(concat_batches)
-    def scaled_rows(self, batch: Batch, *, offset: int = 0) -> Batch:
-        part = shard_rows(batch, self.rank, self.world)
+    @collect(concat_batches, split=own_rows)
+    def scaled_rows(self, part: Batch, *, offset: int = 0) -> Batch:
         return Batch({"x": part["x"] * self.scale + offset, "rank": torch.full((len(part),), self.rank)},
-                     {"uid": part.rows["uid"]}, {"rows_seen": len(batch)})
+                     {"uid": part.rows["uid"]}, {"rows_seen": len(part), "first_row": part.info.get(FIRST_ROW, 0)})
 
     @collect(list)
     def all_reduce(self, value: float) -> float:
@@ -138,7 +139,7 @@ def test_local_group_calls_the_worker_directly() -> None:
     assert isinstance(group, LocalWorkerGroup) and group.world_size == 1
     batch = Batch({"x": torch.arange(7)}, {"uid": [f"u{i}" for i in range(7)]})
     out = group.call("scaled_rows", batch, offset=1)
-    assert out["x"].tolist() == [10 * i + 1 for i in range(7)] and out.info == {"rows_seen": 7}
+    assert out["x"].tolist() == [10 * i + 1 for i in range(7)] and out.info == {"rows_seen": 7, "first_row": 0}
     assert group.call("rank_times_scale") == 1
     with pytest.raises(TypeError, match="declares no collector"):
         group.call("undeclared")
@@ -237,7 +238,7 @@ def test_rank_zero_and_uneven_concat(pair: WorkerGroup, monkeypatch: pytest.Monk
     assert out["x"].tolist() == [10 * i + 2 for i in range(7)]
     assert out["rank"].tolist() == [0, 0, 0, 0, 1, 1, 1]  # 7 rows on 2 ranks: 4 + 3
     assert out.rows["uid"].tolist() == [f"u{i}" for i in range(7)]
-    assert out.info == {"rows_seen": 7}  # every rank received the full batch
+    assert out.info == {"rows_seen": 4, "first_row": 0}  # rank 0's info: the split was made on the rank
 
 
 def test_ranks_form_a_gloo_process_group(pair: WorkerGroup) -> None:

@@ -371,6 +371,7 @@ class PPOTrainer:
         metrics.update(self.peaks.metrics())
         if not self.driver_holds_model:  # the busiest trainer device's peak
             metrics.update(self.workers.call("memory_peaks"))
+        metrics.update(self.workers.call("kv_cache_size"))
         metrics["training/global_step"] = float(step)
         metrics["training/epoch"] = float(self.loader.epoch)
         return metrics

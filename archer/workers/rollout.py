@@ -37,13 +37,10 @@ from archer.rollout.agentic import AgenticOutput
 from archer.rollout.agentic_config import branch_settings, build_agentic_rollout, uses_tools
 from archer.rollout.base import RolloutEngine, SamplingParams
 from archer.rollout.request_pool import PoolRun, RolloutPool
+from archer.workers.dispatch import FIRST_ROW
 from archer.workers.results import ROLLOUT_STATS
 
 log = logging.getLogger("archer.rollout")
-
-
-
-FIRST_PROMPT = "first_prompt"  # info key of a rank's slice of prompts: the index of its first prompt in the batch
 
 
 def sampling_params(rollout: DictConfig, *, validate: bool, seed: int, first_prompt: int = 0) -> SamplingParams:
@@ -107,7 +104,7 @@ class RolloutWorker:
         caller syncs the weights again before the next generation)."""
         validate = bool(prompts.info.get("validate", False))
         params = sampling_params(self.cfg, validate=validate, seed=int(prompts.info["seed"]),
-                                 first_prompt=int(prompts.info.get(FIRST_PROMPT, 0)))
+                                 first_prompt=int(prompts.info.get(FIRST_ROW, 0)))
         with self.engine_turn(release_weights=release_weights):
             return self.generate_sequences(prompts, params, validate=validate)
 
