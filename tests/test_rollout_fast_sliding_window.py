@@ -341,14 +341,20 @@ def test_grpo_trains_a_windowed_mistral_packed_through_the_fast_engine(
     assert all(m["rollout_corr/log_ppl_abs_diff"] < 1e-4 for m in metrics)
 
 
-def test_softcapped_logits_are_the_engines_too(parts):
-    # Gemma 3's final soft cap (2.0 here): every engine log-prob comes from logits within (-2, 2)
+def test_softcapped_logits_are_the_engines_and_the_trainers(parts):
+    # a Gemma 3 with its final logits soft-capped at 2.0: the engine's log-probs come from capped logits (within
+    # (-2, 2)), and the training pass caps them too
     tokenizer = parts[1]
     model = _gemma3(len(tokenizer), softcap=2.0)
-    prompt = tokenizer(TEXTS[0])["input_ids"]
-    out = FastEngine(model, tokenizer, max_num_seqs=2, page_size=16).generate(
-        [prompt], SamplingParams(do_sample=False, max_new_tokens=4)
-    )
-    logits = model(torch.tensor([prompt])).logits[0, -1]
+    prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
+    greedy = SamplingParams(n=2, do_sample=False, max_new_tokens=8)
+    engine = FastEngine(model, tokenizer, max_num_seqs=4, page_size=16)
+    out = engine.generate(prompts, greedy)
+    assert torch.equal(out.responses, HFGenerateEngine(model, tokenizer).generate(prompts, greedy).responses)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompts[0]])).logits[0, -1]
     assert float(logits.abs().max()) < 2.0
     torch.testing.assert_close(out.log_probs[0, 0], F.log_softmax(logits, -1).max(), atol=1e-5, rtol=0)
+    logp, entropy = _training_pass(model, tokenizer, prompts, out, 1.0)
+    torch.testing.assert_close(out.log_probs, logp, atol=1e-4, rtol=0)
+    torch.testing.assert_close(out.entropies, entropy, atol=1e-4, rtol=0)
