@@ -97,10 +97,16 @@ def test_archers_mask_function_answers_an_all_ones_mask_without_reading_it_and_i
     with monkeypatch.context() as patched:  # archer's answers the same without SDPA's function
         patched.setattr(packed_attention_module, "sdpa_mask", lambda **_: pytest.fail("read the mask"))
         assert archer_mask(**causal) is None
-    # a sliding window over an all-ones mask: no mask either (packed_attention applies the layer's window itself);
-    # with a padded row, or keys the queries do not line up with, a mask: SDPA's own answer, unchanged
-    window = {**causal, "mask_function": sliding_window_causal_mask_function(2), "local_size": 2}
+    # a sliding window over an all-ones mask, of an architecture whose windows packed_attention applies: no mask
+    # either (the attention applies the layer's window); of another (a chunked layer's, say), or with a padded row,
+    # or keys the queries do not line up with, a mask: SDPA's own answer, unchanged
+    from transformers import Gemma2Config, MistralConfig
+
+    window = {**causal, "mask_function": sliding_window_causal_mask_function(2), "local_size": 2,
+              "config": MistralConfig(sliding_window=2)}
     assert sdpa_mask(**window) is not None and archer_mask(**window) is None
+    for other in (None, Gemma2Config(sliding_window=2)):
+        torch.testing.assert_close(archer_mask(**{**window, "config": other}), sdpa_mask(**window))
     holed = torch.ones(2, 6, dtype=torch.bool)
     holed[0, :3] = False
     torch.testing.assert_close(archer_mask(**{**window, "attention_mask": holed}),

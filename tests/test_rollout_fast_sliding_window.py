@@ -37,7 +37,7 @@ from archer.models.packed_attention import supports_packing
 from archer.models.sequence_layout import SequenceLayout
 from archer.rollout.base import SamplingParams
 from archer.rollout.fast import FastEngine, ops
-from archer.rollout.fast.model import model_spec
+from archer.rollout.fast.model import model_spec, weight_bytes
 from archer.rollout.hf_engine import HFGenerateEngine
 
 SIZES = {
@@ -142,8 +142,10 @@ EACH = pytest.mark.parametrize("name", list(BUILDS))
 @EACH
 def test_each_layers_window_is_read_from_the_config(name):
     build, windows = BUILDS[name]
-    spec = model_spec(build(64))
+    model = build(64)
+    spec = model_spec(model)
     assert spec.windows == windows and spec.layers == len(windows)
+    assert weight_bytes(spec, torch.float32) == sum(p.numel() for p in model.parameters()) * 4
     if name == "gemma3":
         assert spec.gemma and spec.logit_softcap is None and spec.attention_scale == pytest.approx(12**-0.5)
         assert model_spec(_gemma3(64, softcap=2.0)).logit_softcap == 2.0

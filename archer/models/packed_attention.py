@@ -61,11 +61,15 @@ def all_ones_mask(like: torch.Tensor) -> torch.Tensor:
 def archer_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """transformers' mask function for ``PACKED_ATTENTION``: SDPA's, except that a causal forward without a cache
     whose attention mask came from ``all_ones_mask`` gets no mask (causal attention, as SDPA's would conclude after
-    reading the mask back from the GPU); on a sliding-window layer (``local_size``: transformers' sliding-window
-    causal mask, nothing added to it) ``packed_attention`` applies the window."""
+    reading the mask back from the GPU); so does a sliding-window layer of a model whose windows packed attention
+    applies (``local_size``: transformers' sliding-window causal mask, nothing added to it; ``packs_windows`` of
+    the ``config`` transformers passes), whose window ``packed_attention`` applies."""
     mask = kwargs.get("attention_mask")
-    plain = (kwargs.get("mask_function", causal_mask_function) is causal_mask_function
-             if kwargs.get("local_size") is None else True)
+    if kwargs.get("local_size") is None:
+        plain = kwargs.get("mask_function", causal_mask_function) is causal_mask_function
+    else:  # a window whose size the layer's attention call carries (not, say, a chunked layer's)
+        config = kwargs.get("config")
+        plain = windowed_layers(config) and packs_windows(config)
     if (not args and getattr(mask, _ALL_ONES, False) and kwargs.get("allow_is_causal_skip", True) and plain
             and not kwargs.get("q_offset", 0) and not kwargs.get("kv_offset", 0)
             and kwargs.get("q_length") == kwargs.get("kv_length")):
