@@ -327,8 +327,6 @@ class FastModel:
                 attend) -> torch.Tensor:
         """The decoder stack on token rows x [N, hidden]; ``attend(q, layer)`` runs one layer's attention."""
         spec, residual = self.spec, None
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
         for i, layer in enumerate(self.layers):
             h, residual = ops.add_rmsnorm(x, residual, layer.ln1, spec.eps)
             qkv = self._qkv(h, layer)
@@ -347,6 +345,11 @@ class FastModel:
             else:
                 x = F.linear(ops.silu_mul(F.linear(h, layer.gate_up_w)), layer.down_w)
         return ops.add_rmsnorm(x, residual, self.norm, spec.eps)[0]
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of ``tokens`` (Gemma's times sqrt(hidden))."""
+        x = F.embedding(tokens, self.embed)
+        return x if self.embed_scale is None else x * self.embed_scale
 
     def _qkv(self, h: torch.Tensor, layer: _Layer) -> torch.Tensor:
         """The fused q/k/v rows of normed inputs ``h``; OLMoE's q/k norms over the whole projection and its
@@ -371,7 +374,7 @@ class FastModel:
         def attend(q: torch.Tensor, i: int) -> torch.Tensor:
             return ops.decode_attention(q, *kv[i], tables, ctx, self.scale, splits, window=self.windows[i])
 
-        hidden = self._layers(F.embedding(tokens, self.embed), positions, slots, kv, attend)
+        hidden = self._layers(self._embed(tokens), positions, slots, kv, attend)
         logits = F.linear(hidden, self.lm_head)
         cap = self.spec.logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
@@ -390,4 +393,4 @@ class FastModel:
                                       window=self.windows[i])
             return out.reshape(rows * length, -1)
 
-        self._layers(F.embedding(tokens.flatten(), self.embed), positions.flatten(), slots, kv, attend)
+        self._layers(self._embed(tokens.flatten()), positions.flatten(), slots, kv, attend)
