@@ -194,6 +194,38 @@ def test_a_group_starts_its_own_ray_and_stops_it() -> None:
     assert out.stdout.split("\n")[-3:] == ["cpu True 1 ['0', '1']", "False", ""], out.stdout
 
 
+def test_a_local_ray_is_new_even_beside_a_cluster_ray_start_left() -> None:
+    """`ray start --head` records its cluster in Ray's temp folder, and ray.init() without an address joins it
+    (then refuses the run's num_cpus): archer's own Ray is a new instance (address "local") unless RAY_ADDRESS
+    names a cluster. The head here has 1 CPU; the run's instance has at least 3."""
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="archer-rs-", dir="/tmp"))  # short: Ray's socket paths are <= 107 bytes
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=str(tmp), RAY_USAGE_STATS_ENABLED="0")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    head = subprocess.Popen(["ray", "start", "--head", "--block", "--num-cpus=1", f"--port={port}",
+                             "--node-ip-address=127.0.0.1", "--include-dashboard=false", f"--temp-dir={tmp}/ray"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (tmp / "ray" / "ray_current_cluster").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert (tmp / "ray" / "ray_current_cluster").exists(), "ray start wrote no ray_current_cluster"
+        code = ("import ray\nfrom archer.controller.ray_group import connect_ray\n"
+                "print(connect_ray(3), ray.cluster_resources()['CPU'])\nray.shutdown()")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        started, cpus = out.stdout.split()[-2:]
+        assert started == "True" and float(cpus) >= 3, out.stdout
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(timeout=60)
+        subprocess.run(["rm", "-rf", str(tmp)], check=False)
+
+
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
     """One local Ray instance for the file (starting one takes seconds): room for two 2-rank groups; the
