@@ -84,6 +84,13 @@ def _unwrapped(module: nn.Module | None) -> nn.Module:
     return nn.Module() if module is None else module
 
 
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two weights share one storage (a tied LM head). A sharded (FSDP2) weight is compared by its rank's
+    shard: a DTensor's own data_ptr is 0, as every tensor's is on the meta device (the memory plan's tests)."""
+    a, b = (w.to_local() if hasattr(w, "to_local") else w for w in (a, b))
+    return not a.is_meta and a.data_ptr() == b.data_ptr()
+
+
 def model_spec(model: nn.Module) -> ModelSpec:
     """The spec of a Hugging Face causal LM, or an ArcherError naming what the fast engine cannot run."""
     config = getattr(model, "config", None)
@@ -115,9 +122,7 @@ def model_spec(model: nn.Module) -> ModelSpec:
     if heads % kv_heads:
         raise _unsupported(f"{heads} attention heads over {kv_heads} key/value heads")
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    # one tensor (or one storage); on the meta device (the memory plan's tests) every data_ptr is 0
-    tied = head.weight is embed.weight or (not head.weight.is_meta
-                                           and head.weight.data_ptr() == embed.weight.data_ptr())
+    tied = head.weight is embed.weight or _same_storage(head.weight, embed.weight)
     if getattr(head, "bias", None) is not None:
         raise _unsupported("an LM head with a bias")
     full_qk_norm = model_type == "olmoe"
