@@ -424,8 +424,11 @@ class RayWorkerGroup(WorkerGroup):
                     break
                 except ray.exceptions.RayError:
                     continue
-        lost = self._lost_nodes(sorted({rank, *pending.values()}))
-        if lost:  # a node went down: name it, and its rank, whatever error reached the driver first
+        # a node went down: name it, and its rank, whatever error reached the driver first (a rank's own
+        # ArcherError, a config or data problem, is reported as it is)
+        own_error = isinstance(getattr(exc, "cause", None), ArcherError)
+        lost = {} if own_error else self._lost_nodes(sorted({rank, *pending.values()}))
+        if lost:
             rank = min(lost)
             where = self._where(rank)
             self.shutdown()
