@@ -345,10 +345,11 @@ def test_unsupported_models_name_the_hf_engine(parts):
     with pytest.raises(ArcherError, match="GPT2LMHeadModel") as err:
         FastEngine(gpt2, tokenizer)
     assert "rollout.name=hf" in str(err.value)
-    sliding = _tiny(Qwen2ForCausalLM, Qwen2Config, len(tokenizer), use_sliding_window=True, sliding_window=16,
+    chunked = _tiny(Qwen2ForCausalLM, Qwen2Config, len(tokenizer), use_sliding_window=True, sliding_window=16,
                     max_window_layers=0)
-    with pytest.raises(ArcherError, match="sliding-window"):
-        FastEngine(sliding, tokenizer)
+    chunked.config.layer_types = ["chunked_attention", "full_attention"]  # windows of another kind than sliding
+    with pytest.raises(ArcherError, match="chunked_attention"):
+        FastEngine(chunked, tokenizer)
 
 
 def test_lengths_limits_and_bad_input(parts, prompts):

@@ -30,11 +30,13 @@ from archer.controller.ray_group import (
 from archer.controller.worker_group import LocalWorkerGroup, WorkerGroup
 from archer.errors import ArcherError
 from archer.workers.dispatch import (
+    FIRST_ROW,
+    Seat,
     collect,
     collector_of,
     concat_batches,
+    own_rows,
     rank_zero,
-    shard_rows,
 )
 
 ray = pytest.importorskip("ray")
@@ -48,7 +50,7 @@ class ToyWorker:
     def __init__(self, scale: int) -> None:
         self.scale = scale
         self.rank = int(os.environ.get("RANK", "0"))
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.ctx = Seat(self.rank, int(os.environ.get("WORLD_SIZE", "1")))
 
     @collect(list)
     def environment(self) -> dict[str, str | None]:
@@ -58,11 +60,10 @@ class ToyWorker:
     def rank_times_scale(self) -> int:
         return self.rank * self.scale + 1
 
-    @collect(concat_batches)
-    def scaled_rows(self, batch: Batch, *, offset: int = 0) -> Batch:
-        part = shard_rows(batch, self.rank, self.world)
+    @collect(concat_batches, split=own_rows)
+    def scaled_rows(self, part: Batch, *, offset: int = 0) -> Batch:
         return Batch({"x": part["x"] * self.scale + offset, "rank": torch.full((len(part),), self.rank)},
-                     {"uid": part.rows["uid"]}, {"rows_seen": len(batch)})
+                     {"uid": part.rows["uid"]}, {"rows_seen": len(part), "first_row": part.info.get(FIRST_ROW, 0)})
 
     @collect(list)
     def all_reduce(self, value: float) -> float:
@@ -164,7 +165,7 @@ def test_local_group_calls_the_worker_directly() -> None:
     assert isinstance(group, LocalWorkerGroup) and group.world_size == 1
     batch = Batch({"x": torch.arange(7)}, {"uid": [f"u{i}" for i in range(7)]})
     out = group.call("scaled_rows", batch, offset=1)
-    assert out["x"].tolist() == [10 * i + 1 for i in range(7)] and out.info == {"rows_seen": 7}
+    assert out["x"].tolist() == [10 * i + 1 for i in range(7)] and out.info == {"rows_seen": 7, "first_row": 0}
     assert group.call("rank_times_scale") == 1
     with pytest.raises(TypeError, match="declares no collector"):
         group.call("undeclared")
@@ -219,6 +220,38 @@ def test_a_group_starts_its_own_ray_and_stops_it() -> None:
     assert out.stdout.split("\n")[-3:] == ["cpu True 1 ['0', '1']", "False", ""], out.stdout
 
 
+def test_a_local_ray_is_new_even_beside_a_cluster_ray_start_left() -> None:
+    """`ray start --head` records its cluster in Ray's temp folder, and ray.init() without an address joins it
+    (then refuses the run's num_cpus): archer's own Ray is a new instance (address "local") unless RAY_ADDRESS
+    names a cluster. The head here has 1 CPU; the run's instance has at least 3."""
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="archer-rs-", dir="/tmp"))  # short: Ray's socket paths are <= 107 bytes
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=str(tmp), RAY_USAGE_STATS_ENABLED="0")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    head = subprocess.Popen(["ray", "start", "--head", "--block", "--num-cpus=1", f"--port={port}",
+                             "--node-ip-address=127.0.0.1", "--include-dashboard=false", f"--temp-dir={tmp}/ray"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (tmp / "ray" / "ray_current_cluster").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert (tmp / "ray" / "ray_current_cluster").exists(), "ray start wrote no ray_current_cluster"
+        code = ("import ray\nfrom archer.controller.ray_group import connect_ray\n"
+                "print(connect_ray(3), ray.cluster_resources()['CPU'])\nray.shutdown()")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        started, cpus = out.stdout.split()[-2:]
+        assert started == "True" and float(cpus) >= 3, out.stdout
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(timeout=60)
+        subprocess.run(["rm", "-rf", str(tmp)], check=False)
+
+
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
     """One local Ray instance for the file (starting one takes seconds): room for two 2-rank groups; the
@@ -263,7 +296,7 @@ def test_rank_zero_and_uneven_concat(pair: WorkerGroup, monkeypatch: pytest.Monk
     assert out["x"].tolist() == [10 * i + 2 for i in range(7)]
     assert out["rank"].tolist() == [0, 0, 0, 0, 1, 1, 1]  # 7 rows on 2 ranks: 4 + 3
     assert out.rows["uid"].tolist() == [f"u{i}" for i in range(7)]
-    assert out.info == {"rows_seen": 7}  # every rank received the full batch
+    assert out.info == {"rows_seen": 4, "first_row": 0}  # rank 0's info: the split was made on the rank
 
 
 def test_ranks_form_a_gloo_process_group(pair: WorkerGroup) -> None:

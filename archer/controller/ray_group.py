@@ -86,7 +86,9 @@ def connect_ray(world: int, *, object_store_memory: int | None = None) -> bool:
             check_ray_address(address)
             ray.init(address=address, log_to_driver=True)
         else:
-            ray.init(num_cpus=max(world, os.cpu_count() or 1), object_store_memory=object_store_memory,
+            # "local": a new instance even where `ray start` left a cluster on this machine (ray.init's default
+            # joins it through Ray's ray_current_cluster file, then refuses num_cpus)
+            ray.init(address="local", num_cpus=max(world, os.cpu_count() or 1), object_store_memory=object_store_memory,
                      include_dashboard=False, log_to_driver=True)
     except ConnectionError as exc:
         raise ArcherError(f"cannot connect to the Ray cluster at RAY_ADDRESS={address}: {exc}",
