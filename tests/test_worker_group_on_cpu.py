@@ -4,6 +4,7 @@ a real process group, failures, and the in-process group for world 1."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,7 +19,14 @@ import torch
 
 from archer.batch import Batch
 from archer.controller.factory import build_worker_group
-from archer.controller.ray_group import RankPlace, check_ray_address, rank_layout, visible_devices
+from archer.controller.ray_group import (
+    RankPlace,
+    check_ray_address,
+    placement_line,
+    rank_layout,
+    raylet_answers,
+    visible_devices,
+)
 from archer.controller.worker_group import LocalWorkerGroup, WorkerGroup
 from archer.errors import ArcherError
 from archer.workers.dispatch import (
@@ -118,6 +126,24 @@ def test_rank_layout_orders_nodes_by_address_and_shares_the_node_gpus() -> None:
     assert layout == [RankPlace(1, "a", 0, 2), RankPlace(3, "a", 1, 2), RankPlace(0, "b", 0, 2), RankPlace(2, "b", 1, 2)]
     # Ray gave each rank one GPU id; each rank sees its node's GPUs with its own at index LOCAL_RANK
     assert visible_devices(layout, [["3"], ["1"], ["0"], ["5"]]) == ["3,1", "3,1", "0,5", "0,5"]
+
+
+def test_the_placement_line_names_each_nodes_ranks() -> None:
+    layout = rank_layout({0: "b", 1: "a", 2: "b", 3: "a"}, {"a": "10.0.0.1", "b": "10.0.0.2"})
+    assert placement_line(layout, {"a": "10.0.0.1", "b": "10.0.0.2"}) == (
+        "4 ranks on 2 node(s): ranks 0, 1 on node a (10.0.0.1); ranks 2, 3 on node b (10.0.0.2)")
+    assert placement_line(layout[:1], {}) == "1 ranks on 1 node(s): rank 0 on node a (?)"
+
+
+def test_a_raylet_that_refuses_connections_does_not_answer() -> None:
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        assert raylet_answers("127.0.0.1", port)
+    start = time.monotonic()
+    assert not raylet_answers("127.0.0.1", port)  # closed: refused at once
+    assert time.monotonic() - start < 1
 
 
 def test_an_unreachable_ray_address_fails_at_once() -> None:
@@ -322,7 +348,9 @@ def test_a_rank_killed_mid_call_names_the_rank_and_resume(ray_cluster: None) -> 
     with pytest.raises(ArcherError) as err:
         group.call("die_in_collective", 1)  # rank 0 waits in all_reduce for rank 1, which is gone
     assert time.monotonic() - start < 30
-    assert f"rank 1 of 2 died during die_in_collective: its process {pid} on " in err.value.problem
+    node_id = group.layout[1].node_id
+    assert re.search(rf"rank 1 of 2 on node {node_id} \(\S+\) died during die_in_collective: its process {pid} on ",
+                     err.value.problem), err.value.problem
     assert "trainer.resume_mode=auto" in err.value.fix
     assert ray.util.placement_group_table(pg)["state"] == "REMOVED"  # the group was shut down
     with pytest.raises(ArcherError, match="the worker group was shut down"):

@@ -30,6 +30,7 @@ from archer.controller.factory import build_worker_group
 from archer.controller.worker_group import WorkerGroup
 from archer.data.rl_data import build_rl_data
 from archer.data.rl_dataset import RLDataset
+from archer.distributed.shared_folder import check_shared_folder
 from archer.eval.evaluator import Evaluator, records_metrics
 from archer.folder_lock import FolderLock, hold_folder, refuse_if_held
 from archer.health.monitor import HealthMonitor
@@ -464,6 +465,9 @@ class PPOTrainer:
         cfg = self.cfg.trainer
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(self.cfg, self.run_dir / CONFIG_FILE)
+        if not self.driver_holds_model:  # ranks in other processes, maybe on other nodes, write the checkpoints
+            check_shared_folder(self.workers.call, self.checkpoints.root, self.workers.world_size,
+                                "trainer.default_local_dir")
         start = self.resume()
         self.global_step = start
         self.open_traces(start)

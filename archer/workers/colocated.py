@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,6 +34,7 @@ from transformers import PreTrainedTokenizerBase
 
 from archer.config.world import world_size
 from archer.distributed.context import DistContext
+from archer.distributed.shared_folder import rank_name, unseen_markers, write_marker
 from archer.distributed.weight_sync import WeightManifest, WeightSender, join_group, open_store
 from archer.models.loading import load_tokenizer, pick_device
 from archer.units import GIB
@@ -195,6 +197,14 @@ class RankWorkers:
         self.actor.save(folder / "actor", tokenizer)
         if self.critic is not None:
             self.critic.save(folder / "critic")
+
+    @collect(list)
+    def check_shared_folder(self, folder: Path, token: str) -> dict[str, Any]:
+        """This rank's side of archer/distributed/shared_folder.check_shared_folder: write its marker, wait for
+        every rank's, then name the markers it does not see (and its host)."""
+        write_marker(folder, token, rank_name(self.ctx.rank))
+        self.ctx.barrier()
+        return {"host": socket.gethostname(), "unseen": unseen_markers(folder, token, self.ctx.world_size)}
 
     @collect(rank_zero)
     def load_checkpoint(self, folder: Path) -> None:
