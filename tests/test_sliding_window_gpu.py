@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_rollout_fast_engine import _training_pass
+from test_rollout_hf_engine import _full_sequences
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
 
 from archer.models.loading import load_tokenizer
+from archer.models.logprobs import response_logprobs
 from archer.models.packed_attention import packed_attention, uses_flash_varlen, window_mask
 from archer.rollout.base import SamplingParams
 from archer.rollout.fast import FastEngine, ops
@@ -115,6 +116,8 @@ def test_fast_engine_on_a_gpu_runs_windowed_models_like_transformers(tiny_model_
     engine = FastEngine(model, tokenizer, dtype=torch.float32, max_num_seqs=8)
     fast = engine.generate(prompts, greedy)
     assert torch.equal(fast.responses, HFGenerateEngine(model, tokenizer).generate(prompts, greedy).responses)
-    logp, entropy = _training_pass(model, tokenizer, prompts, fast, 1.0)
+    ids, mask, pos = (t.to(CUDA) for t in _full_sequences(prompts, fast, tokenizer.pad_token_id))
+    with torch.no_grad():  # the training pass on the model's device (the engine's outputs are on the host)
+        logp, entropy = (t.cpu() for t in response_logprobs(model, ids, mask, pos, fast.responses.shape[1]))
     torch.testing.assert_close(fast.log_probs, logp, atol=1e-3, rtol=0)
     torch.testing.assert_close(fast.entropies, entropy, atol=1e-3, rtol=0)
