@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -216,24 +217,21 @@ def replaying(
             f"the batch's routed_experts hold {routes.shape[1]} MoE layers but the policy has {len(gates)}",
             "record the routing with the policy's own engine (rollout.name=fast)",
         )
-    handles = [
-        gate.register_forward_hook(_replay_hook(routes[:, i].long(), replay, counts))
-        for i, gate in enumerate(gates)
-    ]
-    try:
-        with eager_layers():
-            yield
-    finally:
-        for handle in handles:
-            handle.remove()
+    with _gates_hooked(gates, lambda i: _replay_hook(routes[:, i].long(), replay, counts)):
+        yield
 
 
 @contextlib.contextmanager
 def recording(model: nn.Module, picked: list[torch.Tensor]) -> Iterator[None]:
     """Inside the block, each sparse block's router appends its own top-k ids [T, k] to ``picked`` (layer order)."""
-    handles = [
-        gate.register_forward_hook(lambda _, args, out: picked.append(out[2])) for gate in sparse_gates(model)
-    ]
+    with _gates_hooked(sparse_gates(model), lambda _: lambda _, args, out: picked.append(out[2])):
+        yield
+
+
+@contextlib.contextmanager
+def _gates_hooked(gates: list[nn.Module], hook_of: Callable[[int], Callable[..., Any]]) -> Iterator[None]:
+    """Inside the block, gate ``i`` runs with the forward hook ``hook_of(i)`` and every layer eagerly."""
+    handles = [gate.register_forward_hook(hook_of(i)) for i, gate in enumerate(gates)]
     try:
         with eager_layers():
             yield
