@@ -18,7 +18,8 @@ import torch
 
 from archer.batch import Batch
 from archer.controller.factory import build_worker_group
-from archer.controller.ray_group import RankPlace, check_ray_address, rank_layout, visible_devices
+from archer.controller.ray_cluster import check_ray_address
+from archer.controller.ray_group import RankPlace, rank_layout, visible_devices
 from archer.controller.worker_group import LocalWorkerGroup, WorkerGroup
 from archer.errors import ArcherError
 from archer.workers.dispatch import (
@@ -197,7 +198,7 @@ def test_a_group_starts_its_own_ray_and_stops_it() -> None:
 def ray_cluster() -> Iterator[None]:
     """One local Ray instance for the file (starting one takes seconds): room for two 2-rank groups; the
     toy workers import from tests/ through the PYTHONPATH the group passes to its ranks."""
-    from archer.controller.ray_group import connect_ray
+    from archer.controller.ray_cluster import connect_ray
 
     tests_dir = str(Path(__file__).resolve().parent)
     with pytest.MonkeyPatch.context() as mp:
