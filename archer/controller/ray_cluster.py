@@ -9,7 +9,7 @@ the loopback interface and stops (docs/many_gpus.md, "Which ports Ray binds").
   own address unless Ray's switch for clusters, ``ENABLE_RAY_CLUSTER``, is off while it starts); no dashboard
   unless ``ray_kwargs.ray_init.include_dashboard`` (then on ``dashboard_host``, ``127.0.0.1`` by default); at
   least one logical CPU per rank (``ray_kwargs.ray_init.num_cpus`` otherwise).
-- After ``ray.init``, a SIGTERM raises ``SystemExit(143)`` in the driver (Ray's own handler exits with 15): the
+- After ``ray.init``, a SIGTERM raises ``Terminated(143)`` (a SystemExit) in the driver (Ray's own handler exits with 15): the
   trainer's ``finally`` blocks stop the worker groups and the Ray that archer started, as they do on an error
   and on Ctrl-C, and the process ends with the shell's code for SIGTERM.
 """
@@ -148,13 +148,17 @@ def places_by_label() -> bool:
     return "bundle_label_selector" in inspect.signature(placement_group).parameters
 
 
+class Terminated(SystemExit):
+    """A SIGTERM, raised in the driver's main thread: ``code`` is the shell's 128 + 15."""
+
+
 def _terminated(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)
+    raise Terminated(128 + signum)
 
 
 def exit_on_sigterm() -> None:
-    """A SIGTERM to the driver raises ``SystemExit(143)`` (in place of Ray's handler), so that ``finally`` blocks
-    stop what the run started; only the main thread can set it."""
+    """A SIGTERM to the driver raises ``Terminated(143)``, a SystemExit (in place of Ray's handler), so that
+    ``finally`` blocks stop what the run started; only the main thread can set it."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminated)
 
