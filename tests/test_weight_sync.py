@@ -9,7 +9,6 @@ import queue
 import threading
 
 import psutil
-
 import pytest
 import torch
 from spawn_support import spawned
