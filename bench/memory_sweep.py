@@ -12,6 +12,11 @@ tail (``ARCHER_SIMULATED_LENGTHS``: median a quarter of the limit, 5% at it), si
     python bench/memory_sweep.py --out /tmp/sweep --json bench/results/memory_sweep.json            # the grid
     python bench/memory_sweep.py --out /tmp/sweep --rows qwen2.5-1.5b:1536:512:padded:sync:off      # one row
 
+Issue 44's own run (a real dataset's prompts, the issue's micro-batch key, every response at the limit):
+
+    python bench/memory_sweep.py --out /tmp/first --rows qwen2.5-1.5b:1536:512:padded:sync:off \
+        --train-file train_10k.parquet --full-length --set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8
+
 Per row: ``ran`` (steps done), ``refused`` (stopped before step 1 with archer's one error: a fix, not a failure)
 or ``failed`` (stopped after step 1: what the plan guarantees never happens), the peak allocated memory of each
 stage (GiB), the KV cache the engine got each step (``perf/kv_cache_gb``) and the step times.
@@ -54,11 +59,14 @@ def grid() -> list[str]:
             itertools.product([s for s in SHAPES if s != "tiny"], PAIRS, LAYOUTS, MODES, ("off", "on"))]
 
 
-def row_overrides(row: dict[str, Any]) -> list[str]:
-    """The row's settings beyond bench/grpo_vs_trl.py's workload: no micro-batch key, its layout, mode, tools."""
+def row_overrides(row: dict[str, Any], settings: list[str]) -> list[str]:
+    """The row's settings beyond bench/grpo_vs_trl.py's workload: no micro-batch key, its layout, mode, tools;
+    then ``settings`` (KEY=VALUE), each replacing an earlier value of its key."""
     tools = argparse.Namespace(recipe="arpo" if row["tools"] == "on" else "plain", n=8, tool_latency_scale=1.0)
-    return [*SHAPES[row["shape"]], *LAYOUTS[row["layout"]], *MODES[row["mode"]], *recipe_overrides(tools),
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null", "trainer.balance_batch=false"]
+    overrides = [*SHAPES[row["shape"]], *LAYOUTS[row["layout"]], *MODES[row["mode"]], *recipe_overrides(tools),
+                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null", "trainer.balance_batch=false"]
+    keys = {setting.partition("=")[0] for setting in settings}
+    return [o for o in overrides if o.partition("=")[0] not in keys] + settings
 
 
 def outcome(lines: list[dict[str, Any]], ok: bool, error: str, steps: int) -> str:
@@ -75,19 +83,24 @@ def sweep_row(args: argparse.Namespace, row: dict[str, Any]) -> dict[str, Any]:
     big = row["shape"] in BIG and torch.cuda.is_available()
     model_dir, _, train_file, reward = prepare_workload(out, work, work.prompts * args.steps,
                                                         **({"dtype": torch.bfloat16, "device": "cuda"} if big else {}))
-    cmd = archer_command(work, model_dir, train_file, reward, row_overrides(row), out / "run")
+    if args.train_file:  # a real dataset: its prompts past the row's length are dropped, as a user's run drops them
+        train_file = args.train_file.resolve()
+    settings = [*args.set, *(["data.filter_overlong_prompts=true"] if args.train_file else [])]
+    cmd = archer_command(work, model_dir, train_file, reward, row_overrides(row, settings), out / "run")
     lengths = argparse.Namespace(response_length=row["response"], median_fraction=0.25, at_limit=0.05,
                                  prompt_length=row["prompt"], tool_rate=0.5,
                                  recipe="arpo" if row["tools"] == "on" else "plain")
     variable, value = length_env(lengths)
-    os.environ[variable] = value
+    if not args.full_length:
+        os.environ[variable] = value
     bench = str(Path(__file__).resolve().parent)  # the tools' stand-in is imported from bench/ by the run
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (bench, os.environ.get("PYTHONPATH")) if p)
     ok, error = run(cmd, out / "train.log", args.row_timeout)
-    del os.environ[variable]
+    os.environ.pop(variable, None)
     metrics = out / "run" / "metrics.jsonl"
     lines = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    record = {**row, "command": " ".join(["python", *cmd[1:]]), "lengths": f"{variable}={value}",
+    record = {**row, "command": " ".join(["python", *cmd[1:]]),
+              "lengths": "every response at the limit" if args.full_length else f"{variable}={value}",
               "outcome": outcome(lines, ok, error, args.steps), "steps_done": len(lines), "error": error}
     if lines:
         record.update({
@@ -120,6 +133,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--row-timeout", type=float, default=900)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--train-file", type=Path, help="a parquet of prompts to train on instead of the "
+                        "exact-length ones (data.filter_overlong_prompts drops those past the row's length)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="settings past the row's")
+    parser.add_argument("--full-length", action="store_true", help="no simulated lengths: every response runs "
+                        "to the limit, as a random model's do")
     args = parser.parse_args()
     records = []
     for name in args.rows or grid():

@@ -130,7 +130,7 @@ def test_a_call_hands_back_its_quota_with_each_responses_versions(model_dir, scr
     got, calls, admissions = [], [], [admission(model_dir, 3, seed=1)]
     for version in range(4):
         with actor._generating():
-            out = pool.take(admissions, 1, version, FAR, rank=0, world=1)
+            out = pool.take(admissions, 1, version, FAR)
         admissions = []
         calls.append(out.info[ASYNC_STATS])
         got.append(out)
@@ -150,13 +150,13 @@ def test_drop_evicts_the_groups_past_the_bound_with_their_sequences_and_wait_fin
     for strategy in ("drop", "wait"):
         pool = async_rollout_for(actor.rollout, actor.pad_token_id, partial=True)
         with actor._generating():
-            assert len(pool.take([admission(model_dir, 3, seed=1)], 1, 0, FAR, rank=0, world=1)) == 4
+            assert len(pool.take([admission(model_dir, 3, seed=1)], 1, 0, FAR)) == 4
         left = {p: pool.run.started(p) for p in pool.run.prompts}
         assert len(left) == 2 and set(left.values()) == {0}  # both started under version 0
         uids = [str(pool.rows[p]["uid"][0]) for p in left]
         bound = StalenessBound(max_off_policy_threshold=1, strategy=strategy, partial_rollout=True)
         with actor._generating():  # drop: at version 3 they are 3 versions old; wait: at 1 they would pass it at 2
-            out = pool.take([], 1, 3 if strategy == "drop" else 1, bound, rank=0, world=1)
+            out = pool.take([], 1, 3 if strategy == "drop" else 1, bound)
         stats = out.info[ASYNC_STATS]
         if strategy == "drop":
             assert len(out) == 0 and stats["evicted"] == uids and stats["in_flight"] == 0
@@ -180,6 +180,5 @@ def test_whole_batches_release_the_engines_weight_copy_after_the_turn(model_dir,
     pool = async_rollout_for(actor.rollout, actor.pad_token_id, partial=False)
     for version in range(2):  # the second turn syncs the weights again first
         with actor._generating():
-            out = pool.take([admission(model_dir, 2, seed=version)] if version == 0 else [], 1, version, FAR,
-                            rank=0, world=1)
+            out = pool.take([admission(model_dir, 2, seed=version)] if version == 0 else [], 1, version, FAR)
         assert len(out) == 4 and actor.rollout.engine.model.released

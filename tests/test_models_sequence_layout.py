@@ -97,10 +97,20 @@ def test_archers_mask_function_answers_an_all_ones_mask_without_reading_it_and_i
     with monkeypatch.context() as patched:  # archer's answers the same without SDPA's function
         patched.setattr(packed_attention_module, "sdpa_mask", lambda **_: pytest.fail("read the mask"))
         assert archer_mask(**causal) is None
-    # a sliding window, or keys the queries do not line up with, need a mask: SDPA's own answer, unchanged
-    window = {**causal, "mask_function": sliding_window_causal_mask_function(2), "local_size": 2}
-    torch.testing.assert_close(archer_mask(**window), sdpa_mask(**window))
-    assert archer_mask(**window) is not None and not bool(archer_mask(**window).all())
+    # a sliding window over an all-ones mask, of an architecture whose windows packed_attention applies: no mask
+    # either (the attention applies the layer's window); of another (a chunked layer's, say), or with a padded row,
+    # or keys the queries do not line up with, a mask: SDPA's own answer, unchanged
+    from transformers import Gemma2Config, MistralConfig
+
+    window = {**causal, "mask_function": sliding_window_causal_mask_function(2), "local_size": 2,
+              "config": MistralConfig(sliding_window=2)}
+    assert sdpa_mask(**window) is not None and archer_mask(**window) is None
+    for other in (None, Gemma2Config(sliding_window=2)):
+        torch.testing.assert_close(archer_mask(**{**window, "config": other}), sdpa_mask(**window))
+    holed = torch.ones(2, 6, dtype=torch.bool)
+    holed[0, :3] = False
+    torch.testing.assert_close(archer_mask(**{**window, "attention_mask": holed}),
+                               sdpa_mask(**{**window, "attention_mask": holed}))
     longer = {**causal, "kv_length": 8, "attention_mask": all_ones_mask(torch.zeros(2, 8))}
     torch.testing.assert_close(archer_mask(**longer), sdpa_mask(**longer))
     # an ordinary mask with a padded row is read as before
@@ -162,7 +172,7 @@ def test_scored_rows_by_hand():
     assert plain.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1]] and plain.predictors.tolist() == [1, 2, 4, 7]
 
 
-def test_a_model_with_sliding_window_layers_keeps_sdpa_and_its_packed_sft_rows_their_window(tmp_path, caplog):
+def test_a_model_with_sliding_window_layers_packs_and_its_packed_sft_rows_keep_their_window(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from archer.data.sft_dataset import collate_sft, pack_sft
@@ -176,7 +186,7 @@ def test_a_model_with_sliding_window_layers_keeps_sdpa_and_its_packed_sft_rows_t
     torch.manual_seed(0)
     Qwen2ForCausalLM(windowed).save_pretrained(tmp_path / "windowed")
     model = load_causal_lm(tmp_path / "windowed", device="cpu", dtype=torch.float32)
-    assert not supports_packing(model) and "sliding-window attention layers" in caplog.text
+    assert supports_packing(model)  # packed_attention applies each layer's window (models/packed_attention.py)
     gen = torch.Generator().manual_seed(1)
     items = [{"input_ids": torch.randint(3, 64, (n,), generator=gen), "loss_mask": (torch.arange(n) >= 2).long()}
              for n in (12, 6, 5)]  # longer than the window

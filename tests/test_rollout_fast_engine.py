@@ -345,10 +345,11 @@ def test_unsupported_models_name_the_hf_engine(parts):
     with pytest.raises(ArcherError, match="GPT2LMHeadModel") as err:
         FastEngine(gpt2, tokenizer)
     assert "rollout.name=hf" in str(err.value)
-    sliding = _tiny(Qwen2ForCausalLM, Qwen2Config, len(tokenizer), use_sliding_window=True, sliding_window=16,
+    chunked = _tiny(Qwen2ForCausalLM, Qwen2Config, len(tokenizer), use_sliding_window=True, sliding_window=16,
                     max_window_layers=0)
-    with pytest.raises(ArcherError, match="sliding-window"):
-        FastEngine(sliding, tokenizer)
+    chunked.config.layer_types = ["chunked_attention", "full_attention"]  # windows of another kind than sliding
+    with pytest.raises(ArcherError, match="chunked_attention"):
+        FastEngine(chunked, tokenizer)
 
 
 def test_lengths_limits_and_bad_input(parts, prompts):
@@ -489,3 +490,27 @@ def test_after_new_weights_a_branch_of_an_idle_branch_point_shares_past_it(parts
     for seq in (root, a, point, branch, *copies):
         session.release(seq)
     assert engine.cache.free_pages == engine.cache.pages - 1
+
+
+def test_an_untied_lm_head_sharded_by_fsdp_is_not_taken_for_tied(tmp_path) -> None:
+    """A DTensor's data_ptr is 0, so two sharded weights looked like one storage: an untied policy on several
+    ranks (Qwen2.5-7B's shape, or an MoE) failed with "no place for the weight 'lm_head.weight'". One gloo rank
+    shards a tiny untied Qwen2 and a tied one."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from archer.rollout.fast.model import model_spec
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        specs = {}
+        for tied in (False, True):
+            config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+            model = Qwen2ForCausalLM(config)
+            fully_shard(model)
+            assert type(model.lm_head.weight).__name__ == "DTensor"
+            specs[tied] = model_spec(model).tied
+    finally:
+        dist.destroy_process_group()
+    assert specs == {False: False, True: True}

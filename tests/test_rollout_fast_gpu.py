@@ -130,7 +130,7 @@ def test_an_engine_built_from_a_model_on_the_host_generates_as_one_built_on_the_
     want = FastEngine(on_gpu, tokenizer, dtype=torch.float32, max_num_seqs=8, page_size=16).generate(prompts, greedy)
     engine = FastEngine(on_host, tokenizer, device=torch.device("cuda"), dtype=torch.float32, max_num_seqs=8,
                         page_size=16)
-    assert engine.model.embed.is_cuda and engine.model.cos.is_cuda
+    assert engine.model.embed.is_cuda and engine.model.rope[0][0].is_cuda
     got = engine.generate(prompts, greedy)
     assert torch.equal(got.responses, want.responses)
     torch.testing.assert_close(got.log_probs, want.log_probs, atol=1e-5, rtol=0)

@@ -323,7 +323,8 @@ def test_packed_rows_give_the_unpacked_loss_and_gradient(tok, model, monkeypatch
     examples = []  # archer's attention of packed examples (on the CPU, one SDPA call an example and layer)
     per_example = packed_attention_module._per_sequence_sdpa
     monkeypatch.setattr(packed_attention_module, "_per_sequence_sdpa",
-                        lambda q, k, v, cu, scaling: examples.append(len(cu) - 1) or per_example(q, k, v, cu, scaling))
+                        lambda q, k, v, cu, scaling, window=None: examples.append(len(cu) - 1)
+                        or per_example(q, k, v, cu, scaling, window))
     packed_loss, packed_grads = _grads(model, packed, micro=1)
     assert sum(examples) == len(items) * model.config.num_hidden_layers  # no [T x T] mask: each example alone
     assert packed_loss == pytest.approx(loss, rel=1e-5)

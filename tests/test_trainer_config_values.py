@@ -32,6 +32,7 @@ TRACE_ON = ("trainer.influence_trace.enable=true",)
 ENUMERATED: dict[str, tuple[str, ...]] = {
     **{key: () for key, _ in CHOICES},
     "actor_rollout_ref.actor.policy_loss.loss_mode": (),
+    "actor_rollout_ref.actor.router_replay.mode": (),
     "actor_rollout_ref.rollout.name": (),
     "actor_rollout_ref.rollout.dtype": (),
     "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": (),

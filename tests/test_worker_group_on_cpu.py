@@ -4,6 +4,7 @@ a real process group, failures, and the in-process group for world 1."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,15 +20,23 @@ import torch
 from archer.batch import Batch
 from archer.controller.factory import build_worker_group
 from archer.controller.ray_cluster import check_ray_address
-from archer.controller.ray_group import RankPlace, rank_layout, visible_devices
+from archer.controller.ray_group import (
+    RankPlace,
+    placement_line,
+    rank_layout,
+    raylet_answers,
+    visible_devices,
+)
 from archer.controller.worker_group import LocalWorkerGroup, WorkerGroup
 from archer.errors import ArcherError
 from archer.workers.dispatch import (
+    FIRST_ROW,
+    Seat,
     collect,
     collector_of,
     concat_batches,
+    own_rows,
     rank_zero,
-    shard_rows,
 )
 
 ray = pytest.importorskip("ray")
@@ -41,7 +50,7 @@ class ToyWorker:
     def __init__(self, scale: int) -> None:
         self.scale = scale
         self.rank = int(os.environ.get("RANK", "0"))
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.ctx = Seat(self.rank, int(os.environ.get("WORLD_SIZE", "1")))
 
     @collect(list)
     def environment(self) -> dict[str, str | None]:
@@ -51,11 +60,10 @@ class ToyWorker:
     def rank_times_scale(self) -> int:
         return self.rank * self.scale + 1
 
-    @collect(concat_batches)
-    def scaled_rows(self, batch: Batch, *, offset: int = 0) -> Batch:
-        part = shard_rows(batch, self.rank, self.world)
+    @collect(concat_batches, split=own_rows)
+    def scaled_rows(self, part: Batch, *, offset: int = 0) -> Batch:
         return Batch({"x": part["x"] * self.scale + offset, "rank": torch.full((len(part),), self.rank)},
-                     {"uid": part.rows["uid"]}, {"rows_seen": len(batch)})
+                     {"uid": part.rows["uid"]}, {"rows_seen": len(part), "first_row": part.info.get(FIRST_ROW, 0)})
 
     @collect(list)
     def all_reduce(self, value: float) -> float:
@@ -120,6 +128,24 @@ def test_rank_layout_orders_nodes_by_address_and_shares_the_node_gpus() -> None:
     assert visible_devices(layout, [["3"], ["1"], ["0"], ["5"]]) == ["3,1", "3,1", "0,5", "0,5"]
 
 
+def test_the_placement_line_names_each_nodes_ranks() -> None:
+    layout = rank_layout({0: "b", 1: "a", 2: "b", 3: "a"}, {"a": "10.0.0.1", "b": "10.0.0.2"})
+    assert placement_line(layout, {"a": "10.0.0.1", "b": "10.0.0.2"}) == (
+        "4 ranks on 2 node(s): ranks 0, 1 on node a (10.0.0.1); ranks 2, 3 on node b (10.0.0.2)")
+    assert placement_line(layout[:1], {}) == "1 ranks on 1 node(s): rank 0 on node a (?)"
+
+
+def test_a_raylet_that_refuses_connections_does_not_answer() -> None:
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        assert raylet_answers("127.0.0.1", port)
+    start = time.monotonic()
+    assert not raylet_answers("127.0.0.1", port)  # closed: refused at once
+    assert time.monotonic() - start < 1
+
+
 def test_an_unreachable_ray_address_fails_at_once() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -139,7 +165,7 @@ def test_local_group_calls_the_worker_directly() -> None:
     assert isinstance(group, LocalWorkerGroup) and group.world_size == 1
     batch = Batch({"x": torch.arange(7)}, {"uid": [f"u{i}" for i in range(7)]})
     out = group.call("scaled_rows", batch, offset=1)
-    assert out["x"].tolist() == [10 * i + 1 for i in range(7)] and out.info == {"rows_seen": 7}
+    assert out["x"].tolist() == [10 * i + 1 for i in range(7)] and out.info == {"rows_seen": 7, "first_row": 0}
     assert group.call("rank_times_scale") == 1
     with pytest.raises(TypeError, match="declares no collector"):
         group.call("undeclared")
@@ -194,6 +220,38 @@ def test_a_group_starts_its_own_ray_and_stops_it() -> None:
     assert out.stdout.split("\n")[-3:] == ["cpu True 1 ['0', '1']", "False", ""], out.stdout
 
 
+def test_a_local_ray_is_new_even_beside_a_cluster_ray_start_left() -> None:
+    """`ray start --head` records its cluster in Ray's temp folder, and ray.init() without an address joins it
+    (then refuses the run's num_cpus): archer's own Ray is a new instance (address "local") unless RAY_ADDRESS
+    names a cluster. The head here has 1 CPU; the run's instance has at least 3."""
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="archer-rs-", dir="/tmp"))  # short: Ray's socket paths are <= 107 bytes
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=str(tmp), RAY_USAGE_STATS_ENABLED="0")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    head = subprocess.Popen(["ray", "start", "--head", "--block", "--num-cpus=1", f"--port={port}",
+                             "--node-ip-address=127.0.0.1", "--include-dashboard=false", f"--temp-dir={tmp}/ray"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (tmp / "ray" / "ray_current_cluster").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert (tmp / "ray" / "ray_current_cluster").exists(), "ray start wrote no ray_current_cluster"
+        code = ("import ray\nfrom archer.controller.ray_cluster import connect_ray\n"
+                "print(connect_ray(3), ray.cluster_resources()['CPU'])\nray.shutdown()")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        started, cpus = out.stdout.split()[-2:]
+        assert started == "True" and float(cpus) >= 3, out.stdout
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(timeout=60)
+        subprocess.run(["rm", "-rf", str(tmp)], check=False)
+
+
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
     """One local Ray instance for the file (starting one takes seconds): room for two 2-rank groups; the
@@ -238,7 +296,7 @@ def test_rank_zero_and_uneven_concat(pair: WorkerGroup, monkeypatch: pytest.Monk
     assert out["x"].tolist() == [10 * i + 2 for i in range(7)]
     assert out["rank"].tolist() == [0, 0, 0, 0, 1, 1, 1]  # 7 rows on 2 ranks: 4 + 3
     assert out.rows["uid"].tolist() == [f"u{i}" for i in range(7)]
-    assert out.info == {"rows_seen": 7}  # every rank received the full batch
+    assert out.info == {"rows_seen": 4, "first_row": 0}  # rank 0's info: the split was made on the rank
 
 
 def test_ranks_form_a_gloo_process_group(pair: WorkerGroup) -> None:
@@ -290,7 +348,9 @@ def test_a_rank_killed_mid_call_names_the_rank_and_resume(ray_cluster: None) -> 
     with pytest.raises(ArcherError) as err:
         group.call("die_in_collective", 1)  # rank 0 waits in all_reduce for rank 1, which is gone
     assert time.monotonic() - start < 30
-    assert f"rank 1 of 2 died during die_in_collective: its process {pid} on " in err.value.problem
+    node_id = group.layout[1].node_id
+    assert re.search(rf"rank 1 of 2 on node {node_id} \(\S+\) died during die_in_collective: its process {pid} on ",
+                     err.value.problem), err.value.problem
     assert "trainer.resume_mode=auto" in err.value.fix
     assert ray.util.placement_group_table(pg)["state"] == "REMOVED"  # the group was shut down
     with pytest.raises(ArcherError, match="the worker group was shut down"):

@@ -38,7 +38,7 @@ def test_drop_evicts_a_group_only_past_the_bound(trained: int, evicted: list[str
     started = {"a": 2, "b": 3, "c": 6}
     pool = pool_of(started)
     bound = StalenessBound(max_off_policy_threshold=2, strategy="drop", partial_rollout=False)
-    out = pool.take([], 0, trained - 1, bound, rank=0, world=1, lag=1)  # the step trains version + lag
+    out = pool.take([], 0, trained - 1, bound, lag=1)  # the step trains version + lag
     assert out.info[ASYNC_STATS]["evicted"] == evicted
     assert list(pool.done) == [uid for uid in started if uid not in evicted]
     assert out.info[ASYNC_STATS]["in_flight"] == len(started) - len(evicted)
@@ -46,5 +46,5 @@ def test_drop_evicts_a_group_only_past_the_bound(trained: int, evicted: list[str
 
 def test_wait_evicts_nothing() -> None:
     pool = pool_of({"a": 0})
-    out = pool.take([], 0, 10, StalenessBound(1, "wait", False), rank=0, world=1)
+    out = pool.take([], 0, 10, StalenessBound(1, "wait", False))
     assert out.info[ASYNC_STATS]["evicted"] == [] and list(pool.done) == ["a"]

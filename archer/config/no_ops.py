@@ -177,6 +177,10 @@ NO_OPS: tuple[NoOp, ...] = (
          fix=f"drop {ROLL}.chat_scheduler (archer generates synchronously)"),
     NoOp(f"{ROLL}.use_fire_sampling", "FIRE sampling is not in archer", neutral=OFF, refuse=_unless(*OFF),
          fix=f"set {ROLL}.use_fire_sampling=False"),
+    *(NoOp(f"{AR}.actor.router_replay.{name}", "routing records travel in the batch (routed_experts); no file is "
+           "written or read", neutral=OFF, refuse=_unless(*OFF),
+           fix=f"drop {AR}.actor.router_replay.{name} (R3 replays the engine's records of the same step)")
+      for name in ("record_file", "replay_file")),
     NoOp(f"{ROLL}.layered_summon", "memory only: archer streams the weights to its engine", neutral=ANY),
     NoOp(f"{ROLL}.multi_turn.enable",
          "verl's chat-template multi-turn rollout (sglang, tool_config_path) is not read by archer; archer's tool loop "

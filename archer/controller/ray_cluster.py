@@ -111,8 +111,11 @@ def connect_ray(world: int, *, object_store_memory: int | None = None, local: Lo
                             "settings it was started with (ray start's own flags)", RAY_INIT, address)
             ray.init(address=address, log_to_driver=True)
         else:
+            # "local": a new instance even where `ray start` left a cluster on this machine (ray.init's default
+            # joins it through Ray's ray_current_cluster file, then refuses num_cpus)
             with loopback_node():
-                ray.init(object_store_memory=object_store_memory, log_to_driver=True, **local.init_kwargs(world))
+                ray.init(address="local", object_store_memory=object_store_memory, log_to_driver=True,
+                         **local.init_kwargs(world))
     except ConnectionError as exc:
         raise ArcherError(f"cannot connect to the Ray cluster at RAY_ADDRESS={address}: {exc}",
                           "check `ray status` on the head node, or unset RAY_ADDRESS to start a local Ray") from None

@@ -6,7 +6,8 @@
   GPUs and ``{"CPU": 1}`` per rank on CPU, ``STRICT_PACK`` on one node, ``STRICT_SPREAD`` for one rank per node
   on several nodes (``trainer.n_gpus_per_node=1``: each rank on a node of its own, as the keys say) and ``PACK``
   otherwise. Ranks follow
-  the nodes' addresses, then the bundle order, so rank -> node is stable from run to run.
+  the nodes' addresses, then the bundle order, so rank -> node is stable from run to run. The driver prints one
+  line of which ranks run on which node and where their process group meets.
 - Each rank actor gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
   ``MASTER_PORT`` (found by a task on rank 0's bundle) and the driver's ``PYTHONPATH``, so that
   ``torch.distributed`` initialises from the environment and the workers import the driver's archer. On GPUs
@@ -16,7 +17,9 @@
   of their node visible, each rank's own as ``cuda:LOCAL_RANK``.
 - ``call`` puts the arguments in the object store once and hands the same reference to every rank; a rank that
   dies, raises or overruns the call timeout becomes one ArcherError naming the rank and the method, and the
-  group is shut down (the other ranks may be waiting in a collective that can no longer finish).
+  group is shut down (the other ranks may be waiting in a collective that can no longer finish). A rank whose
+  node is lost (Ray lists the node as dead, or its raylet refuses connections) is named with its node's id and
+  address, whichever rank's error reached the driver first.
 - Workers' stdout and stderr reach the driver prefixed with ``(rank N pid=...)``.
 """
 
@@ -42,6 +45,7 @@ RESUME_FIX = ("restart the run from its last checkpoint with trainer.resume_mode
 _PLACEMENT_NOTICE_S = 5.0  # a placement that takes longer gets a line saying what it waits for
 _ERROR_GRACE_S = 3.0  # after one rank fails, how long to look for a rank that died (the root cause)
 NODE_ID_LABEL = "ray.io/node-id"  # the label Ray gives every node: its node id
+_PROBE_S = 2.0  # how long a lost node's raylet may take to accept a connection before it counts as gone
 
 
 def worker_pythonpath() -> str:
@@ -104,6 +108,25 @@ def visible_devices(layout: list[RankPlace], gpu_ids: list[list[str]]) -> list[s
     for place, ids in sorted(zip(layout, gpu_ids), key=lambda pair: pair[0].local_rank):
         node_gpus.setdefault(place.node_id, []).append(ids[0])
     return [",".join(node_gpus[place.node_id]) for place in layout]
+
+
+def placement_line(layout: list[RankPlace], node_ips: dict[str, str]) -> str:
+    """Where the ranks run, one clause per node: ``2 ranks on 2 nodes: rank 0 on node 1f2e.. (10.0.0.1), ..``."""
+    nodes: dict[str, list[int]] = {}
+    for rank, place in enumerate(layout):
+        nodes.setdefault(place.node_id, []).append(rank)
+    clauses = [f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} on node {node} "
+               f"({node_ips.get(node, '?')})" for node, ranks in nodes.items()]
+    return f"{len(layout)} ranks on {len(nodes)} node(s): " + "; ".join(clauses)
+
+
+def raylet_answers(address: str, port: int, timeout_s: float = _PROBE_S) -> bool:
+    """Whether a node's raylet accepts a connection at ``address:port`` (its node manager's port)."""
+    try:
+        socket.create_connection((address, port), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
 
 
 def death_cause(ray_message: str) -> str:
@@ -248,8 +271,29 @@ class RayWorkerGroup(WorkerGroup):
         from ray.util import placement_group_table
 
         bundle_nodes = {int(b): n for b, n in placement_group_table(self._pg)["bundles_to_node_id"].items()}
-        node_ips = {n["NodeID"]: n["NodeManagerAddress"] for n in self._ray.nodes()}
-        return rank_layout(bundle_nodes, node_ips)
+        return rank_layout(bundle_nodes, self._node_ips())
+
+    def _node_ips(self) -> dict[str, str]:
+        return {n["NodeID"]: n["NodeManagerAddress"] for n in self._ray.nodes()}
+
+    def _lost_nodes(self, ranks: list[int]) -> dict[int, str]:
+        """Which of ``ranks`` lost their node, and how (Ray lists it as dead, or its raylet refuses connections):
+        a node whose raylet is gone takes its ranks with it, and Ray's error says only that an actor went."""
+        nodes = {n["NodeID"]: n for n in self._ray.nodes()}
+        how_lost: dict[str, str | None] = {}
+        for node_id in {self.layout[r].node_id for r in ranks}:
+            node = nodes.get(node_id)
+            if node is None or not node.get("Alive"):
+                how_lost[node_id] = "Ray lists it as dead"
+                continue
+            address, port = node["NodeManagerAddress"], int(node["NodeManagerPort"])
+            answers = raylet_answers(address, port)
+            how_lost[node_id] = None if answers else f"its raylet does not answer at {address}:{port}"
+        return {r: how for r in ranks if (how := how_lost[self.layout[r].node_id]) is not None}
+
+    def _where(self, rank: int) -> str:
+        node_id = self.layout[rank].node_id
+        return f"node {node_id} ({self._node_ips().get(node_id, 'address unknown')})"
 
     def _on_bundle(self, bundle: int) -> Any:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -262,6 +306,8 @@ class RayWorkerGroup(WorkerGroup):
         master = ray.remote(num_cpus=0)(_master_address).options(scheduling_strategy=self._on_bundle(
             self.layout[0].bundle)).remote()
         self.master_addr, self.master_port = ray.get(master, timeout=timeout_s)
+        print(f"archer: {placement_line(self.layout, self._node_ips())}; the process group meets at rank 0's "
+              f"node, {self.master_addr}:{self.master_port}", file=sys.stderr, flush=True)
         actor_cls = ray.remote(_RankActor)
         gpus = 1 if self.device_kind == "cuda" else 0
         pythonpath = worker_pythonpath()
@@ -340,10 +386,24 @@ class RayWorkerGroup(WorkerGroup):
                     break
                 except ray.exceptions.RayError:
                     continue
+        # a node went down: name it, and its rank, whatever error reached the driver first (a rank's own
+        # ArcherError, a config or data problem, is reported as it is)
+        own_error = isinstance(getattr(exc, "cause", None), ArcherError)
+        lost = {} if own_error else self._lost_nodes(sorted({rank, *pending.values()}))
+        if lost:
+            rank = min(lost)
+            where = self._where(rank)
+            self.shutdown()
+            return ArcherError(
+                f"rank {rank} of {self._world} lost its {where} during {what}: {lost[rank]} (the node went down "
+                "or off the network, or its raylet was killed), and its ranks with it",
+                f"{RESUME_FIX}; once the node is back, or on the nodes left with a lower trainer.nnodes (a checkpoint "
+                "resumes on any number of ranks)")
+        where = self._where(rank)
         self.shutdown()
         if isinstance(exc, ray.exceptions.RayActorError):
-            return ArcherError(f"rank {rank} of {self._world} died during {what}: {death_cause(str(exc))}",
-                               RESUME_FIX)
+            return ArcherError(f"rank {rank} of {self._world} on {where} died during {what}: "
+                               f"{death_cause(str(exc))}", RESUME_FIX)
         missing = re.search(r"No module named '([^']+)'", str(exc))
         if missing:
             return ArcherError(

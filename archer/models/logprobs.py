@@ -15,7 +15,9 @@ By default a chunk's logits take at most ``LOGITS_BYTES_PER_CHUNK`` (``chunk_siz
 the torch path, in the matrix products' dtype where the fused kernels read them as they are (twice the tokens in
 bf16). Under autocast the matrix products run in the autocast dtype, as ``F.linear`` would, and the softmax in float32.
 The same per-row formula (``token_logprob_and_entropy``) serves the rollout engine, so generation-time and
-training-time numbers agree.
+training-time numbers agree. A model whose config sets ``final_logit_softcapping`` (Gemma 2, some Gemma 3 configs)
+has its logits soft-capped as transformers caps them, z' = cap * tanh(z / cap) in the logits' dtype, before the
+softmax; the backward multiplies the logits' gradient by dz'/dz = 1 - tanh(z / cap)^2.
 """
 
 from __future__ import annotations
@@ -148,13 +150,27 @@ def _accumulates_in_float32(device: torch.device) -> bool:
     return bool(total[0, 0] == 2)
 
 
+def logit_softcap(model: nn.Module) -> float | None:
+    """The model's final-logit soft cap (its config's ``final_logit_softcapping``), or None."""
+    cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap) in the logits' dtype (transformers' order); the logits themselves without a cap.
+    The caller passes a temporary and keeps no reference to the result beyond its use, so that at most two
+    [chunk, vocab] buffers are alive at once."""
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+
 class _ChunkedLogProbs(torch.autograd.Function):
-    """log p(labels) and entropies of softmax((hidden @ W^T + b) / T), chunk by chunk, both directions."""
+    """log p(labels) and entropies of softmax(cap((hidden @ W^T + b)) / T), chunk by chunk, both directions (cap:
+    the soft cap where given, else nothing)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                labels: torch.Tensor, temperature: float, chunk_size: int, compute_entropy: bool
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                labels: torch.Tensor, temperature: float, chunk_size: int, compute_entropy: bool,
+                softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = _matmul_dtype(hidden)
         w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
         logp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
@@ -165,15 +181,16 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 rows = slice(start, start + chunk_size)
                 if _fused(hidden):
                     chunk_logp, chunk_norm, chunk_entropy = logprob_kernels.row_stats(
-                        F.linear(hidden[rows].to(dtype), w, b), labels[rows], temperature)
+                        _capped(F.linear(hidden[rows].to(dtype), w, b), softcap), labels[rows], temperature)
                 else:  # the logits are a temporary, freed inside
                     chunk_logp, chunk_norm, chunk_entropy = _log_softmax_stats(
-                        F.linear(hidden[rows].to(dtype), w, b), labels[rows], temperature, compute_entropy)
+                        _capped(F.linear(hidden[rows].to(dtype), w, b), softcap), labels[rows], temperature,
+                        compute_entropy)
                 logp[rows], log_norm[rows] = chunk_logp, chunk_norm
                 if compute_entropy:
                     entropy[rows] = chunk_entropy
         ctx.save_for_backward(hidden, weight, bias, labels, log_norm, entropy)
-        ctx.settings = (temperature, chunk_size, dtype)
+        ctx.settings = (temperature, chunk_size, dtype, softcap)
         ctx.set_materialize_grads(False)  # an output the loss does not use sends None, not zeros
         if not compute_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -184,7 +201,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
     def backward(ctx: Any, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None
                  ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, bias, labels, log_norm, entropy = ctx.saved_tensors
-        temperature, chunk_size, dtype = ctx.settings
+        temperature, chunk_size, dtype, softcap = ctx.settings
         scale = 1.0 / temperature
         grad_logp = torch.zeros_like(log_norm) if grad_logp is None else grad_logp.float()
         with_entropy = grad_entropy is not None and entropy.numel() > 0
@@ -198,12 +215,18 @@ class _ChunkedLogProbs(torch.autograd.Function):
             h = hidden[rows].to(dtype)
             chunk_entropy = entropy[rows] if with_entropy else None
             chunk_grad_entropy = grad_entropy[rows].float() if with_entropy else None
+            squashed = None if softcap is None else torch.tanh(F.linear(h, w, b) / softcap)
             if _fused(h):  # written over the logits
-                grad = logprob_kernels.logit_grads_(F.linear(h, w, b), labels[rows], log_norm[rows], grad_logp[rows],
-                                                    chunk_entropy, chunk_grad_entropy, temperature)
+                grad = logprob_kernels.logit_grads_(
+                    F.linear(h, w, b) if squashed is None else squashed * softcap, labels[rows], log_norm[rows],
+                    grad_logp[rows], chunk_entropy, chunk_grad_entropy, temperature)
             else:  # the logits are a temporary, freed inside
-                grad = _logit_grads(F.linear(h, w, b), labels[rows], log_norm[rows], grad_logp[rows], chunk_entropy,
-                                    chunk_grad_entropy, scale).to(dtype)
+                grad = _logit_grads(F.linear(h, w, b) if squashed is None else squashed * softcap, labels[rows],
+                                    log_norm[rows], grad_logp[rows], chunk_entropy, chunk_grad_entropy, scale)
+            if squashed is not None:  # through the cap: dz'/dz = 1 - tanh(z / cap)^2
+                grad.mul_(squashed.square_().neg_().add_(1))
+                del squashed
+            grad = grad.to(dtype)
             if need_hidden:
                 grad_hidden[rows] = grad @ w
             if need_weight:
@@ -215,7 +238,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             grad_weight = grad_weight.to(weight.dtype)
         if need_bias:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 def logprobs_from_hidden(
@@ -226,11 +249,13 @@ def logprobs_from_hidden(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     compute_entropy: bool = True,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(labels) [N] and entropies [N] (float32) of softmax(lm_head(hidden) / temperature).
 
     ``lm_head`` is an ``nn.Linear`` or a ``(weight, bias)`` pair. Gradients reach ``hidden`` and the head
     through both outputs. ``chunk_size``: tokens per chunk (None: ``auto_chunk_size`` of the vocabulary).
+    ``softcap``: the logits soft-capped first (``logit_softcap`` of the model).
     """
     if chunk_size is not None and chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
@@ -241,7 +266,7 @@ def logprobs_from_hidden(
     logit_bytes = _matmul_dtype(hidden).itemsize if _fused(hidden) else 4
     chunk = chunk_size or auto_chunk_size(weight.shape[0], logit_bytes)
     logp, entropy = _ChunkedLogProbs.apply(hidden, weight, bias, labels, float(temperature), chunk,
-                                           compute_entropy)
+                                           compute_entropy, softcap)
     return logp, (entropy if compute_entropy else None)
 
 
@@ -308,7 +333,7 @@ def masked_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     with autocast_for(model_device(model)):
         hidden, labels = masked_hidden(model, input_ids, attention_mask, position_ids, loss_mask, packed=packed)
         return logprobs_from_hidden(hidden, model.get_output_embeddings(), labels, chunk_size=chunk_size,
-                                    compute_entropy=False)[0]
+                                    compute_entropy=False, softcap=logit_softcap(model))[0]
 
 
 def layout_logprobs(
@@ -331,6 +356,7 @@ def layout_logprobs(
         temperature=temperature,
         chunk_size=chunk_size,
         compute_entropy=compute_entropy,
+        softcap=logit_softcap(model),
     )
     return layout.scatter(logp), (None if entropy is None else layout.scatter(entropy))
 

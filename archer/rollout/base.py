@@ -75,6 +75,9 @@ class RolloutOutput:
     entropies      FloatTensor [N, R]  full-vocabulary entropy of that distribution, 0 where the mask is 0
     prompt_index   LongTensor [N]      which prompt each row answers
     finish_reasons list[str]           "eos" | "stop" | "length" per row
+    routed_experts list[IntTensor]     per row, where the engine records its routing (routing replay): the experts
+                                       each position was routed to, int16 [P_i + R_i - 1, MoE layers, top_k]
+                                       (prompt then response; the last response token was never fed); else None
     """
 
     responses: torch.Tensor
@@ -83,6 +86,7 @@ class RolloutOutput:
     entropies: torch.Tensor
     prompt_index: torch.Tensor
     finish_reasons: list[str]
+    routed_experts: list[torch.Tensor] | None = None
 
 
 PAUSED = "paused"  # a Segment's finish_reason when ContinuousSession.pause stopped its decode

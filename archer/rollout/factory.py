@@ -40,13 +40,16 @@ def check_engine_name(name: str) -> None:
 
 def build_engine(rollout: DictConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                  device: torch.device, *, standalone: bool = False,
-                 weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> RolloutEngine:
+                 weights: Iterable[tuple[str, torch.Tensor]] | None = None, record_routes: bool = False
+                 ) -> RolloutEngine:
     """The engine ``rollout.name`` names (checked by ``check_engine_name``), generating from ``model``'s weights.
     The fast engine always holds its own copy; the hf engine runs ``model`` itself unless ``standalone`` (its own
     module in rollout.dtype on a GPU, float32 on a CPU, filled by sync_weights: for a sharded policy).
-    ``weights``: the fast engine's first weights (default: ``model``'s own; a sharded policy gives its stream)."""
+    ``weights``: the fast engine's first weights (default: ``model``'s own; a sharded policy gives its stream);
+    ``record_routes``: the fast engine records each token's experts (routing replay)."""
     if uses_fast_engine(rollout, model, device):
-        return FastEngine.from_config(model, tokenizer, rollout, device=device, weights=weights)
+        return FastEngine.from_config(model, tokenizer, rollout, device=device, weights=weights,
+                                      record_routes=record_routes)
     if standalone:
         dtype = getattr(torch, str(rollout.dtype)) if device.type == "cuda" else torch.float32
         return HFGenerateEngine.standalone(model, tokenizer, device=device, dtype=dtype,

@@ -21,9 +21,12 @@ from archer.controller.ray_cluster import RAY_INIT, LocalRay
 from archer.errors import ArcherError
 from archer.health.settings import HealthSettings
 from archer.models.lora import LoraSettings
+from archer.models.router_replay import MODE_KEY as ROUTER_MODE_KEY
+from archer.models.router_replay import RECORD_KEY as ROUTER_RECORD_KEY
+from archer.models.router_replay import ReplaySettings
 from archer.rewards.row_scorers import check_manager
 from archer.rewards.shaping import OverlongBuffer
-from archer.rollout.agentic_config import check_agentic_config
+from archer.rollout.agentic_config import check_agentic_config, uses_tools
 from archer.rollout.factory import check_engine_name
 from archer.rollout.policy_versions import oldest_trained_age
 from archer.trace.influence import check_settings as check_influence_settings
@@ -138,6 +141,7 @@ def check_config(cfg: DictConfig) -> None:
                     "(loss_type=reinforce applies them)", correction.is_level.name)
     check_trainer_mode(cfg)
     check_agentic_config(cfg.actor_rollout_ref.rollout)
+    check_router_replay(cfg)
     check_trainer_modes(cfg.trainer, has_val_files=bool(as_list(cfg.data.val_files)))
     if not cfg.trainer.val_only and not as_list(cfg.data.train_files):
         raise ArcherError("data.train_files is not set: training needs prompts",
@@ -262,6 +266,33 @@ def check_colocate_async(cfg: DictConfig) -> None:
         raise ArcherError(f"trainer.v1.colocate_async.num_warmup_batches={warmup} is more than "
                           f"trainer.v1.sampler.max_off_policy_threshold={bound}: the warm-up's groups would be older "
                           "than the bound when they are trained", "lower num_warmup_batches or raise the threshold")
+
+
+def check_router_replay(cfg: DictConfig) -> None:
+    """Routing replay's keys (models/router_replay.py): a known mode; R2 needs the old-log-prob pass it records
+    in; the engine records only in the sync trainer mode's generation with the fast engine, without tools (the
+    model's MoE blocks are checked by the actor)."""
+    settings = ReplaySettings.from_config(cfg.actor_rollout_ref)
+    keys = f"{ROUTER_MODE_KEY}=disabled and {ROUTER_RECORD_KEY}=false"
+    if settings.own and cfg.algorithm.rollout_correction.bypass_mode:
+        raise ArcherError(f"{ROUTER_MODE_KEY}=R2 replays the routing of the old-log-prob pass, which "
+                          "algorithm.rollout_correction.bypass_mode=true skips",
+                          f"use {ROUTER_MODE_KEY}=R3 (the engine's routing), or turn bypass_mode off")
+    if not settings.record:
+        return
+    mode, engine = cfg.trainer.v1.trainer_mode, cfg.actor_rollout_ref.rollout.name
+    if mode != "sync":
+        raise ArcherError(f"routing replay records the experts of the sync mode's generation only, not "
+                          f"trainer.v1.trainer_mode={mode} (its request pools keep no records)",
+                          f"use trainer.v1.trainer_mode=sync, or set {keys}")
+    if uses_tools(cfg.actor_rollout_ref.rollout):
+        raise ArcherError("routing replay does not record the routing of tool rollouts (the multi-turn tool loop's "
+                          "sessions keep no records)",
+                          f"drop actor_rollout_ref.rollout.tools.tool_instances, or set {keys}")
+    if engine == "hf":
+        raise ArcherError("routing replay needs the fast engine, which records each token's experts; "
+                          "actor_rollout_ref.rollout.name=hf does not",
+                          f"set actor_rollout_ref.rollout.name=fast, or {keys}")
 
 
 def check_trainer_modes(trainer: DictConfig, *, has_val_files: bool) -> None:

@@ -30,10 +30,12 @@ from archer.controller.factory import build_worker_group
 from archer.controller.worker_group import WorkerGroup
 from archer.data.rl_data import build_rl_data
 from archer.data.rl_dataset import RLDataset
+from archer.distributed.shared_folder import check_shared_folder
 from archer.eval.evaluator import Evaluator, records_metrics
 from archer.folder_lock import FolderLock, hold_folder, refuse_if_held
 from archer.health.monitor import HealthMonitor
 from archer.models.loading import pick_device
+from archer.models.router_replay import ROUTE_COUNTS, mismatch_metrics
 from archer.rewards.extras import REWARD_EXTRAS
 from archer.rewards.reward_stage import build_reward_manager
 from archer.rewards.routing import check_routes
@@ -323,6 +325,8 @@ class PPOTrainer:
             else:
                 with timer("old_log_prob", timings, self.peaks):
                     batch = batch.union(self.workers.call("compute_log_prob", batch))
+                if ROUTE_COUNTS in batch:  # routing replay: how often the policy's top-k differs from the engine's
+                    metrics.update(mismatch_metrics(batch.pop([ROUTE_COUNTS])[ROUTE_COUNTS]))
             if self.use_ref:
                 with timer("ref", timings, self.peaks):
                     batch = batch.union(self.workers.call("compute_ref_log_prob", batch))
@@ -368,6 +372,7 @@ class PPOTrainer:
         metrics.update(self.peaks.metrics())
         if not self.driver_holds_model:  # the busiest trainer device's peak
             metrics.update(self.workers.call("memory_peaks"))
+        metrics.update(self.workers.call("kv_cache_size"))
         metrics["training/global_step"] = float(step)
         metrics["training/epoch"] = float(self.loader.epoch)
         return metrics
@@ -460,6 +465,9 @@ class PPOTrainer:
         cfg = self.cfg.trainer
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(self.cfg, self.run_dir / CONFIG_FILE)
+        if not self.driver_holds_model:  # ranks in other processes, maybe on other nodes, write the checkpoints
+            check_shared_folder(self.workers.call, self.checkpoints.root, self.workers.world_size,
+                                "trainer.default_local_dir")
         start = self.resume()
         self.global_step = start
         self.open_traces(start)

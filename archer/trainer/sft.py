@@ -46,7 +46,7 @@ from archer.models.loading import (
     load_tokenizer,
     pick_device,
 )
-from archer.models.logprobs import logprobs_from_hidden, masked_hidden, masked_logprobs
+from archer.models.logprobs import logit_softcap, logprobs_from_hidden, masked_hidden, masked_logprobs
 from archer.models.lora import LoraSettings
 from archer.models.optim import SFT_SCHEDULERS, LRSchedule, clip_and_step
 from archer.models.owner import ModelOwner
@@ -286,8 +286,8 @@ def evaluate(model: PreTrainedModel, dataset: SFTDataset, batch_size: int, devic
     for batch in DataLoader(dataset, batch_size=batch_size, collate_fn=dataset.collate):
         with autocast_for(device):
             hidden, labels = response_hidden(model, batch)
-            sums[0] -= logprobs_from_hidden(hidden, lm_head, labels, chunk_size=CHUNK_SIZE,
-                                            compute_entropy=False)[0].sum().double()
+            sums[0] -= logprobs_from_hidden(hidden, lm_head, labels, chunk_size=CHUNK_SIZE, compute_entropy=False,
+                                            softcap=logit_softcap(model))[0].sum().double()
             for h, y in zip(hidden.split(CHUNK_SIZE), labels.split(CHUNK_SIZE), strict=True):
                 sums[1] += (lm_head(h).argmax(dim=-1) == y).sum()
         count += len(labels)

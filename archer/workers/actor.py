@@ -19,6 +19,12 @@ log-probs are packed to a token budget by default.
 With ``model.lora_rank > 0`` the policy is the base model with peft's LoRA layers (models/lora.py): only the
 adapters are trained and checkpointed (beside the merged HF folder), the engine takes the merged weights, and
 the reference worker uses the same module with the adapters off.
+
+With routing replay (``actor.router_replay.mode=R3``, models/router_replay.py) the fast engine records each
+token's experts, and the old-log-prob pass and the update route an MoE policy's tokens with them; the old-log-prob
+pass also counts how often the policy's own top-k differs (``actor/router_mismatch_*``), also when
+``rollout.enable_rollout_routing_replay`` records without replaying. With R2 the old-log-prob pass records its own
+routing and the update replays it.
 """
 
 from __future__ import annotations
@@ -36,8 +42,9 @@ from transformers import PreTrainedTokenizerBase
 
 from archer.algorithms.rollout_correction import RolloutCorrection
 from archer.batch import Batch
-from archer.distributed.context import DistContext, shard_bounds
+from archer.distributed.context import DistContext
 from archer.distributed.fsdp import decoder_layers
+from archer.errors import ArcherError
 from archer.models import liger
 from archer.models.checkpointed_layers import KEY as CHECKPOINT_KEY
 from archer.models.checkpointed_layers import checkpoint_first_layers, requested_checkpointed_layers
@@ -51,6 +58,17 @@ from archer.models.moe import refuse_router_loss
 from archer.models.optim import LRSchedule
 from archer.models.owner import ModelOwner, OwnsModel
 from archer.models.packed_attention import supports_packing
+from archer.models.router_replay import (
+    MODE_KEY,
+    RECORD_KEY,
+    ROUTE_COUNTS,
+    ROUTED_EXPERTS,
+    ReplaySettings,
+    RouteCounts,
+    micro_batch_replay,
+    router_of,
+    sparse_gates,
+)
 from archer.models.sequence_layout import SequenceLayout
 from archer.rollout.factory import build_engine, uses_fast_engine
 from archer.trace.influence_capture import (
@@ -64,14 +82,15 @@ from archer.trace.influence_capture import (
     select_modules,
 )
 from archer.workers.actor_objective import ActorObjective
-from archer.workers.async_rollout import StalenessBound
+from archer.workers.async_rollout import StalenessBound, admitted_share, concat_produced, rank_quota
 from archer.workers.async_tool_rollout import RankRollout, async_rollout_for
-from archer.workers.data_parallel import RankPasses, RankTokens, rank_passes
+from archer.workers.data_parallel import PassShare, RankPasses, RankTokens, own_passes, rank_passes
+from archer.workers.dispatch import STAND_IN, collect, concat_batches, own_rows_or_stand_in, rank_zero
 from archer.workers.memory import MemoryPlan, gib, planned_no_grad_tokens, release_cached_blocks
 from archer.workers.mini_batches import ppo_epochs
 from archer.workers.reference import ReferenceWorker
-from archer.workers.results import ROLLOUT_STATS, UpdateResult
-from archer.workers.rollout import FIRST_PROMPT, RolloutWorker, pad_sequences
+from archer.workers.results import ROLLOUT_STATS, UpdateResult, concat_generated, merge_updates
+from archer.workers.rollout import RolloutWorker, pad_sequences
 
 log = logging.getLogger("archer.actor")
 
@@ -121,6 +140,9 @@ class ActorWorker(OwnsModel):
         self.pad_token_id = int(self.tokenizer.pad_token_id)
         self.chat_template_kwargs = chat_template_kwargs
         self.fast_engine = uses_fast_engine(cfg.rollout, self.model, device)
+        self.routing = ReplaySettings.from_config(cfg)
+        if self.routing.record or self.routing.replay:
+            self._check_routing()
         self.rollout: RolloutWorker | None = None
         self._engine_is_stale = False  # the weights changed since the engine last took them
         self.async_rollout: RankRollout | None = None  # colocate_async's pool (produce_groups)
@@ -147,6 +169,17 @@ class ActorWorker(OwnsModel):
         owner.attach_optimizer(self.actor_cfg.optim, LRSchedule.from_rl_optim(self.actor_cfg.optim, total_steps),
                                param_offload=param_offload, optimizer_offload=optimizer_offload)
         return owner
+
+    def _check_routing(self) -> None:
+        """Refuse routing replay where the engine cannot record (the hf engine) or the policy has nothing to route
+        (tools and the asynchronous modes are refused with the config: trainer/config_check.py)."""
+        keys = f"{MODE_KEY}=disabled and {RECORD_KEY}=false"
+        if not sparse_gates(self.model):
+            raise ArcherError(f"routing replay ({MODE_KEY} / {RECORD_KEY}) needs a Mixture-of-Experts policy, and "
+                              f"{self.cfg.model.path} has no sparse blocks", f"set {keys} for a dense model")
+        if self.routing.record and not self.fast_engine:
+            raise ArcherError("routing replay needs the fast engine, which records each token's experts; the hf "
+                              "engine does not", "set actor_rollout_ref.rollout.name=fast, or " + keys)
 
     def plan_micro_batches(self, memory_plan: MemoryPlan | None, *, announce: bool) -> None:
         """The old-log-prob pass's micro-batches: the rollout section's keys and, on a GPU, the memory plan's token
@@ -190,7 +223,8 @@ class ActorWorker(OwnsModel):
             offload.param_offload = False
         sharded = self.ctx.distributed
         engine = build_engine(self.cfg.rollout, self.model, self.tokenizer, self.device, standalone=sharded,
-                              weights=self.owner.weights() if sharded and self.fast_engine else None)
+                              weights=self.owner.weights() if sharded and self.fast_engine else None,
+                              record_routes=self.routing.record)
         self.rollout = RolloutWorker(engine, self.cfg.rollout, device=self.device, tokenizer=self.tokenizer,
                                      chat_template=self.cfg.model.custom_chat_template,
                                      template_kwargs=self.chat_template_kwargs)
@@ -219,22 +253,34 @@ class ActorWorker(OwnsModel):
                 self._engine_is_stale = True
             self.owner.offload.params_to_device()
 
+    @collect(concat_generated, split=own_rows_or_stand_in)
     def generate_sequences(self, prompts: Batch) -> Batch:
-        """Responses to ``prompts`` (``info``: ``validate`` picks rollout.val_kwargs and turns branching off,
-        ``seed`` the sampling seed); with tools configured, through the multi-turn tool loop."""
+        """Responses to this rank's ``prompts`` (all of them at world 1; ``info``: ``validate`` picks
+        rollout.val_kwargs and turns branching off, ``seed`` the sampling seed, each prompt sampled with the seed of
+        its index in the whole batch); with tools configured, through the multi-turn tool loop. On several ranks
+        padded to the widest response of every rank (so the ranks' batches concatenate); a rank without prompts
+        generates for a stand-in and returns no rows (its engine's weights still synced)."""
         with self._generating():
-            return self._generate_rank_share(prompts)
+            out = self.rollout.generate_for(prompts, release_weights=True)
+            if not self.ctx.distributed:
+                return out
+            if prompts.info.get(STAND_IN):
+                out.info.pop(ROLLOUT_STATS, None)
+                out = out.index(slice(0, 0))
+            width = int(self.ctx.all_reduce_max(torch.tensor([out["responses"].shape[1]]))[0])
+            return pad_sequences(out, out["prompts"].shape[1], width, self.pad_token_id)
 
-    def produce_groups(self, admissions: list[Batch], quota: int, version: int, bound: StalenessBound,
+    @collect(concat_produced, split=admitted_share)
+    def produce_groups(self, admitted: list[Batch], quota: int, version: int, bound: StalenessBound,
                        rotation: int = 0, lag: int = 0) -> Batch:
-        """colocate_async (workers/async_rollout.py, ``AsyncRollout.take``): this rank's share of ``quota``
-        complete groups of ``admissions`` sampled up to policy ``version`` (for the step that trains version
-        ``version + lag``), padded to the widest prompt and response of every rank."""
+        """colocate_async (workers/async_rollout.py, ``AsyncRollout.take``): this rank's rows of the admitted prompt
+        batches, and its share of ``quota`` complete groups (``rank_quota``) sampled up to policy ``version`` (for
+        the step that trains version ``version + lag``), padded to the widest prompt and response of every rank."""
         if self.async_rollout is None:
             self.async_rollout = async_rollout_for(self.rollout, self.pad_token_id, partial=bound.partial_rollout)
         with self._generating():
-            out = self.async_rollout.take(admissions, quota, version, bound, rank=self.ctx.rank,
-                                          world=self.ctx.world_size, rotation=rotation, lag=lag)
+            out = self.async_rollout.take(admitted, rank_quota(quota, self.ctx.rank, self.ctx.world_size, rotation),
+                                          version, bound, lag=lag)
         if not self.ctx.distributed:
             return out
         widths = self.ctx.all_reduce_max(torch.tensor([_width(out, "prompts"), _width(out, "responses")]))
@@ -242,32 +288,32 @@ class ActorWorker(OwnsModel):
             return out
         return pad_sequences(out, int(widths[0]), int(widths[1]), self.pad_token_id)
 
-    def _generate_rank_share(self, prompts: Batch) -> Batch:
-        """The responses to this rank's prompts (all of them at world 1), each sampled with the seed of its index
-        in the whole batch, padded to the widest response of every rank (so the ranks' batches concatenate). A
-        rank without prompts generates for one and returns no rows (its engine's weights still synced)."""
-        if not self.ctx.distributed:
-            return self.rollout.generate_for(prompts, release_weights=True)
-        start, stop = shard_bounds(len(prompts), self.ctx.rank, self.ctx.world_size)
-        share = prompts.index(slice(start, stop) if stop > start else slice(0, 1))
-        share.info[FIRST_PROMPT] = start
-        out = self.rollout.generate_for(share, release_weights=True)
-        if stop == start:
-            out.info.pop(ROLLOUT_STATS, None)
-            out = out.index(slice(0, 0))
-        width = int(self.ctx.all_reduce_max(torch.tensor([out["responses"].shape[1]]))[0])
-        return pad_sequences(out, out["prompts"].shape[1], width, self.pad_token_id)
-
     # -- inference -------------------------------------------------------------------------------------
-    def compute_log_prob(self, batch: Batch) -> Batch:
-        """old_log_probs and entropies of the current policy (before the update)."""
-        passes = rank_passes(batch["attention_mask"], self.log_prob_micro, self.ctx)
-        logp, ent = compute_log_probs(self.model, batch, temperature=self.temperature, micro=self.log_prob_micro,
-                                      chunk_size=self.chunk_size, device=self.device, compute_entropy=True,
-                                      parts=passes.parts)
-        return Batch({"old_log_probs": logp[passes.rows], "entropies": ent[passes.rows]})
+    @collect(concat_batches, split=own_passes("log_prob_micro"))
+    def compute_log_prob(self, share: PassShare) -> Batch:
+        """old_log_probs and entropies of the current policy (before the update), of this rank's rows (called with
+        the whole batch); where the batch holds the engine's ``routed_experts``, routed with them (R3) and each
+        row's ``ROUTE_COUNTS``; with R2 the routers' own top-k as ``routed_experts``, which the update replays."""
+        batch = share.batch
+        counts = torch.zeros(len(batch), RouteCounts.COLUMNS) if ROUTED_EXPERTS in batch.tensors else None
+        own = None
+        if self.routing.own:  # R2: this pass's own routing, replayed in the update
+            gates = sparse_gates(self.model)
+            own = torch.full((*batch["input_ids"].shape, len(gates), int(router_of(gates[0]).top_k)), -1,
+                             dtype=torch.int16)
+        logp, ent = compute_log_probs(self.model, batch, temperature=self.temperature,
+                                      micro=self.log_prob_micro, chunk_size=self.chunk_size, device=self.device,
+                                      compute_entropy=True, parts=share.passes.parts, routing=self.routing,
+                                      route_counts=counts, routes_out=own)
+        out = Batch({"old_log_probs": share.own(logp), "entropies": share.own(ent)})
+        if counts is not None:
+            out[ROUTE_COUNTS] = share.own(counts)
+        if own is not None:
+            out[ROUTED_EXPERTS] = share.own(own)
+        return out
 
     # -- influence ---------------------------------------------------------------------------------------
+    @collect(rank_zero)
     def setup_influence(self, settings: CaptureSettings) -> list[str]:
         """Hook the linear layers ``settings`` names during traced updates; returns their names."""
         modules = select_modules(self.model, list(settings.module_name_filter),
@@ -284,6 +330,7 @@ class ActorWorker(OwnsModel):
                                              store_device=store), tokens)
 
     # -- update ------------------------------------------------------------------------------------------
+    @collect(merge_updates)
     def update_actor(self, batch: Batch, influence_tokens: TracedTokens | None = None) -> UpdateResult:
         """PPO epochs over mini-batches: verl-named metrics averaged over optimiser steps; with
         ``influence_tokens``, their captured gradient factors per group of modules, on this device (on the CPU
@@ -314,6 +361,8 @@ class ActorWorker(OwnsModel):
         a = self.actor_cfg
         keys = [*MODEL_INPUTS, "responses", "response_mask", "old_log_probs", "advantages"]
         keys += [k for k in ("ref_log_prob", "rollout_is_weights") if k in batch.tensors]
+        if self.routing.replay and ROUTED_EXPERTS in batch.tensors:
+            keys.append(ROUTED_EXPERTS)
         data = batch.select(keys)
         data["row_id"] = torch.arange(len(data))
         update = PolicyUpdate(self, influence, step_optimizer)
@@ -394,6 +443,9 @@ class PolicyUpdate:
         mb, layout, traced = actor._placed(rows)
         if self.influence is not None and epoch == 0 and weight:  # padding passes trace nothing
             scope.enter_context(self.influence.micro_batch(*traced))
+        replay, _ = micro_batch_replay(actor.model, actor.update_micro.layout, rows, actor.device, replay=True,
+                                       count=False)
+        scope.enter_context(replay)  # open through the backward (a checkpointed layer's recompute routes again)
         with autocast_for(actor.device):
             logp, ent = layout_logprobs(actor.model, layout, temperature=actor.temperature,
                                         chunk_size=actor.chunk_size, compute_entropy=objective.needs_entropy)

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from archer.batch import Batch
-from archer.distributed.context import shard_bounds
 from archer.rollout.base import padded_samples
 from archer.rollout.policy_versions import past_bound
 from archer.rollout.prompt_rounds import stream_seed
 from archer.rollout.request_pool import FIRST_POLICY_VERSION, POLICY_VERSION, K, PoolGroup, RolloutPool
+from archer.workers.dispatch import concat_batches, place, rank_share
 from archer.workers.rollout import RolloutWorker, concat_sequences, layout_sequences, sampling_params
 
 ASYNC_STATS = "async_rollout"  # info key: what the call did (evicted uids, paused and resumed requests, counts)
@@ -38,20 +39,36 @@ def merge_async_stats(stats: list[dict]) -> dict:
     return merged
 
 
+def concat_produced(results: list[Batch]) -> Batch:
+    """The collector of a colocated rank's ``produce_groups``: every rank's complete prompt groups in rank order,
+    with what the ranks' pools did summed (evicted uids joined)."""
+    stats = [b.info.pop(ASYNC_STATS) for b in results]
+    batch = concat_batches([b for b in results if len(b)] or results[:1])
+    batch.info[ASYNC_STATS] = merge_async_stats(stats)
+    return batch
+
+
 def rank_quota(quota: int, rank: int, world: int, rotation: int) -> int:
-    """How many of a call's ``quota`` groups ``rank`` of ``world`` hands back: an even share, the remainder going to
-    the ranks from ``rotation`` on (calls take turns at it)."""
-    start, stop = shard_bounds(quota, (rank - rotation) % world, world)
-    return stop - start
+    """How many of a call's ``quota`` groups ``rank`` of ``world`` hands back: an even share (``rank_share``), the
+    remainder going to the ranks from ``rotation`` on (calls take turns at it)."""
+    share = rank_share(quota, (rank - rotation) % world, world)
+    return share.stop - share.start
 
 
 def rank_rows(prompts: Batch, rank: int, world: int) -> np.ndarray:
     """The rows of admitted ``prompts`` that ``rank`` of ``world`` takes: those whose index in their whole loader
-    batch falls in the rank's share of it (``shard_bounds``), so that a batch admitted again in part after a resume
+    batch falls in the rank's share of it (``rank_share``), so that a batch admitted again in part after a resume
     splits over the ranks as it first did."""
-    start, stop = shard_bounds(int(prompts.info.get(BATCH_ROWS, len(prompts))), rank, world)
+    share = rank_share(int(prompts.info.get(BATCH_ROWS, len(prompts))), rank, world)
     index = np.asarray(prompts[SAMPLE_INDEX])
-    return np.flatnonzero((index >= start) & (index < stop))
+    return np.flatnonzero((index >= share.start) & (index < share.stop))
+
+
+def admitted_share(admissions: list[Batch], worker: Any) -> list[Batch]:
+    """``split`` of ``produce_groups`` (workers/dispatch.py): this rank's rows of each admitted prompt batch
+    (``rank_rows``), the batches where it has none left out."""
+    rank, world = place(worker)
+    return [prompts.index(mine) for prompts in admissions if len(mine := rank_rows(prompts, rank, world))]
 
 
 @dataclass(frozen=True)
@@ -96,17 +113,12 @@ class AsyncRollout:
             self.pool.admit(uid, ids, [stream_seed(seed, _SAMPLE_STREAM, index, j) for j in range(self.n)])
             self.rows[uid] = row
 
-    def take(self, admissions: list[Batch], quota: int, version: int, bound: StalenessBound, *, rank: int,
-             world: int, rotation: int = 0, lag: int = 0) -> Batch:
-        """Admit this rank's rows of each prompt batch of ``admissions`` (by their index in their whole loader
-        batch, so a batch admitted again after a resume splits as it first did), then produce its share of
-        ``quota`` complete groups (a quota that does not divide by the ranks gives its remainder to the ranks from
-        ``rotation`` on)."""
-        for prompts in admissions:
-            mine = rank_rows(prompts, rank, world)
-            if len(mine):
-                self.admit(prompts.index(mine))
-        return self.produce(rank_quota(quota, rank, world, rotation), version, bound, lag=lag)
+    def take(self, admitted: list[Batch], quota: int, version: int, bound: StalenessBound, *, lag: int = 0) -> Batch:
+        """Admit this rank's prompt batches (``admitted_share``), then produce its ``quota`` of complete groups
+        (``rank_quota``)."""
+        for prompts in admitted:
+            self.admit(prompts)
+        return self.produce(quota, version, bound, lag=lag)
 
     def produce(self, quota: int, version: int, bound: StalenessBound, *, lag: int = 0) -> Batch:
         """This rank's complete groups sampled up to policy ``version`` (the engine's weights), for the step that

@@ -32,8 +32,6 @@ from archer.workers.async_rollout import (
     SAMPLE_INDEX,
     AsyncRollout,
     StalenessBound,
-    rank_quota,
-    rank_rows,
 )
 from archer.workers.results import ROLLOUT_STATS
 from archer.workers.rollout import (
@@ -53,16 +51,14 @@ class WholeBatchRollout:
         self.pad_token_id = pad_token_id
         self.done: dict[str, Batch] = {}  # uid -> its group's rows, in the order the batches were admitted
 
-    def take(self, admissions: list[Batch], quota: int, version: int, bound: StalenessBound, *, rank: int,
-             world: int, rotation: int = 0, lag: int = 0) -> Batch:
-        """Generate this rank's rows of each prompt batch of ``admissions`` under policy ``version``, then hand
-        back its share of ``quota`` complete groups, the oldest first (as ``AsyncRollout.take``; the bound counts
-        from version ``version + lag``, the one the step trains)."""
-        shares = [prompts.index(mine) for prompts in admissions if len(mine := rank_rows(prompts, rank, world))]
+    def take(self, admitted: list[Batch], quota: int, version: int, bound: StalenessBound, *, lag: int = 0) -> Batch:
+        """Generate this rank's prompt batches (``admitted_share``) under policy ``version``, then hand back its
+        ``quota`` of complete groups, the oldest first (as ``AsyncRollout.take``; the bound counts from version
+        ``version + lag``, the one the step trains)."""
         with self.worker.engine_turn(release_weights=True):  # one turn: the weight copy goes after the last
-            stats = [self._generate(share, version) for share in shares]
+            stats = [self._generate(share, version) for share in admitted]
         evicted = self._evict(version + lag, bound)
-        parts = [self.done.pop(uid) for uid in list(self.done)[: rank_quota(quota, rank, world, rotation)]]
+        parts = [self.done.pop(uid) for uid in list(self.done)[:quota]]
         batch = concat_sequences(parts, self.pad_token_id) if parts else Batch({})
         if any(s is not None for s in stats):
             batch.info[ROLLOUT_STATS] = RolloutStats.merge([s for s in stats if s is not None])
@@ -106,24 +102,21 @@ class PartialToolRollout:
         self.run = worker.agentic.open(params, branch_settings(worker.cfg, params, validate=False))
         self.rows: dict[int, Batch] = {}  # a prompt's number in the run -> its row
 
-    def take(self, admissions: list[Batch], quota: int, version: int, bound: StalenessBound, *, rank: int,
-             world: int, rotation: int = 0, lag: int = 0) -> Batch:
-        """Admit this rank's rows of each prompt batch of ``admissions``, run every trajectory with policy
-        ``version`` until this rank's share of ``quota`` more groups is complete, pause the rest, and hand back
-        that share, the oldest first (as ``AsyncRollout.take``)."""
-        for prompts in admissions:
-            if len(mine := rank_rows(prompts, rank, world)):
-                self._admit(prompts.index(mine))
+    def take(self, admitted: list[Batch], quota: int, version: int, bound: StalenessBound, *, lag: int = 0) -> Batch:
+        """Admit this rank's prompt batches (``admitted_share``), run every trajectory with policy ``version`` until
+        this rank's ``quota`` more groups are complete, pause the rest, and hand back those groups, the oldest
+        first (as ``AsyncRollout.take``)."""
+        for prompts in admitted:
+            self._admit(prompts)
         run = self.run
         old, must_finish = bound.past({prompt: run.started(prompt) for prompt in sorted(run.prompts)}, version + lag)
         evicted = [str(self.rows.pop(p)["uid"][0]) for p in old]
         run.remove(old)
-        share = rank_quota(quota, rank, world, rotation)
         complete_before = sum(g.done for g in run.groups.values())
 
         def enough() -> bool:
             completed = sum(g.done for g in run.groups.values()) - complete_before
-            return completed >= share and all(p in run.groups and run.groups[p].done for p in must_finish)
+            return completed >= quota and all(p in run.groups and run.groups[p].done for p in must_finish)
 
         start, since = time.monotonic(), [s.counters() for s in run.counted]
         for session in run.counted:  # this call's decode occupancy counts this call's largest batch
@@ -137,7 +130,7 @@ class PartialToolRollout:
                 paused = run.pause()
         prefilled = sum(s.counters().prefilled - b.prefilled for s, b in zip(run.counted, since, strict=True))
         done = [p for p, g in sorted(run.groups.items()) if g.done]  # numbered in admission order: oldest first
-        chosen = sorted(hand_out(done, must_finish, share))
+        chosen = sorted(hand_out(done, must_finish, quota))
         batch = self._layout(chosen, time.monotonic() - start, since)
         run.remove(chosen)
         batch.info[ASYNC_STATS] = {"evicted": evicted, "paused": paused, "resumed": resumed,

@@ -3,8 +3,9 @@ critic and the reward model (verl's one process per GPU holding every role). The
 through a worker group (archer/controller/worker_group.py): in this process at world 1, one Ray actor per rank
 otherwise; each method declares how the ranks' results come back (archer/workers/dispatch.py).
 
-Every method gets the whole batch; each role takes its rank's rows (archer/workers/data_parallel.py) and
-returns them, or, for an update, runs its share of every mini-batch and returns the metrics all ranks agree on.
+Every method gets the whole batch; each role's method declares what of it the rank works on and how the ranks'
+results come back (archer/workers/dispatch.py): its rows, or, for an update, its share of every mini-batch and the
+metrics all ranks agree on. The methods that only hand the call to a role are generated from those declarations.
 At world > 1 the rank joins the process group the worker group describes in its environment and the models are
 sharded with FSDP2 (archer/distributed/fsdp.py); at world 1 nothing changes from a plain single-device run.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,49 +32,21 @@ import torch
 from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
-from archer.batch import Batch
 from archer.config.world import world_size
 from archer.distributed.context import DistContext
+from archer.distributed.shared_folder import rank_name, unseen_markers, write_marker
 from archer.distributed.weight_sync import WeightManifest, WeightSender, join_group, open_store
 from archer.models.loading import load_tokenizer, pick_device
-from archer.trace.influence_capture import merge_rank_factors
 from archer.units import GIB
 from archer.workers.actor import ActorWorker
-from archer.workers.async_rollout import ASYNC_STATS, StalenessBound, merge_async_stats
 from archer.workers.critic import CriticWorker
-from archer.workers.dispatch import collect, concat_batches, delegate, own_rows, rank_zero
+from archer.workers.dispatch import collect, delegate, rank_zero
 from archer.workers.memory import MemoryPlan, card_figures, plan_actor_memory
 from archer.workers.reference import ReferenceWorker
-from archer.workers.results import UpdateResult, concat_generations
 from archer.workers.reward_model import RewardModelWorker
 from archer.workers.rollout_correction_config import read_rollout_correction
 
 log = logging.getLogger("archer.workers")
-
-
-def concat_generated(results: list[Batch]) -> Batch:
-    """Every rank's generated rows in rank order (padded to one width by the ranks), the agentic loop's
-    statistics merged over the ranks."""
-    return concat_generations(results, concat_batches)
-
-
-def concat_produced(results: list[Batch]) -> Batch:
-    """Every rank's complete prompt groups in rank order, with what the ranks' pools did summed (evicted uids
-    joined)."""
-    stats = [b.info.pop(ASYNC_STATS) for b in results]
-    batch = concat_batches([b for b in results if len(b)] or results[:1])
-    batch.info[ASYNC_STATS] = merge_async_stats(stats)
-    return batch
-
-
-def merge_updates(results: list[UpdateResult]) -> UpdateResult:
-    """The actor update's metrics (every rank's are the same, all-reduced) and, when influence was traced on
-    several ranks, the factors every rank captured for its rows, merged into those of the whole batch."""
-    first = results[0]
-    if first.captured is None:
-        return first
-    captured = [(r.influence, r.captured) for r in results]
-    return UpdateResult(first.metrics, influence=merge_rank_factors(captured, first.influence[0].u.shape[1]))
 
 
 def models_beside_actor(ref: ReferenceWorker | None, critic: CriticWorker | None,
@@ -119,7 +93,7 @@ class RankWorkers:
         self.reward_model: RewardModelWorker | None = None
         if cfg.reward_model.enable:
             self.reward_model = RewardModelWorker(cfg.reward_model, device=self.ctx.device, policy_tokenizer=tokenizer,
-                                                  policy_path=str(ref_cfg.model.path))
+                                                  policy_path=str(ref_cfg.model.path), ctx=self.ctx)
         self.actor = ActorWorker(ref_cfg, device=self.ctx.device, ctx=self.ctx, total_steps=total_steps,
                                  tokenizer=tokenizer, chat_template_kwargs=chat_template_kwargs, start_rollout=False,
                                  rollout_correction=read_rollout_correction(cfg.algorithm.rollout_correction),
@@ -151,28 +125,16 @@ class RankWorkers:
         plan.check()
         return plan
 
-    # -- the step's stages ------------------------------------------------------------------------------------
-    @collect(concat_generated)
-    def generate_sequences(self, prompts: Batch) -> Batch:
-        """The responses to this rank's prompts (sampled with the seeds of a single-process run)."""
-        return self.actor.generate_sequences(prompts)
-
-    @collect(concat_produced)
-    def produce_groups(self, admissions: list[Batch], quota: int, version: int, bound: StalenessBound,
-                       rotation: int = 0, lag: int = 0) -> Batch:
-        """colocate_async: admit this rank's rows of ``admissions`` and hand back its share of ``quota`` complete
-        prompt groups (workers/async_rollout.py)."""
-        return self.actor.produce_groups(admissions, quota, version, bound, rotation, lag)
-
-    # the reward model is not sharded (each rank holds a copy): it scores the rank's rows; the sharded models'
-    # passes take the whole batch and cut it themselves (workers/data_parallel.py)
-    compute_rm_score = delegate("reward_model", "compute_rm_score", concat_batches, split=own_rows)
-    compute_log_prob = delegate("actor", "compute_log_prob", concat_batches)
-    compute_ref_log_prob = delegate("ref", "compute_ref_log_prob", concat_batches)
-    compute_values = delegate("critic", "compute_values", concat_batches)
-    update_critic = delegate("critic", "update_critic", rank_zero)
-    update_actor = delegate("actor", "update_actor", merge_updates)  # (batch, influence_tokens)
-    setup_influence = delegate("actor", "setup_influence", rank_zero)
+    # -- the step's stages: each role's method splits the whole batch it is handed (workers/dispatch.py) --------
+    generate_sequences = delegate("actor", ActorWorker.generate_sequences)
+    produce_groups = delegate("actor", ActorWorker.produce_groups)  # colocate_async (workers/async_rollout.py)
+    compute_rm_score = delegate("reward_model", RewardModelWorker.compute_rm_score)
+    compute_log_prob = delegate("actor", ActorWorker.compute_log_prob)
+    compute_ref_log_prob = delegate("ref", ReferenceWorker.compute_ref_log_prob)
+    compute_values = delegate("critic", CriticWorker.compute_values)
+    update_critic = delegate("critic", CriticWorker.update_critic)
+    update_actor = delegate("actor", ActorWorker.update_actor)  # (batch, influence_tokens)
+    setup_influence = delegate("actor", ActorWorker.setup_influence)
 
     # -- weights to standalone rollout ranks (separate_async) ----------------------------------------------
     @collect(rank_zero)
@@ -211,18 +173,21 @@ class RankWorkers:
     # -- memory -------------------------------------------------------------------------------------------
     @collect(max_over_ranks)
     def memory_peaks(self) -> dict[str, float]:
-        """The device's peak memory since the last call (GiB; empty on a CPU), then the count restarts; and the KV
-        cache the fast engine last sized (``perf/kv_cache_gb``: less than its share where the card had less free)."""
+        """The device's peak memory since the last call (GiB; empty on a CPU), then the count restarts."""
         if self.ctx.device.type != "cuda":
             return {}
         peaks = {"perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated(self.ctx.device) / GIB,
                  "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved(self.ctx.device) / GIB}
         torch.cuda.reset_peak_memory_stats(self.ctx.device)
+        return peaks
+
+    @collect(max_over_ranks)
+    def kv_cache_size(self) -> dict[str, float]:
+        """``perf/kv_cache_gb``: the KV cache the fast engine last sized (less than its share where the card had
+        less free); empty without a fast engine on this rank."""
         rollout = getattr(self.actor, "rollout", None)
         cache_bytes = getattr(rollout.engine, "cache_bytes", 0) if rollout is not None else 0
-        if cache_bytes:
-            peaks["perf/kv_cache_gb"] = cache_bytes / GIB
-        return peaks
+        return {"perf/kv_cache_gb": cache_bytes / GIB} if cache_bytes else {}
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     @collect(rank_zero)
@@ -232,6 +197,14 @@ class RankWorkers:
         self.actor.save(folder / "actor", tokenizer)
         if self.critic is not None:
             self.critic.save(folder / "critic")
+
+    @collect(list)
+    def check_shared_folder(self, folder: Path, token: str) -> dict[str, Any]:
+        """This rank's side of archer/distributed/shared_folder.check_shared_folder: write its marker, wait for
+        every rank's, then name the markers it does not see (and its host)."""
+        write_marker(folder, token, rank_name(self.ctx.rank))
+        self.ctx.barrier()
+        return {"host": socket.gethostname(), "unseen": unseen_markers(folder, token, self.ctx.world_size)}
 
     @collect(rank_zero)
     def load_checkpoint(self, folder: Path) -> None:

@@ -24,7 +24,8 @@ from archer.models.micro_batches import CRITIC_UPDATE, CRITIC_VALUES, MicroBatch
 from archer.models.optim import LRSchedule
 from archer.models.owner import ModelOwner, OwnsModel
 from archer.models.packed_attention import supports_packing
-from archer.workers.data_parallel import RankPasses, rank_passes
+from archer.workers.data_parallel import PassShare, RankPasses, own_passes, rank_passes
+from archer.workers.dispatch import collect, concat_batches, rank_zero
 from archer.workers.memory import MemoryPlan, planned_no_grad_tokens
 from archer.workers.mini_batches import ppo_epochs
 from archer.workers.results import UpdateResult
@@ -75,18 +76,20 @@ class CriticWorker(OwnsModel):
             v = value_forward(self.model, **layout.model_inputs())
         return layout.scatter(layout.response_states(v).float()) * mb["response_mask"].float()
 
-    def compute_values(self, batch: Batch) -> Batch:
-        data = batch.select([*MODEL_INPUTS, "responses", "response_mask"])
+    @collect(concat_batches, split=own_passes("forward_micro"))
+    def compute_values(self, share: PassShare) -> Batch:
+        """The values of this rank's rows (called with the whole batch)."""
+        data = share.batch.select([*MODEL_INPUTS, "responses", "response_mask"])
         values = torch.zeros(data["responses"].shape)
-        passes = rank_passes(data["attention_mask"], self.forward_micro, self.ctx)
         self.model.eval()
         with torch.no_grad():
-            done = [(rows, self._values(data.index(rows), self.forward_micro)) for rows in passes.parts]
+            done = [(rows, self._values(data.index(rows), self.forward_micro)) for rows in share.passes.parts]
             for rows, part in done:  # read back once the passes are queued
                 values[rows] = part.cpu()
         self.model.train()
-        return Batch({"values": values[passes.rows]})
+        return Batch({"values": share.own(values)})
 
+    @collect(rank_zero)
     def update_critic(self, batch: Batch) -> UpdateResult:
         """PPO epochs of the value loss over mini-batches (workers/mini_batches.py): verl-named metrics averaged
         over optimiser steps (as the actor's update_actor)."""

@@ -1,15 +1,17 @@
 """Data parallelism inside a worker: which micro-batches a rank runs, and metrics summed over ranks.
 
-Every rank receives the whole batch (docs/architecture.md) and takes its contiguous rows (``shard_bounds``).
-A sharded model (FSDP2) gathers each layer's weights in every forward and reduces its gradients in every
+Every rank receives the whole batch (docs/architecture.md) and takes its contiguous rows (``rank_share``,
+workers/dispatch.py). A sharded model (FSDP2) gathers each layer's weights in every forward and reduces its gradients in every
 backward, so every rank must run the same number of passes: ``rank_passes`` splits each rank's rows into
 micro-batches (computing the split of every rank, which each can do from the whole batch) and pads a rank that
 has fewer with passes over rows it already ran. A padding pass changes nothing: its log-probs overwrite the same
-values, and its loss and metrics are weighted by zero.
+values, and its loss and metrics are weighted by zero. The no-grad passes declare the split ``own_passes``
+(workers/dispatch.py): their method is handed the whole batch with the rank's passes over it (``PassShare``); an
+update cuts each mini-batch with ``rank_passes``.
 
 With ``balance`` (verl's ``trainer.balance_batch``, on by default, for the update passes of the actor and the
 critic) a rank takes instead a balanced shard of rows (``balanced_shards``): the same number of rows as
-``shard_bounds`` gives it, chosen so that the ranks' real tokens come out as even as a greedy pass can make
+``rank_share`` gives it, chosen so that the ranks' real tokens come out as even as a greedy pass can make
 them, longest row first, so that no rank waits for one that drew the long responses. The rows of each
 mini-batch stay the ones a single process trains on (verl reorders the whole batch before it splits
 mini-batches; archer keeps a run on N ranks the run of one process), so only the float summation order moves,
@@ -23,13 +25,17 @@ metric of the whole mini-batch is the single-process one whatever the number of 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from archer.algorithms.metric_sums import MetricSums
-from archer.distributed.context import DistContext, shard_bounds
+from archer.batch import Batch
+from archer.distributed.context import DistContext
 from archer.models.micro_batches import MicroBatching
+from archer.workers.dispatch import rank_share
 
 
 @dataclass(frozen=True)
@@ -51,9 +57,9 @@ class RankPasses:
 
 def balanced_shards(lengths: torch.Tensor, world: int) -> list[torch.Tensor]:
     """Row indices (ascending) of each rank's shard of rows of ``lengths`` tokens: as many rows as
-    ``shard_bounds`` gives the rank, the rows dealt longest first, each to the rank with the fewest tokens so far
+    ``rank_share`` gives the rank, the rows dealt longest first, each to the rank with the fewest tokens so far
     among those with room (ties to the lowest rank)."""
-    room = [stop - start for start, stop in (shard_bounds(len(lengths), rank, world) for rank in range(world))]
+    room = [share.stop - share.start for share in (rank_share(len(lengths), rank, world) for rank in range(world))]
     tokens = [0] * world
     shards: list[list[int]] = [[] for _ in range(world)]
     sizes = lengths.tolist()
@@ -71,7 +77,7 @@ def rank_token_totals(attention_mask: torch.Tensor, world: int, *, balance: bool
     lengths = attention_mask.sum(dim=1).cpu()
     if balance:
         return [int(lengths[shard].sum()) for shard in balanced_shards(lengths, world)]
-    return [int(lengths[slice(*shard_bounds(len(lengths), rank, world))].sum()) for rank in range(world)]
+    return [int(lengths[rank_share(len(lengths), rank, world)].sum()) for rank in range(world)]
 
 
 class RankTokens:
@@ -105,9 +111,8 @@ def rank_passes(attention_mask: torch.Tensor, micro: MicroBatching, ctx: DistCon
     counts, every_rank, own_parts, own_rows = [], [], [], slice(0, 0)
     for rank in range(world):
         if balanced is None:
-            start, stop = shard_bounds(n, rank, world)
-            shard: slice | torch.Tensor = slice(start, stop)
-            index = torch.arange(start, stop)
+            shard: slice | torch.Tensor = rank_share(n, rank, world)
+            index = torch.arange(shard.start, shard.stop)
         else:
             shard = index = balanced[rank]
         parts = [index[rows] for rows in micro.split(attention_mask[shard])] if len(index) else []
@@ -118,6 +123,29 @@ def rank_passes(attention_mask: torch.Tensor, micro: MicroBatching, ctx: DistCon
     filler = own_parts[-1] if own_parts else torch.zeros(1, dtype=torch.long)
     padding = [filler] * (max(counts) - len(own_parts)) if n else []
     return RankPasses(parts=own_parts + padding, own=len(own_parts), rows=own_rows, every_rank=every_rank)
+
+
+@dataclass(frozen=True)
+class PassShare:
+    """What a no-grad pass declared with ``own_passes`` works on: the whole ``batch`` and the rank's ``passes``
+    over it (``rows``: the rows whose results the rank hands back)."""
+
+    batch: Batch
+    passes: RankPasses
+
+    def own(self, values: torch.Tensor) -> torch.Tensor:
+        """The rank's rows of ``values``, a tensor over the whole batch's rows."""
+        return values[self.passes.rows]
+
+
+def own_passes(micro: str) -> Callable[[Batch, Any], PassShare]:
+    """``split`` of a sharded model's no-grad pass (workers/dispatch.py): the whole batch with the rank's passes
+    over its contiguous rows (``rank_passes``), split by the worker's ``MicroBatching`` attribute ``micro``."""
+    def split(batch: Batch, worker: Any) -> PassShare:
+        return PassShare(batch, rank_passes(batch["attention_mask"], getattr(worker, micro), worker.ctx))
+
+    split.__name__ = split.__qualname__ = f"own_passes({micro!r})"
+    return split
 
 
 def reduce_metric_sums(sums: MetricSums, ctx: DistContext) -> None:

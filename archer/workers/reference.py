@@ -16,7 +16,8 @@ from archer.models.lora import base_policy
 from archer.models.micro_batches import LOG_PROB, no_grad_micro_batching
 from archer.models.owner import ModelOwner
 from archer.models.packed_attention import supports_packing
-from archer.workers.data_parallel import rank_passes
+from archer.workers.data_parallel import PassShare, own_passes
+from archer.workers.dispatch import collect, concat_batches
 from archer.workers.memory import MemoryPlan, planned_no_grad_tokens
 
 
@@ -56,10 +57,11 @@ class ReferenceWorker:
             can_pack=supports_packing(self.model), planned_tokens=planned_no_grad_tokens(memory_plan, self.model),
             announce=announce)
 
-    def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        passes = rank_passes(batch["attention_mask"], self.micro, self.ctx)
+    @collect(concat_batches, split=own_passes("micro"))
+    def compute_ref_log_prob(self, share: PassShare) -> Batch:
+        """The reference's log-probs of this rank's rows (called with the whole batch)."""
         with base_policy(None if self.lora_policy is None else self.lora_policy.peft):
-            logp, _ = compute_log_probs(self.model, batch, temperature=self.temperature, micro=self.micro,
+            logp, _ = compute_log_probs(self.model, share.batch, temperature=self.temperature, micro=self.micro,
                                         chunk_size=self.cfg.actor.logprob_chunk_size, device=self.device,
-                                        compute_entropy=False, parts=passes.parts)
-        return Batch({"ref_log_prob": logp[passes.rows]})
+                                        compute_entropy=False, parts=share.passes.parts)
+        return Batch({"ref_log_prob": share.own(logp)})

@@ -1,5 +1,6 @@
 """What the workers hand back to the driver besides tensors: the typed result of an update, and the info key of
-the agentic loop's statistics on a generated batch. The trainer reads worker results from here only.
+the agentic loop's statistics on a generated batch, with the collectors that join the ranks' generations and
+updates (workers/dispatch.py). The trainer reads worker results from here only.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from dataclasses import dataclass
 
 from archer.batch import Batch
 from archer.rollout.rollout_stats import RolloutStats
-from archer.trace.influence_capture import FactorGroup
+from archer.trace.influence_capture import FactorGroup, merge_rank_factors
+from archer.workers.dispatch import concat_batches
 
 ROLLOUT_STATS = "rollout_stats"  # info key of a generated batch: the agentic loop's RolloutStats
 
@@ -21,6 +23,12 @@ def concat_generations(results: list[Batch], concat: Callable[[list[Batch]], Bat
     if stats:
         batch.info[ROLLOUT_STATS] = RolloutStats.merge(stats)
     return batch
+
+
+def concat_generated(results: list[Batch]) -> Batch:
+    """The collector of a generation: every rank's generated rows in rank order (padded to one width by the
+    ranks), the agentic loop's statistics merged over the ranks."""
+    return concat_generations(results, concat_batches)
 
 
 @dataclass
@@ -36,3 +44,14 @@ class UpdateResult:
     metrics: dict[str, float]
     influence: list[FactorGroup] | None = None
     captured: dict[str, int] | None = None
+
+
+def merge_updates(results: list[UpdateResult]) -> UpdateResult:
+    """The collector of the actor's update: its metrics (every rank's are the same, all-reduced) and, when
+    influence was traced on several ranks, the factors every rank captured for its rows, merged into those of the
+    whole batch."""
+    first = results[0]
+    if first.captured is None:
+        return first
+    captured = [(r.influence, r.captured) for r in results]
+    return UpdateResult(first.metrics, influence=merge_rank_factors(captured, first.influence[0].u.shape[1]))

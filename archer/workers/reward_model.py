@@ -43,6 +43,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from archer.batch import Batch, response_attention, to_device
 from archer.data.rl_dataset import TRUNCATION_MODES, truncate_ids
+from archer.distributed.context import DistContext
 from archer.errors import ArcherError
 from archer.models.loading import (
     default_dtype,
@@ -57,6 +58,7 @@ from archer.models.packed_attention import supports_packing
 from archer.models.sequence_layout import PackedRows
 from archer.rewards.reward_stage import on_last_token
 from archer.rollout.tool_text import encode_with_plain_part
+from archer.workers.dispatch import collect, concat_batches, own_rows
 from archer.workers.memory import MemoryPlan, planned_no_grad_tokens
 
 RM = "reward_model"
@@ -199,12 +201,14 @@ def _messages(raw_prompt: Any) -> list[dict[str, Any]]:
 class RewardModelWorker:
     """Holds the frozen reward model (``reward_model`` config section ``cfg``) on ``device`` and scores batches.
     ``policy_tokenizer`` is the policy's, used as the input tokenizer when ``model.input_tokenizer`` is the
-    policy's path (``policy_path``)."""
+    policy's path (``policy_path``). ``ctx``: the rank of a data-parallel run (default: one process on
+    ``device``); the model is not sharded (each rank holds a copy) and scores the rank's rows."""
 
     def __init__(self, cfg: DictConfig, *, device: torch.device, policy_tokenizer: PreTrainedTokenizerBase,
-                 policy_path: str) -> None:
+                 policy_path: str, ctx: DistContext | None = None) -> None:
         config = _rm_config(cfg)
         self.device = device
+        self.ctx = ctx if ctx is not None else DistContext.single(device)
         path, trust = str(cfg.model.path), bool(cfg.model.trust_remote_code)
         self.model = load_reward_model(path, device=device, dtype=default_dtype(device), trust_remote_code=trust)
         self.head = getattr(self.model, SCORE_HEAD, None)
@@ -269,8 +273,10 @@ class RewardModelWorker:
             scores[rows] = part.cpu()
         return scores
 
+    @collect(concat_batches, split=own_rows)
     def compute_rm_score(self, batch: Batch) -> Batch:
-        """``rm_scores`` [B, R]: each row's score on its last learned response token (``response_mask``)."""
+        """``rm_scores`` [B, R] of this rank's rows: each row's score on its last learned response token
+        (``response_mask``)."""
         sequences = self.inputs(batch)
         empty = [i for i, ids in enumerate(sequences) if not ids]
         if empty:

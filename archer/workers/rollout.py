@@ -2,7 +2,8 @@
 
 It wraps a generation engine (rollout/) and lays out the tensors the later stages read: ``prompts``,
 ``responses``, ``input_ids`` (prompt + response), ``attention_mask``, ``position_ids``, ``response_mask``
-and the engine's per-token ``rollout_log_probs`` / ``rollout_entropies``. Rows are repeated n times.
+and the engine's per-token ``rollout_log_probs`` / ``rollout_entropies`` (and, where the engine records its
+routing, ``routed_experts``: routing replay, models/router_replay.py). Rows are repeated n times.
 The actor worker owns it (the engine generates with the actor's weights).
 
 With tools configured (``rollout.tools.tool_instances``) it generates with the multi-turn tool loop
@@ -31,17 +32,15 @@ from transformers import PreTrainedTokenizerBase
 
 from archer.batch import Batch, response_attention
 from archer.models.loading import autocast_for
+from archer.models.router_replay import ROUTED_EXPERTS, pad_routes, sequence_routes
 from archer.rollout.agentic import AgenticOutput
 from archer.rollout.agentic_config import branch_settings, build_agentic_rollout, uses_tools
 from archer.rollout.base import RolloutEngine, SamplingParams
 from archer.rollout.request_pool import PoolRun, RolloutPool
+from archer.workers.dispatch import FIRST_ROW
 from archer.workers.results import ROLLOUT_STATS
 
 log = logging.getLogger("archer.rollout")
-
-
-
-FIRST_PROMPT = "first_prompt"  # info key of a rank's slice of prompts: the index of its first prompt in the batch
 
 
 def sampling_params(rollout: DictConfig, *, validate: bool, seed: int, first_prompt: int = 0) -> SamplingParams:
@@ -105,7 +104,7 @@ class RolloutWorker:
         caller syncs the weights again before the next generation)."""
         validate = bool(prompts.info.get("validate", False))
         params = sampling_params(self.cfg, validate=validate, seed=int(prompts.info["seed"]),
-                                 first_prompt=int(prompts.info.get(FIRST_PROMPT, 0)))
+                                 first_prompt=int(prompts.info.get(FIRST_ROW, 0)))
         with self.engine_turn(release_weights=release_weights):
             return self.generate_sequences(prompts, params, validate=validate)
 
@@ -138,6 +137,10 @@ class RolloutWorker:
         batch["rollout_log_probs"] = out.log_probs.float().cpu()
         batch["rollout_entropies"] = out.entropies.float().cpu()
         batch["finish_reason"] = list(out.finish_reasons)
+        if out.routed_experts is not None:
+            lengths = [len(prompt_lists[i]) for i in out.prompt_index.tolist()]
+            batch[ROUTED_EXPERTS] = sequence_routes(out.routed_experts, lengths, prompts["input_ids"].shape[1],
+                                                    out.responses.shape[1])
         return batch
 
     def _generate_with_tools(self, prompts: Batch, prompt_lists: list[list[int]], params: SamplingParams,
@@ -179,7 +182,8 @@ def pad_sequences(b: Batch, prompt_width: int, response_width: int, pad_token_id
     """A generated batch padded to ``prompt_width`` / ``response_width`` (at least its own widths).
 
     Prompts are left-padded and every [B, R] tensor aligned with the responses is right-padded (responses
-    with the pad token, the others with 0); input_ids, attention_mask and position_ids are rebuilt.
+    with the pad token, the others with 0), ``routed_experts`` on both sides; input_ids, attention_mask and
+    position_ids are rebuilt.
     """
     p, r = b["prompts"].shape[1], b["responses"].shape[1]
     tensors: dict[str, torch.Tensor] = {}
@@ -188,6 +192,8 @@ def pad_sequences(b: Batch, prompt_width: int, response_width: int, pad_token_id
             continue
         if key == "prompts":
             tensors[key] = torch.nn.functional.pad(value, (prompt_width - p, 0), value=pad_token_id)
+        elif key == ROUTED_EXPERTS:
+            tensors[key] = pad_routes(value, prompt_width - p, response_width - r)
         elif value.dim() == 2 and value.shape[1] == r:
             fill = pad_token_id if key == "responses" else 0
             tensors[key] = torch.nn.functional.pad(value, (0, response_width - r), value=fill)

@@ -20,15 +20,21 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import PreTrainedTokenizerBase
 
 from archer.batch import Batch
-from archer.distributed.context import shard_bounds
 from archer.distributed.weight_sync import WeightManifest, WeightReceiver, join_group
 from archer.models.loading import load_causal_lm, load_tokenizer, pick_device
 from archer.rollout.factory import build_engine, uses_fast_engine
-from archer.workers.async_rollout import ASYNC_STATS, GENERATION_S, StalenessBound, merge_async_stats
+from archer.workers.async_rollout import (
+    ASYNC_STATS,
+    GENERATION_S,
+    StalenessBound,
+    admitted_share,
+    merge_async_stats,
+    rank_quota,
+)
 from archer.workers.async_tool_rollout import RankRollout, async_rollout_for
-from archer.workers.dispatch import collect
+from archer.workers.dispatch import Seat, collect, own_rows
 from archer.workers.results import concat_generations
-from archer.workers.rollout import FIRST_PROMPT, RolloutWorker, concat_sequences
+from archer.workers.rollout import RolloutWorker, concat_sequences
 
 PAD_TOKEN = "pad_token_id"  # info key of a rollout rank's result: the pad token its rows are padded with
 
@@ -75,7 +81,7 @@ class RolloutRank:
     def __init__(self, cfg: DictConfig, *, tokenizer: PreTrainedTokenizerBase | None = None,
                  chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
         ref_cfg = cfg.actor_rollout_ref
-        self.rank, self.world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        self.ctx = Seat(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
         self.device = pick_device(cfg.trainer.device)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -100,35 +106,32 @@ class RolloutRank:
         batch.info[PAD_TOKEN] = int(self.tokenizer.pad_token_id)
         return batch
 
-    @collect(concat_rank_groups)
-    def produce_groups(self, admissions: list[Batch], quota: int, version: int, bound: StalenessBound,
+    @collect(concat_rank_groups, split=admitted_share)
+    def produce_groups(self, admitted: list[Batch], quota: int, version: int, bound: StalenessBound,
                        rotation: int = 0, lag: int = 0) -> Batch:
-        """This rank's share of ``quota`` complete groups of ``admissions`` (``AsyncRollout.take``), sampled up to
-        policy ``version`` for the step that updates ``version + lag``."""
+        """This rank's rows of the admitted prompt batches, and its share of ``quota`` complete groups
+        (``AsyncRollout.take``), sampled up to policy ``version`` for the step that updates ``version + lag``."""
         start = time.perf_counter()
         if self.pool is None:
             self.pool = async_rollout_for(self.rollout, int(self.tokenizer.pad_token_id), partial=bound.partial_rollout)
-        out = self.pool.take(admissions, quota, version, bound, rank=self.rank, world=self.world,
-                             rotation=rotation, lag=lag)
+        out = self.pool.take(admitted, rank_quota(quota, self.ctx.rank, self.ctx.world_size, rotation), version,
+                             bound, lag=lag)
         out.info[ASYNC_STATS][GENERATION_S] = time.perf_counter() - start
         return self._tagged(out)
 
-    @collect(concat_rank_generations)
+    @collect(concat_rank_generations, split=own_rows)
     def generate_sequences(self, prompts: Batch) -> Batch:
         """The responses to this rank's rows of ``prompts`` (validation), each sampled with the seed of its
         index in the whole batch; a rank without rows returns none."""
-        start, stop = shard_bounds(len(prompts), self.rank, self.world)
-        if stop == start:
+        if not len(prompts):
             return self._tagged(Batch({}))
-        share = prompts.index(slice(start, stop))
-        share.info[FIRST_PROMPT] = start
-        return self._tagged(self.rollout.generate_for(share))
+        return self._tagged(self.rollout.generate_for(prompts))
 
     # -- weights ------------------------------------------------------------------------------------------
     @collect(_none)
     def join_weight_sync(self, host: str, port: int, size: int, manifest: WeightManifest) -> None:
         """Join the weight-sync group hosted by trainer rank 0 (this rank is 1 + its rollout rank)."""
-        group = join_group(host, port, 1 + self.rank, size, self.device, self.timeout_s)
+        group = join_group(host, port, 1 + self.ctx.rank, size, self.device, self.timeout_s)
         self.receiver = WeightReceiver(group, manifest, self.device)
 
     @collect(_none)

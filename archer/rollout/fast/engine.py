@@ -16,6 +16,10 @@ the parent and all its forks. When the cache is dropped (new weights, memory fre
 that decodes again shares its prefix with its nearest ancestor that costs no extra prefill (one cached that
 far, one decoding in the same poll, or a prompt's root), so a prompt kept across weight syncs is prefilled
 once again, not once per sample and branch.
+
+With ``record_routes`` (routing replay, models/router_replay.py; an MoE model) ``generate`` also returns the
+experts each position of each row was routed to: its prompt's, prefilled once for its samples, then every fed
+sampled token's (``RolloutOutput.routed_experts``).
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ class FastEngine(RolloutEngine):
         page_size: int = PAGE_SIZE,
         window: int = 16,
         weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+        record_routes: bool = False,
     ) -> None:
         if tokenizer.pad_token_id is None:
             raise ArcherError("the tokenizer has no pad token, which batched generation needs",
@@ -112,6 +117,12 @@ class FastEngine(RolloutEngine):
         self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
         self.model = FastModel(model, device=self.device, dtype=self.dtype, max_len=self.max_model_len + 1,
                                weights=weights)
+        if record_routes and not any(self.model.spec.sparse_layers):
+            raise ArcherError(f"routing replay records the experts of an MoE model, and "
+                              f"{self.model.spec.model_type} has no sparse layers",
+                              "leave actor_rollout_ref.rollout.enable_rollout_routing_replay=false and "
+                              "actor_rollout_ref.actor.router_replay.mode=disabled for a dense model")
+        self.model.record_routes = record_routes
         self.tokenizer = tokenizer
         self.pad_token_id = int(tokenizer.pad_token_id)
         self.eos_token_ids = eos_ids(model, tokenizer)
@@ -131,8 +142,8 @@ class FastEngine(RolloutEngine):
 
     @classmethod
     def from_config(cls, model: nn.Module, tokenizer: PreTrainedTokenizerBase, rollout, *,
-                    device: torch.device | str, weights: Iterable[tuple[str, torch.Tensor]] | None = None
-                    ) -> FastEngine:
+                    device: torch.device | str, weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+                    record_routes: bool = False) -> FastEngine:
         """Build from ``actor_rollout_ref.rollout`` (verl's keys): gpu_memory_utilization, max_num_seqs,
         max_num_batched_tokens, max_model_len (null: prompt_length + response_length), enforce_eager and,
         on a GPU, dtype."""
@@ -142,7 +153,8 @@ class FastEngine(RolloutEngine):
         return cls(model, tokenizer, device=device, dtype=dtype,
                    gpu_memory_utilization=float(rollout.gpu_memory_utilization),
                    max_num_seqs=int(rollout.max_num_seqs), max_num_batched_tokens=int(rollout.max_num_batched_tokens),
-                   max_model_len=int(max_len), enforce_eager=bool(rollout.enforce_eager), weights=weights)
+                   max_model_len=int(max_len), enforce_eager=bool(rollout.enforce_eager), weights=weights,
+                   record_routes=record_routes)
 
     # -- memory and weights ------------------------------------------------------------------------------
 
@@ -224,21 +236,37 @@ class FastEngine(RolloutEngine):
                     key=noise_key(seed, (params.first_prompt + i) * params.n + j))
                 for i, (prompt, parent) in enumerate(zip(prompts, parents)) for j in range(params.n)]
         self.reclaim_memory()
+        routes = None
         try:
             with torch.no_grad():
                 self.scheduler.run(self.cache, jobs, params)
+            if self.model.record_routes:
+                routes = self._routes(jobs)
         finally:
             self.scheduler.reset()  # a no-op unless the run failed
             if self.cache is not None:
                 for seq in parents + [job.seq for job in jobs if job.seq is not None]:
                     self.cache.release(seq)
-        return self._output(jobs, len(prompts), params.n)
+        return self._output(jobs, len(prompts), params.n, routes)
 
-    def _output(self, jobs: list[Job], prompts: int, n: int) -> RolloutOutput:
+    def _routes(self, jobs: list[Job]) -> list[torch.Tensor]:
+        """Each job's recorded experts, int16 [prompt + sampled tokens - 1, sparse layers, top_k]: its prompt's
+        prefilled positions, then the tokens it fed (the prompt's last one first; the last sampled token is never
+        fed)."""
+        spec = self.model.spec
+        empty = torch.zeros(0, sum(spec.sparse_layers), spec.top_k, dtype=torch.int16)
+        out = []
+        for job in jobs:
+            pieces = [ids for _, ids in self.scheduler.prefilled.get(job.parent, [])]
+            out.append(torch.cat([empty, *pieces, *job.routes]))
+        return out
+
+    def _output(self, jobs: list[Job], prompts: int, n: int, routes: list[torch.Tensor] | None = None
+                ) -> RolloutOutput:
         responses, mask, log_probs, entropies = padded_samples(jobs, self.pad_token_id)
         return RolloutOutput(responses=responses, response_mask=mask, log_probs=log_probs, entropies=entropies,
                              prompt_index=torch.arange(prompts).repeat_interleave(n),
-                             finish_reasons=[job.reason for job in jobs])
+                             finish_reasons=[job.reason for job in jobs], routed_experts=routes)
 
     def session(self) -> ContinuousSession:
         """A FastSession (scripted when ``ARCHER_SIMULATED_TURNS`` is set: benchmarks, rollout/simulated_turns.py)."""

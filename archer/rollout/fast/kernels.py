@@ -157,7 +157,7 @@ DECODE_TILE_TOKENS = 128
 
 @triton.jit
 def _decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx_ptr, out_ptr, part_ptr,
-                             lse_ptr, scale, table_width,
+                             lse_ptr, scale, table_width, window,
                              H: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                              D: tl.constexpr, PAGE: tl.constexpr, PAGES: tl.constexpr, SPLITS: tl.constexpr,
                              PRECISION: tl.constexpr):
@@ -170,9 +170,13 @@ def _decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx_ptr
     heads = kh * GROUP + g
     q = tl.load(q_ptr + (row * H + heads)[:, None] * D + cols[None, :], mask=gmask[:, None], other=0.0)
     ctx = tl.load(ctx_ptr + row)
+    # the keys at positions ctx - window and after (a sliding-window layer's; ``decode_attention`` gives every
+    # other layer a window longer than any context): the pages before are skipped
+    start = tl.maximum(ctx - window, 0)
     pages = tl.cdiv(ctx, PAGE)
-    per_split = tl.cdiv(pages, SPLITS)
-    first = split * per_split
+    skipped = start // PAGE
+    per_split = tl.cdiv(pages - skipped, SPLITS)
+    first = skipped + split * per_split
     last = tl.minimum(first + per_split, pages)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
@@ -181,7 +185,8 @@ def _decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx_ptr
     in_page = offs % PAGE
     for p in range(first, last, PAGES):
         index = p + offs // PAGE
-        valid = (index < last) & (index * PAGE + in_page < ctx)
+        key_pos = index * PAGE + in_page
+        valid = (index < last) & (key_pos < ctx) & (key_pos >= start)
         page = tl.load(table_ptr + row * table_width + index, mask=index < last, other=0).to(tl.int64)
         tile = ((page * HKV + kh) * PAGE + in_page)[:, None] * D + cols[None, :]
         k = tl.load(k_cache_ptr + tile, mask=valid[:, None], other=0.0)
@@ -225,8 +230,8 @@ def _pow2_floor(n: int) -> int:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                     ctx: torch.Tensor, scale: float, splits: int, tile_tokens: int = DECODE_TILE_TOKENS
-                     ) -> torch.Tensor:
+                     ctx: torch.Tensor, scale: float, splits: int, tile_tokens: int = DECODE_TILE_TOKENS, *,
+                     window: int = 0) -> torch.Tensor:
     rows, heads, dim = q.shape
     _, kv_heads, page, _ = k_cache.shape
     group = heads // kv_heads
@@ -237,7 +242,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         part = lse = out
     _decode_attention_kernel[(rows, kv_heads, splits)](
-        q, k_cache, v_cache, tables, ctx, out, part, lse, scale, tables.shape[1],
+        q, k_cache, v_cache, tables, ctx, out, part, lse, scale, tables.shape[1], window if window > 0 else 2 ** 30,
         H=heads, HKV=kv_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page,
         PAGES=_pow2_floor(max(1, tile_tokens // page)), SPLITS=splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)

@@ -1,9 +1,15 @@
 """FastModel: the fast engine's own forward of the Qwen2 family (Qwen2 / Qwen2.5 with q/k/v bias, Qwen3 with
 per-head q/k RMSNorm, LLaMA-style models: the same decoder shape) and of its Mixture-of-Experts kin (Qwen3-MoE:
 Qwen3's attention, sparse blocks on the layers its ``decoder_sparse_step`` / ``mlp_only_layers`` pick; OLMoE:
-q/k RMSNorm over the whole projection, ``clip_qkv``, every layer sparse), on its own weights. A sparse block
+q/k RMSNorm over the whole projection, ``clip_qkv``, every layer sparse), on its own weights. Sliding-window
+layers run too: Mistral's window on every layer, Qwen2 / Qwen3's ``use_sliding_window`` layers (``layer_types``),
+and Gemma 3 (``gemma3_text``: local and global layers alternating, each kind with its own RoPE table, Gemma's
+(1 + weight) RMSNorms around attention and MLP, GELU-tanh, the embedding scaled by sqrt(hidden), queries scaled by
+``query_pre_attn_scalar``, the final logits soft-capped where the config says so). A sparse block
 routes and runs its experts through models/moe.py, the kernels the trainer's passes use (grouped matmuls, no
-host waits, so the decode CUDA graphs hold it as they hold a dense MLP).
+host waits, so the decode CUDA graphs hold it as they hold a dense MLP). With ``record_routes`` (routing replay,
+models/router_replay.py) each forward keeps its tokens' expert ids, int16 [tokens, sparse layers, top_k], in
+``routes``.
 
 The weights live in tensors allocated once, with q/k/v and gate/up fused into one matrix each; ``load``
 copies a stream of the actor's named weights (plain or LoRA-merged, models/lora.py) into them in place, so
@@ -28,7 +34,7 @@ from archer.models.moe import grouped_experts, is_fused_experts, route
 from archer.rollout.base import copy_weights
 from archer.rollout.fast import ops
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "olmoe")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", "gemma3_text", "qwen3_moe", "olmoe")
 _FALLBACK = "use actor_rollout_ref.rollout.name=hf (the Hugging Face engine runs any causal LM)"
 
 
@@ -56,6 +62,11 @@ class ModelSpec:
     expert_intermediate: int = 0
     norm_topk_prob: bool = False
     sparse_layers: tuple[bool, ...] = ()
+    windows: tuple[int, ...] = ()  # per layer: the keys a query sees (its own and window - 1 before); 0: all
+    layer_types: tuple[str, ...] = ()  # per layer (transformers' layer_types), where the kinds' RoPE tables differ
+    gemma: bool = False  # Gemma's (1 + weight) norms, post-attention / post-MLP norms, GELU-tanh, scaled embedding
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
 
     @property
     def qkv_width(self) -> int:
@@ -73,6 +84,13 @@ def _unwrapped(module: nn.Module | None) -> nn.Module:
     return nn.Module() if module is None else module
 
 
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two weights share one storage (a tied LM head). A sharded (FSDP2) weight is compared by its rank's
+    shard: a DTensor's own data_ptr is 0, as every tensor's is on the meta device (the memory plan's tests)."""
+    a, b = (w.to_local() if hasattr(w, "to_local") else w for w in (a, b))
+    return not a.is_meta and a.data_ptr() == b.data_ptr()
+
+
 def model_spec(model: nn.Module) -> ModelSpec:
     """The spec of a Hugging Face causal LM, or an ArcherError naming what the fast engine cannot run."""
     config = getattr(model, "config", None)
@@ -80,14 +98,19 @@ def model_spec(model: nn.Module) -> ModelSpec:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise _unsupported(f"{type(model).__name__} (model_type {model_type!r}); it runs the "
                            f"{', '.join(SUPPORTED_MODEL_TYPES)} architectures")
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise _unsupported(f"hidden_act={config.hidden_act!r} (only silu)")
-    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
-        raise _unsupported("sliding-window attention layers (use_sliding_window / layer_types)")
+    gemma = model_type == "gemma3_text"
+    activation = getattr(config, "hidden_activation" if gemma else "hidden_act", "silu")
+    if activation != ("gelu_pytorch_tanh" if gemma else "silu"):
+        raise _unsupported(f"hidden_act={activation!r} (only silu; Gemma 3: gelu_pytorch_tanh)")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise _unsupported("attn_logit_softcapping (soft-capped attention scores)")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise _unsupported("use_bidirectional_attention=True")
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = str(rope.get("rope_type", rope.get("type", "default")))
-    if "dynamic" in rope_type or "longrope" in rope_type:
-        raise _unsupported(f"rope_type={rope_type!r} (its angles change with the sequence length)")
+    for params in rope.values() if all(isinstance(v, dict) for v in rope.values()) and rope else [rope]:
+        rope_type = str(params.get("rope_type", params.get("type", "default")))  # Gemma 3: one per layer kind
+        if "dynamic" in rope_type or "longrope" in rope_type:
+            raise _unsupported(f"rope_type={rope_type!r} (its angles change with the sequence length)")
     if getattr(config, "mlp_bias", False):
         raise _unsupported("mlp_bias=True")
     backbone = backbone_of(model)
@@ -99,9 +122,7 @@ def model_spec(model: nn.Module) -> ModelSpec:
     if heads % kv_heads:
         raise _unsupported(f"{heads} attention heads over {kv_heads} key/value heads")
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    # one tensor (or one storage); on the meta device (the memory plan's tests) every data_ptr is 0
-    tied = head.weight is embed.weight or (not head.weight.is_meta
-                                           and head.weight.data_ptr() == embed.weight.data_ptr())
+    tied = head.weight is embed.weight or _same_storage(head.weight, embed.weight)
     if getattr(head, "bias", None) is not None:
         raise _unsupported("an LM head with a bias")
     full_qk_norm = model_type == "olmoe"
@@ -114,13 +135,34 @@ def model_spec(model: nn.Module) -> ModelSpec:
         moe = {"experts": experts.gate_up_proj.shape[0], "top_k": int(router.top_k),
                "expert_intermediate": experts.down_proj.shape[2],
                "norm_topk_prob": bool(router.norm_topk_prob), "sparse_layers": sparse}
+    if gemma:
+        moe.update(gemma=True, attention_scale=float(config.query_pre_attn_scalar) ** -0.5,
+                   logit_softcap=getattr(config, "final_logit_softcapping", None),
+                   layer_types=tuple(config.layer_types))
     return ModelSpec(
         model_type=model_type, layers=config.num_hidden_layers, hidden=config.hidden_size, heads=heads,
         kv_heads=kv_heads, head_dim=head_dim, intermediate=config.intermediate_size, vocab=embed.weight.shape[0],
         eps=float(config.rms_norm_eps), qkv_bias=attn.q_proj.bias is not None, o_bias=attn.o_proj.bias is not None,
         qk_norm=hasattr(attn, "q_norm") and not full_qk_norm, tied=tied, full_qk_norm=full_qk_norm,
-        clip_qkv=getattr(config, "clip_qkv", None), **moe,
+        clip_qkv=getattr(config, "clip_qkv", None), windows=layer_windows(config), **moe,
     )
+
+
+def layer_windows(config) -> tuple[int, ...]:
+    """Each layer's sliding window (transformers' mask: a query at p sees the keys at p - window < k <= p), 0 for
+    a layer that sees every earlier key; () where no layer has a window. ``layer_types`` names the kind of each
+    layer (Qwen2 / Qwen3 / Gemma 3); without it (Mistral) a set ``sliding_window`` is every layer's."""
+    window = getattr(config, "sliding_window", None) or 0
+    kinds = getattr(config, "layer_types", None)
+    if kinds is None:
+        windows = (int(window),) * config.num_hidden_layers
+    else:
+        other = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+        if other:
+            raise _unsupported(f"attention layers of kind {', '.join(other)} (only full_attention and "
+                               "sliding_attention)")
+        windows = tuple(int(window) if kind == "sliding_attention" else 0 for kind in kinds)
+    return windows if any(windows) else ()
 
 
 def weight_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
@@ -129,7 +171,8 @@ def weight_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
     layer = (2 * hidden + spec.qkv_width * hidden + hidden * spec.heads * spec.head_dim
              + (spec.qkv_width if spec.qkv_bias else 0) + (hidden if spec.o_bias else 0)
              + (2 * spec.head_dim if spec.qk_norm else 0)
-             + ((spec.heads + spec.kv_heads) * spec.head_dim if spec.full_qk_norm else 0))
+             + ((spec.heads + spec.kv_heads) * spec.head_dim if spec.full_qk_norm else 0)
+             + (2 * hidden if spec.gemma else 0))
     sparse = sum(spec.sparse_layers)
     dense_mlp = 3 * inter * hidden * (spec.layers - sparse)
     sparse_mlp = sparse * spec.experts * (3 * spec.expert_intermediate * hidden + hidden)  # experts + router
@@ -161,6 +204,8 @@ class _Layer:
         self.q_full_norm = torch.empty(q_rows, **kw) if spec.full_qk_norm else None
         self.k_full_norm = torch.empty(kv_rows, **kw) if spec.full_qk_norm else None
         self.ln2 = torch.empty(hidden, **kw)
+        self.post_attn = torch.empty(hidden, **kw) if spec.gemma else None
+        self.post_mlp = torch.empty(hidden, **kw) if spec.gemma else None
         self.sparse = sparse
         if sparse:
             experts, expert_inter = spec.experts, spec.expert_intermediate
@@ -187,6 +232,9 @@ class _Layer:
             out["self_attn.o_proj.bias"] = self.o_b
         if self.q_full_norm is not None:
             out["self_attn.q_norm.weight"], out["self_attn.k_norm.weight"] = self.q_full_norm, self.k_full_norm
+        if self.post_attn is not None:  # Gemma: ln2 is the norm before the MLP
+            out["pre_feedforward_layernorm.weight"], out["post_attention_layernorm.weight"] = self.ln2, self.post_attn
+            out["post_feedforward_layernorm.weight"] = self.post_mlp
         if self.sparse:
             out["mlp.gate.weight"] = self.router_w
             out["mlp.experts.gate_up_proj"], out["mlp.experts.down_proj"] = self.gate_up_w, self.down_w
@@ -208,9 +256,15 @@ class FastModel:
         check_device_support(self.spec, device)
         self.device, self.dtype, self.max_len = device, dtype, max_len
         self.released = True
-        self.cos, self.sin = self._rope_tables(model)
-        self.scale = self.spec.head_dim ** -0.5
+        self.rope = self._rope_tables(model)
+        self.scale = self.spec.attention_scale or self.spec.head_dim ** -0.5
+        self.windows = self.spec.windows or (0,) * self.spec.layers
+        # Gemma: the embedding times sqrt(hidden), rounded to the activation dtype (as transformers scales it)
+        self.embed_scale = (torch.tensor(self.spec.hidden ** 0.5).to(device=device, dtype=dtype)
+                            if self.spec.gemma else None)
         self.names = self._weight_names(model)
+        self.record_routes = False  # routing replay: keep each forward's expert ids in ``routes``
+        self.routes: torch.Tensor | None = None  # int16 [tokens, sparse layers, top_k] of the last forward
         self.load(policy_weights(model) if weights is None else weights)
 
     def _allocate(self) -> None:
@@ -229,17 +283,22 @@ class FastModel:
         self.layers = []
         self.released = True
 
-    def _rope_tables(self, model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 cos / sin [max_len, head_dim / 2] from the model's own rotary module."""
+    def _rope_tables(self, model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's float32 cos / sin [max_len, head_dim / 2] from the model's own rotary module (one table for
+        every layer, or one per kind of layer where the module takes the kind: Gemma 3's local and global)."""
         rotary = backbone_of(model).rotary_emb
         probe = next(rotary.buffers(), None)
         where = probe.device if probe is not None else torch.device("cpu")
         positions = torch.arange(self.max_len, device=where).unsqueeze(0)
-        with torch.no_grad():
-            cos, sin = rotary(torch.zeros(1, dtype=torch.float32, device=where), positions)
         half = self.spec.head_dim // 2
-        return (cos[0, :, :half].float().to(self.device).contiguous(),
-                sin[0, :, :half].float().to(self.device).contiguous())
+        tables = {}
+        for kind in dict.fromkeys(self.spec.layer_types or (None,)):
+            with torch.no_grad():
+                cos, sin = rotary(torch.zeros(1, dtype=torch.float32, device=where), positions,
+                                  *(() if kind is None else (kind,)))
+            tables[kind] = (cos[0, :, :half].float().to(self.device).contiguous(),
+                            sin[0, :, :half].float().to(self.device).contiguous())
+        return [tables[kind] for kind in self.spec.layer_types or (None,) * self.spec.layers]
 
     @staticmethod
     def _weight_names(model: nn.Module) -> tuple[str, str, str]:
@@ -267,24 +326,42 @@ class FastModel:
             self._allocate()
         copy_weights(self.targets(), weights, engine="fast",
                      fix="sync the engine from the actor it was built on; " + _FALLBACK)
+        if self.spec.gemma:  # Gemma's RMSNorms scale by (1 + weight): the engine's norms by their weight
+            for layer in self.layers:
+                for norm in (layer.ln1, layer.ln2, layer.post_attn, layer.post_mlp, layer.q_norm, layer.k_norm):
+                    norm.add_(1.0)
+            self.norm.add_(1.0)
 
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: list[tuple],
                 attend) -> torch.Tensor:
         """The decoder stack on token rows x [N, hidden]; ``attend(q, layer)`` runs one layer's attention."""
-        spec, residual = self.spec, None
+        spec, residual, picked = self.spec, None, []
         for i, layer in enumerate(self.layers):
             h, residual = ops.add_rmsnorm(x, residual, layer.ln1, spec.eps)
             qkv = self._qkv(h, layer)
-            q = ops.rope_store(qkv, positions, slots, self.cos, self.sin, layer.q_norm, layer.k_norm, spec.eps,
+            q = ops.rope_store(qkv, positions, slots, *self.rope[i], layer.q_norm, layer.k_norm, spec.eps,
                                *kv[i], spec.heads)
             x = F.linear(attend(q, i), layer.o_w, layer.o_b)
+            if layer.post_attn is not None:
+                x = ops.rmsnorm(x, layer.post_attn, spec.eps)
             h, residual = ops.add_rmsnorm(x, residual, layer.ln2, spec.eps)
             if layer.sparse:
                 weights, ids = route(F.linear(h, layer.router_w), spec.top_k, spec.norm_topk_prob)
+                picked.append(ids)
                 x = grouped_experts(h, ids, weights, layer.gate_up_w, layer.down_w)
+            elif layer.post_mlp is not None:
+                x = ops.rmsnorm(F.linear(ops.gelu_tanh_mul(F.linear(h, layer.gate_up_w)), layer.down_w),
+                                layer.post_mlp, spec.eps)
             else:
                 x = F.linear(ops.silu_mul(F.linear(h, layer.gate_up_w)), layer.down_w)
+        if self.record_routes and picked:
+            self.routes = torch.stack(picked, dim=1).to(torch.int16)
         return ops.add_rmsnorm(x, residual, self.norm, spec.eps)[0]
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of ``tokens`` (Gemma's times sqrt(hidden))."""
+        x = F.embedding(tokens, self.embed)
+        return x if self.embed_scale is None else x * self.embed_scale
 
     def _qkv(self, h: torch.Tensor, layer: _Layer) -> torch.Tensor:
         """The fused q/k/v rows of normed inputs ``h``; OLMoE's q/k norms over the whole projection and its
@@ -307,10 +384,12 @@ class FastModel:
         ctx = positions + 1
 
         def attend(q: torch.Tensor, i: int) -> torch.Tensor:
-            return ops.decode_attention(q, *kv[i], tables, ctx, self.scale, splits)
+            return ops.decode_attention(q, *kv[i], tables, ctx, self.scale, splits, window=self.windows[i])
 
-        hidden = self._layers(F.embedding(tokens, self.embed), positions, slots, kv, attend)
-        return F.linear(hidden, self.lm_head)
+        hidden = self._layers(self._embed(tokens), positions, slots, kv, attend)
+        logits = F.linear(hidden, self.lm_head)
+        cap = self.spec.logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
                 kv_len: torch.Tensor, kv: list[tuple], *, max_kv: int, fresh: bool) -> None:
@@ -322,7 +401,8 @@ class FastModel:
 
         def attend(q: torch.Tensor, i: int) -> torch.Tensor:
             q = q.view(rows, length, spec.heads, spec.head_dim).transpose(1, 2)
-            out = ops.paged_attention(q, *kv[i], tables, positions, kv_len, self.scale, max_kv=max_kv, fresh=fresh)
+            out = ops.paged_attention(q, *kv[i], tables, positions, kv_len, self.scale, max_kv=max_kv, fresh=fresh,
+                                      window=self.windows[i])
             return out.reshape(rows * length, -1)
 
-        self._layers(F.embedding(tokens.flatten(), self.embed), positions.flatten(), slots, kv, attend)
+        self._layers(self._embed(tokens.flatten()), positions.flatten(), slots, kv, attend)

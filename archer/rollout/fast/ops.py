@@ -47,6 +47,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GELU(gate, tanh approximation) * up for the fused [.., 2 * intermediate] projection (Gemma's MLP)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
@@ -78,11 +84,13 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                     q_positions: torch.Tensor, kv_len: torch.Tensor, scale: float, *, max_kv: int,
-                    fresh: bool = False) -> torch.Tensor:
+                    fresh: bool = False, window: int = 0) -> torch.Tensor:
     """Attention of queries q [R, H, T, D] at ``q_positions`` [R, T] over each row's cached keys
     (positions < ``kv_len`` [R] <= ``max_kv``, pages listed in ``tables`` [R, *]), causal; returns
-    [R, T, H * D]. ``fresh``: every row's queries are positions 0, 1, ... (a prompt with nothing cached
-    before it), so the causal mask alone applies and SDPA runs without an explicit mask."""
+    [R, T, H * D]. ``window`` > 0: a query at position p sees the keys at p - window < position <= p (a sliding
+    window layer, transformers' ``sliding_window``). ``fresh``: every row's queries are positions 0, 1, ... (a
+    prompt with nothing cached before it), so the causal mask alone applies (when no window cuts it) and SDPA
+    runs without an explicit mask."""
     rows, heads, length, dim = q.shape
     _, kv_heads, page, _ = k_cache.shape
     blocks = -(-max_kv // page)
@@ -92,22 +100,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         kv = cache[pages].permute(0, 2, 1, 3, 4).reshape(rows, kv_heads, blocks * page, dim)
         return kv.repeat_interleave(heads // kv_heads, dim=1)
 
-    if fresh:
+    if fresh and not 0 < window < max_kv:
         out = F.scaled_dot_product_attention(q, gather(k_cache), gather(v_cache), is_causal=True, scale=scale)
     else:
         key_pos = torch.arange(blocks * page, device=q.device)
-        mask = (key_pos <= q_positions.unsqueeze(-1)) & (key_pos < kv_len.view(rows, 1, 1))
+        query_pos = q_positions.unsqueeze(-1)
+        mask = (key_pos <= query_pos) & (key_pos < kv_len.view(rows, 1, 1))
+        if window > 0:
+            mask &= key_pos > query_pos - window
         out = F.scaled_dot_product_attention(q, gather(k_cache), gather(v_cache), attn_mask=mask.unsqueeze(1),
                                              scale=scale)
     return out.transpose(1, 2).reshape(rows, length, heads * dim)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                     ctx: torch.Tensor, scale: float, splits: int) -> torch.Tensor:
-    """One query per row (q [B, H, D] at position ctx - 1) over its ``ctx`` cached keys; returns [B, H * D].
-    ``splits`` divides each row's context among that many programs (the kernel's parallelism)."""
+                     ctx: torch.Tensor, scale: float, splits: int, window: int = 0) -> torch.Tensor:
+    """One query per row (q [B, H, D] at position ctx - 1) over its ``ctx`` cached keys, the last ``window`` of
+    them where ``window`` > 0; returns [B, H * D]. ``splits`` divides each row's context among that many programs
+    (the kernel's parallelism)."""
     if use_kernels(q):
-        return kernels.decode_attention(q, k_cache, v_cache, tables, ctx, scale, splits)
+        return kernels.decode_attention(q, k_cache, v_cache, tables, ctx, scale, splits, window=window)
     out = paged_attention(q.unsqueeze(2), k_cache, v_cache, tables, (ctx - 1).unsqueeze(1), ctx, scale,
-                          max_kv=int(ctx.max()))
+                          max_kv=int(ctx.max()), window=window)
     return out.squeeze(1)

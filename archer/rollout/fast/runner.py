@@ -2,8 +2,8 @@
 
 Everything a decoding row needs lives in per-slot tensors allocated once (input token, position, page table,
 noise key, sampling settings, token budget), and one step updates them on the device: forward, sampling,
-eos and budget checks, and the write of the sampled token, its log-prob and entropy into a small window
-buffer that the host reads every few steps. So steps run back to back without a host round trip, and on a
+eos and budget checks, and the write of the sampled token, its log-prob and entropy (and, where the model
+records its routing, the input token's expert ids) into a small window buffer that the host reads every few steps. So steps run back to back without a host round trip, and on a
 GPU each bucket of batch sizes is one captured CUDA graph (for plain sampling, and for top-k / top-p).
 """
 
@@ -39,13 +39,15 @@ class SlotInit:
 @dataclass
 class Window:
     """The steps since the last read, per slot: tokens, log-probs, entropies, which were live, and each
-    slot's finish code (RUNNING, EOS, LENGTH)."""
+    slot's finish code (RUNNING, EOS, LENGTH); ``routes``: the expert ids each step's input token was routed to,
+    int16 [slots, steps, sparse layers, top_k] (None unless the model records them)."""
 
     tokens: list[list[int]]
     log_probs: list[list[float]]
     entropies: list[list[float]]
     live: list[list[bool]]
     finish: list[int]
+    routes: torch.Tensor | None = None
 
 
 def attention_splits(rows: int, kv_heads: int, sms: int) -> int:
@@ -80,6 +82,9 @@ class DecodeRunner:
         self.out_tokens = zeros(slots, window)
         self.out_logp, self.out_ent = zeros(slots, window, dtype=torch.float32), zeros(slots, window, dtype=torch.float32)
         self.out_live = zeros(slots, window, dtype=torch.bool)
+        spec = model.spec
+        self.out_routes = (zeros(slots, window, sum(spec.sparse_layers), spec.top_k, dtype=torch.int16)
+                           if model.record_routes else None)
         self.column = zeros(1)
         self.eos = torch.tensor(eos_ids or [-1], device=device)
         self.state = [self.tokens, self.positions, self.keys, self.top_k, self.tables, self.active, self.greedy,
@@ -118,6 +123,9 @@ class DecodeRunner:
         self.out_logp[:b].scatter_(1, column, logp.unsqueeze(1))
         self.out_ent[:b].scatter_(1, column, entropy.unsqueeze(1))
         self.out_live[:b].scatter_(1, column, live.unsqueeze(1))
+        if self.out_routes is not None:
+            routes = self.model.routes.unsqueeze(1)
+            self.out_routes[:b].scatter_(1, column[:, :, None, None].expand_as(routes), routes)
         n_gen = self.n_gen[:b] + live.long()
         is_eos = live & torch.isin(token, self.eos)
         is_full = live & (n_gen >= self.budget[:b])
@@ -206,7 +214,8 @@ class DecodeRunner:
         b = bucket
         window = Window(self.out_tokens[:b, :steps].tolist(), self.out_logp[:b, :steps].tolist(),
                         self.out_ent[:b, :steps].tolist(), self.out_live[:b, :steps].tolist(),
-                        self.finish[:b].tolist())
+                        self.finish[:b].tolist(),
+                        None if self.out_routes is None else self.out_routes[:b, :steps].cpu())
         self.column.zero_()
         return window
 

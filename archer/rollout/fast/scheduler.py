@@ -10,6 +10,10 @@ decodes one window and returns the jobs that ended in it, ``cancel`` takes a job
 for a fixed set of jobs. The host reads the window every ``window`` steps (fewer when every row's budget ends
 sooner), checks stop strings on the decoded text, cuts a row after the token that completes one, and frees its
 slot. ``counters`` count the decode steps, the tokens they sampled and the tokens prefilled.
+
+Where the model records its routing (routing replay, models/router_replay.py), a job keeps the expert ids of
+each token it fed (``Job.routes``: the step's input token, its sequence's last token first) and ``prefilled``
+those of the prefilled positions of each sequence, until ``reset``.
 """
 
 from __future__ import annotations
@@ -44,9 +48,12 @@ class Job:
     log_probs: list[float] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)
     reason: str | None = None
+    routes: list[torch.Tensor] = field(default_factory=list)  # int16 [steps, sparse layers, top_k] per window
 
     def cut(self, length: int) -> None:
         del self.tokens[length:], self.log_probs[length:], self.entropies[length:]
+        if self.routes:
+            self.routes = [torch.cat(self.routes)[:length]]
 
 
 class Scheduler:
@@ -71,6 +78,7 @@ class Scheduler:
         self.filtered = False
         self.stops = StopMatcher(tokenizer, ())
         self._matchers: dict[tuple[str, ...], StopMatcher] = {}  # kept across batches: they learn the vocabulary once
+        self.prefilled: dict[Sequence, list[tuple[int, torch.Tensor]]] = {}  # recorded routes: (start, ids) pieces
 
     # -- prefill -------------------------------------------------------------------------------------------
 
@@ -107,6 +115,11 @@ class Scheduler:
         self.model.prefill(tokens.to(device), positions.to(device), slots.flatten().to(device), tables.to(device),
                            ends.to(device), cache.layers, max_kv=int(ends.max()), fresh=not bool(starts.any()))
         self.counters.prefilled += int((ends - starts).sum())
+        if self.model.record_routes:
+            routes = self.model.routes.view(rows, length, *self.model.routes.shape[1:]).cpu()
+            for i, (seq, start, end) in enumerate(batch):
+                pieces = [piece for piece in self.prefilled.get(seq, []) if piece[0] < start]
+                self.prefilled[seq] = [*pieces, (start, routes[i, : end - start])]
         for seq, _, end in batch:
             seq.cached = end
 
@@ -177,6 +190,7 @@ class Scheduler:
         self.running.clear()
         self.waiting.clear()
         self.children.clear()
+        self.prefilled.clear()
         self.cache = None
 
     def step(self) -> list[Job]:
@@ -294,6 +308,8 @@ class Scheduler:
                     job.tokens.append(token)
                     job.log_probs.append(logp)
                     job.entropies.append(entropy)
+            if window.routes is not None:
+                job.routes.append(window.routes[slot][torch.tensor(window.live[slot], dtype=torch.bool)])
         self.counters.tokens += sum(len(self.running[slot].tokens) - start for slot, start in zip(slots, starts))
         jobs = [self.running[slot] for slot in slots]  # a resumed job's text starts in its lookback
         found = self.stops.first_stops([job.lookback + job.tokens if job.lookback else job.tokens for job in jobs],
