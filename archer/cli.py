@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from archer.controller.ray_cluster import Terminated
 from archer.errors import ArcherError
 
 if TYPE_CHECKING:
@@ -380,6 +381,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("archer: interrupted", file=sys.stderr)
         return 130
+    except Terminated as stop:  # SIGTERM once Ray runs: the finally blocks have stopped the run's groups and Ray
+        print("archer: terminated (SIGTERM)", file=sys.stderr, flush=True)
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(int(stop.code))  # the interpreter's own teardown after Ray's shutdown exits with 1
     return 0
 
 

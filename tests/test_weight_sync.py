@@ -1,11 +1,14 @@
-"""The weight sync of separate_async (archer/distributed/weight_sync.py): bucket plans by hand, and a broadcast
-between two gloo processes that delivers every tensor exactly, by name, across bucket boundaries."""
+"""The weight sync of separate_async (archer/distributed/weight_sync.py): bucket plans by hand, a broadcast
+between two gloo processes that delivers every tensor exactly, by name, across bucket boundaries, and each end
+listening on its own node's address only (a trainer "node" at 127.0.0.2)."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import threading
 
+import psutil
 import pytest
 import torch
 from spawn_support import spawned
@@ -14,6 +17,7 @@ from archer.distributed.weight_sync import (
     WeightManifest,
     WeightReceiver,
     WeightSender,
+    address_towards,
     join_group,
     open_store,
 )
@@ -118,3 +122,35 @@ def test_a_rollout_rank_that_leaves_makes_the_sync_one_clear_error() -> None:
     problem, fix = text.split("\n")
     assert problem.startswith("the weight sync between trainer rank 0 and the 1 rollout rank(s) failed at bucket ")
     assert "trainer.resume_mode=auto" in fix and "actor_rollout_ref.nccl_timeout" in fix
+
+
+def test_the_store_and_each_gloo_end_listen_on_their_own_node_address_only() -> None:
+    """Trainer rank 0 on a node at 127.0.0.2 hosts the store there and nowhere else (torch's own store listens on
+    every interface); the rollout rank's gloo endpoint is its address on the route to that node (127.0.0.1: the
+    loopback route's source address), and the weights arrive."""
+    def listening() -> set[tuple[str, int]]:
+        return {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("inet")
+                if c.status == psutil.CONN_LISTEN}
+
+    before = listening()  # what this test process listens on already (a Ray driver of another test, say)
+    store = open_store("127.0.0.2", 30)
+    manifest = WeightManifest.plan(SHAPES, torch.float32, bucket_bytes=48 * 4)
+    received: list = []
+
+    def rollout_rank() -> None:
+        group = join_group("127.0.0.2", store.port, 1, 2, torch.device("cpu"), 30)
+        received.extend((name, tensor.clone()) for name, tensor in WeightReceiver(group, manifest,
+                                                                                  torch.device("cpu")).receive())
+
+    thread = threading.Thread(target=rollout_rank)
+    thread.start()
+    group = join_group("127.0.0.2", store.port, 0, 2, torch.device("cpu"), 30, store=store)
+    opened = listening() - before
+    WeightSender(group, manifest, torch.device("cpu")).send(weights(1.0))
+    thread.join(timeout=30)
+    assert address_towards("127.0.0.2", store.port) == "127.0.0.1"
+    # the store, trainer rank 0's gloo endpoint and the rollout rank's: no wildcard address among them
+    assert ("127.0.0.2", store.port) in opened
+    assert sorted(ip for ip, _ in opened) == ["127.0.0.1", "127.0.0.2", "127.0.0.2"]
+    assert [name for name, _ in received] == [name for name, _ in SHAPES]
+    assert all(torch.equal(got, want) for (_, got), (_, want) in zip(received, weights(1.0)))

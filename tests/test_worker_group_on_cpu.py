@@ -19,9 +19,9 @@ import torch
 
 from archer.batch import Batch
 from archer.controller.factory import build_worker_group
+from archer.controller.ray_cluster import check_ray_address
 from archer.controller.ray_group import (
     RankPlace,
-    check_ray_address,
     placement_line,
     rank_layout,
     raylet_answers,
@@ -240,7 +240,7 @@ def test_a_local_ray_is_new_even_beside_a_cluster_ray_start_left() -> None:
         while not (tmp / "ray" / "ray_current_cluster").exists() and time.monotonic() < deadline:
             time.sleep(0.5)
         assert (tmp / "ray" / "ray_current_cluster").exists(), "ray start wrote no ray_current_cluster"
-        code = ("import ray\nfrom archer.controller.ray_group import connect_ray\n"
+        code = ("import ray\nfrom archer.controller.ray_cluster import connect_ray\n"
                 "print(connect_ray(3), ray.cluster_resources()['CPU'])\nray.shutdown()")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
         assert out.returncode == 0, out.stderr[-3000:]
@@ -256,7 +256,7 @@ def test_a_local_ray_is_new_even_beside_a_cluster_ray_start_left() -> None:
 def ray_cluster() -> Iterator[None]:
     """One local Ray instance for the file (starting one takes seconds): room for two 2-rank groups; the
     toy workers import from tests/ through the PYTHONPATH the group passes to its ranks."""
-    from archer.controller.ray_group import connect_ray
+    from archer.controller.ray_cluster import connect_ray
 
     tests_dir = str(Path(__file__).resolve().parent)
     with pytest.MonkeyPatch.context() as mp:

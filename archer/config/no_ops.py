@@ -238,7 +238,9 @@ NO_OPS: tuple[NoOp, ...] = (
          fix="set trainer.enable_overlong_filter=False, or shape overlong responses with reward_model.overlong_buffer"),
     NoOp(f"{ROLL}.val_kwargs.response_length", "archer validates with data.max_response_length", neutral=(None,)),
     NoOp("trainer.ray_wait_register_center_timeout", "Ray start-up only", neutral=ANY),
-    NoOp("ray_init.*", "Ray start-up only", neutral=ANY),
+    NoOp("ray_init.*", "Ray start-up only (verl's older layout; its num_cpus is ray_kwargs.ray_init.num_cpus)",
+         neutral=ANY),
+    NoOp("ray_kwargs.timeline_json_file", "Ray's timeline of the run is not written", neutral=(None,)),
 )
 _SCHEMA_LESS = {entry.key: entry for entry in NO_OPS if not entry.in_schema}
 SCHEMA_LESS_KEYS = tuple(_SCHEMA_LESS)

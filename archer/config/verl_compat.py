@@ -42,6 +42,7 @@ VERL_KEYS: dict[str, Rule] = {
     "actor_rollout_ref.actor.checkpoint.contents": Renamed("actor_rollout_ref.actor.checkpoint.save_contents"),
     "critic.checkpoint.contents": Renamed("critic.checkpoint.save_contents"),
     f"{ROLL}.agent.tools.*": Renamed(f"{ROLL}.tools"),  # ARPO's deep-search config (ppo_trainer_dr.yaml)
+    "ray_init.num_cpus": Renamed("ray_kwargs.ray_init.num_cpus"),  # verl's older layout
     # Archer2.0's ASPO loss switch
     "actor_rollout_ref.actor.use_archer_policy_loss": ValueMapped("actor_rollout_ref.actor.policy_loss.loss_mode",
                                                                   {True: "aspo", False: None}),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from archer.controller.ray_cluster import LocalRay
 from archer.controller.worker_group import LocalWorkerGroup, WorkerGroup
 from archer.distributed.context import DeviceKind
 from archer.errors import ArcherError
@@ -20,6 +21,7 @@ def build_worker_group(
     device_kind: DeviceKind | Literal["auto"] = "auto",
     placement_timeout_s: float = 120.0,
     call_timeout_s: float | None = None,
+    local_ray: LocalRay | None = None,
 ) -> WorkerGroup:
     """The worker group for ``trainer.nnodes * trainer.n_gpus_per_node`` ranks of ``worker_cls(**init_kwargs)``.
 
@@ -27,7 +29,7 @@ def build_worker_group(
     one Ray actor per rank (``RayWorkerGroup``): on the cluster at ``RAY_ADDRESS`` when set, else on a local
     Ray instance; with ``device_kind="cpu"`` each rank is a CPU process (gloo), ``n_gpus_per_node`` counting
     processes per node. ``placement_timeout_s`` bounds the wait for the resources, ``call_timeout_s`` (None:
-    no limit) each ``call``.
+    no limit) each ``call``; ``local_ray``: the settings of the local Ray started without ``RAY_ADDRESS``.
     """
     for key, value in (("trainer.nnodes", nnodes), ("trainer.n_gpus_per_node", n_gpus_per_node)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -39,4 +41,4 @@ def build_worker_group(
 
     return RayWorkerGroup(worker_cls, init_kwargs, nnodes=nnodes, n_gpus_per_node=n_gpus_per_node,
                           device_kind=device_kind, placement_timeout_s=placement_timeout_s,
-                          call_timeout_s=call_timeout_s)
+                          call_timeout_s=call_timeout_s, local_ray=local_ray)

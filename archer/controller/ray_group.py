@@ -1,8 +1,7 @@
 """The Ray worker group: one Ray actor per rank on one placement group, driven by the trainer process.
 
-- Cluster: ``RAY_ADDRESS`` (``host:6379``, or ``auto`` for a cluster started on this machine with
-  ``ray start --head``) connects to a running cluster; without it a local Ray instance is started with at least
-  one logical CPU per rank, and shut down with the group.
+- Cluster: ``RAY_ADDRESS`` connects to a running cluster; without it a local Ray instance on the loopback
+  interface is started (controller/ray_cluster.py), and shut down with the group.
 - Placement: one placement group of ``nnodes * n_gpus_per_node`` bundles, ``{"CPU": 1, "GPU": 1}`` per rank on
   GPUs and ``{"CPU": 1}`` per rank on CPU, ``STRICT_PACK`` on one node, ``STRICT_SPREAD`` for one rank per node
   on several nodes (``trainer.n_gpus_per_node=1``: each rank on a node of its own, as the keys say) and ``PACK``
@@ -35,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from archer.controller.ray_cluster import LocalRay, connect_ray, import_ray
 from archer.controller.worker_group import PendingCall, WorkerGroup
 from archer.distributed.context import DeviceKind
 from archer.errors import ArcherError
@@ -44,20 +44,8 @@ RESUME_FIX = ("restart the run from its last checkpoint with trainer.resume_mode
               "the rank's own log lines above, prefixed (rank N pid=...), show why it stopped")
 _PLACEMENT_NOTICE_S = 5.0  # a placement that takes longer gets a line saying what it waits for
 _ERROR_GRACE_S = 3.0  # after one rank fails, how long to look for a rank that died (the root cause)
+NODE_ID_LABEL = "ray.io/node-id"  # the label Ray gives every node: its node id
 _PROBE_S = 2.0  # how long a lost node's raylet may take to accept a connection before it counts as gone
-
-
-def import_ray(world: int) -> Any:
-    """Ray, or one clear error naming the install command when it is missing."""
-    try:
-        import ray
-    except ImportError as exc:
-        raise ArcherError(
-            f"training on {world} ranks (trainer.nnodes x trainer.n_gpus_per_node) runs on Ray, "
-            f"which is not installed ({exc})",
-            'pip install "archer[ray]", or set trainer.nnodes=1 trainer.n_gpus_per_node=1 for one device',
-        ) from None
-    return ray
 
 
 def worker_pythonpath() -> str:
@@ -73,50 +61,16 @@ def worker_pythonpath() -> str:
     return os.pathsep.join(dict.fromkeys(entries))
 
 
-def connect_ray(world: int, *, object_store_memory: int | None = None) -> bool:
-    """Connect this process to Ray: the running cluster at ``RAY_ADDRESS`` when set, else a new local
-    instance with at least ``world`` logical CPUs. Returns whether this call initialised Ray (then the caller
-    shuts it down); an already-initialised Ray is used as is."""
-    ray = import_ray(world)
-    if ray.is_initialized():
-        return False
-    address = os.environ.get("RAY_ADDRESS")
-    try:
-        if address:
-            check_ray_address(address)
-            ray.init(address=address, log_to_driver=True)
-        else:
-            # "local": a new instance even where `ray start` left a cluster on this machine (ray.init's default
-            # joins it through Ray's ray_current_cluster file, then refuses num_cpus)
-            ray.init(address="local", num_cpus=max(world, os.cpu_count() or 1), object_store_memory=object_store_memory,
-                     include_dashboard=False, log_to_driver=True)
-    except ConnectionError as exc:
-        raise ArcherError(f"cannot connect to the Ray cluster at RAY_ADDRESS={address}: {exc}",
-                          "check `ray status` on the head node, or unset RAY_ADDRESS to start a local Ray") from None
-    return True
-
-
-def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
-    """Fail fast when nothing listens at ``RAY_ADDRESS`` (``ray.init`` would retry for minutes); ``auto``
-    (a cluster started on this machine) is left to Ray."""
-    if address == "auto":
-        return
-    host, _, port = address.split("://", 1)[-1].rpartition(":")
-    fix = ("start the cluster with `ray start --head --port=6379` on the head node and set "
-           "RAY_ADDRESS=<head address>:6379, or unset RAY_ADDRESS to start a local Ray for this run")
-    if not host or not port.isdigit():
-        raise ArcherError(f"RAY_ADDRESS={address!r} is not host:port", fix)
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError as exc:
-        raise ArcherError(f"no Ray cluster answers at RAY_ADDRESS={address} ({exc})", fix) from None
-
-
 def placement_strategy(nnodes: int, n_gpus_per_node: int) -> str:
     """The placement group's strategy: one node, one rank on each of ``nnodes`` nodes, or packed."""
     if nnodes == 1:
         return "STRICT_PACK"
     return "STRICT_SPREAD" if n_gpus_per_node == 1 else "PACK"
+
+
+def not_on_nodes(node_ids: tuple[str, ...]) -> dict[str, str]:
+    """A bundle's label selector that keeps it off the Ray nodes ``node_ids``."""
+    return {NODE_ID_LABEL: f"!in({','.join(node_ids)})"}
 
 
 @dataclass(frozen=True)
@@ -244,10 +198,13 @@ class RayWorkerGroup(WorkerGroup):
         object_store_memory: int | None = None,
         start: bool = True,
         size_keys: str = "trainer.nnodes / trainer.n_gpus_per_node",
+        local_ray: LocalRay | None = None,
+        avoid_nodes: tuple[str, ...] = (),
     ) -> None:
         """``start=False`` places the rank actors without building their workers: ``start_workers`` (or
         ``share_node_gpus`` for two groups) does it. ``size_keys``: the config keys that size this group (named
-        when it cannot be placed)."""
+        when it cannot be placed). ``local_ray``: the settings of a local Ray this group starts.
+        ``avoid_nodes``: Ray node ids that no bundle may be placed on (a label selector on each bundle)."""
         self.size_keys = size_keys
         self._world = nnodes * n_gpus_per_node
         self._ray = import_ray(self._world)
@@ -256,10 +213,10 @@ class RayWorkerGroup(WorkerGroup):
         self._actors: list[Any] = []
         self._pg: Any = None
         self._closed = False
-        self._owns_ray = connect_ray(self._world, object_store_memory=object_store_memory)
+        self._owns_ray = connect_ray(self._world, object_store_memory=object_store_memory, local=local_ray)
         try:
             self.device_kind = self._resolve_device(device_kind)
-            self._pg = self._placement_group(nnodes, n_gpus_per_node, placement_timeout_s)
+            self._pg = self._placement_group(nnodes, n_gpus_per_node, placement_timeout_s, avoid_nodes)
             self.layout = self._layout()
             self._init_kwargs = init_kwargs
             self.gpu_ids = self._place_actors(placement_timeout_s)
@@ -278,12 +235,14 @@ class RayWorkerGroup(WorkerGroup):
             return device_kind
         return "cuda" if self._ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
 
-    def _placement_group(self, nnodes: int, n_gpus_per_node: int, timeout_s: float) -> Any:
+    def _placement_group(self, nnodes: int, n_gpus_per_node: int, timeout_s: float, avoid_nodes: tuple[str, ...]
+                         ) -> Any:
         from ray.util.placement_group import placement_group, remove_placement_group
 
         bundle = {"CPU": 1, "GPU": 1} if self.device_kind == "cuda" else {"CPU": 1}
         strategy = placement_strategy(nnodes, n_gpus_per_node)
-        pg = placement_group([dict(bundle) for _ in range(self._world)], strategy=strategy)
+        selector = {"bundle_label_selector": [not_on_nodes(avoid_nodes)] * self._world} if avoid_nodes else {}
+        pg = placement_group([dict(bundle) for _ in range(self._world)], strategy=strategy, **selector)
         first = min(_PLACEMENT_NOTICE_S, timeout_s)
         if pg.wait(timeout_seconds=first):
             return pg
@@ -298,9 +257,10 @@ class RayWorkerGroup(WorkerGroup):
         total = {k: self._ray.cluster_resources().get(k, 0) for k in bundle}
         nodes = sum(1 for n in self._ray.nodes() if n.get("Alive"))
         per = "GPU" if self.device_kind == "cuda" else "CPU process"
+        apart = f", on none of the {len(avoid_nodes)} node(s) of the trainer's ranks" if avoid_nodes else ""
         raise ArcherError(
             f"Ray could not place {self._world} ranks ({nnodes} node(s) x {n_gpus_per_node} {per}s, "
-            f"{bundle} each, {strategy}) within {timeout_s:g} s: they ask {asked}, the cluster has {have} "
+            f"{bundle} each, {strategy}{apart}) within {timeout_s:g} s: they ask {asked}, the cluster has {have} "
             f"free of {total} on {nodes} node(s)",
             f"lower {self.size_keys} to what the cluster has, add nodes with "
             "`ray start --address=<head>:6379`, or stop what holds the resources (`ray status` shows them)"

@@ -2,7 +2,9 @@
 (trainer.v1.trainer_mode=separate_async, docs/async.md "Weight sync between GPU groups").
 
 A small process group of its own joins trainer rank 0 (its rank 0) and every rollout rank (ranks 1..R), over a
-TCP store that trainer rank 0 hosts: NCCL between GPUs, gloo on CPUs. It lives beside the trainer ranks' own
+TCP store that trainer rank 0 hosts on its node's address (``MASTER_ADDR``, from Ray's node table), listening on
+that address only: NCCL between GPUs, gloo on CPUs, each gloo endpoint on its node's address towards trainer
+rank 0 (so a rollout rank on another node is reached over the network). It lives beside the trainer ranks' own
 process group (FSDP's), which it never touches. The weights travel in flat buckets of
 ``checkpoint_engine.update_weights_bucket_megabytes`` in the engine's dtype, laid out as the ``WeightManifest``
 taken once at set-up says (the policy's stream order). Rank 0 makes them either by packing the policy's weight
@@ -17,6 +19,8 @@ those copies). A tensor larger than a bucket travels in a bucket of its own.
 from __future__ import annotations
 
 import math
+import os
+import socket
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -88,13 +92,36 @@ def bucket_bytes(megabytes: float) -> int:
 
 
 def open_store(host: str, timeout_s: float) -> dist.TCPStore:
-    """The sync group's store, hosted by trainer rank 0 on a free port (``store.port``)."""
-    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    """The sync group's store, hosted by trainer rank 0 on a free port (``store.port``) of its node's address
+    ``host`` only (torch's own store would listen on every interface)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.create_server((host, 0), family=family)
+    return dist.TCPStore(host, listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s), master_listen_fd=listener.detach())
+
+
+def address_towards(host: str, port: int) -> str:
+    """This machine's address on the route to ``host`` (a rollout rank's side of the sync: the address trainer
+    rank 0 reaches it at); no packet is sent."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return probe.getsockname()[0]
+
+
+def gloo_device(address: str) -> dist.ProcessGroupGloo.Device:
+    """gloo's endpoint on ``address`` (``GLOO_SOCKET_IFNAME``, when set, names the interface instead); gloo's
+    default, the address the host name resolves to, is the loopback one on many machines."""
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if interface:
+        return dist.ProcessGroupGloo.create_device(interface=interface.split(",")[0])
+    return dist.ProcessGroupGloo.create_device(hostname=address)
 
 
 def join_group(host: str, port: int, rank: int, size: int, device: torch.device, timeout_s: float,
                store: dist.TCPStore | None = None) -> dist.ProcessGroup:
-    """This process's member of the sync group (rank 0: trainer rank 0, passing the store it hosts)."""
+    """This process's member of the sync group (rank 0: trainer rank 0, passing the store it hosts at ``host``;
+    on CPUs gloo's endpoint is ``host`` for rank 0, a rollout rank's address towards it for the others)."""
     if store is None:
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
     prefixed = dist.PrefixStore(STORE_PREFIX, store)
@@ -102,7 +129,10 @@ def join_group(host: str, port: int, rank: int, size: int, device: torch.device,
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timedelta(seconds=timeout_s)
         return dist.ProcessGroupNCCL(prefixed, rank, size, options)
-    return dist.ProcessGroupGloo(prefixed, rank, size, timedelta(seconds=timeout_s))
+    gloo = dist.ProcessGroupGloo._Options()
+    gloo._devices = [gloo_device(host if rank == 0 else address_towards(host, port))]
+    gloo._timeout = timedelta(seconds=timeout_s)
+    return dist.ProcessGroupGloo(prefixed, rank, size, gloo)
 
 
 SYNC_FIX = ("a rank of the other side died or stopped answering (its own log lines, prefixed (rank N pid=...), say "

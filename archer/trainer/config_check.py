@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from archer.config.loader import as_list
 from archer.config.no_ops import check_no_ops
 from archer.config.world import world_size
+from archer.controller.ray_cluster import RAY_INIT, LocalRay
 from archer.errors import ArcherError
 from archer.health.settings import HealthSettings
 from archer.models.lora import LoraSettings
@@ -154,6 +155,7 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.trainer.influence_trace.enable:
         check_influence_settings(cfg.trainer.influence_trace)
     check_world(cfg)
+    check_ray_settings(cfg)
     HealthSettings.from_config(cfg.trainer.health)  # trainer.health.*: thresholds, windows, stop_on
     check_manager(str(cfg.reward_model.reward_manager),
                   OmegaConf.to_container(cfg.reward_model.reward_kwargs, resolve=True),
@@ -169,7 +171,21 @@ def check_config(cfg: DictConfig) -> None:
                           "but dynamic sampling is off", "set algorithm.filter_groups.enable=true, or drop data.gen_batch_size")
 
 
+def ray_settings(cfg: DictConfig) -> LocalRay:
+    """ray_kwargs.ray_init: the settings of the local Ray a run starts without RAY_ADDRESS."""
+    return LocalRay.from_config(OmegaConf.to_container(cfg.ray_kwargs.ray_init))
+
+
+def check_ray_settings(cfg: DictConfig) -> None:
+    """ray_kwargs.ray_init's values (controller/ray_cluster.py); a warning when they are set for a run that starts
+    no Ray (one rank, not separate_async)."""
+    local = ray_settings(cfg)
+    if local != LocalRay() and world_size(cfg.trainer) == 1 and cfg.trainer.v1.trainer_mode != "separate_async":
+        log.warning("%s is set, but this run has one rank and starts no Ray: the settings have no effect", RAY_INIT)
+
+
 TRAINER_MODES = ("sync", "colocate_async", "separate_async")
+NODE_PLACEMENTS = ("auto", "apart", "shared")
 OFF_POLICY_STRATEGIES = ("drop", "wait")
 
 
@@ -190,6 +206,9 @@ def check_trainer_mode(cfg: DictConfig) -> None:
     if not isinstance(sync_step, int) or isinstance(sync_step, bool) or sync_step < 1:
         raise ArcherError(f"trainer.v1.separate_async.parameter_sync_step={sync_step!r} must be an integer of at "
                           "least 1", "set it to 1 or more")
+    if v1.separate_async.node_placement not in NODE_PLACEMENTS:
+        raise ArcherError(f"unknown trainer.v1.separate_async.node_placement {v1.separate_async.node_placement!r}",
+                          f"use one of: {', '.join(NODE_PLACEMENTS)}")
     if v1.sampler.max_off_policy_strategy not in OFF_POLICY_STRATEGIES:
         raise ArcherError(f"unknown trainer.v1.sampler.max_off_policy_strategy "
                           f"{v1.sampler.max_off_policy_strategy!r}", f"use one of: {', '.join(OFF_POLICY_STRATEGIES)}")

@@ -48,7 +48,7 @@ from archer.trace.influence_capture import CaptureSettings
 from archer.trainer.async_batches import ASYNC_STATE, AsyncBatches
 from archer.trainer.batch_sources import BatchSource, ColocateSource, SeparateSource, SyncSource
 from archer.trainer.checkpoint_dirs import CheckpointManager, load_torch_state
-from archer.trainer.config_check import check_config
+from archer.trainer.config_check import check_config, ray_settings
 from archer.trainer.group_filter import (
     informative_rows,
     too_many_batches_error,
@@ -214,7 +214,7 @@ class PPOTrainer:
         else:
             self.workers = build_worker_group(RankWorkers, worker_kwargs, nnodes=int(cfg.trainer.nnodes),
                                               n_gpus_per_node=int(cfg.trainer.n_gpus_per_node),
-                                              device_kind=str(cfg.trainer.device))
+                                              device_kind=str(cfg.trainer.device), local_ray=ray_settings(cfg))
             remote = self.world > 1
             self.source = (ColocateSource(AsyncBatches(cfg, self.loader, self.workers, pad), pad, self.seed,
                                           remote=remote) if mode == "colocate_async"

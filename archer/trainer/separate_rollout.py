@@ -26,11 +26,14 @@ import torch
 from omegaconf import DictConfig
 
 from archer.batch import Batch
-from archer.controller.ray_group import RayWorkerGroup, connect_ray, share_node_gpus, wait_all
+from archer.controller.ray_cluster import alive_nodes, connect_ray, places_by_label
+from archer.controller.ray_group import RayWorkerGroup, share_node_gpus, wait_all
 from archer.controller.worker_group import DoneCall, PendingCall
 from archer.distributed.weight_sync import WeightManifest, bucket_bytes
+from archer.errors import ArcherError
 from archer.rollout.policy_versions import engine_version
 from archer.trainer.async_batches import AsyncBatches
+from archer.trainer.config_check import ray_settings
 from archer.workers.colocated import RankWorkers
 from archer.workers.rollout_rank import RolloutRank, engine_dtype
 
@@ -86,23 +89,54 @@ def rollout_world(cfg: DictConfig) -> int:
     return int(rollout.nnodes) * int(rollout.n_gpus_per_node)
 
 
+def rollout_avoid_nodes(placement: str, trainer_nodes: set[str], alive: list[str], rollout_nnodes: int,
+                        *, by_label: bool = True) -> tuple[str, ...]:
+    """The Ray nodes the rollout ranks keep off (trainer.v1.separate_async.node_placement): the trainer ranks'
+    nodes with ``apart``, and with ``auto`` when ``alive`` has ``rollout_nnodes`` nodes without trainer ranks;
+    none with ``shared`` (Ray places them, next to the trainer's or not). ``by_label``: whether this Ray can keep
+    bundles off nodes (``places_by_label``)."""
+    others = [node for node in alive if node not in trainer_nodes]
+    if placement == "shared" or placement == "auto" and (len(others) < rollout_nnodes or not by_label):
+        return ()
+    if not by_label:
+        raise ArcherError("trainer.v1.separate_async.node_placement=apart needs a Ray whose placement groups take "
+                          "bundle_label_selector, which this Ray's lack", "upgrade Ray (2.60 has it), or set "
+                          "trainer.v1.separate_async.node_placement=shared")
+    if len(others) < rollout_nnodes:
+        raise ArcherError(f"trainer.v1.separate_async.node_placement=apart: the cluster has {len(others)} live "
+                          f"node(s) without trainer ranks, and actor_rollout_ref.rollout.nnodes={rollout_nnodes} asks "
+                          "for more", "add nodes (`ray start --address=<head>:6379`), lower "
+                          "actor_rollout_ref.rollout.nnodes, or set trainer.v1.separate_async.node_placement=shared")
+    return tuple(sorted(trainer_nodes))
+
+
 def build_separate_groups(cfg: DictConfig, trainer_kwargs: dict, rollout_kwargs: dict
                           ) -> tuple[RayWorkerGroup, RayWorkerGroup, bool]:
-    """The trainer's and the rollout's Ray worker groups, their workers started with the node's GPUs of both
-    visible; returns them and whether this call started Ray (then ``SeparateRollout.shutdown`` stops it)."""
+    """The trainer's and the rollout's Ray worker groups (the rollout ranks on nodes of their own as
+    ``rollout_avoid_nodes`` says), their workers started with the node's GPUs of both visible; returns them and
+    whether this call started Ray (then ``SeparateRollout.shutdown`` stops it)."""
     trainer_cfg, rollout = cfg.trainer, cfg.actor_rollout_ref.rollout
     trainer_world = int(trainer_cfg.nnodes) * int(trainer_cfg.n_gpus_per_node)
-    owns_ray = connect_ray(trainer_world + rollout_world(cfg))
+    owns_ray = connect_ray(trainer_world + rollout_world(cfg), local=ray_settings(cfg))
     device = str(trainer_cfg.device)
     groups: list[RayWorkerGroup] = []
     try:
         groups.append(RayWorkerGroup(RankWorkers, {**trainer_kwargs, "generates": False},
                                      nnodes=int(trainer_cfg.nnodes), n_gpus_per_node=int(trainer_cfg.n_gpus_per_node),
                                      device_kind=device, start=False))
+        placement = str(trainer_cfg.v1.separate_async.node_placement)
+        trainer_nodes = {place.node_id for place in groups[0].layout}
+        avoid = rollout_avoid_nodes(placement, trainer_nodes, alive_nodes(), int(rollout.nnodes),
+                                    by_label=places_by_label())
         groups.append(RayWorkerGroup(RolloutRank, rollout_kwargs, nnodes=int(rollout.nnodes),
                                      n_gpus_per_node=int(rollout.n_gpus_per_node), device_kind=device, start=False,
                                      size_keys="actor_rollout_ref.rollout.nnodes / n_gpus_per_node (which defaults "
-                                               "to trainer.n_gpus_per_node) or trainer.n_gpus_per_node"))
+                                               "to trainer.n_gpus_per_node) or trainer.n_gpus_per_node",
+                                     avoid_nodes=avoid))
+        rollout_nodes = {place.node_id for place in groups[1].layout}
+        log.info("separate_async: trainer ranks on node(s) %s, rollout ranks on node(s) %s (node_placement=%s: %s)",
+                 ", ".join(sorted(n[:8] for n in trainer_nodes)), ", ".join(sorted(n[:8] for n in rollout_nodes)),
+                 placement, "apart" if avoid else "where Ray placed them")
         share_node_gpus(groups)
     except BaseException:
         stop_groups(groups[::-1], owns_ray)
