@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from archer.controller.ray_cluster import Terminated
+from archer.controller.ray_cluster import termination
 from archer.errors import ArcherError
 
 if TYPE_CHECKING:
@@ -378,14 +378,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"archer: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("archer: interrupted", file=sys.stderr)
-        return 130
-    except Terminated as stop:  # SIGTERM once Ray runs: the finally blocks have stopped the run's groups and Ray
+    except KeyboardInterrupt as stop:
+        terminated = termination(stop)
+        if terminated is None:
+            print("archer: interrupted", file=sys.stderr)
+            return 130
+        # SIGTERM once Ray runs: the finally blocks have stopped the run's groups and Ray
         print("archer: terminated (SIGTERM)", file=sys.stderr, flush=True)
         logging.shutdown()
         sys.stdout.flush()
-        os._exit(int(stop.code))  # the interpreter's own teardown after Ray's shutdown exits with 1
+        os._exit(int(terminated.code))  # the interpreter's own teardown after Ray's shutdown exits with 1
     return 0
 
 

@@ -4,7 +4,7 @@
   process Ray keeps even with include_dashboard=False (a minimal head) listens on none: no dashboard answers;
 - whatever ends the run, the process tree it started is gone afterwards (the GCS, the raylet, the agents, the
   rank workers): at its end (exit code 0), at an error (a reward function that raises), at Ctrl-C (SIGINT:
-  130); at SIGTERM the code should be 143 (the shell's), but the run exits with 1 (an expected failure here).
+  130) and at SIGTERM (143, the shell's).
 """
 
 from __future__ import annotations
@@ -101,11 +101,7 @@ def assert_nothing_left(tree: list[psutil.Process]) -> None:
     assert not left, [" ".join(p.cmdline())[:120] for p in left]
 
 
-@pytest.mark.parametrize("ending", [
-    # seen 2026-12-08 with Ray 2.60: the run exits with 1, without the CLI's "terminated" line, although archer's
-    # handler is the driver's last SIGTERM handler; not yet understood
-    pytest.param("SIGTERM", marks=pytest.mark.xfail(reason="exits 1 instead of 143 (unexplained)", strict=True)),
-    "SIGINT"])
+@pytest.mark.parametrize("ending", ["SIGTERM", "SIGINT"])
 def test_a_signal_stops_the_run_and_its_ray_which_listened_on_loopback_only(
         task: dict[str, Path], tmp_path: Path, ending: str) -> None:  # noqa: F811
     proc = start(task, tmp_path / "run", SLOW_REWARD)
@@ -122,8 +118,8 @@ def test_a_signal_stops_the_run_and_its_ray_which_listened_on_loopback_only(
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == {"SIGTERM": 143, "SIGINT": 130}[ending], stderr[-3000:]
     assert_nothing_left(tree)
+    assert proc.returncode == {"SIGTERM": 143, "SIGINT": 130}[ending], stderr[-3000:]
 
 
 @pytest.mark.parametrize("ending", ["finished", "error"])

@@ -9,7 +9,7 @@ the loopback interface and stops (docs/many_gpus.md, "Which ports Ray binds").
   own address unless Ray's switch for clusters, ``ENABLE_RAY_CLUSTER``, is off while it starts); no dashboard
   unless ``ray_kwargs.ray_init.include_dashboard`` (then on ``dashboard_host``, ``127.0.0.1`` by default); at
   least one logical CPU per rank (``ray_kwargs.ray_init.num_cpus`` otherwise).
-- After ``ray.init``, a SIGTERM raises ``Terminated(143)`` (a SystemExit) in the driver (Ray's own handler exits with 15): the
+- After ``ray.init``, a SIGTERM raises ``Terminated(143)`` (a KeyboardInterrupt) in the driver (Ray's own handler exits with 15): the
   trainer's ``finally`` blocks stop the worker groups and the Ray that archer started, as they do on an error
   and on Ctrl-C, and the process ends with the shell's code for SIGTERM.
 """
@@ -151,16 +151,33 @@ def places_by_label() -> bool:
     return "bundle_label_selector" in inspect.signature(placement_group).parameters
 
 
-class Terminated(SystemExit):
-    """A SIGTERM, raised in the driver's main thread: ``code`` is the shell's 128 + 15."""
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM, raised in the driver's main thread: ``code`` is the shell's 128 + 15. A KeyboardInterrupt, so
+    that Ray's blocking calls give it up as they give up Ctrl-C (an exception of another kind raised while
+    ``ray.get`` waits ended the process with 1 and no message)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+_received: list[int] = []  # the SIGTERMs this driver got (Ray may raise a KeyboardInterrupt of its own for one)
 
 
 def _terminated(signum: int, frame: FrameType | None) -> None:
+    _received.append(signum)
     raise Terminated(128 + signum)
 
 
+def termination(stop: KeyboardInterrupt) -> Terminated | None:
+    """What ``stop`` is when a SIGTERM caused it (None: a Ctrl-C)."""
+    if isinstance(stop, Terminated):
+        return stop
+    return Terminated(128 + _received[-1]) if _received else None
+
+
 def exit_on_sigterm() -> None:
-    """A SIGTERM to the driver raises ``Terminated(143)``, a SystemExit (in place of Ray's handler), so that
+    """A SIGTERM to the driver raises ``Terminated(143)`` (in place of Ray's handler), so that
     ``finally`` blocks stop what the run started; only the main thread can set it."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminated)

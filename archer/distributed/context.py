@@ -23,10 +23,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from archer.distributed.stores import hosted_store, joined_store
 from archer.errors import ArcherError
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 DeviceKind = Literal["cpu", "cuda"]
+
+
+def _rendezvous(rank: int, timeout_s: float) -> dist.Store | None:
+    """The process group's store at MASTER_ADDR:MASTER_PORT, rank 0 listening on that address only (torch's env://
+    store listens on every interface); None under torchrun, whose agent already hosts the store there."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    return hosted_store(host, port, timeout_s) if rank == 0 else joined_store(host, port, timeout_s)
 
 
 @dataclass(frozen=True)
@@ -71,7 +81,7 @@ class DistContext:
         else:
             raise ArcherError(f"unknown device kind {device_kind!r} for a distributed rank", "use 'cpu' or 'cuda'")
         if not dist.is_initialized():
-            dist.init_process_group(backend=backend, rank=rank, world_size=world,
+            dist.init_process_group(backend=backend, rank=rank, world_size=world, store=_rendezvous(rank, timeout_s),
                                     timeout=timedelta(seconds=timeout_s))
         mesh = init_device_mesh(device.type, (world,))
         return cls(rank=rank, world_size=world, local_rank=local_rank, device=device, mesh=mesh)

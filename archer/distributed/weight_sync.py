@@ -28,6 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from archer.distributed.stores import hosted_store, joined_store
 from archer.errors import ArcherError
 from archer.units import MIB
 
@@ -93,11 +94,8 @@ def bucket_bytes(megabytes: float) -> int:
 
 def open_store(host: str, timeout_s: float) -> dist.TCPStore:
     """The sync group's store, hosted by trainer rank 0 on a free port (``store.port``) of its node's address
-    ``host`` only (torch's own store would listen on every interface)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.create_server((host, 0), family=family)
-    return dist.TCPStore(host, listener.getsockname()[1], is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s), master_listen_fd=listener.detach())
+    ``host`` only."""
+    return hosted_store(host, 0, timeout_s)
 
 
 def address_towards(host: str, port: int) -> str:
@@ -123,7 +121,7 @@ def join_group(host: str, port: int, rank: int, size: int, device: torch.device,
     """This process's member of the sync group (rank 0: trainer rank 0, passing the store it hosts at ``host``;
     on CPUs gloo's endpoint is ``host`` for rank 0, a rollout rank's address towards it for the others)."""
     if store is None:
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        store = joined_store(host, port, timeout_s)
     prefixed = dist.PrefixStore(STORE_PREFIX, store)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
