@@ -38,6 +38,7 @@ from test_scale_out_on_cpu import (
 from train_support import task_model
 
 from archer.data.tasks import write_task_files
+from archer.trace.format import TraceReader
 
 pytestmark = pytest.mark.slow
 
@@ -232,3 +233,42 @@ def test_a_lost_node_stops_the_run_and_it_resumes_on_one_rank_then_on_two(
     for step in range(2, STEPS + 1):
         assert_close_metrics(got[step], want[step], step)
     assert "global_seqlen/mean" in got[3] and "global_seqlen/mean" not in got[2]  # 2 ranks, then 1, then 2
+
+
+SEPARATE_ON_NODES = ["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.num_warmup_batches=0",
+                     "trainer.v1.separate_async.parameter_sync_step=2", "trainer.v1.sampler.max_off_policy_threshold=1",
+                     "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
+                     "actor_rollout_ref.rollout.name=hf", "+trainer.influence_trace.enable=false"]
+SEPARATE_PLACED = re.compile(r"separate_async: trainer ranks on node\(s\) (\S+), rollout ranks on node\(s\) (\S+) "
+                             r"\(node_placement=(\w+)")
+
+
+@pytest.mark.timeout(1200)
+def test_separate_rollout_ranks_on_another_node_train_what_they_train_on_one(
+        cluster: OneMachineCluster, task: dict[str, Path], tmp_path: Path) -> None:
+    """Issue 50 point 3 as a user runs it: `archer train` in separate_async with one trainer rank and one rollout
+    rank on the cluster (node_placement=apart keeps the rollout rank off the trainer's node); the weights go over
+    the sync group's TCP store and gloo endpoints on the nodes' addresses. Every logged number and the entropy
+    trace's policy versions equal the same run on a local one-node Ray."""
+    run_dir, local_dir = tmp_path / "apart", tmp_path / "local"
+    extra = [*SEPARATE_ON_NODES, "trainer.v1.separate_async.node_placement=apart"]
+    proc = subprocess.run(command(task, run_dir, 1, *extra), env=cluster.env(), capture_output=True, text=True,
+                          timeout=WAIT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trainer_node, rollout_node, placement = SEPARATE_PLACED.search(proc.stderr).groups()
+    assert placement == "apart" and trainer_node != rollout_node
+    assert {trainer_node, rollout_node} <= {node[:8] for node in cluster.names}
+    local_env = {k: v for k, v in cluster.env().items() if k != "RAY_ADDRESS"}
+    local = subprocess.run(command(task, local_dir, 1, *SEPARATE_ON_NODES), env=local_env, capture_output=True,
+                           text=True, timeout=WAIT_S)
+    assert local.returncode == 0, local.stderr[-3000:]
+
+    want, got = metrics(local_dir), metrics(run_dir)
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    assert want[2]["actor/grad_norm"] > 0.1  # the policy moves, so stale weights would change what step 3 samples
+    for step in want:
+        numbers = {k: v for k, v in want[step].items() if not k.startswith((*TIME_BASED, "async/"))}
+        assert {k: got[step][k] for k in numbers} == numbers, f"step {step}"
+    for step in (2, 3):  # sampled by the weights the trainer sent one update before
+        versions = TraceReader(run_dir / "entropy_trace").load_step(step)["policy_version"].tolist()
+        assert versions and set(versions) == {step - 2}
