@@ -4,6 +4,8 @@ on its texts (for tests that train a few RL steps)."""
 
 from __future__ import annotations
 
+import os
+import secrets
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,11 @@ from archer.models.tiny import build_tiny_model
 
 # Test models are tiny: one thread is fastest, and on shared cores OpenMP barriers cost milliseconds per op.
 torch.set_num_threads(1)
+
+# One Ray token for every Ray a test process starts, set before any starts: Ray keeps the token its first
+# instance used for the rest of the process, so a later fixture's own token (or the one it wrote under ~/.ray)
+# failed that fixture's cluster ("InvalidAuthToken") when the worker had run another Ray test first.
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
 # The two quickstarts: the longest tests (their gains need their steps), each using more than one core. ``make
 # test``'s two pytest-xdist workers (worksteal) each take one contiguous half of the collection and run it in

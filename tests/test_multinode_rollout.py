@@ -87,7 +87,6 @@ def two_nodes() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp, loopback_node():
         mp.delenv("RAY_ADDRESS", raising=False)
         mp.setenv("PYTHONPATH", os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
-        mp.setenv("RAY_AUTH_TOKEN", os.urandom(32).hex())  # nothing written under ~/.ray
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
         try:
             cluster.add_node(num_cpus=2)
