@@ -207,10 +207,19 @@ def wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path, step: int) -> Non
         time.sleep(0.01)
 
 
-def rank_processes() -> list[int]:
-    """The pids of the Ray rank actors now running (their process title names archer's rank actor)."""
-    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    return [int(line.split()[0]) for line in out.splitlines() if "ray::_RankActor" in line]
+def rank_processes(driver: int) -> list[int]:
+    """The pids of the Ray rank actors under ``driver`` (the local Ray it started; their process title names
+    archer's rank actor), in pid order: another test's ranks on this machine are not counted."""
+    import psutil
+
+    ranks = [p for p in psutil.Process(driver).children(recursive=True) if "ray::_RankActor" in " ".join(p.cmdline())]
+    return sorted(p.pid for p in ranks)
+
+
+def alive(pids: list[int]) -> list[int]:
+    import psutil
+
+    return [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
 
 
 def test_a_killed_driver_or_rank_is_resumed_exactly(task: dict[str, Path], two_ranks: Path, tmp_path: Path) -> None:
@@ -222,18 +231,20 @@ def test_a_killed_driver_or_rank_is_resumed_exactly(task: dict[str, Path], two_r
         proc = subprocess.Popen(command(task, run_dir, 2), env=environment(reward_delay_s=0.05), stdout=log,
                                 stderr=log)
         wait_for_checkpoint(proc, run_dir, 1)
+        first_ranks = rank_processes(proc.pid)
+        assert len(first_ranks) == 2, first_ranks
         os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait(timeout=WAIT_S) == -signal.SIGKILL
     assert max(metrics(run_dir)) < STEPS, "the run finished before the kill landed"
     deadline = time.monotonic() + 60
-    while rank_processes():
+    while alive(first_ranks):
         assert time.monotonic() < deadline, "the killed driver's ranks outlived it by a minute"
         time.sleep(0.1)
 
     proc = subprocess.Popen(command(task, run_dir, 2), env=environment(reward_delay_s=0.05), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     wait_for_checkpoint(proc, run_dir, 2)
-    ranks = rank_processes()
+    ranks = rank_processes(proc.pid)
     assert len(ranks) == 2, ranks
     os.kill(ranks[-1], signal.SIGKILL)
     _, stderr = proc.communicate(timeout=WAIT_S)
