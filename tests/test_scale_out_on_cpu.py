@@ -217,9 +217,17 @@ def rank_processes(driver: int) -> list[int]:
 
 
 def alive(pids: list[int]) -> list[int]:
+    """Those of ``pids`` still running (a zombie, or a process gone between two looks, is not)."""
     import psutil
 
-    return [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    running = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                running.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return running
 
 
 def test_a_killed_driver_or_rank_is_resumed_exactly(task: dict[str, Path], two_ranks: Path, tmp_path: Path) -> None:

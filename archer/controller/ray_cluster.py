@@ -9,9 +9,9 @@ the loopback interface and stops (docs/many_gpus.md, "Which ports Ray binds").
   own address unless Ray's switch for clusters, ``ENABLE_RAY_CLUSTER``, is off while it starts); no dashboard
   unless ``ray_kwargs.ray_init.include_dashboard`` (then on ``dashboard_host``, ``127.0.0.1`` by default); at
   least one logical CPU per rank (``ray_kwargs.ray_init.num_cpus`` otherwise).
-- After ``ray.init``, a SIGTERM raises ``Terminated(143)`` (a KeyboardInterrupt) in the driver (Ray's own handler exits with 15): the
-  trainer's ``finally`` blocks stop the worker groups and the Ray that archer started, as they do on an error
-  and on Ctrl-C, and the process ends with the shell's code for SIGTERM.
+- After ``ray.init``, a SIGTERM raises ``Terminated(143)`` (a KeyboardInterrupt) in the driver in place of Ray's
+  own handler (which exits with 15): the trainer's ``finally`` blocks stop the worker groups and the Ray that
+  archer started, as they do on an error and on Ctrl-C, and the process ends with the shell's code for SIGTERM.
 """
 
 from __future__ import annotations
